@@ -1,0 +1,234 @@
+"""Heartbeat protocol, version 1 — the standard library only, so any training script can use it.
+
+    from daemon.heartbeat import Heartbeat
+    hb = Heartbeat.from_env()          # reads HANGWATCH_* or falls back to ./runs/standalone
+    hb.start()
+    with hb.phase("train"):
+        for step in range(1, n + 1):
+            ...                         # one optimizer step
+            hb.step(step, loss=loss)
+    with hb.phase("eval", budget_s=600):
+        ...
+    hb.stop("finished")
+
+One append-only JSONL file per rank and attempt (`attempts/NNNN/heartbeat-rank<R>.jsonl`); each
+line is one `os.write` on an O_APPEND descriptor and shorter than PIPE_BUF, so lines from several
+writers never interleave or tear.  Beats must come from the thread that does the work: a timer
+thread that beats would hide exactly the hangs the supervisor exists to catch.
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+VERSION = 1
+PIPE_BUF = 4096
+MAX_LINE = PIPE_BUF - 96  # margin for the newline and a future field or two
+DUMP_SIGNAL = "SIGUSR1"
+
+EVENTS = ("start", "phase", "step", "progress", "checkpoint", "warn", "stop")
+REQUIRED = ("v", "t", "pid", "rank", "attempt", "event", "step", "phase")
+
+# Exit codes, worker → supervisor (sysexits.h values).
+EXIT_OK = 0
+EXIT_DATAERR = 65  # unusable data for the whole run: do not restart
+EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last good checkpoint
+EXIT_CONFIG = 78  # configuration error: do not restart
+NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
+
+ENV_RUN_DIR = "HANGWATCH_RUN_DIR"
+ENV_ATTEMPT = "HANGWATCH_ATTEMPT"
+ENV_HEARTBEAT_DIR = "HANGWATCH_HEARTBEAT_DIR"
+
+
+def attempt_dir(run_dir: os.PathLike | str, attempt: int) -> Path:
+    return Path(run_dir) / "attempts" / f"{attempt:04d}"
+
+
+def heartbeat_path(directory: os.PathLike | str, rank: int) -> Path:
+    return Path(directory) / f"heartbeat-rank{rank}.jsonl"
+
+
+def dump_path_for(directory: os.PathLike | str, rank: int) -> Path:
+    return Path(directory) / f"stack-rank{rank}.txt"
+
+
+def next_attempt(run_dir: os.PathLike | str) -> int:
+    """The attempt number a worker started by hand takes: one past the highest on disk."""
+    base = Path(run_dir) / "attempts"
+    numbers = [int(p.name) for p in base.glob("[0-9]" * 4) if p.is_dir()] if base.is_dir() else []
+    return max(numbers, default=0) + 1
+
+
+def rank_from_env(environ: Optional[dict] = None) -> int:
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def decode_line(raw: bytes | str) -> Optional[dict]:
+    """Parse one heartbeat line; None when it is torn, not JSON, or lacks a required field."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict) or any(k not in obj for k in REQUIRED):
+        return None
+    if obj.get("v") != VERSION or obj.get("event") not in EVENTS:
+        return None
+    if not isinstance(obj.get("step"), int) or not isinstance(obj.get("pid"), int):
+        return None
+    return obj
+
+
+def install_dump_handler(dump_path: os.PathLike | str):
+    """SIGUSR1 → faulthandler dump of every thread; fatal signals dump to the same file.
+
+    Returns the open file, which must stay referenced for as long as the handler is installed.
+    """
+    f = open(dump_path, "a", buffering=1)
+    faulthandler.enable(file=f, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    return f
+
+
+class Heartbeat:
+    """Writes heartbeat lines for one rank of one attempt."""
+
+    def __init__(
+        self,
+        path: os.PathLike | str,
+        *,
+        rank: int = 0,
+        attempt: int = 1,
+        dump_path: os.PathLike | str | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.attempt = attempt
+        self.dump_path = Path(dump_path) if dump_path is not None else dump_path_for(self.path.parent, rank)
+        self._clock = clock
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._pid = os.getpid()
+        self._dump_file = None
+        self.current_step = 0
+        self.current_phase = "init"
+
+    @classmethod
+    def from_env(cls, run_dir: os.PathLike | str | None = None, environ: Optional[dict] = None, **kw) -> "Heartbeat":
+        """Where the supervisor said to write; without it, a fresh attempt in `run_dir` (or ./runs/standalone)."""
+        env = os.environ if environ is None else environ
+        rank = rank_from_env(env)
+        rd = env.get(ENV_RUN_DIR) or (str(run_dir) if run_dir is not None else os.path.join(os.getcwd(), "runs", "standalone"))
+        if env.get(ENV_ATTEMPT):
+            attempt = int(env[ENV_ATTEMPT])
+        else:
+            attempt = next_attempt(rd)
+        directory = env.get(ENV_HEARTBEAT_DIR) or str(attempt_dir(rd, attempt))
+        return cls(heartbeat_path(directory, rank), rank=rank, attempt=attempt, **kw)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        if event not in EVENTS:
+            raise ValueError(f"unknown heartbeat event {event!r}")
+        if self._fd is None:
+            raise ValueError("heartbeat is closed")
+        rec = {
+            "v": VERSION,
+            "t": round(self._clock(), 6),
+            "pid": self._pid,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "event": event,
+            "step": self.current_step,
+            "phase": self.current_phase,
+        }
+        rec.update(fields)
+        data = _encode(rec)
+        os.write(self._fd, data)  # one write on O_APPEND: atomic for < PIPE_BUF
+        return rec
+
+    def start(self, *, resumed_from: Optional[str] = None, skipped_checkpoints: list | tuple = (),
+              install_dump: bool = True, **extra: Any) -> dict:
+        """Announce the process; registers the SIGUSR1 stack-dump handler unless told not to."""
+        if install_dump and self._dump_file is None:
+            self._dump_file = install_dump_handler(self.dump_path)
+        return self.emit(
+            "start",
+            dump_signal=DUMP_SIGNAL if self._dump_file is not None else None,
+            dump_path=str(self.dump_path) if self._dump_file is not None else None,
+            resumed_from=resumed_from,
+            skipped_checkpoints=list(skipped_checkpoints),
+            **extra,
+        )
+
+    def enter_phase(self, name: str, budget_s: Optional[float] = None, **extra: Any) -> dict:
+        self.current_phase = name
+        if budget_s is not None:
+            extra["budget_s"] = budget_s
+        return self.emit("phase", **extra)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, budget_s: Optional[float] = None, **extra: Any) -> Iterator[None]:
+        """Enter `name`; on leaving, announce a return to the phase that was current before."""
+        previous = self.current_phase
+        self.enter_phase(name, budget_s, **extra)
+        try:
+            yield
+        finally:
+            if self._fd is not None and self.current_phase == name:
+                self.enter_phase(previous)
+
+    def step(self, step: int, **metrics: Any) -> dict:
+        self.current_step = int(step)
+        return self.emit("step", **metrics)
+
+    def progress(self, **extra: Any) -> dict:
+        return self.emit("progress", **extra)
+
+    def checkpoint(self, path: os.PathLike | str, step: int, good: bool, **extra: Any) -> dict:
+        """A checkpoint was committed (good=False), or an earlier one was confirmed good (good=True)."""
+        return self.emit("checkpoint", path=str(path), step=int(step), good=bool(good), **extra)
+
+    def warn(self, message: str, **extra: Any) -> dict:
+        return self.emit("warn", message=message, **extra)
+
+    def stop(self, reason: str, **extra: Any) -> dict:
+        return self.emit("stop", reason=reason, **extra)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "Heartbeat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _encode(rec: dict) -> bytes:
+    data = (json.dumps(rec, separators=(",", ":"), default=str, allow_nan=True) + "\n").encode()
+    if len(data) <= MAX_LINE:
+        return data
+    # Too long to stay atomic: shorten the largest optional fields rather than tear the line.
+    slim = dict(rec)
+    for key in sorted((k for k in rec if k not in REQUIRED), key=lambda k: -len(json.dumps(rec[k], default=str))):
+        slim[key] = "<truncated>"
+        slim["truncated"] = True
+        data = (json.dumps(slim, separators=(",", ":"), default=str) + "\n").encode()
+        if len(data) <= MAX_LINE:
+            return data
+    raise ValueError("heartbeat line cannot be made shorter than PIPE_BUF")
