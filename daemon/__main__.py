@@ -1,0 +1,165 @@
+"""`python -m daemon --config CONFIG [--run-dir DIR]`: the training worker the supervisor watches.
+
+Order of business, so that the `start` heartbeat comes before the slow imports: read the config
+(pydantic and yaml only), choose the checkpoint to resume from (standard library only), beat
+`start`, enter `load` and only then import torch, transformers and peft.
+
+Exit codes (DESIGN.md): 0 finished or terminated on request · 78 bad config · 65 no usable data ·
+75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
+attempts/NNNN/exit.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from daemon import checkpoint as ckpt
+from daemon.errors import DataError
+from daemon.heartbeat import ENV_ATTEMPT, ENV_RUN_DIR, EXIT_CONFIG, Heartbeat, next_attempt
+from daemon.lastwords import last_words_for, write_last_words
+from daemon.signals import StopRequest
+from supervisor.config import ConfigError, dump_config, fingerprint, load_config
+
+MAX_PROBLEMS_IN_BEAT = 10
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m daemon", description="hangwatch training worker (LoRA fine-tuning).")
+    p.add_argument("--config", required=True, help="YAML config (see `hangwatch --help` for every key)")
+    p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir in the config)")
+    return p.parse_args(argv)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: local files or the hub cache only
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+
+
+def check_resume_compatible(cfg, path: Path) -> None:
+    from daemon.train import fingerprint_differences
+
+    saved = ckpt.read_state(path).get("fingerprint", {})
+    diffs = fingerprint_differences(saved, fingerprint(cfg))
+    if diffs:
+        raise ConfigError(
+            [f"{path}: this run's checkpoints were made with different settings; resuming would not continue the same run. "
+             "Restore the settings or use a new run_dir:"] + [f"  {d}" for d in diffs]
+        )
+
+
+def load_data(cfg, tokenizer, hb):
+    """(train source, eval examples); problems are reported, no usable training data raises DataError."""
+    from daemon.data import ShuffledEpochs, validate_file
+
+    if cfg.data.train is None:
+        raise DataError("data.train is not set: this worker trains from a file")
+    examples, problems = validate_file(cfg.data.train, tokenizer, cfg)
+    _report(hb, "training data", cfg.data.train, examples, problems)
+    if not examples:
+        raise DataError(f"{cfg.data.train}: no usable training example ({len(problems)} problem(s))", problems)
+    eval_examples = []
+    if cfg.data.eval:
+        eval_examples, eval_problems = validate_file(cfg.data.eval, tokenizer, cfg)
+        _report(hb, "eval data", cfg.data.eval, eval_examples, eval_problems)
+    return ShuffledEpochs(examples, cfg.train.seed), eval_examples
+
+
+def _report(hb, what, path, examples, problems) -> None:
+    truncated = sum(1 for e in examples if e.truncated)
+    print(f"{what}: {path}: {len(examples)} usable example(s), {truncated} truncated, {len(problems)} problem(s)", flush=True)
+    for p in problems:
+        print(f"  {p}", flush=True)
+    if problems:
+        hb.warn(f"{what}: {len(problems)} unusable line(s) in {path}", file=str(path), count=len(problems),
+                problems=[str(p) for p in problems[:MAX_PROBLEMS_IN_BEAT]])
+
+
+def run(cfg, hb, choice, stop, faults) -> str:
+    """Load everything, then train; returns the stop reason."""
+    hb.enter_phase("load")
+    _quiet_libraries()
+    import torch
+
+    from daemon.faults import FaultPlan
+    from daemon.model import load_model
+    from daemon.train import Trainer
+
+    plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt)
+    if cfg.model.device != "cpu" and torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    bundle = load_model(cfg)
+    source, eval_examples = load_data(cfg, bundle.tokenizer, hb)
+    trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt)
+    if choice.path is not None:
+        trainer.restore(choice.path)
+        print(f"resumed from {choice.path} at step {trainer.step}", flush=True)
+    else:
+        trainer.seed_fresh()
+    for s in choice.skipped:
+        print(f"skipped checkpoint {s['path']}: {s['reason']}", flush=True)
+    return trainer.run()
+
+
+def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> int:
+    args = parse_args(argv)
+    env = os.environ if environ is None else environ
+    run_dir_arg = args.run_dir or env.get(ENV_RUN_DIR)
+    try:
+        cfg = load_config(args.config, run_dir=run_dir_arg)
+    except ConfigError as exc:
+        _config_failure(exc, run_dir_arg, env)
+        return EXIT_CONFIG
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        ckpt.write_atomic(run_dir / "config.yaml", dump_config(cfg).encode())
+    hb = Heartbeat.from_env(run_dir, environ=env)
+    stop = StopRequest().install()
+    try:
+        from daemon.faults import faults_from
+
+        faults = faults_from(cfg, env)  # a bad HANGWATCH_FAULTS is a config error, reported before anything starts
+        choice = ckpt.choose_resume(run_dir)
+        if choice.path is not None:
+            check_resume_compatible(cfg, choice.path)
+        hb.start(resumed_from=str(choice.path) if choice.path else None, skipped_checkpoints=choice.skipped,
+                 resumed_step=choice.step)
+        reason = run(cfg, hb, choice, stop, faults)
+        hb.stop(reason)
+        return 0
+    except Exception as exc:  # last words for everything; signals and os._exit never get here
+        kind, code, path = last_words_for(exc, run_dir, hb.attempt, step=hb.current_step, phase=hb.current_phase)
+        if isinstance(exc, ConfigError):
+            print("configuration error:", file=sys.stderr)
+            for line in exc.problems:
+                print(f"  {line}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        print(f"worker exiting with {code} ({kind}); last words in {path}", file=sys.stderr, flush=True)
+        return code
+    finally:
+        stop.uninstall()
+        hb.close()
+
+
+def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:
+    print("configuration error:", file=sys.stderr)
+    for line in exc.problems:
+        print(f"  {line}", file=sys.stderr)
+    if run_dir:
+        attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(run_dir)
+        write_last_words(run_dir, attempt, "config_error", str(exc), None, problems=exc.problems, exit_code=EXIT_CONFIG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Checkpoint directories: atomic commit, manifest, validity, goodness, retention, resume choice.
+
+This module is the standard library only: the worker chooses where to resume before it imports
+torch, so its `start` heartbeat is honest about startup time.  What goes *into* a checkpoint is
+the trainer's business (`daemon.train`); here a checkpoint is a directory of files.
+
+Commit protocol (a kill at any instant leaves either the old state or the new one):
+  1. `checkpoints/.tmp-step-NNNNNNNN-<pid>/` is filled by the caller;
+  2. every file is fsynced, `manifest.json` (sha256 + size per file) is written last and fsynced,
+     the directory is fsynced;
+  3. a stale `step-NNNNNNNN/` of an earlier attempt is moved aside, the temp dir renamed into place,
+     the parent fsynced, the moved-aside one deleted.
+A checkpoint is *valid* when its manifest checks out, *good* when it also carries a `GOOD` marker,
+written (atomically) once its weights were finite and `confirm_steps` finite steps followed it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+MANIFEST = "manifest.json"
+GOOD = "GOOD"
+STATE = "trainer_state.json"
+MANIFEST_VERSION = 1
+STEP_RE = re.compile(r"^step-(\d{8})$")
+TEMP_PREFIXES = (".tmp-", ".old-")
+
+
+def checkpoints_root(run_dir: os.PathLike | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_of(path: os.PathLike | str) -> Optional[int]:
+    m = STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+# ---- commit ------------------------------------------------------------------------------
+
+
+def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> Path:
+    """Write checkpoint `step` under `root` with the commit protocol; `fill(tmpdir)` writes its files."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_name(step)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    fill(tmp)
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            _fsync_path(p)
+            files[str(p.relative_to(tmp))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest = {"version": MANIFEST_VERSION, "step": step, "created": time.time(), "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
+        _fsync_path(d)
+    final = root / name
+    old = None
+    if final.exists():
+        # A checkpoint of the same step from an attempt that was rolled back: same trajectory, replace it.
+        old = root / f".old-{name}-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_path(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def mark_good(path: os.PathLike | str, **info) -> None:
+    """Record durably that checkpoint `path` is good."""
+    body = json.dumps({"t": time.time(), **info}, sort_keys=True).encode() + b"\n"
+    write_atomic(Path(path) / GOOD, body)
+
+
+# ---- inspection ----------------------------------------------------------------------------
+
+
+def validate(path: os.PathLike | str, *, verify_hashes: bool = True) -> Optional[str]:
+    """None when the checkpoint's manifest checks out, else why not (one line)."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+        mstep = manifest["step"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"{MANIFEST} is unreadable: {exc}"
+    if not isinstance(files, dict) or not files:
+        return f"{MANIFEST} lists no files"
+    if step_of(path) is not None and mstep != step_of(path):
+        return f"{MANIFEST} says step {mstep}, the directory says {step_of(path)}"
+    for rel, meta in sorted(files.items()):
+        p = path / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != meta.get("bytes"):
+            return f"{rel} has {size} bytes, the manifest says {meta.get('bytes')} (truncated or overwritten)"
+        if verify_hashes and sha256_file(p) != meta.get("sha256"):
+            return f"{rel} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def is_good(path: os.PathLike | str) -> bool:
+    return (Path(path) / GOOD).is_file()
+
+
+def read_state(path: os.PathLike | str) -> dict:
+    return json.loads((Path(path) / STATE).read_text())
+
+
+def list_checkpoints(root: os.PathLike | str) -> list[Path]:
+    """Committed checkpoint directories, newest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=lambda p: -step_of(p))
+
+
+def clean_temporaries(root: os.PathLike | str) -> list[dict]:
+    """Remove directories a killed save left behind; returns what was removed and why."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and p.name.startswith(TEMP_PREFIXES):
+            why = ("half-written temporary directory of an interrupted save" if p.name.startswith(".tmp-")
+                   else "replaced checkpoint left by an interrupted save")
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append({"path": str(p), "step": _temp_step(p.name), "reason": f"{why}; removed"})
+    return removed
+
+
+def _temp_step(name: str) -> Optional[int]:
+    m = re.search(r"step-(\d{8})", name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class ResumeChoice:
+    """Where to resume: `path` (None: from scratch) and what was passed over, with reasons."""
+
+    path: Optional[Path] = None
+    step: int = 0
+    skipped: list[dict] = field(default_factory=list)
+
+
+def choose_resume(run_dir: os.PathLike | str) -> ResumeChoice:
+    """The newest good checkpoint; newer ones that are invalid or unconfirmed are listed as skipped."""
+    root = checkpoints_root(run_dir)
+    choice = ResumeChoice(skipped=clean_temporaries(root))
+    for p in list_checkpoints(root):
+        reason = validate(p)
+        if reason is None and not is_good(p):
+            reason = "valid but not confirmed good (training after it did not stay finite long enough, or was cut short)"
+        if reason is None:
+            choice.path, choice.step = p, step_of(p)
+            return choice
+        choice.skipped.append({"path": str(p), "step": step_of(p), "reason": reason})
+    return choice
+
+
+def apply_retention(root: os.PathLike | str, keep_last: int, *, protect: tuple = ()) -> list[Path]:
+    """Keep the newest `keep_last` valid checkpoints and the newest good one; delete other valid ones,
+    and invalid ones older than every kept checkpoint.  Returns what was deleted."""
+    checkpoints = list_checkpoints(root)
+    valid = [p for p in checkpoints if validate(p, verify_hashes=False) is None]
+    keep = set(valid[:keep_last])
+    newest_good = next((p for p in valid if is_good(p)), None)
+    if newest_good is not None:
+        keep.add(newest_good)
+    keep.update(Path(p) for p in protect)
+    oldest_kept = min((step_of(p) for p in keep), default=None)
+    deleted = []
+    for p in checkpoints:
+        if p in keep:
+            continue
+        if p in valid or (oldest_kept is not None and step_of(p) < oldest_kept):
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted

@@ -1,0 +1,276 @@
+"""Training data: JSONL validation, chat-template rendering, label masking, truncation, order.
+
+One example per line, either `{"prompt": ..., "completion": ...}` or `{"messages": [...]}` ending
+with an assistant turn.  Both are rendered through the tokenizer's chat template (a tokenizer
+without one gets prompt + completion + eos); only the completion (the last assistant turn and the
+end-of-sequence token) is learned, every other position is labelled -100.  An over-long example
+loses the start of its prompt (`data.truncation: keep_completion`) or is rejected (`reject`); an
+example with nothing left to learn never reaches the loss.
+
+`validate_file` is the one entry point for a file: it returns the usable examples and one problem
+per bad line (file, line number, what was wrong).  The order of training is a `DataSource`: an
+object yielding examples with stable ids whose position is a small JSON-serialisable dict, so the
+continuous (inbox) mode can swap in its own source.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Example:
+    """One tokenized training example; `id` is stable across runs (file name and line number)."""
+
+    id: str
+    input_ids: list[int]
+    labels: list[int]
+    source: str = ""
+    line: int = 0
+    digest: str = ""
+    truncated: bool = False
+
+    @property
+    def n_label_tokens(self) -> int:
+        return sum(1 for x in self.labels if x != IGNORE_INDEX)
+
+
+@dataclass
+class Problem:
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
+
+
+class ExampleRejected(ValueError):
+    """An example that cannot train; the message says why."""
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+
+def _check_text(obj: dict, key: str) -> str:
+    value = obj.get(key)
+    if value is None:
+        raise ExampleRejected(f"missing key '{key}'")
+    if not isinstance(value, str):
+        raise ExampleRejected(f"'{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def messages_of(obj: Any) -> list[dict]:
+    """The conversation a JSONL object describes (prompt/completion becomes user/assistant)."""
+    if not isinstance(obj, dict):
+        raise ExampleRejected(f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        extra = set(obj) & {"prompt", "completion"}
+        if extra:
+            raise ExampleRejected(f"has both 'messages' and {sorted(extra)}: use one format per line")
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ExampleRejected("'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise ExampleRejected(f"messages[{i}] must be an object with 'role' and 'content'")
+            role = m.get("role")
+            if role not in ROLES:
+                raise ExampleRejected(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            _check_text(m, "content")
+        if msgs[-1]["role"] != "assistant":
+            raise ExampleRejected("the last message must be the assistant's (it is what is learned)")
+        if len(msgs) < 2:
+            raise ExampleRejected("'messages' needs at least one turn before the assistant's")
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    if "prompt" in obj or "completion" in obj:
+        prompt = _check_text(obj, "prompt")
+        completion = _check_text(obj, "completion")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    raise ExampleRejected("expected keys 'prompt' and 'completion', or 'messages'")
+
+
+def render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) for a conversation whose last turn is the assistant's."""
+    if not messages[-1]["content"].strip():
+        raise ExampleRejected("the completion is empty: nothing to learn")
+    if getattr(tokenizer, "chat_template", None):
+        prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise ExampleRejected("the chat template renders the conversation so that the prompt is not a prefix of it")
+        completion_text = full_text[len(prompt_text):]
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in completion_ids:
+            completion_ids = completion_ids + [tokenizer.eos_token_id]
+    else:
+        if len(messages) != 2:
+            raise ExampleRejected("'messages' needs a tokenizer with a chat template")
+        prompt_ids = tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
+        completion_ids = tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            completion_ids = completion_ids + [tokenizer.eos_token_id]
+    return list(prompt_ids), list(completion_ids)
+
+
+def prompt_ids_for(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a bare prompt ready for generation (the same rendering training uses)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def build_example(prompt_ids: list[int], completion_ids: list[int], max_length: int, truncation: str) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels, truncated): prompt masked with -100, the completion kept whole."""
+    n_prompt, n_completion = len(prompt_ids), len(completion_ids)
+    truncated = False
+    if n_prompt + n_completion > max_length:
+        if truncation == "reject":
+            raise ExampleRejected(f"{n_prompt + n_completion} tokens, longer than data.max_length={max_length} (data.truncation: reject)")
+        if n_completion >= max_length:
+            raise ExampleRejected(
+                f"the completion alone is {n_completion} tokens; data.max_length={max_length} leaves no room for any prompt"
+            )
+        prompt_ids = prompt_ids[n_prompt + n_completion - max_length:]
+        truncated = True
+    input_ids = list(prompt_ids) + list(completion_ids)
+    labels = [IGNORE_INDEX] * len(prompt_ids) + list(completion_ids)
+    if all(x == IGNORE_INDEX for x in labels):
+        raise ExampleRejected("every label is masked: nothing to learn")
+    return input_ids, labels, truncated
+
+
+def encode(obj: Any, tokenizer, data_cfg) -> tuple[list[int], list[int], bool]:
+    """Validate and tokenize one parsed JSONL object; raises ExampleRejected with the reason."""
+    messages = messages_of(obj)
+    prompt_ids, completion_ids = render(tokenizer, messages)
+    return build_example(prompt_ids, completion_ids, data_cfg.max_length, data_cfg.truncation)
+
+
+def validate_file(path: os.PathLike | str, tokenizer, cfg) -> tuple[list[Example], list[Problem]]:
+    """Every usable example of a JSONL file and one Problem per unusable line.
+
+    `cfg` is the run's Config (or its `data` section).  Blank lines are ignored.  Never raises
+    for bad content; an unreadable file is a single problem at line 0."""
+    data_cfg = getattr(cfg, "data", cfg)
+    path = Path(path)
+    examples: list[Example] = []
+    problems: list[Problem] = []
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        return [], [Problem(str(path), 0, f"cannot read: {exc.strerror or exc}")]
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(Problem(str(path), lineno, f"not UTF-8 ({exc.reason} at byte {exc.start})"))
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            problems.append(Problem(str(path), lineno, f"not valid JSON: {exc}"))
+            continue
+        try:
+            input_ids, labels, truncated = encode(obj, tokenizer, data_cfg)
+        except ExampleRejected as exc:
+            problems.append(Problem(str(path), lineno, str(exc)))
+            continue
+        examples.append(Example(
+            id=f"{path.name}:{lineno}", input_ids=input_ids, labels=labels, source=str(path), line=lineno,
+            digest=hashlib.sha256(line).hexdigest()[:16], truncated=truncated,
+        ))
+    return examples, problems
+
+
+# ---- order -------------------------------------------------------------------------------------
+
+
+class DataSource(Protocol):
+    """Where training examples come from, in a resumable order."""
+
+    def take(self, n: int) -> list[Example]: ...
+
+    def position(self) -> dict: ...
+
+    def restore(self, position: dict) -> None: ...
+
+
+@dataclass
+class ShuffledEpochs:
+    """Examples in a fresh seeded permutation per epoch; position = (epoch, index into that epoch).
+
+    The permutation depends only on (seed, epoch), so a resumed run sees exactly the order an
+    uninterrupted one would have."""
+
+    examples: list[Example]
+    seed: int
+    epoch: int = 0
+    index: int = 0
+    _order: Optional[list[int]] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not self.examples:
+            raise ValueError("ShuffledEpochs needs at least one example")
+
+    def order(self, epoch: int) -> list[int]:
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch])
+        return [int(i) for i in rng.permutation(len(self.examples))]
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self._order is None:
+                self._order = self.order(self.epoch)
+            if self.index >= len(self._order):
+                self.epoch += 1
+                self.index = 0
+                self._order = self.order(self.epoch)
+            out.append(self.examples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def position(self) -> dict:
+        return {"kind": "shuffled_epochs", "epoch": self.epoch, "index": self.index, "size": len(self.examples)}
+
+    def restore(self, position: dict) -> None:
+        if position.get("size") not in (None, len(self.examples)):
+            from supervisor.config import ConfigError
+
+            raise ConfigError([
+                f"data: the checkpoint was trained on {position['size']} usable examples, the data now has "
+                f"{len(self.examples)}; resuming would not continue the same run (use a new run_dir)"
+            ])
+        self.epoch = int(position["epoch"])
+        self.index = int(position["index"])
+        self._order = None
+
+
+def collate(examples: list[Example], pad_id: int):
+    """Right-padded tensors: input_ids, attention_mask, labels (pad positions labelled -100)."""
+    import torch
+
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

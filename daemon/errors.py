@@ -1,0 +1,23 @@
+"""Failures the worker turns into specific exit codes and last-words kinds.
+
+Each carries what a user needs to fix it; `daemon.lastwords.classify` maps them (and any other
+exception) to the `kind` recorded in exit.json and the process exit code of DESIGN.md.
+"""
+from __future__ import annotations
+
+
+class DataError(Exception):
+    """The data cannot train this run at all (exit 65: a restart would fail the same way)."""
+
+    def __init__(self, message: str, problems: list | tuple = ()):
+        self.problems = [str(p) for p in problems]
+        super().__init__(message)
+
+
+class NonFiniteStreak(Exception):
+    """Too many non-finite steps in a row (exit 75: restart from the last good checkpoint)."""
+
+    def __init__(self, streak: int, step: int):
+        self.streak = streak
+        self.step = step
+        super().__init__(f"{streak} non-finite optimizer steps in a row after step {step}")

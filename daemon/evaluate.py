@@ -1,0 +1,110 @@
+"""Evaluation: held-out loss, then generation for the fixed prompts, appended to evolution.jsonl.
+
+Generation is its own heartbeat phase (`generate`, with the configured budget) and beats
+`progress` every few tokens from a stopping criterion — that is, from the thread that generates:
+a generate() that stops producing tokens also stops beating.  The training RNG is set aside for
+the whole eval, so evaluating (or not) never changes the training trajectory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from daemon.data import Example, collate, prompt_ids_for
+
+EVOLUTION = "evolution.jsonl"
+
+
+def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Optional[Callable[[], None]] = None) -> Optional[float]:
+    """Mean cross-entropy per completion token over `examples` (None without examples)."""
+    if not examples:
+        return None
+    total, count = 0.0, 0
+    pad = bundle.tokenizer.pad_token_id
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        batch = collate(chunk, pad)
+        n = sum(e.n_label_tokens for e in chunk)
+        _, ce_sum, _ = bundle.compute_loss(batch, n)
+        total += ce_sum
+        count += n
+        if on_batch is not None:
+            on_batch()
+    return total / count
+
+
+def _progress_criterion(hb, every: int, prompt_len: int, should_stop: Callable[[], bool]):
+    from transformers import StoppingCriteria
+
+    class BeatEveryTokens(StoppingCriteria):
+        """Beats `progress` every `every` new tokens; stops early when the worker is asked to stop."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            produced = input_ids.shape[-1] - prompt_len
+            if produced > 0 and produced % every == 0:
+                hb.progress(tokens=int(produced))
+            done = should_stop()
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    return BeatEveryTokens()
+
+
+def generate_one(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False) -> str:
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    tok = bundle.tokenizer
+    ids = torch.tensor([prompt_ids_for(tok, prompt)], device=bundle.device)
+    criteria = StoppingCriteriaList([_progress_criterion(hb, eval_cfg.progress_every_tokens, ids.shape[-1], should_stop)])
+    kwargs = dict(
+        max_new_tokens=eval_cfg.max_new_tokens, do_sample=eval_cfg.do_sample,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        attention_mask=torch.ones_like(ids), stopping_criteria=criteria,
+        logits_processor=LogitsProcessorList(list(extra_processors)),
+    )
+    if not eval_cfg.do_sample:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    with bundle.autocast():
+        out = bundle.model.generate(input_ids=ids, **kwargs)
+    return tok.decode(out[0, ids.shape[-1]:], skip_special_tokens=True)
+
+
+def append_evolution(run_dir: os.PathLike | str, records: list[dict]) -> None:
+    path = Path(run_dir) / EVOLUTION
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
+    finally:
+        os.close(fd)
+
+
+def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,
+             processors=(), should_stop: Callable[[], bool] = lambda: False) -> dict:
+    """One evaluation at `step`: loss, generations, evolution.jsonl; returns a summary."""
+    budgets = cfg.watchdog.phase_budgets_s
+    model = bundle.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[bundle.device] if bundle.device.type == "cuda" else []), torch.no_grad():
+            loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
+            records = []
+            with hb.phase("generate", budget_s=budgets.get("generate")):
+                for item in cfg.eval.prompts:
+                    if should_stop():
+                        break
+                    prompt = item if isinstance(item, str) else item.prompt
+                    reference = None if isinstance(item, str) else item.reference
+                    output = generate_one(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop)
+                    records.append({"step": step, "prompt": prompt, "reference": reference, "output": output,
+                                    "loss": loss, "attempt": attempt, "t": time.time()})
+    finally:
+        if was_training:
+            model.train()
+    if records:
+        append_evolution(run_dir, records)
+    return {"loss": loss, "generations": len(records)}

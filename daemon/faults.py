@@ -1,0 +1,251 @@
+"""Fault injection: the failures hangwatch exists to catch, on demand, at a chosen step or eval.
+
+Faults come from the config's `faults:` list plus the `HANGWATCH_FAULTS` environment variable (a
+JSON list of the same objects).  Each fires once per run: it is recorded in `<run_dir>/faults-fired.json`
+(atomically, fsynced) *before* it fires, so the attempt that resumes after it does not fire it again;
+`repeat: true` fires it once per attempt instead.
+
+Trigger points (the first opportunity at or after the given moment):
+  - `at_step: N` — at the start of optimizer step N (1-based); `hang_generate` waits for the first
+    eval at or after step N and hangs its generate();
+  - `at_eval: K` — at the K-th eval of the run (eval number = step // eval.every_steps).
+
+What each kind does is written so that the evidence looks like the real thing: a pure-Python loop
+inside the model's forward (`busy_loop`), a read on a pipe nobody writes (`block_c`), a loop that
+keeps beating `progress` (`livelock`), a wait inside a generate() logits processor (`hang_generate`).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from daemon.checkpoint import write_atomic
+
+ENV_FAULTS = "HANGWATCH_FAULTS"
+FIRED_FILE = "faults-fired.json"
+TRAIN_KINDS = ("busy_loop", "block_c", "livelock", "crash", "segfault", "oom", "nan", "exit")
+CHILD_MARK = "hangwatch-fault-child"
+
+
+def faults_from(cfg, environ: Optional[dict] = None) -> list:
+    """The config's faults plus those of HANGWATCH_FAULTS; raises ConfigError on a bad variable."""
+    from pydantic import ValidationError
+
+    from supervisor.config import ConfigError, FaultCfg
+
+    env = os.environ if environ is None else environ
+    faults = list(cfg.faults)
+    raw = env.get(ENV_FAULTS)
+    if not raw:
+        return faults
+    try:
+        items = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError([f"{ENV_FAULTS}: not valid JSON: {exc}"]) from None
+    if not isinstance(items, list):
+        raise ConfigError([f"{ENV_FAULTS}: expected a JSON list of fault objects, got {type(items).__name__}"])
+    problems = []
+    for i, item in enumerate(items):
+        try:
+            faults.append(FaultCfg.model_validate(item))
+        except ValidationError as err:
+            for e in err.errors():
+                where = ".".join(str(p) for p in e["loc"]) or "(object)"
+                problems.append(f"{ENV_FAULTS}[{i}].{where}: {e['msg']}")
+    if problems:
+        raise ConfigError(problems)
+    return faults
+
+
+def _key(fault, occurrence: int) -> str:
+    return json.dumps(fault.model_dump(mode="json"), sort_keys=True) + f"#{occurrence}"
+
+
+def spawn_fault_children(spawn: Callable = subprocess.Popen) -> list[int]:
+    """Two sleeping grandchildren: one in our process group, one that called setsid and left it."""
+    argv = [sys.executable, "-c", "import time; time.sleep(86400)", CHILD_MARK]
+    kids = [
+        spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
+    ]
+    return [k.pid for k in kids]
+
+
+# ---- the misbehaviours themselves (named for what a stack dump should show) --------------------
+
+
+def _select_ranges(ranges) -> list:
+    """Sparse-attention range selection with the bug of the incident report: an invalid range is
+    retried forever instead of skipped.  Pure Python, so one core spins at 100%."""
+    kept = []
+    for s, e in ranges:
+        if s < e:
+            kept.append((s, e))
+    return kept
+
+
+def _busy_forward_hook(module, args):
+    _select_ranges(itertools.cycle([(7, 3)]))
+
+
+def _wait_for_batch(fd: int) -> bytes:
+    """A data loader reading from a worker pipe whose writer never writes: blocked in read(2)."""
+    return os.read(fd, 1)
+
+
+def _retry_forever(hb, step: int) -> None:
+    """Alive but going nowhere: keeps reporting progress on a step that never finishes."""
+    attempt = 0
+    while True:
+        attempt += 1
+        hb.progress(note="retrying micro-batch", retry=attempt, stuck_step=step)
+        time.sleep(0.5)
+
+
+def _never_ending_logits():
+    """A logits processor that never returns: generate() hangs right here, and nothing beats."""
+    from transformers import LogitsProcessor
+
+    class NeverEndingLogits(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            while True:
+                time.sleep(3600)
+
+    return NeverEndingLogits()
+
+
+class FaultPlan:
+    """Decides when each fault fires and records it durably first.
+
+    Lifecycle: built once per attempt; the trainer calls `before_step(step, ...)` at the start of
+    every optimizer step and `before_eval(step, eval_number, ...)` at every eval."""
+
+    def __init__(self, faults: list, run_dir: os.PathLike | str, hb, *, attempt: int = 1,
+                 spawn: Callable = subprocess.Popen):
+        self.run_dir = Path(run_dir)
+        self.hb = hb
+        self.attempt = attempt
+        self._spawn = spawn
+        seen: dict[str, int] = {}
+        self.entries = []
+        for f in faults:
+            base = json.dumps(f.model_dump(mode="json"), sort_keys=True)
+            seen[base] = seen.get(base, 0) + 1
+            self.entries.append((f, _key(f, seen[base])))
+        self._fired_this_attempt: set[str] = set()
+        self.nan_remaining = 0
+        self._pipes: list = []  # keeps block_c's writer open so its read never sees EOF
+        self.children: list[int] = []
+
+    # ---- bookkeeping
+
+    def _fired_file(self) -> Path:
+        return self.run_dir / FIRED_FILE
+
+    def fired_record(self) -> list[dict]:
+        try:
+            return json.loads(self._fired_file().read_text()).get("fired", [])
+        except (OSError, ValueError, AttributeError):
+            return []
+
+    def _due(self, fault, key) -> bool:
+        if key in self._fired_this_attempt:
+            return False
+        if fault.repeat:
+            return True
+        return all(r.get("key") != key for r in self.fired_record())
+
+    def _record(self, fault, key, step: int) -> None:
+        self._fired_this_attempt.add(key)
+        fired = self.fired_record()
+        fired.append({"key": key, "kind": fault.kind, "step": step, "attempt": self.attempt, "t": time.time()})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self._fired_file(), (json.dumps({"fired": fired}, indent=1) + "\n").encode())
+
+    def _announce(self, fault, step: int, where: str) -> None:
+        if fault.spawn_child:
+            pids = spawn_fault_children(self._spawn)
+            self.children.extend(pids)
+        else:
+            pids = []
+        self.hb.warn(f"injecting fault {fault.kind} at {where}", fault=fault.kind, children=pids)
+        print(f"fault: injecting {fault.kind} at {where}" + (f" (children {pids})" if pids else ""), flush=True)
+
+    # ---- trigger points
+
+    def before_step(self, step: int, bundle) -> None:
+        """Called at the start of optimizer step `step` (1-based), before any forward."""
+        for fault, key in self.entries:
+            if fault.kind == "hang_generate" or fault.at_eval is not None or fault.at_step is None:
+                continue
+            if step >= fault.at_step and self._due(fault, key):
+                self._record(fault, key, step)
+                self._announce(fault, step, f"step {step}")
+                self._fire(fault, step, bundle)
+
+    def before_eval(self, step: int, eval_number: int, bundle) -> list:
+        """Called at each eval; fires eval-time faults and returns logits processors for generate()."""
+        processors = []
+        for fault, key in self.entries:
+            if fault.at_eval is not None:
+                hit = eval_number >= fault.at_eval and (fault.at_step is None or step >= fault.at_step)
+            else:
+                hit = fault.kind == "hang_generate" and step >= fault.at_step
+            if not hit or not self._due(fault, key):
+                continue
+            self._record(fault, key, step)
+            self._announce(fault, step, f"eval {eval_number} (step {step})")
+            if fault.kind == "hang_generate":
+                processors.append(_never_ending_logits())
+            else:
+                self._fire(fault, step, bundle)
+        return processors
+
+    def take_nan(self) -> bool:
+        """Whether this step's loss is to be made non-finite (consumes one of the nan fault's steps)."""
+        if self.nan_remaining > 0:
+            self.nan_remaining -= 1
+            return True
+        return False
+
+    def _fire(self, fault, step: int, bundle) -> None:
+        kind = fault.kind
+        if kind == "busy_loop":
+            attention = _first_attention(bundle.model)
+            attention.register_forward_pre_hook(_busy_forward_hook)
+        elif kind == "block_c":
+            r, w = os.pipe()
+            self._pipes.append((r, w))
+            _wait_for_batch(r)
+        elif kind == "livelock":
+            _retry_forever(self.hb, step)
+        elif kind == "crash":
+            raise RuntimeError(f"injected fault: crash at step {step}")
+        elif kind == "segfault":
+            sys.stdout.flush()
+            ctypes.string_at(0)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif kind == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"injected fault: CUDA out of memory at step {step} (tried to allocate 20.00 GiB)")
+        elif kind == "nan":
+            self.nan_remaining = fault.steps
+        elif kind == "exit":
+            sys.stdout.flush()
+            os._exit(fault.code)
+
+
+def _first_attention(model):
+    for name, mod in model.named_modules():
+        if name.endswith("self_attn"):
+            return mod
+    raise RuntimeError("busy_loop fault: the model has no module named *.self_attn to hook")

@@ -1,0 +1,70 @@
+"""Last words: `attempts/NNNN/exit.json`, written before the worker exits on a failure.
+
+The supervisor reads it to name the incident (`crash`, `oom`, `nan`, `config_error`,
+`data_error`) without parsing logs.  Written atomically (temp file, fsync, rename) so a reader never
+sees half a file; a death by signal leaves none, which is itself evidence.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from daemon.errors import DataError, NonFiniteStreak
+from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, attempt_dir
+
+EXIT_CRASH = 1
+
+
+def classify(exc: BaseException) -> tuple[str, int]:
+    """(kind, exit code) for an exception that ends the worker."""
+    from supervisor.config import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return "config_error", EXIT_CONFIG
+    if isinstance(exc, DataError):
+        return "data_error", EXIT_DATAERR
+    if isinstance(exc, NonFiniteStreak):
+        return "nan", EXIT_TEMPFAIL
+    # By name, so classifying never imports torch (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError).
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        return "oom", EXIT_CRASH
+    return "crash", EXIT_CRASH
+
+
+def write_last_words(
+    run_dir: os.PathLike | str,
+    attempt: int,
+    kind: str,
+    message: str,
+    tb: Optional[str] = None,
+    **extra: Any,
+) -> Path:
+    """Atomically write exit.json for `attempt`; returns its path."""
+    directory = attempt_dir(run_dir, attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"kind": kind, "message": message, "traceback": tb, "pid": os.getpid(), "attempt": attempt, "t": time.time()}
+    record.update(extra)
+    path = directory / "exit.json"
+    tmp = directory / f".exit.json.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int, **extra: Any) -> tuple[str, int, Path]:
+    """Classify `exc`, write its exit.json, return (kind, exit code, path)."""
+    kind, code = classify(exc)
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    problems = getattr(exc, "problems", None)
+    if problems:
+        extra.setdefault("problems", list(problems))
+    path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, exit_code=code, **extra)
+    return kind, code, path

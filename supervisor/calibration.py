@@ -1,0 +1,137 @@
+"""Step (and phase) time calibration: `factor × p99` of observed durations, clamped, persisted.
+
+The step deadline starts generous (`first_steps_timeout_s`: compile, warm-up) and, once
+`calibrate_after` step intervals have been seen, becomes `calibration_factor × p99` clamped to
+`[step_timeout_min_s, step_timeout_max_s]`.  Phases without a configured budget are calibrated the
+same way once a few of them have completed.  The samples live in `<run_dir>/calibration.json`, so
+the next attempt — or the next supervisor — starts calibrated instead of generous again.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterable, Optional
+
+from supervisor.config import WatchdogCfg
+
+MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
+PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them
+FORMAT_VERSION = 1
+
+
+def p99(samples: Iterable[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    values = sorted(samples)
+    if not values:
+        raise ValueError("p99 of no samples")
+    return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+
+class Calibration:
+    def __init__(self, wd: WatchdogCfg, path: Optional[Path] = None):
+        self.wd = wd
+        self.path = Path(path) if path is not None else None
+        self.step_samples: deque[float] = deque(maxlen=MAX_SAMPLES)
+        self.phase_samples: dict[str, deque[float]] = {}
+        self._dirty = 0
+
+    # ---- samples --------------------------------------------------------------------------
+
+    def add_step(self, duration_s: float) -> None:
+        if duration_s >= 0 and math.isfinite(duration_s):
+            self.step_samples.append(float(duration_s))
+            self._dirty += 1
+
+    def add_phase(self, name: str, duration_s: float) -> None:
+        if duration_s >= 0 and math.isfinite(duration_s):
+            self.phase_samples.setdefault(name, deque(maxlen=MAX_SAMPLES)).append(float(duration_s))
+            self._dirty += 1
+
+    # ---- budgets --------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return len(self.step_samples) >= self.wd.calibrate_after
+
+    def _clamped(self, samples) -> float:
+        return min(max(self.wd.calibration_factor * p99(samples), self.wd.step_timeout_min_s), self.wd.step_timeout_max_s)
+
+    def step_budget(self) -> Optional[float]:
+        """The calibrated step deadline, or None while too few steps were seen."""
+        return self._clamped(self.step_samples) if self.ready else None
+
+    def phase_budget(self, name: str) -> Optional[float]:
+        samples = self.phase_samples.get(name)
+        if not samples or len(samples) < PHASE_MIN_SAMPLES:
+            return None
+        return self._clamped(samples)
+
+    # ---- persistence ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "version": FORMAT_VERSION,
+            "updated": time.time(),
+            "calibrate_after": self.wd.calibrate_after,
+            "factor": self.wd.calibration_factor,
+            "clamp_s": [self.wd.step_timeout_min_s, self.wd.step_timeout_max_s],
+            "steps": {
+                "count": len(self.step_samples),
+                "p99_s": p99(self.step_samples) if self.step_samples else None,
+                "budget_s": self.step_budget(),
+                "samples_s": [round(x, 6) for x in self.step_samples],
+            },
+            "phases": {
+                name: {"count": len(s), "p99_s": p99(s), "budget_s": self.phase_budget(name), "samples_s": [round(x, 6) for x in s]}
+                for name, s in self.phase_samples.items()
+                if s
+            },
+        }
+
+    def save(self, path: Optional[Path] = None) -> Path:
+        target = Path(path) if path is not None else self.path
+        if target is None:
+            raise ValueError("no calibration path")
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, target)
+        self._dirty = 0
+        return target
+
+    def save_if_changed(self, every: int = 10) -> bool:
+        """Persist after `every` new samples (and at attempt ends, via `save`)."""
+        if self.path is not None and self._dirty >= every:
+            self.save()
+            return True
+        return False
+
+    @classmethod
+    def load(cls, wd: WatchdogCfg, path: Path) -> tuple["Calibration", Optional[str]]:
+        """Reload the samples (budgets are recomputed, so a changed factor or clamp applies).
+
+        Returns (calibration, problem): an unreadable file gives a fresh calibration and says why.
+        """
+        cal = cls(wd, path)
+        path = Path(path)
+        if not path.exists():
+            return cal, None
+        try:
+            data = json.loads(path.read_text())
+            steps = data["steps"]["samples_s"]
+            phases = {k: v["samples_s"] for k, v in data.get("phases", {}).items()}
+            if not all(isinstance(x, (int, float)) for x in steps):
+                raise ValueError("steps.samples_s must be numbers")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return cal, f"{path}: ignored unreadable calibration ({type(exc).__name__}: {exc})"
+        for x in steps:
+            cal.add_step(float(x))
+        for name, samples in phases.items():
+            for x in samples:
+                if isinstance(x, (int, float)):
+                    cal.add_phase(str(name), float(x))
+        cal._dirty = 0
+        return cal, None

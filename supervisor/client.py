@@ -1,0 +1,134 @@
+"""Talking to a running supervisor over its control socket (what the CLI uses).
+
+One connection per request: connect, send one JSON line, read one JSON line.  Every failure becomes
+a `ClientError` whose message is one line a person can act on, and whose `exit_code` the CLI uses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+from supervisor.control import socket_path_in, unix_address
+
+EX_UNAVAILABLE = 69  # sysexits: no daemon to talk to
+EX_SOFTWARE = 70  # the daemon answered something that is not a reply
+EX_USAGE = 64
+MAX_REPLY_BYTES = 256 * 1024 * 1024
+
+
+class ClientError(Exception):
+    """A request that could not be made or was refused; `str()` is the one-line explanation."""
+
+    exit_code = 1
+
+
+class DaemonUnavailable(ClientError):
+    exit_code = EX_UNAVAILABLE
+
+
+class BadReply(ClientError):
+    exit_code = EX_SOFTWARE
+
+
+class RequestFailed(ClientError):
+    """The daemon answered {"ok": false, "error": ...}."""
+
+    exit_code = 1
+
+
+def resolve_socket(*, run_dir: Optional[os.PathLike | str] = None, socket_path: Optional[os.PathLike | str] = None) -> Path:
+    """--socket wins; else the run dir's socket (or the one its `socket-path` records)."""
+    if socket_path:
+        return Path(socket_path)
+    if run_dir:
+        rd = Path(run_dir)
+        if not rd.is_dir():
+            raise DaemonUnavailable(f"no run directory at {rd}")
+        return socket_path_in(rd)
+    err = ClientError("say which daemon: --run-dir DIR or --socket PATH (or set HANGWATCH_RUN_DIR / HANGWATCH_SOCKET)")
+    err.exit_code = EX_USAGE
+    raise err
+
+
+class Client:
+    def __init__(self, path: os.PathLike | str, *, timeout: float = 30.0):
+        self.path = Path(path)
+        self.timeout = timeout
+
+    def request(self, req: dict, *, timeout: Optional[float] = None) -> dict:
+        """Send one request, return the raw reply object."""
+        timeout = self.timeout if timeout is None else timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            self._connect(sock)
+            try:
+                sock.sendall(json.dumps(req).encode() + b"\n")
+                raw = self._read_line(sock)
+            except socket.timeout:
+                raise DaemonUnavailable(f"hangwatch at {self.path} did not answer within {timeout:g}s") from None
+            except (BrokenPipeError, ConnectionResetError):
+                raise DaemonUnavailable(f"hangwatch at {self.path} closed the connection") from None
+        finally:
+            sock.close()
+        if raw is None:
+            raise DaemonUnavailable(f"hangwatch at {self.path} closed the connection without answering")
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            raise BadReply(f"hangwatch at {self.path} sent something that is not JSON: {raw[:80]!r}") from None
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise BadReply(f"hangwatch at {self.path} sent a reply without \"ok\": {raw[:80]!r}")
+        return reply
+
+    def call(self, cmd: str, *, timeout: Optional[float] = None, **fields: Any) -> Any:
+        """Send `{"cmd": cmd, **fields}`; return the result or raise RequestFailed with the daemon's error."""
+        reply = self.request({"cmd": cmd, **fields}, timeout=timeout)
+        if not reply["ok"]:
+            raise RequestFailed(f"{cmd}: {reply.get('error', 'failed (no reason given)')}")
+        return reply.get("result")
+
+    def _connect(self, sock: socket.socket) -> None:
+        where = self.path
+        try:
+            with unix_address(where) as addr:
+                sock.connect(addr)
+        except FileNotFoundError:
+            raise DaemonUnavailable(f"no hangwatch running at {where} (no such socket)") from None
+        except ConnectionRefusedError:
+            raise DaemonUnavailable(f"no hangwatch running at {where} (connection refused)") from None
+        except PermissionError:
+            raise DaemonUnavailable(f"not allowed to use {where} (permission denied; the socket belongs to {_owner(where)})") from None
+        except socket.timeout:
+            raise DaemonUnavailable(f"hangwatch at {where} did not accept the connection in time") from None
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot connect to {where}: {exc.strerror or exc}") from None
+
+    @staticmethod
+    def _read_line(sock: socket.socket) -> Optional[bytes]:
+        buf = bytearray()
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return bytes(buf) if buf else None
+            buf += chunk
+            nl = buf.find(b"\n")
+            if nl >= 0:
+                return bytes(buf[:nl])
+            if len(buf) > MAX_REPLY_BYTES:
+                raise BadReply(f"reply larger than {MAX_REPLY_BYTES} bytes")
+
+
+def _owner(path: Path) -> str:
+    try:
+        st = path.stat()
+    except OSError:
+        return "another user"
+    try:
+        return f"user {pwd.getpwuid(st.st_uid).pw_name}"
+    except KeyError:
+        return f"uid {st.st_uid}"

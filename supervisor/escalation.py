@@ -1,0 +1,232 @@
+"""The escalation ladder, as steps the main loop advances without blocking it.
+
+    DumpCollector: SIGUSR1 to the processes that announced a dump signal (never to a launcher),
+                   `py-spy dump --native --locals` per pid when installed (time-boxed), then
+                   wait until the dump files stop growing, bounded by `dump_grace_s`.
+    TreeKiller:    SIGTERM to the process group → `term_grace_s` → SIGKILL to the group and to
+                   every descendant that left it → reap → wait (bounded) until NVML no longer
+                   lists the dead pids as holding GPU memory.
+
+Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control
+socket and draining events while a stall is being handled.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import structlog
+
+from supervisor import process
+from supervisor.process import Kill, ProcRef
+
+log = structlog.get_logger("hangwatch")
+
+SETTLE_S = 0.3  # a dump file unchanged this long after growing is complete
+
+
+@dataclass
+class DumpTarget:
+    rank: int
+    ref: ProcRef
+    dump_path: Path
+    offset: int = 0  # size before the signal: only what is appended belongs to this dump
+
+
+@dataclass
+class DumpCollector:
+    targets: list[DumpTarget]
+    grace_s: float
+    py_spy: bool = True
+    py_spy_timeout_s: float = 20.0
+    out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
+    kill: Kill = os.kill
+    started_at: float = 0.0
+    signalled: dict[int, bool] = field(default_factory=dict)
+    py_spy_procs: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
+    py_spy_note: str = ""
+    _sizes: dict[int, int] = field(default_factory=dict)
+    _changed_at: float = 0.0
+    done: bool = False
+
+    def begin(self, now: float) -> None:
+        self.started_at = self._changed_at = now
+        for t in self.targets:
+            try:
+                t.offset = t.dump_path.stat().st_size
+            except OSError:
+                t.offset = 0
+            self._sizes[t.rank] = t.offset
+            self.signalled[t.rank] = process.signal_ref(t.ref, signal.SIGUSR1, self.kill)
+        self._start_py_spy()
+
+    def _start_py_spy(self) -> None:
+        exe = shutil.which("py-spy") if self.py_spy else None
+        if not self.py_spy:
+            self.py_spy_note = "disabled (watchdog.py_spy: false)"
+            return
+        if exe is None:
+            self.py_spy_note = "not installed"
+            return
+        if self.out_dir is None:
+            return
+        for t in self.targets:
+            if not self.signalled.get(t.rank):
+                continue
+            out = self.out_dir / f"py-spy-rank{t.rank}.txt"
+            f = open(out, "wb")
+            try:
+                p = subprocess.Popen([exe, "dump", "--native", "--locals", "--pid", str(t.ref.pid)], stdout=f,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                f.write(f"py-spy could not start: {exc}\n".encode())
+                f.close()
+                continue
+            f.close()
+            self.py_spy_procs[t.rank] = (p, out)
+        self.py_spy_note = f"ran {exe}"
+
+    def _py_spy_running(self, now: float) -> bool:
+        running = False
+        for rank, (p, out) in list(self.py_spy_procs.items()):
+            if p.poll() is None:
+                if now - self.started_at >= self.py_spy_timeout_s:
+                    p.kill()
+                    p.wait(timeout=5)
+                    with open(out, "ab") as f:
+                        f.write(f"\n[py-spy killed after {self.py_spy_timeout_s:g}s time box]\n".encode())
+                else:
+                    running = True
+        return running
+
+    def advance(self, now: float) -> bool:
+        if self.done:
+            return True
+        grew_all = True
+        for t in self.targets:
+            try:
+                size = t.dump_path.stat().st_size
+            except OSError:
+                size = t.offset
+            if size != self._sizes.get(t.rank):
+                self._sizes[t.rank] = size
+                self._changed_at = now
+            if self.signalled.get(t.rank) and size <= t.offset and not process.is_gone(t.ref):
+                grew_all = False
+        settled = grew_all and now - self._changed_at >= SETTLE_S
+        bounded = now - self.started_at >= self.grace_s
+        if (settled or bounded) and not self._py_spy_running(now):
+            self.done = True
+        return self.done
+
+    def texts(self) -> dict[int, str]:
+        """Only what was appended after the signal, per rank."""
+        out = {}
+        for t in self.targets:
+            try:
+                with open(t.dump_path, "rb") as f:
+                    f.seek(t.offset)
+                    out[t.rank] = f.read(4 << 20).decode("utf-8", "replace")
+            except OSError:
+                out[t.rank] = ""
+        return out
+
+    def py_spy_texts(self) -> dict[int, str]:
+        out = {}
+        for rank, (_, path) in self.py_spy_procs.items():
+            try:
+                out[rank] = path.read_text(errors="replace")
+            except OSError:
+                pass
+        return out
+
+
+@dataclass
+class TreeKiller:
+    """Brings a worker's whole tree down; `refs` are extra processes known to belong to it."""
+
+    worker: process.Worker
+    refs: list[ProcRef]
+    term_grace_s: float
+    gpu_release_timeout_s: float
+    kill: Kill = os.kill
+    reap: Callable[[], None] = lambda: None
+    gpu_pids: Callable[[], Optional[set[int]]] = lambda: None
+    send_term: bool = True
+    term_at: Optional[float] = None
+    kill_at: Optional[float] = None
+    gone_at: Optional[float] = None
+    done_at: Optional[float] = None
+    killed: list[int] = field(default_factory=list)
+    gpu_release: dict = field(default_factory=dict)
+    _dead: set[int] = field(default_factory=set)
+
+    def _tree(self) -> list[ProcRef]:
+        members = {r.pid: r for r in process.group_members(self.worker.pgid)}
+        for r in self.refs:
+            members.setdefault(r.pid, r)
+        if not self.worker.exited:
+            members.setdefault(self.worker.pid, self.worker.ref)
+        return [r for r in members.values() if not process.is_gone(r)]
+
+    def begin(self, now: float) -> None:
+        self.term_at = now
+        self.refs = list({r.pid: r for r in self.refs + process.descendants(self.worker.pid)}.values())
+        self._dead = {r.pid for r in self.refs} | {self.worker.pid}
+        if self.send_term:
+            process.signal_group(self.worker.pgid, signal.SIGTERM, self.kill)
+        else:
+            self._sigkill(now)
+
+    def _sigkill(self, now: float) -> None:
+        self.kill_at = now
+        # the group first, then whoever left it (setsid, double fork), each checked by start time
+        process.signal_group(self.worker.pgid, signal.SIGKILL, self.kill)
+        for r in self._tree():
+            self._dead.add(r.pid)
+            if process.signal_ref(r, signal.SIGKILL, self.kill):
+                self.killed.append(r.pid)
+
+    def advance(self, now: float) -> bool:
+        if self.done_at is not None:
+            return True
+        self.reap()
+        if self.gone_at is None:
+            # new descendants may still appear until the parent dies: keep collecting them
+            if not self.worker.exited:
+                for r in process.descendants(self.worker.pid):
+                    if r.pid not in {x.pid for x in self.refs}:
+                        self.refs.append(r)
+                        self._dead.add(r.pid)
+            left = self._tree()
+            if not left and self.worker.exited:
+                self.gone_at = now
+            elif self.kill_at is None and now - (self.term_at or now) >= self.term_grace_s:
+                log.info("sigkill", pids=[r.pid for r in left], grace_s=self.term_grace_s)
+                self._sigkill(now)
+                return False
+            else:
+                return False
+        holding = self.gpu_pids()
+        if holding is None:
+            self.gpu_release = {"checked": False, "reason": "no GPU"}
+            self.done_at = now
+            return True
+        still = sorted(holding & self._dead)
+        if not still or now - self.gone_at >= self.gpu_release_timeout_s:
+            self.gpu_release = {"checked": True, "released": not still, "waited_s": round(now - self.gone_at, 3),
+                                "pids_still_holding": still}
+            self.done_at = now
+            return True
+        return False
+
+    def timings(self) -> dict:
+        t0 = self.term_at
+        rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
+        return {"sigkill_after_s": rel(self.kill_at), "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
+                "sigterm_sent": self.send_term, "sigkilled_pids": self.killed}

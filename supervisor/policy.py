@@ -1,0 +1,98 @@
+"""Restart policy: what follows a worker's end, and how long to wait before the next attempt.
+
+* exit 0 after a `stop` line with reason `finished` (or `idle`): the run is done;
+* exit 65 (EX_DATAERR) or 78 (EX_CONFIG): restarting cannot help — the run fails;
+* exit 75 (EX_TEMPFAIL, non-finite loss streak): restart; the worker rolls back to the newest
+  *good* checkpoint by itself;
+* anything else — another code, a signal, a stall the supervisor killed: restart.
+
+Restarts back off exponentially (`backoff_initial_s`, doubling, capped at `backoff_max_s`); an
+attempt that ran `healthy_after_s` and made steps resets the backoff.  More than `max_restarts`
+restarts within `window_s` without a new step (a step beyond the highest ever reached, so
+replaying the same steps after each resume does not count) is a crash loop: the run fails.
+Pure logic: every method takes `now`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, NO_RESTART_CODES
+from supervisor.config import RestartCfg
+
+FINISH_REASONS = frozenset({"finished", "idle"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "restart", "finish" or "fail"
+    reason: str
+    delay_s: float = 0.0
+    crash_loop: bool = False
+    rollback: bool = False  # the worker is expected to roll back to the last good checkpoint
+
+    def as_dict(self) -> dict:
+        return {"action": self.action, "reason": self.reason, "delay_s": round(self.delay_s, 3),
+                "crash_loop": self.crash_loop, "rollback": self.rollback}
+
+
+class RestartPolicy:
+    def __init__(self, cfg: RestartCfg):
+        self.cfg = cfg
+        self.consecutive = 0  # failures since the last healthy stretch
+        self.recent: deque[float] = deque()  # restart times since the last new step
+        self.best_step = -1
+        self.attempt_started_at: Optional[float] = None
+        self.attempt_stepped = False
+        self.total_restarts = 0
+
+    def attempt_started(self, now: float) -> None:
+        self.attempt_started_at = now
+        self.attempt_stepped = False
+
+    def observed_step(self, step: int, now: float) -> bool:
+        """A step line; True when it is a new high (which clears the crash-loop count)."""
+        self.attempt_stepped = True
+        if step > self.best_step:
+            self.best_step = step
+            self.recent.clear()
+            return True
+        return False
+
+    def backoff_s(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        delay = self.cfg.backoff_initial_s * (2 ** (failures - 1))
+        return float(min(delay, self.cfg.backoff_max_s))
+
+    def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None) -> Decision:
+        """The worker exited by itself with `code` (None: killed by a signal)."""
+        if code == 0 and stop_reason in FINISH_REASONS:
+            return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
+        if code in NO_RESTART_CODES:
+            what = {EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)"}[code]
+            return Decision("fail", f"worker exited {code}: {what}; not restarting")
+        if code == EXIT_TEMPFAIL:
+            return self.on_failure(now, f"worker exited {code}: non-finite loss streak; restart from the last good checkpoint",
+                                   rollback=True)
+        return self.on_failure(now, "worker exited" + (f" with code {code}" if code is not None else " by a signal"))
+
+    def on_failure(self, now: float, reason: str, *, rollback: bool = False) -> Decision:
+        """A failed attempt (crash or stall): restart after a backoff, or stop a crash loop."""
+        started = self.attempt_started_at
+        if started is not None and self.attempt_stepped and now - started >= self.cfg.healthy_after_s:
+            self.consecutive = 0
+        while self.recent and now - self.recent[0] > self.cfg.window_s:
+            self.recent.popleft()
+        if len(self.recent) >= self.cfg.max_restarts:
+            return Decision(
+                "fail",
+                f"crash loop: {len(self.recent)} restart(s) within {self.cfg.window_s:g}s without a new step "
+                f"(max_restarts {self.cfg.max_restarts}); last failure: {reason}",
+                crash_loop=True,
+            )
+        self.recent.append(now)
+        self.consecutive += 1
+        self.total_restarts += 1
+        return Decision("restart", reason, delay_s=self.backoff_s(self.consecutive), rollback=rollback)

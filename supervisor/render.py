@@ -1,0 +1,270 @@
+"""Terminal output of the CLI: status, the live view, incidents, stack dumps (rich).
+
+Everything here takes the plain dicts the control socket returns and builds rich renderables; it
+never talks to the daemon.  Fields a daemon does not send are shown as "-", and fields this module
+does not know are left out of the human view (`--json` has them all).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable, Optional
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLES = {
+    "starting": "cyan",
+    "running": "green",
+    "stalled": "bold red",
+    "dumping": "bold red",
+    "killing": "bold red",
+    "backoff": "yellow",
+    "stopping": "yellow",
+    "paused": "yellow",
+    "stopped": "dim",
+    "finished": "bold green",
+    "failed": "bold red",
+}
+
+
+def duration(seconds: Any) -> str:
+    """0.4s, 12s, 3m05s, 2h07m, 3d04h."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        return "-"
+    s = float(seconds)
+    sign = "-" if s < 0 else ""
+    s = abs(s)
+    if s < 10:
+        return f"{sign}{s:.1f}s"
+    if s < 60:
+        return f"{sign}{s:.0f}s"
+    m, sec = divmod(int(round(s)), 60)
+    if m < 60:
+        return f"{sign}{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{sign}{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{sign}{d}d{h:02d}h"
+
+
+def number(value: Any, fmt: str = ".4g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return format(value, fmt) if isinstance(value, float) else str(value)
+    return str(value)  # "NaN" / "Infinity" arrive as strings
+
+
+def _state_text(state: Any) -> Text:
+    name = str(state) if state is not None else "-"
+    return Text(name, style=STATE_STYLES.get(name.lower(), "bold"))
+
+
+def progress_bar(step: Any, max_steps: Any, width: int = 30) -> Optional[Text]:
+    """A bar made of characters, so it reads the same in a terminal, a pipe and a log."""
+    if not (isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0):
+        return None
+    done = min(max(step, 0), max_steps)
+    filled = round(width * done / max_steps)
+    bar = Text("█" * filled, style="green")
+    bar.append("░" * (width - filled), style="dim")
+    bar.append(f" {100 * done / max_steps:.0f}%")
+    return bar
+
+
+def status_view(st: dict, *, error: Optional[str] = None) -> Table:
+    """The human status: one labelled row per aspect of the run."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    if error:
+        grid.add_row("error", Text(error, style="bold red"))
+
+    state = Text.assemble(_state_text(st.get("state")), f"   attempt {number(st.get('attempt'))}")
+    if st.get("supervisor_pid") is not None:
+        state.append(f"   supervisor pid {st['supervisor_pid']}, up {duration(st.get('uptime_s'))}")
+    grid.add_row("state", state)
+
+    worker = f"pid {number(st.get('pid'))}" if st.get("pid") is not None else "not running"
+    ranks = pids_text(st.get("pids"))
+    if ranks:
+        worker += f"   {ranks}"
+    if st.get("backoff_remaining_s") is not None:
+        worker += f"   next attempt in {duration(st['backoff_remaining_s'])}"
+    if st.get("intent"):
+        worker += f"   (then: {st['intent']})"
+    grid.add_row("worker", worker)
+
+    phase = Text(str(st.get("phase") or "-"))
+    if st.get("phase_age_s") is not None:
+        phase.append(f"   for {duration(st['phase_age_s'])}")
+        if st.get("phase_budget_s") is not None:
+            phase.append(f" of {duration(st['phase_budget_s'])} budget")
+            if isinstance(st["phase_age_s"], (int, float)) and st["phase_age_s"] > 0.8 * st["phase_budget_s"]:
+                phase.stylize("yellow")
+    grid.add_row("phase", phase)
+
+    step, max_steps = st.get("step"), st.get("max_steps")
+    step_text = Text(f"{number(step)} / {number(max_steps)}  ")
+    bar = progress_bar(step, max_steps)
+    if bar is not None:
+        step_text.append_text(bar)
+    grid.add_row("step", step_text)
+
+    grid.add_row(
+        "training",
+        f"loss {number(st.get('loss'))}   lr {number(st.get('lr'), '.3g')}   "
+        f"{number(st.get('tokens_per_s'), '.1f')} tokens/s",
+    )
+    beat = f"{duration(st.get('last_beat_age_s'))} ago" if st.get("last_beat_age_s") is not None else "none yet"
+    if st.get("torn_lines"):
+        beat += f"   ({st['torn_lines']} torn/invalid lines skipped)"
+    grid.add_row("heartbeat", beat)
+
+    deadlines = st.get("deadlines") or []
+    if deadlines:
+        grid.add_row("deadlines", deadline_text(deadlines))
+    good = st.get("last_good_checkpoint")
+    grid.add_row("checkpoint", f"{good} (last good)" if good else "no good checkpoint yet")
+    grid.add_row("restarts", number(st.get("restarts")))
+    grid.add_row("incidents", incident_line(st.get("incidents"), st.get("last_incident")))
+    grid.add_row("gpu", gpu_text(st.get("gpu")))
+    if isinstance(st.get("queue"), dict):
+        grid.add_row("queue", queue_text(st["queue"]))
+    if st.get("run_dir"):
+        grid.add_row("run dir", str(st["run_dir"]))
+    return grid
+
+
+def pids_text(pids: Any) -> str:
+    """Announced pids by rank: {"0": 123, "1": 124} → "rank 0: 123, rank 1: 124"."""
+    if isinstance(pids, dict):
+        return ", ".join(f"rank {r}: {p}" for r, p in sorted(pids.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0))
+    if isinstance(pids, list):
+        return ", ".join(str(p) for p in pids)
+    return ""
+
+
+def deadline_text(deadlines: Iterable[dict]) -> Text:
+    out = Text()
+    for i, d in enumerate(deadlines):
+        if i:
+            out.append("   ")
+        remaining, budget = d.get("remaining_s"), d.get("budget_s")
+        style = "red" if isinstance(remaining, (int, float)) and isinstance(budget, (int, float)) and budget and remaining < 0.2 * budget else ""
+        name = str(d.get("name", "?"))
+        if d.get("rank") not in (None, 0, "0"):
+            name += f"[rank {d['rank']}]"
+        out.append(f"{name} {duration(remaining)} left of {duration(budget)}", style=style)
+    return out
+
+
+def incident_line(count: Any, last: Any) -> str:
+    text = number(count) if count is not None else "0"
+    if isinstance(last, dict):
+        text += f"   last: {last.get('id', '?')} {last.get('kind', '?')}"
+        if last.get("summary"):
+            text += f" — {last['summary']}"
+    return text
+
+
+def gpu_text(gpu: Any) -> str:
+    """One line per device: utilisation and memory."""
+    if not isinstance(gpu, dict):
+        return "-"
+    if not gpu.get("available"):
+        return f"unavailable ({gpu.get('reason', 'no reason given')})"
+    lines = []
+    for d in gpu.get("devices") or []:
+        parts = [f"GPU{d.get('index', len(lines))}"]
+        if d.get("name"):
+            parts.append(str(d["name"]))
+        if isinstance(d.get("utilization_percent"), (int, float)):
+            parts.append(f"util {d['utilization_percent']:.0f}%")
+        used, total = d.get("memory_used_bytes"), d.get("memory_total_bytes")
+        if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total:
+            parts.append(f"mem {used / 2**30:.1f}/{total / 2**30:.1f} GiB")
+        lines.append("  ".join(parts))
+    return "\n".join(lines) or "no devices"
+
+
+def queue_text(q: dict) -> str:
+    text = f"{number(q.get('waiting'))} waiting, {number(q.get('done'))} done, {number(q.get('rejected'))} rejected"
+    if q.get("current_file"):
+        text += f"   now: {q['current_file']}"
+        prog = q.get("current_progress")
+        if isinstance(prog, (int, float)):
+            text += f" ({100 * prog:.0f}%)" if prog <= 1 else f" ({prog})"
+        elif prog is not None:
+            text += f" ({prog})"
+    return text
+
+
+INCIDENT_COLUMNS = ("id", "kind", "time", "attempt", "step", "summary")
+
+
+def incidents_table(incidents: list) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in INCIDENT_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for inc in incidents:
+        if not isinstance(inc, dict):
+            continue
+        row = []
+        for col in INCIDENT_COLUMNS:
+            v = inc.get(col)
+            if col == "summary" and not v:
+                v = inc.get("classification")
+            row.append("-" if v is None else str(v))
+        table.add_row(*row)
+    return table
+
+
+def incident_view(inc: dict) -> Group:
+    """One incident: the headline fields, then the whole record as JSON."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold", no_wrap=True)
+    head.add_column()
+    for key in ("id", "kind", "time", "attempt", "phase", "step", "deadline", "classification", "summary", "stuck_frame"):
+        if inc.get(key) not in (None, "", [], {}):
+            value = inc[key]
+            head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))
+    body = Text(json.dumps(inc, indent=2, default=str))
+    return Group(head, Text(""), body)
+
+
+def dump_text(dumps: dict) -> str:
+    """Stacks per rank, each under a header line."""
+    if not dumps:
+        return "(no stacks: no worker announced a dump signal)\n"
+    out = []
+    for rank in sorted(dumps, key=lambda r: (len(str(r)), str(r))):
+        text = dumps[rank] or "(empty: the process did not write a dump)\n"
+        out.append(f"=== rank {rank} ===\n{text if text.endswith(chr(10)) else text + chr(10)}")
+    return "".join(out)
+
+
+def result_message(cmd: str, result: Any) -> str:
+    """What a command that changes the run answered, as one line."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, dict):
+        if result.get("accepted"):
+            text = f"{result['accepted']} accepted"
+            if result.get("mode"):
+                text += f" ({result['mode']})"
+            if result.get("note"):
+                text += f": {result['note']}"
+            elif result.get("state"):
+                text += f" (state was {result['state']})"
+            return text
+        if isinstance(result.get("message"), str):
+            return result["message"]
+    if result is None or result is True:
+        return f"{cmd}: ok"
+    return f"{cmd}: {json.dumps(result, default=str)}"

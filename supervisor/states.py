@@ -1,0 +1,90 @@
+"""Supervisor lifecycle: an Enum of states and the only transitions allowed between them.
+
+    STARTING ──start beat──▶ RUNNING ──stop finished, exit 0──▶ (KILLING: reap stragglers) ─▶ FINISHED
+       │  ▲                    │
+       │  │                    ├─deadline fired / restart now──▶ STALLED ─▶ DUMPING ─▶ KILLING
+       │  │                    │                                                       │
+       │  │                    └─worker exited (crash, nan, signal, …)──▶ KILLING ─────┤
+       │  │                                                                            ▼
+       │  └────────────── BACKOFF ◀── restart with backoff ───── (decision after the tree is gone)
+       │                    │                                      ├─▶ STARTING   restart now, no backoff
+       └─startup timeout────┘                                      ├─▶ FAILED     do-not-restart code, crash loop
+                                                                   ├─▶ STOPPED    stop requested
+                                                                   └─▶ PAUSED     pause requested
+    SIGTERM/SIGINT, `stop`, `pause`, `restart graceful`: RUNNING/STARTING ─▶ STOPPING (SIGTERM to the
+    worker, which checkpoints and exits 0) ─▶ KILLING (stragglers) ─▶ STOPPED / PAUSED / STARTING.
+    A deadline that fires while STOPPING escalates like any stall (STALLED → DUMPING → KILLING).
+    PAUSED ─resume─▶ STARTING.  STOPPED, FINISHED and FAILED are final.
+
+Every change goes through `StateMachine.transition`, which raises `IllegalTransition` for a move
+the table does not allow, so a logic error shows up as an exception instead of a wedged supervisor.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+
+class State(enum.Enum):
+    STARTING = "starting"  # worker spawned (or about to be), waiting for its first `start` beat
+    RUNNING = "running"  # start beat seen; deadlines armed
+    STALLED = "stalled"  # a deadline fired; taking the process snapshot
+    DUMPING = "dumping"  # SIGUSR1 sent, waiting for the stack dumps to stop growing
+    KILLING = "killing"  # SIGTERM → grace → SIGKILL to the tree, reaping, waiting for GPU memory
+    BACKOFF = "backoff"  # tree gone, waiting before the next attempt
+    STOPPING = "stopping"  # worker asked to checkpoint and exit (SIGTERM), waiting for it
+    PAUSED = "paused"  # no worker, by request; `resume` starts one
+    STOPPED = "stopped"  # stopped by request; the supervisor exits 0
+    FINISHED = "finished"  # the worker finished the run; the supervisor exits 0
+    FAILED = "failed"  # do-not-restart exit or crash loop; the supervisor exits non-zero
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL
+
+
+FINAL = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
+
+S = State
+TRANSITIONS: dict[State, frozenset[State]] = {
+    S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED}),
+    S.RUNNING: frozenset({S.STALLED, S.KILLING, S.STOPPING}),
+    S.STALLED: frozenset({S.DUMPING}),
+    S.DUMPING: frozenset({S.KILLING}),
+    S.KILLING: frozenset({S.BACKOFF, S.STARTING, S.FAILED, S.STOPPED, S.PAUSED, S.FINISHED}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PAUSED}),
+    S.STOPPING: frozenset({S.STALLED, S.KILLING}),
+    S.PAUSED: frozenset({S.STARTING, S.STOPPED}),
+    S.STOPPED: frozenset(),
+    S.FINISHED: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    def __init__(self, src: State, dst: State, reason: str = ""):
+        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[src])) or "none (final state)"
+        super().__init__(f"illegal transition {src.value} → {dst.value}" + (f" ({reason})" if reason else "") + f"; allowed from {src.value}: {allowed}")
+        self.src, self.dst = src, dst
+
+
+class StateMachine:
+    """The current state plus a bounded history; listeners hear every accepted transition."""
+
+    def __init__(self, initial: State = State.STARTING, *, on_change: Optional[Callable[[State, State, str], None]] = None):
+        self.state = initial
+        self.history: list[tuple[State, State, str]] = []
+        self._on_change = on_change
+
+    def can(self, dst: State) -> bool:
+        return dst in TRANSITIONS[self.state]
+
+    def transition(self, dst: State, reason: str = "") -> None:
+        src = self.state
+        if dst not in TRANSITIONS[src]:
+            raise IllegalTransition(src, dst, reason)
+        self.state = dst
+        self.history.append((src, dst, reason))
+        del self.history[:-200]
+        if self._on_change is not None:
+            self._on_change(src, dst, reason)
