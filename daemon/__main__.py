@@ -40,6 +40,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
 
@@ -94,9 +95,16 @@ def run(cfg, hb, choice, stop, faults) -> str:
     from daemon.train import Trainer
 
     plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt)
+    for f in faults:
+        if (f.at_eval is not None or f.kind == "hang_generate") and not cfg.eval.every_steps:
+            hb.warn(f"fault {f.kind} waits for an eval, but eval.every_steps is 0: it will never fire", fault=f.kind)
     if cfg.model.device != "cpu" and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg.model.name_or_path is None and cfg.model.device != "cuda" and not torch.cuda.is_available():
+        # The tiny model's ops are too small to gain from threads, and a fixed thread count keeps
+        # CPU reductions bit-identical between attempts even if the machine's core count changes.
+        torch.set_num_threads(1)
     bundle = load_model(cfg)
     source, eval_examples = load_data(cfg, bundle.tokenizer, hb)
     trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt)
@@ -132,6 +140,7 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         choice = ckpt.choose_resume(run_dir)
         if choice.path is not None:
             check_resume_compatible(cfg, choice.path)
+        hb.current_step = choice.step
         hb.start(resumed_from=str(choice.path) if choice.path else None, skipped_checkpoints=choice.skipped,
                  resumed_step=choice.step)
         reason = run(cfg, hb, choice, stop, faults)
@@ -149,7 +158,22 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         return code
     finally:
         stop.uninstall()
+        _release_dump_handler(hb)
         hb.close()
+
+
+def _release_dump_handler(hb) -> None:
+    """Undo Heartbeat.start's faulthandler set-up (matters when main() runs inside another program, e.g. tests)."""
+    import faulthandler
+    import signal
+
+    faulthandler.unregister(signal.SIGUSR1)
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    dump_file = getattr(hb, "_dump_file", None)
+    if dump_file is not None:
+        dump_file.close()
+        hb._dump_file = None
 
 
 def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:

@@ -90,7 +90,8 @@ def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], 
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[bundle.device] if bundle.device.type == "cuda" else []), torch.no_grad():
+        cuda_devices = [torch.cuda.current_device()] if bundle.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
             loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
             records = []
             with hb.phase("generate", budget_s=budgets.get("generate")):

@@ -301,7 +301,9 @@ def export_final(bundle: ModelBundle, cfg, out_dir: os.PathLike | str, step: int
     import shutil
 
     from safetensors.torch import save_file
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():

@@ -299,10 +299,13 @@ class Trainer:
                 self.mark_good(Pending(path, self.step))
             else:
                 self.pending.append(Pending(path, self.step))
-            ckpt.apply_retention(root, self.cfg.checkpoint.keep_last, protect=(path,))
+            self.retain()
         return path
 
     def mark_good(self, p: Pending, **why) -> None:
+        if ckpt.validate(p.path, verify_hashes=False) is not None:
+            self.hb.warn(f"checkpoint {p.path.name} is gone or damaged before it could be confirmed", path=str(p.path))
+            return
         state = ckpt.read_state(p.path)
         if not state.get("weights_finite", False):
             self.hb.warn(f"checkpoint {p.path.name} has non-finite weights: never good", path=str(p.path))
@@ -319,9 +322,16 @@ class Trainer:
                 self.mark_good(p)
             else:
                 still.append(p)
-        if len(still) != len(self.pending):
-            ckpt.apply_retention(ckpt.checkpoints_root(self.run_dir), self.cfg.checkpoint.keep_last)
+        changed = len(still) != len(self.pending)
         self.pending = still
+        if changed:
+            self.retain()
+
+    def retain(self) -> None:
+        """Retention; checkpoints still waiting for confirmation are kept too, or with a small keep_last
+        none would ever live long enough to become good."""
+        ckpt.apply_retention(ckpt.checkpoints_root(self.run_dir), self.cfg.checkpoint.keep_last,
+                             protect=tuple(p.path for p in self.pending))
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -366,7 +376,7 @@ class Trainer:
         self.pending = [p for p in self.pending if p.path != path]
         if not ckpt.is_good(path):
             self.mark_good(Pending(path, self.step), reason="finished")
-        ckpt.apply_retention(ckpt.checkpoints_root(self.run_dir), self.cfg.checkpoint.keep_last)
+        self.retain()
         final = export_final(self.bundle, self.cfg, self.run_dir / "final", self.step)
         self.log(f"finished at step {self.step}; adapter exported to {final}")
 

@@ -61,7 +61,7 @@ def main() -> None:
 # The supervisor itself
 
 
-@main.command(epilog="\b\nConfiguration keys (YAML; key = default  (type)):\n" + reference_text())
+@main.command(short_help="Run the supervisor in the foreground.", epilog="\b\nConfiguration keys (YAML; key = default  (type)):\n" + reference_text())
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Use this run directory instead of the config's run_dir.")
 def run(config: str, run_dir: Optional[str]) -> None:
@@ -75,15 +75,15 @@ def run(config: str, run_dir: Optional[str]) -> None:
     from supervisor.notify import Notifier
 
     try:
-        cfg = load_config(config, run_dir)
-    except ConfigError:
-        cfg = None  # the runner explains the problems and exits 78
-    if cfg is not None:
-        logs.configure(cfg.run_dir, cfg.logging.level)
+        cfg = load_config(config, run_dir)  # read here too: logging goes to the run dir from the start
+    except ConfigError as exc:
+        report_config_error(exc)  # the same words as validate-config; nothing is started
+        sys.exit(EX_CONFIG)
+    logs.configure(cfg.run_dir, cfg.logging.level)
     sys.exit(runner.run(config, run_dir, control_factory=make_control, notifier=Notifier.from_env()))
 
 
-@main.command("validate-config")
+@main.command("validate-config", short_help="Check a config file (exit 78 when bad).")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--run-dir", type=click.Path(file_okay=False), help="As for `run`: override the config's run_dir.")
 def validate_config(config: str, run_dir: Optional[str]) -> None:
@@ -168,7 +168,7 @@ def _console():
     return Console(highlight=False, soft_wrap=False)
 
 
-@main.command()
+@main.command(short_help="Show where the run is (--json, --watch).")
 @daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
 @click.option("--watch", "-w", is_flag=True, help="Keep the view up to date (like `top`).")
@@ -189,7 +189,7 @@ def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> No
     _console().print(status_view(st))
 
 
-@main.command()
+@main.command(short_help="Live view of the run.")
 @daemon_options
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period.")
 @click.option("-n", "--count", type=int, default=None, help="Stop after this many refreshes.")
@@ -243,7 +243,7 @@ def _simple(cmd: str):
     return command
 
 
-@main.command()
+@main.command(short_help="Restart the worker (--now: dump and kill).")
 @daemon_options
 @click.option("--now", is_flag=True, help="Do not wait for a checkpoint: dump stacks and kill the worker.")
 def restart(run_dir, socket_path, timeout, now) -> None:
@@ -254,16 +254,16 @@ def restart(run_dir, socket_path, timeout, now) -> None:
     click.echo(result_message("restart", result))
 
 
-main.command(name="stop", help="Stop the run: the worker checkpoints and exits, then the supervisor exits.")(
+main.command(name="stop", short_help="Checkpoint and stop the worker, then exit.", help="Stop the run: the worker checkpoints and exits, then the supervisor exits.")(
     daemon_options(_simple("stop"))
 )
-main.command(name="pause", help="Stop the worker (after a checkpoint) but keep the supervisor; `resume` continues.")(
+main.command(name="pause", short_help="Stop the worker after a checkpoint; stay up.", help="Stop the worker (after a checkpoint) but keep the supervisor; `resume` continues.")(
     daemon_options(_simple("pause"))
 )
-main.command(name="resume", help="Start the worker again after `pause`.")(daemon_options(_simple("resume")))
+main.command(name="resume", short_help="Start the worker again after pause.", help="Start the worker again after `pause`.")(daemon_options(_simple("resume")))
 
 
-@main.command()
+@main.command(short_help="Print fresh stacks of every rank.")
 @daemon_options
 def dump(run_dir, socket_path, timeout) -> None:
     """Print fresh stack dumps of every rank (SIGUSR1 → faulthandler), without stopping anything."""
@@ -273,7 +273,7 @@ def dump(run_dir, socket_path, timeout) -> None:
     click.echo(dump_text(result.get("dumps") or {}), nl=False)
 
 
-@main.command()
+@main.command(short_help="List incidents, or show one by ID.")
 @daemon_options
 @click.argument("incident_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -294,7 +294,7 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
         _console().print(incidents_table(result))
 
 
-@main.command()
+@main.command(short_help="Print the worker log (-f: follow across restarts).")
 @daemon_options
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, moving on to each new attempt.")
 @click.option("--supervisor", is_flag=True, help="The supervisor's log instead of the worker's.")
@@ -327,4 +327,4 @@ def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> N
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="hangwatch")

@@ -226,7 +226,6 @@ class ControlServer:
         self.max_request_bytes = max_request_bytes
         self.idle_timeout_s = idle_timeout_s
         self.policy = policy or PeerPolicy.for_group(group)
-        self._group = group
         self._clock = clock
         self._clients: set[_Client] = set()
         self._sel = selectors.DefaultSelector()
@@ -307,10 +306,6 @@ class ControlServer:
         os.replace(tmp, record)
 
     # ---- the loop's entry point --------------------------------------------------------------
-
-    @property
-    def client_count(self) -> int:
-        return len(self._clients)
 
     def poll(self, handler: Handler) -> None:
         """Accept, read, answer and write whatever can be done right now; never blocks."""

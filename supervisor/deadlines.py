@@ -64,6 +64,13 @@ class Expired:
     step: Optional[int] = None
     source: str = ""  # where the budget came from (line, config, calibrated, first_steps, …)
     progress_lines: int = 0  # progress beats received since the anchor: liveness without progress
+    last_progress_age_s: Optional[float] = None  # how long ago the last of them arrived
+
+    @property
+    def livelock(self) -> bool:
+        """Still beating `progress` late in the window (not just once before going quiet): alive, going nowhere."""
+        return (self.name in ("step", "phase") and self.progress_lines > 0 and self.last_progress_age_s is not None
+                and self.last_progress_age_s <= self.budget_s / 2)
 
     @property
     def overdue_s(self) -> float:
@@ -73,6 +80,8 @@ class Expired:
         d = asdict(self)
         d["overdue_s"] = round(self.overdue_s, 3)
         d["elapsed_s"] = round(self.elapsed_s, 3)
+        if self.last_progress_age_s is not None:
+            d["last_progress_age_s"] = round(self.last_progress_age_s, 3)
         return d
 
 
@@ -207,17 +216,19 @@ class Deadlines:
             if not tr.started or tr.stopped:
                 continue
             common = dict(rank=tr.rank, phase=tr.phase, step=tr.step)
+            age = now - tr.last_progress_at if tr.progress_since_step and tr.last_progress_at is not None else None
             if tr.phase not in QUIET_PHASES:
                 out.append(Expired("silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common))
             if tr.phase_budget is not None:
                 out.append(
                     Expired("phase", tr.phase_budget, now - tr.phase_since, source=tr.phase_budget_source,
-                            progress_lines=tr.progress_since_step, **common)
+                            progress_lines=tr.progress_since_step, last_progress_age_s=age, **common)
                 )
             if tr.phase == "train":
                 anchor = max(x for x in (tr.last_step_at, tr.train_since, tr.phase_since) if x is not None)
                 budget, source = self.step_budget()
-                out.append(Expired("step", budget, now - anchor, source=source, progress_lines=tr.progress_since_step, **common))
+                out.append(Expired("step", budget, now - anchor, source=source, progress_lines=tr.progress_since_step,
+                                   last_progress_age_s=age, **common))
         return out
 
     def active(self, now: float) -> list[dict]:

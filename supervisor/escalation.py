@@ -181,9 +181,9 @@ class TreeKiller:
         if self.send_term:
             process.signal_group(self.worker.pgid, signal.SIGTERM, self.kill)
         else:
-            self._sigkill(now)
+            self.kill_now(now)
 
-    def _sigkill(self, now: float) -> None:
+    def kill_now(self, now: float) -> None:
         self.kill_at = now
         # the group first, then whoever left it (setsid, double fork), each checked by start time
         process.signal_group(self.worker.pgid, signal.SIGKILL, self.kill)
@@ -206,9 +206,9 @@ class TreeKiller:
             left = self._tree()
             if not left and self.worker.exited:
                 self.gone_at = now
-            elif self.kill_at is None and now - (self.term_at or now) >= self.term_grace_s:
+            elif self.kill_at is None and self.term_at is not None and now - self.term_at >= self.term_grace_s:
                 log.info("sigkill", pids=[r.pid for r in left], grace_s=self.term_grace_s)
-                self._sigkill(now)
+                self.kill_now(now)
                 return False
             else:
                 return False

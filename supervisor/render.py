@@ -71,7 +71,8 @@ def progress_bar(step: Any, max_steps: Any, width: int = 30) -> Optional[Text]:
         return None
     done = min(max(step, 0), max_steps)
     filled = round(width * done / max_steps)
-    bar = Text("█" * filled, style="green")
+    bar = Text()
+    bar.append("█" * filled, style="green")
     bar.append("░" * (width - filled), style="dim")
     bar.append(f" {100 * done / max_steps:.0f}%")
     return bar
@@ -91,9 +92,9 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     grid.add_row("state", state)
 
     worker = f"pid {number(st.get('pid'))}" if st.get("pid") is not None else "not running"
-    ranks = pids_text(st.get("pids"))
-    if ranks:
-        worker += f"   {ranks}"
+    pids = st.get("pids")
+    if isinstance(pids, (dict, list)) and (len(pids) > 1 or st.get("pid") not in (list(pids.values()) if isinstance(pids, dict) else pids)):
+        worker += f"   {pids_text(pids)}"  # several ranks, or a launcher (torchrun) in front of them
     if st.get("backoff_remaining_s") is not None:
         worker += f"   next attempt in {duration(st['backoff_remaining_s'])}"
     if st.get("intent"):

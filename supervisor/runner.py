@@ -281,12 +281,15 @@ class Supervisor:
         self._drain_signals()
         self._read_heartbeats(now)
         if self.control is not None:
-            self.control.poll(self.handle_request)
+            try:
+                self.control.poll(self.handle_request)
+            except Exception:  # a broken control channel must not take the training run down with it
+                log.exception("control_poll_failed")
         self._reap(now)
         self._check_deadlines(now)
         self._advance(now)
         self._scan_tree(now)
-        self.notifier.watchdog()
+        self._notify("watchdog")
         self._write_state(now)
 
     def _timeout(self) -> float:
@@ -328,7 +331,7 @@ class Supervisor:
             return
         self.intent = "exit"
         log.info("stop_requested", why=why, state=self.sm.state.value)
-        self.notifier.stopping()
+        self._notify("stopping")
 
     def _read_heartbeats(self, now: float) -> None:
         if self.tail is None:
@@ -341,8 +344,7 @@ class Supervisor:
                 self._on_start_line(rec, now)
             elif ev == "step":
                 self.last_step = rec
-                if self.policy.observed_step(int(rec["step"]), now):
-                    pass
+                self.policy.observed_step(int(rec["step"]), now)
             elif ev == "phase":
                 log.debug("phase", rank=tr.rank, phase=tr.phase, budget_s=tr.phase_budget, step=tr.step)
                 self._status_note(now, force=True)
@@ -404,7 +406,7 @@ class Supervisor:
             return
         if expired.name == "startup":
             kind = "startup_timeout"
-        elif expired.name in ("step", "phase") and expired.progress_lines > 0:
+        elif expired.livelock:
             kind = "livelock"
         else:
             kind = "stall"
@@ -432,7 +434,7 @@ class Supervisor:
         elif st is State.KILLING:
             if self.force and self.handling.killer.kill_at is None:
                 self.force = False
-                self.handling.killer._sigkill(now)
+                self.handling.killer.kill_now(now)
             if self.handling.killer.advance(now):
                 self._tree_gone(now)
         elif st is State.BACKOFF:
@@ -441,7 +443,7 @@ class Supervisor:
             elif self.intent == "pause":
                 self.intent = None
                 self.sm.transition(State.PAUSED, "pause requested during backoff")
-            elif self.intent == "restart" or now >= (self.backoff_until or now):
+            elif self.intent == "restart" or self.backoff_until is None or now >= self.backoff_until:
                 self.intent = None
                 self._start_attempt(now)
         elif st is State.PAUSED:
@@ -503,7 +505,7 @@ class Supervisor:
         log.info("worker_spawned", attempt=self.attempt, pid=self.worker.pid, argv=argv, log=str(adir / "worker.log"))
         if not self._ready_sent:
             self._ready_sent = True
-            self.notifier.ready()
+            self._notify("ready")
         self._write_state(now, force=True)
 
     def _begin_graceful_stop(self, now: float) -> None:
@@ -522,7 +524,7 @@ class Supervisor:
         if expired is not None:
             deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
                         "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank,
-                        "progress_lines": expired.progress_lines}
+                        "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
         why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s" if expired
                else "restart now requested")
         inc = self.incidents.create(kind, attempt=self.attempt, phase=phase, step=step, deadline=deadline,
@@ -613,7 +615,7 @@ class Supervisor:
         if st is State.STOPPING:
             kind = None
             inc = None
-            if w.exit_code != 0:
+            if w.exit_code != 0 and w.exit_signal != signal.SIGTERM:  # our SIGTERM before its handler was set is clean
                 kind, classification = self._classify_exit(w)
                 inc = self._exit_incident(kind, classification, f"worker exited during a graceful stop: {classification}")
             self.handling = Handling(kind, inc, now, reason=f"graceful stop ({self.intent})")
@@ -687,7 +689,8 @@ class Supervisor:
             inc = h.incident
             timings = dict(h.timings)
             timings.update(h.killer.timings() if h.killer else {})
-            timings["detection_to_gone_s"] = round((h.killer.gone_at or now) - h.detected_at, 3) if h.killer else None
+            gone_at = h.killer.gone_at if h.killer and h.killer.gone_at is not None else now
+            timings["detection_to_gone_s"] = round(gone_at - h.detected_at, 3)
             timings["total_s"] = round(now - h.detected_at, 3)
             inc.data.update(status="handled", timings=timings, gpu_release=h.killer.gpu_release if h.killer else None,
                             decision=h.decision.as_dict() if h.decision else {"action": target.value, "reason": why},
@@ -739,7 +742,7 @@ class Supervisor:
     def _finish(self, state: State, why: str, code: int) -> None:
         self.exit_code = code
         if state is not State.FAILED:
-            self.notifier.stopping()
+            self._notify("stopping")
         self.sm.transition(state, why)
 
     def _emergency_kill(self) -> None:
@@ -793,7 +796,13 @@ class Supervisor:
             parts.append(f"phase {tr.phase}")
         if self.last_incident:
             parts.append(f"incidents {self.incidents.count()}")
-        self.notifier.status(", ".join(parts))
+        self._notify("status", ", ".join(parts))
+
+    def _notify(self, what: str, *args) -> None:
+        try:
+            getattr(self.notifier, what)(*args)
+        except Exception:  # systemd notification is a courtesy: never fatal
+            log.exception("notify_failed", what=what)
 
     def _max_steps(self) -> Optional[int]:
         if isinstance(self.last_step.get("max_steps"), int):

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 import pytest
 import yaml
 
+from daemon.heartbeat import decode_line
+
 REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -117,7 +119,8 @@ class Run:
         return wait_for(what, check, timeout)
 
     def stderr(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return self.stderr_path.read_text()
 
     def wait_exit(self, timeout: float = 60) -> int:
@@ -150,13 +153,16 @@ def fake_config(tmp_path: Path, *, max_steps=100000, every=10) -> Path:
 
 
 def ledger(run_dir: Path) -> list[tuple[int, int]]:
+    """(attempt, step) for every step completed so far; a line still being written is left out."""
     p = run_dir / "steps.log"
-    return [tuple(map(int, line.split())) for line in p.read_text().splitlines()] if p.exists() else []
+    text = p.read_text() if p.exists() else ""
+    return [tuple(map(int, line.split())) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
-def start_lines(run_dir: Path, attempt: int) -> list[dict]:
+def beats(run_dir: Path, attempt: int, event: str) -> list[dict]:
+    """The complete heartbeat lines of one event (a line being written is skipped, as the supervisor does)."""
     p = run_dir / "attempts" / f"{attempt:04d}" / "heartbeat-rank0.jsonl"
-    return [r for r in map(json.loads, p.read_text().splitlines()) if r["event"] == "start"]
+    return [r for r in map(decode_line, p.read_bytes().splitlines()) if r is not None and r["event"] == event]
 
 
 class NotifySocket:
@@ -245,8 +251,9 @@ def test_operating_a_run_through_the_cli(tmp_path):
         first = [step for a, step in ledger(run_dir) if a == 1]
         second_steps = wait_for("attempt 2 steps", lambda: [step for a, step in ledger(run_dir) if a == 2])
         assert second_steps[0] == first[-1] + 1
-        assert start_lines(run_dir, 2)[0]["resumed_step"] == first[-1]
-        assert [step for _, step in ledger(run_dir)] == list(range(1, len(ledger(run_dir)) + 1))  # no gap, no repeat
+        assert beats(run_dir, 2, "start")[0]["resumed_step"] == first[-1]
+        steps = [step for _, step in ledger(run_dir)]
+        assert steps == list(range(1, len(steps) + 1))  # no gap, no repeat
 
         # --- restart --now: dump and kill, recorded as an incident with the stacks
         r = hw("restart", "--now", "--run-dir", run_dir)
@@ -288,19 +295,29 @@ def test_operating_a_run_through_the_cli(tmp_path):
     assert "Traceback" not in run.stderr()
 
 
-def test_a_socket_left_by_a_killed_supervisor_is_replaced(tmp_path):
+def test_with_systemd_directories_a_killed_supervisors_socket_is_replaced(tmp_path):
+    """As under the unit: the socket in $RUNTIME_DIRECTORY (recorded in the run dir), the log in
+    $LOGS_DIRECTORY (linked from the run dir).  A SIGKILLed supervisor leaves its socket behind; the
+    next one replaces it."""
     config = fake_config(tmp_path)
-    run_dir = tmp_path / "run"
-    run = Run(tmp_path, config, run_dir)
+    run_dir, runtime, logs_dir = tmp_path / "run", tmp_path / "runtime", tmp_path / "logs"
+    runtime.mkdir()
+    dirs = dict(RUNTIME_DIRECTORY=str(runtime), LOGS_DIRECTORY=str(logs_dir))
+    sock = runtime / "hangwatch.sock"
+    run = Run(tmp_path, config, run_dir, **dirs)
     try:
         run.wait_status("training", lambda s: s["state"] == "running" and (s["step"] or 0) > 0)
+        assert (run_dir / "socket-path").read_text().strip() == str(sock)
+        assert hw("status", "--json", "--socket", sock).returncode == 0
+        assert (run_dir / "supervisor.log").resolve() == logs_dir / "supervisor.log"
+        assert "supervisor_started" in hw("logs", "--supervisor", "--run-dir", run_dir).stdout
     finally:
         run.proc.send_signal(signal.SIGKILL)
         run.wait_exit(10)
-    assert (run_dir / "hangwatch.sock").exists()
+    assert sock.exists()
     r = hw("status", "--run-dir", run_dir)
-    assert (r.returncode, r.stderr) == (69, f"hangwatch: no hangwatch running at {run_dir / 'hangwatch.sock'} (connection refused)\n")
-    again = Run(tmp_path, config, run_dir)
+    assert (r.returncode, r.stderr) == (69, f"hangwatch: no hangwatch running at {sock} (connection refused)\n")
+    again = Run(tmp_path, config, run_dir, **dirs)
     try:
         st = again.wait_status("the new supervisor training", lambda s: s["state"] == "running" and s["attempt"] == 2)
         assert st["supervisor_pid"] == again.proc.pid
@@ -308,6 +325,7 @@ def test_a_socket_left_by_a_killed_supervisor_is_replaced(tmp_path):
         assert again.wait_exit(60) == 0
     finally:
         again.kill()
+    assert not sock.exists()
 
 
 def _tiny_config(tmp_path: Path) -> Path:
@@ -319,6 +337,9 @@ def _tiny_config(tmp_path: Path) -> Path:
     demo["eval"]["every_steps"] = 0
     demo["train"].update(max_steps=400, sleep_per_step_s=0.05)
     demo["checkpoint"]["every_steps"] = 1000  # only the checkpoint a graceful stop makes
+    # A checkpoint counts as good only once `confirm_steps` finite steps followed it, and resume takes
+    # the newest good one; the checkpoint written on the way out can be good at once only with 0.
+    demo["checkpoint"]["confirm_steps"] = 0
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(demo))
     return path
@@ -335,12 +356,11 @@ def test_built_in_worker_graceful_restart_loses_no_step(tmp_path):
         assert r.returncode == 0, r.stderr
         run.wait_status("attempt 2 training", lambda s: s["attempt"] == 2 and s["state"] == "running" and (s["step"] or 0) > 0,
                         timeout=120)
-        beats1 = [json.loads(x) for x in (run_dir / "attempts/0001/heartbeat-rank0.jsonl").read_text().splitlines()]
-        last_step_1 = max(b["step"] for b in beats1 if b["event"] == "step")
-        start2 = start_lines(run_dir, 2)[0]
+        last_step_1 = max(b["step"] for b in beats(run_dir, 1, "step"))
+        start2 = beats(run_dir, 2, "start")[0]
         assert start2["resumed_from"] and start2["resumed_from"].endswith(f"step-{last_step_1:08d}")
-        beats2 = [json.loads(x) for x in (run_dir / "attempts/0002/heartbeat-rank0.jsonl").read_text().splitlines()]
-        assert min(b["step"] for b in beats2 if b["event"] == "step") == last_step_1 + 1
+        steps2 = wait_for("a step in attempt 2", lambda: [b["step"] for b in beats(run_dir, 2, "step")], timeout=120)
+        assert steps2[0] == last_step_1 + 1
         assert hw("stop", "--run-dir", run_dir).returncode == 0
         assert run.wait_exit(120) == 0
     finally:

@@ -70,9 +70,16 @@ def test_progress_resets_only_silence_so_a_livelock_is_caught_by_the_step_deadli
         e = d.check(float(t))
         if e is not None:
             break
-    assert e.name == "step" and e.progress_lines > 0
+    assert e.name == "step" and e.progress_lines > 0 and e.livelock
     assert t == 52  # 1 + 50 → due at 51, seen at the next check (52)
     assert e.overdue_s == pytest.approx(1.0)
+
+
+def test_one_progress_beat_then_quiet_is_a_stall_not_a_livelock():
+    d = started(make(silence_timeout_s=1000))
+    d.observe(line("progress", phase="train"), 2.0)  # first micro-batch done, then stuck
+    e = d.check(51.0)
+    assert e.name == "step" and e.progress_lines == 1 and e.last_progress_age_s == 49.0 and not e.livelock
 
 
 def test_phase_budget_from_line_then_config_then_default():

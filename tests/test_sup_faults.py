@@ -7,6 +7,8 @@ finished after the restart.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fixtures.sup_harness import attempts, incidents, recorded_pids, run_supervisor, state, wait_no_strays, write_config
@@ -161,3 +163,29 @@ def test_unusable_config_exits_78_with_the_problem_on_stderr(tmp_path):
     rc, out = run_supervisor(bad)
     assert rc == 78
     assert "silense_timeout_s: unknown key (did you mean 'silence_timeout_s'?)" in out
+
+
+def test_py_spy_runs_time_boxed_and_its_output_lands_in_the_incident(tmp_path):
+    # a stand-in py-spy on PATH that answers, then hangs: the supervisor must cut it off
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "py-spy"
+    fake.write_text("#!/bin/sh\necho \"fake py-spy $*\"\nexec sleep 60\n")
+    fake.chmod(0o755)
+    cfg_path, run_dir = write_config(tmp_path, "block_c", watchdog={"py_spy": True, "py_spy_timeout_s": 1})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+        inc, run_dir, _ = _run_prepared(cfg_path, run_dir)
+    text = (run_dir / "incidents" / f"{inc['id']}-stall" / "py-spy-rank0.txt").read_text()
+    assert f"fake py-spy dump --native --locals --pid {inc['worker_pid']}" in text
+    assert "killed after 1s time box" in text
+    assert inc["py_spy"].startswith("ran ") and "py-spy-rank0.txt" in inc["files"]
+    assert inc["stuck_frame"]["function"] == "block_in_c"
+
+
+def _run_prepared(cfg_path, run_dir):
+    rc, out = run_supervisor(cfg_path)
+    assert rc == 0, out[-4000:]
+    assert not wait_no_strays(str(run_dir))
+    (inc,) = incidents(run_dir)
+    return inc, run_dir, out

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from fixtures.sup_harness import (HBWORKER, PY, attempts, incidents, run_supervisor, start_supervisor, state, strays,
+from fixtures.sup_harness import (HBWORKER, PY, attempts, run_supervisor, start_supervisor, state, strays,
                                   wait_for, wait_no_strays, write_config)
 from supervisor.config import load_config
 from supervisor.runner import Supervisor
@@ -209,7 +209,7 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     cfg = load_config(cfg_path)
     box = {}
 
-    def at(attempt, state="running", min_step=2):
+    def at(attempt, state="running", min_step=3):  # step 2 is followed by a good checkpoint
         def cond():
             s = box["sup"]
             tr = s.deadlines.ranks.get(0)
@@ -242,11 +242,11 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     bogus = get(cmd="bogus")
     assert bogus["ok"] is False and "unknown command 'bogus'" in bogus["error"] and "status" in bogus["error"]
     st = get(cmd="status")["result"]
-    assert st["state"] == "running" and st["attempt"] == 1 and st["step"] >= 2 and st["phase"] == "train"
+    assert st["state"] == "running" and st["attempt"] == 1 and st["step"] >= 3 and st["phase"] == "train"
     assert st["pid"] and st["pids"] == {"0": st["pid"]} and st["max_steps"] == 100000 and st["loss"] is not None
     assert {d["name"] for d in st["deadlines"]} == {"silence", "step"}
     assert st["gpu"]["available"] is False and "no GPU" in st["gpu"]["reason"]
-    assert st["last_good_checkpoint"] == "ckpt-2" or st["last_good_checkpoint"].startswith("ckpt-")
+    assert st["last_good_checkpoint"].startswith("ckpt-")
     for key in ("phase_age_s", "phase_budget_s", "tokens_per_s", "lr", "last_beat_age_s", "restarts", "incidents",
                 "last_incident", "run_dir", "config", "supervisor_pid", "uptime_s", "torn_lines"):
         assert key in st

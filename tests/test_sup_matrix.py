@@ -49,9 +49,11 @@ def config(tmp_path: Path, name: str, faults: list) -> tuple[Path, Path]:
         run_dir=str(run_dir),
         data={"train": str(ROOT / "configs/data/train.jsonl"), "eval": str(ROOT / "configs/data/eval.jsonl"), "max_length": 64},
         faults=faults,
-        watchdog={"startup_timeout_s": 120, "silence_timeout_s": 6, "step_timeout_s": 4, "dump_grace_s": 2,
+        # generous for a tiny model: on two shared cores one step can take 7 s when other work runs
+        # (no row relies on silence: it only has to stay out of the way of slow, healthy stretches)
+        watchdog={"startup_timeout_s": 120, "silence_timeout_s": 30, "step_timeout_s": 15, "dump_grace_s": 2,
                   "term_grace_s": 3, "poll_interval_s": 0.1, "py_spy": False,
-                  "phase_budgets_s": {"eval": 60, "generate": 4, "checkpoint": 60, "load": 120}},
+                  "phase_budgets_s": {"eval": 60, "generate": 10, "checkpoint": 60, "load": 120}},
         restart={"backoff_initial_s": 0, "max_restarts": 20},
     )
     cfg["train"].update(max_steps=MAX_STEPS, sleep_per_step_s=0.0, max_nonfinite_streak=3)
@@ -142,7 +144,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     cfg_path, run_dir = config(tmp, "reference", [])
     run_to_end(cfg_path, run_dir, timeout=180)
-    assert incidents(run_dir) == []
+    assert [i["summary"] for i in incidents(run_dir)] == []
     return final_weights(run_dir)
 
 

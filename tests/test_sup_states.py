@@ -125,3 +125,15 @@ def test_exit_codes(code, reason, action, rollback):
     assert (d.action, d.rollback) == (action, rollback)
     if code in (65, 78):
         assert "not restarting" in d.reason
+
+
+def test_the_supervisor_never_imports_the_training_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, supervisor.runner, supervisor.snapshot, supervisor.escalation;"
+            "bad = {'torch', 'transformers', 'peft', 'numpy'} & set(sys.modules); print(sorted(bad)); sys.exit(bool(bad))")
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stdout + p.stderr
