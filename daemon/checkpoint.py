@@ -12,6 +12,12 @@ Commit protocol (a kill at any instant leaves either the old state or the new on
      the parent fsynced, the moved-aside one deleted.
 A checkpoint is *valid* when its manifest checks out, *good* when it also carries a `GOOD` marker,
 written (atomically) once its weights were finite and `confirm_steps` finite steps followed it.
+
+A checkpoint written at a graceful stop (SIGTERM, `hangwatch restart`) cannot be confirmed by the
+steps after it, since there are none yet; it gets a `PROVISIONAL` marker instead when its weights are
+finite and the step before it was finite.  Resume takes it (a graceful restart must lose no step) and
+the resumed attempt confirms it like any other; a non-finite streak removes every provisional marker
+before the worker exits 75, so the rollback goes to the last *good* checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Callable, Optional
 
 MANIFEST = "manifest.json"
 GOOD = "GOOD"
+PROVISIONAL = "PROVISIONAL"
 STATE = "trainer_state.json"
 MANIFEST_VERSION = 1
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -119,6 +126,24 @@ def mark_good(path: os.PathLike | str, **info) -> None:
     write_atomic(Path(path) / GOOD, body)
 
 
+def mark_provisional(path: os.PathLike | str, **info) -> None:
+    """Record that checkpoint `path` may be resumed from before it is confirmed (graceful stop)."""
+    body = json.dumps({"t": time.time(), **info}, sort_keys=True).encode() + b"\n"
+    write_atomic(Path(path) / PROVISIONAL, body)
+
+
+def clear_provisional(root: os.PathLike | str) -> list[Path]:
+    """Withdraw every provisional marker (training went non-finite: only confirmed checkpoints count)."""
+    cleared = []
+    for p in list_checkpoints(root):
+        marker = p / PROVISIONAL
+        if marker.exists():
+            marker.unlink()
+            _fsync_path(p)
+            cleared.append(p)
+    return cleared
+
+
 # ---- inspection ----------------------------------------------------------------------------
 
 
@@ -152,6 +177,10 @@ def validate(path: os.PathLike | str, *, verify_hashes: bool = True) -> Optional
 
 def is_good(path: os.PathLike | str) -> bool:
     return (Path(path) / GOOD).is_file()
+
+
+def is_provisional(path: os.PathLike | str) -> bool:
+    return (Path(path) / PROVISIONAL).is_file() and not is_good(path)
 
 
 def read_state(path: os.PathLike | str) -> dict:
@@ -197,12 +226,13 @@ class ResumeChoice:
 
 
 def choose_resume(run_dir: os.PathLike | str) -> ResumeChoice:
-    """The newest good checkpoint; newer ones that are invalid or unconfirmed are listed as skipped."""
+    """The newest good (or provisional) checkpoint; newer ones that are invalid or unconfirmed are
+    listed as skipped."""
     root = checkpoints_root(run_dir)
     choice = ResumeChoice(skipped=clean_temporaries(root))
     for p in list_checkpoints(root):
         reason = validate(p)
-        if reason is None and not is_good(p):
+        if reason is None and not is_good(p) and not is_provisional(p):
             reason = "valid but not confirmed good (training after it did not stay finite long enough, or was cut short)"
         if reason is None:
             choice.path, choice.step = p, step_of(p)

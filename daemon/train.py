@@ -209,6 +209,8 @@ class Trainer:
         self.nonfinite_streak = int(state["nonfinite_streak"])
         self.last_saved_step = self.step
         self.resumed_from = path
+        if not ckpt.is_good(path):
+            self.pending.append(Pending(path, self.step))  # provisional: the steps after it confirm it
         # Last: nothing after this may draw random numbers before training does.
         self.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
 
@@ -283,6 +285,7 @@ class Trainer:
         self.log(f"step {self.step + 1}: non-finite (loss {m['loss']}, grad_norm {m['grad_norm']}) — skipped, "
                  f"{self.nonfinite_streak} in a row (limit {t.max_nonfinite_streak})")
         if self.nonfinite_streak >= t.max_nonfinite_streak:
+            ckpt.clear_provisional(ckpt.checkpoints_root(self.run_dir))
             raise NonFiniteStreak(self.nonfinite_streak, self.step)
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -353,7 +356,10 @@ class Trainer:
         while True:
             if self.stop:
                 if self.step > 0 and self.last_saved_step != self.step:
-                    self.save_checkpoint()
+                    path = self.save_checkpoint()
+                    if self.nonfinite_streak == 0 and self.bundle.weights_finite() and not ckpt.is_good(path):
+                        ckpt.mark_provisional(path, reason=f"graceful stop on {self.stop.requested}")
+                        self.log(f"checkpoint {path.name} is provisional: the next attempt resumes from it")
                 self.log(f"stopping on {self.stop.requested} at step {self.step}")
                 return "terminated"
             if self.step >= cfg.train.max_steps:

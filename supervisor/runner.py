@@ -959,7 +959,8 @@ class Supervisor:
     def _cmd_resume(self, req: dict) -> dict:
         if self.sm.state is not State.PAUSED and self.intent != "pause":
             return {"ok": False, "error": f"not paused (state {self.sm.state.value})"}
-        self.intent = "restart" if self.sm.state is State.PAUSED else None
+        # paused, or a pause still under way: either way a worker runs again once nothing is left of the old one
+        self.intent = "restart"
         return {"ok": True, "result": {"accepted": "resume"}}
 
     def _cmd_dump(self, req: dict) -> dict:

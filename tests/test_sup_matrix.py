@@ -7,6 +7,9 @@ checkpoint and going on to the next fault — the same detection, escalation and
 per fault, at a third of the cost (the worker's import of torch dominates).  `nan` runs on its
 own, since skipped non-finite steps change the weights by design.
 
+The reference and the `nan` run start together in the background (neither depends on a tight
+deadline); the chain, whose hang rows do, runs on its own afterwards.
+
 For each row: the deadline or exit classification, the incident kind and classification, the
 stuck function for Python-level hangs, every process of the tree gone (fault children included),
 the resume from the last good checkpoint, and a finished run; then equal final weights.
@@ -15,13 +18,14 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
-from fixtures.sup_harness import ROOT, incidents, run_supervisor, state
+from fixtures.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
 
 pytestmark = pytest.mark.slow
 
@@ -139,13 +143,59 @@ def check_rows(run_dir: Path, rows: list) -> None:
     assert not survivors(tree_pids(run_dir))
 
 
+class Background:
+    """Supervisors started together; each is awaited when a test needs its result."""
+
+    def __init__(self, tmp: Path, runs: dict):
+        self.procs = {}
+        for name, faults in runs.items():
+            cfg_path, run_dir = config(tmp, name, faults)
+            log = open(tmp / f"{name}.out", "w")
+            p = subprocess.Popen([PY, "-m", "supervisor.runner", str(cfg_path)], cwd=ROOT, env=env(), stdout=log,
+                                 stderr=subprocess.STDOUT)
+            self.procs[name] = (p, run_dir, log, tmp / f"{name}.out")
+
+    def finish(self, name: str, timeout: float) -> Path:
+        p, run_dir, log, out = self.procs[name]
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise AssertionError(f"{name}: supervisor did not finish in {timeout}s:\n{out.read_text()[-5000:]}")
+        log.close()
+        assert rc == 0, out.read_text()[-6000:]
+        assert state(run_dir)["state"] == "finished"
+        return run_dir
+
+    def close(self) -> None:
+        for p, _, log, _ in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg_path, run_dir = config(tmp, "reference", [])
-    run_to_end(cfg_path, run_dir, timeout=180)
+def background(tmp_path_factory):
+    runs = Background(tmp_path_factory.mktemp("matrix"), {"reference": [], "nan": [NAN[0]]})
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def reference(background):
+    run_dir = background.finish("reference", timeout=300)
     assert [i["summary"] for i in incidents(run_dir)] == []
     return final_weights(run_dir)
+
+
+def test_nan_streak_restarts_with_rollback_and_finishes(background):
+    run_dir = background.finish("nan", timeout=300)
+    check_rows(run_dir, [NAN])
+    (inc,) = incidents(run_dir)
+    assert inc["decision"]["rollback"] is True and inc["rollback_to"] == inc["last_good_checkpoint"]
+    assert inc["exit"]["code"] == 75 and inc["exit"]["last_words"]["kind"] == "nan"
 
 
 def test_fault_chain_detects_each_fault_resumes_and_ends_in_the_reference_weights(tmp_path, reference):
@@ -155,12 +205,3 @@ def test_fault_chain_detects_each_fault_resumes_and_ends_in_the_reference_weight
     children = [pid for b in beats(run_dir) if b["event"] == "warn" for pid in b.get("children") or []]
     assert len(children) == 6  # two per spawn_child fault, one of each pair having left the group
     assert final_weights(run_dir) == reference
-
-
-def test_nan_streak_restarts_with_rollback_and_finishes(tmp_path):
-    cfg_path, run_dir = config(tmp_path, "nan", [NAN[0]])
-    run_to_end(cfg_path, run_dir, timeout=180)
-    check_rows(run_dir, [NAN])
-    (inc,) = incidents(run_dir)
-    assert inc["decision"]["rollback"] is True and inc["rollback_to"] == inc["last_good_checkpoint"]
-    assert inc["exit"]["code"] == 75 and inc["exit"]["last_words"]["kind"] == "nan"

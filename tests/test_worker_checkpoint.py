@@ -135,3 +135,19 @@ def test_run_retention_never_deletes_the_newest_good(tmp_path):
     assert words["kind"] == "crash" and "injected fault: crash at step 9" in words["message"]
     # The next attempt resumes from the newest good one, not the newest valid one.
     assert ckpt.choose_resume(tmp_path / "run").path == root / ckpt.step_name(5)
+
+
+def test_provisional_checkpoint_is_resumed_until_a_nonfinite_streak_withdraws_it(tmp_path):
+    """A graceful stop's checkpoint is resumed from (no step lost) but never outlives a rollback."""
+    root = ckpt.checkpoints_root(tmp_path)
+    fill = lambda d: (d / "weights.bin").write_bytes(b"w")  # noqa: E731
+    good = ckpt.commit(root, 4, fill)
+    ckpt.mark_good(good)
+    stopped = ckpt.commit(root, 6, fill)
+    assert ckpt.choose_resume(tmp_path).path == good  # unconfirmed: skipped
+    ckpt.mark_provisional(stopped, reason="graceful stop on SIGTERM")
+    choice = ckpt.choose_resume(tmp_path)
+    assert choice.path == stopped and choice.skipped == []
+    assert ckpt.clear_provisional(root) == [stopped]
+    choice = ckpt.choose_resume(tmp_path)
+    assert choice.path == good and "not confirmed good" in choice.skipped[0]["reason"]

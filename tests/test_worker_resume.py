@@ -98,6 +98,8 @@ def test_sigkilled_run_resumes_bit_for_bit(tmp_path):
             seen.add(step)
     assert seen == set(range(1, MAX_STEPS + 1))
     assert read_beats(killed_dir, 6)[-1]["reason"] == "finished"
+    # The graceful stop lost no step: attempt 6 resumed from the (provisional) checkpoint SIGTERM wrote.
+    assert read_beats(killed_dir, 6)[0]["resumed_from"].endswith(f"step-{beats5[-1]['step']:08d}")
 
     for name in ("adapter_model.safetensors", "extra_modules.safetensors"):
         a = load_file(str(clean_dir / "final" / name))
