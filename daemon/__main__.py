@@ -4,7 +4,11 @@ Order of business, so that the `start` heartbeat comes before the slow imports: 
 (pydantic and yaml only), choose the checkpoint to resume from (standard library only), beat
 `start`, enter `load` and only then import torch, transformers and peft.
 
-Exit codes (DESIGN.md): 0 finished or terminated on request · 78 bad config · 65 no usable data ·
+With `data.inbox: true` the worker trains continuously on files dropped into `<run_dir>/inbox/`
+(`daemon.continuous`); with `data.idle_exit_s` set it ends, reason `idle`, once no file came for
+that long.
+
+Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
 attempts/NNNN/exit.json.
 """
@@ -57,21 +61,29 @@ def check_resume_compatible(cfg, path: Path) -> None:
         )
 
 
-def load_data(cfg, tokenizer, hb):
-    """(train source, eval examples); problems are reported, no usable training data raises DataError."""
+def load_data(cfg, tokenizer, hb, stop):
+    """(train source, eval examples); problems are reported, no usable training data raises DataError.
+
+    Continuous mode: the source is the inbox (`daemon.continuous.InboxFeed`, to be closed after use)."""
     from daemon.data import ShuffledEpochs, validate_file
 
-    if cfg.data.train is None:
-        raise DataError("data.train is not set: this worker trains from a file")
-    examples, problems = validate_file(cfg.data.train, tokenizer, cfg)
-    _report(hb, "training data", cfg.data.train, examples, problems)
-    if not examples:
-        raise DataError(f"{cfg.data.train}: no usable training example ({len(problems)} problem(s))", problems)
+    if cfg.data.inbox:
+        from daemon.continuous import open_feed
+
+        source = open_feed(cfg, tokenizer, hb, stop)
+    elif cfg.data.train is None:
+        raise DataError("data.train is not set: this worker trains from a file (or set data.inbox: true)")
+    else:
+        examples, problems = validate_file(cfg.data.train, tokenizer, cfg)
+        _report(hb, "training data", cfg.data.train, examples, problems)
+        if not examples:
+            raise DataError(f"{cfg.data.train}: no usable training example ({len(problems)} problem(s))", problems)
+        source = ShuffledEpochs(examples, cfg.train.seed)
     eval_examples = []
     if cfg.data.eval:
         eval_examples, eval_problems = validate_file(cfg.data.eval, tokenizer, cfg)
         _report(hb, "eval data", cfg.data.eval, eval_examples, eval_problems)
-    return ShuffledEpochs(examples, cfg.train.seed), eval_examples
+    return source, eval_examples
 
 
 def _report(hb, what, path, examples, problems) -> None:
@@ -106,16 +118,21 @@ def run(cfg, hb, choice, stop, faults) -> str:
         # CPU reductions bit-identical between attempts even if the machine's core count changes.
         torch.set_num_threads(1)
     bundle = load_model(cfg)
-    source, eval_examples = load_data(cfg, bundle.tokenizer, hb)
-    trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt)
-    if choice.path is not None:
-        trainer.restore(choice.path)
-        print(f"resumed from {choice.path} at step {trainer.step}", flush=True)
-    else:
-        trainer.seed_fresh()
-    for s in choice.skipped:
-        print(f"skipped checkpoint {s['path']}: {s['reason']}", flush=True)
-    return trainer.run()
+    source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop)
+    try:
+        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt)
+        if choice.path is not None:
+            trainer.restore(choice.path)
+            print(f"resumed from {choice.path} at step {trainer.step}", flush=True)
+        else:
+            trainer.seed_fresh()
+        for s in choice.skipped:
+            print(f"skipped checkpoint {s['path']}: {s['reason']}", flush=True)
+        return trainer.run()
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()  # the inbox's watcher thread
 
 
 def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> int:

@@ -199,13 +199,23 @@ def validate_file(path: os.PathLike | str, tokenizer, cfg) -> tuple[list[Example
 
 
 class DataSource(Protocol):
-    """Where training examples come from, in a resumable order."""
+    """Where training examples come from, in a resumable order.
+
+    `take(n)` returns n examples; `position()` is asked for only on optimizer-step boundaries and
+    stored in checkpoints; `restore(position, step)` continues from one (None: from the start);
+    `progress()` is a few small fields for the step heartbeat and log line.  A source may also have
+    `take_step(n) -> (examples, end)`, which may come back short with `end` "stop" or "idle"
+    (continuous mode waits for data there), and `commit(position, step)`, called once the
+    checkpoint holding `position` is committed (see `daemon.continuous`).
+    """
 
     def take(self, n: int) -> list[Example]: ...
 
     def position(self) -> dict: ...
 
-    def restore(self, position: dict) -> None: ...
+    def restore(self, position: Optional[dict], step: Optional[int] = None) -> None: ...
+
+    def progress(self) -> dict: ...
 
 
 @dataclass
@@ -247,7 +257,13 @@ class ShuffledEpochs:
     def position(self) -> dict:
         return {"kind": "shuffled_epochs", "epoch": self.epoch, "index": self.index, "size": len(self.examples)}
 
-    def restore(self, position: dict) -> None:
+    def progress(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, position: Optional[dict], step: Optional[int] = None) -> None:
+        if position is None:
+            self.epoch, self.index, self._order = 0, 0, None
+            return
         if position.get("size") not in (None, len(self.examples)):
             from supervisor.config import ConfigError
 
@@ -258,6 +274,17 @@ class ShuffledEpochs:
         self.epoch = int(position["epoch"])
         self.index = int(position["index"])
         self._order = None
+
+
+def load_tokenizer(cfg):
+    """The run's tokenizer without its model, for checking files before they are submitted."""
+    if cfg.model.name_or_path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.name_or_path, local_files_only=True)
+    from daemon.model import build_tiny_tokenizer  # imports torch: the tiny tokenizer lives beside the tiny model
+
+    return build_tiny_tokenizer(cfg.model.tiny.vocab_size)
 
 
 def collate(examples: list[Example], pad_id: int):

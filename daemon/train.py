@@ -7,9 +7,16 @@ boundary and restored: adapter and extra-module weights, optimizer and scheduler
 states (dropout), the data position and the accumulation counter; evaluation runs on a set-aside
 RNG so whether it ran does not matter.
 
-Lifecycle: `Trainer(...)` → `restore(path)` (or `seed_fresh()`) → `run()` → "finished" | "terminated".
-Within a step boundary the order is: step beat → confirm pending checkpoints → eval (if due) →
-checkpoint (if due) → stop request → max_steps.
+Lifecycle: `Trainer(...)` → `restore(path)` (or `seed_fresh()`) → `run()` → "finished" | "terminated"
+| "idle".  Within a step boundary the order is: step beat → confirm pending checkpoints → eval (if
+due) → checkpoint (if due) → stop request → max_steps.
+
+The data position a checkpoint stores is the one taken at the last step boundary: a continuous-mode
+source (`daemon.continuous`) may have handed out part of the next step's examples when a stop
+request ends its wait for more, and those are simply taken again after the resume.  Once a
+checkpoint is committed, the source's `commit` (if it has one) records what it covers.  A source
+that runs dry for good (`end` "idle") gets its last, partial step trained, and the run finishes
+with reason "idle".
 """
 from __future__ import annotations
 
@@ -123,10 +130,13 @@ class Trainer:
         self.pending: list[Pending] = []
         self.resumed_from: Optional[Path] = None
         self.last_metrics: dict = {}
+        self.boundary_position: dict = {}  # the source's position at the last optimizer-step boundary
 
     # ---- state ----------------------------------------------------------------------------
 
     def seed_fresh(self) -> None:
+        self.source.restore(None, 0)
+        self.boundary_position = self.source.position()
         seed = self.cfg.train.seed
         random.seed(seed)
         np.random.seed(seed & 0xFFFFFFFF)
@@ -158,7 +168,7 @@ class Trainer:
 
         return {
             "step": self.step,
-            "data_position": self.source.position(),
+            "data_position": self.boundary_position,
             "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum},
             "samples": self.samples,
             "tokens": self.tokens,
@@ -200,7 +210,8 @@ class Trainer:
             raise RuntimeError(f"{path}: restored weights are not finite")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        self.source.restore(state["data_position"])
+        self.source.restore(state["data_position"], int(state["step"]))
+        self.boundary_position = self.source.position()
         self.step = int(state["step"])
         self.hb.current_step = self.step
         self.samples = int(state["samples"])
@@ -216,13 +227,26 @@ class Trainer:
 
     # ---- one optimizer step ---------------------------------------------------------------
 
-    def train_step(self) -> dict:
-        """Accumulate `grad_accum` micro-batches and take (or skip, when non-finite) one optimizer step."""
+    def next_examples(self) -> tuple[list[Example], Optional[str]]:
+        """The next optimizer step's examples, and why there are fewer than a full step (None: there are not)."""
         t = self.cfg.train
+        n = t.micro_batch_size * t.grad_accum
+        take_step = getattr(self.source, "take_step", None)
+        if take_step is not None:
+            return take_step(n)
+        return self.source.take(n), None
+
+    def train_step(self, examples: Optional[list[Example]] = None) -> dict:
+        """Accumulate the step's micro-batches (`grad_accum` of them; fewer for a partial last step)
+        and take (or skip, when non-finite) one optimizer step; `examples` default to the source's next."""
+        t = self.cfg.train
+        if examples is None:
+            examples, _ = self.next_examples()
         number = self.step + 1
         self.faults.before_step(number, self.bundle)
         started = time.perf_counter()
-        micro = [self.source.take(t.micro_batch_size) for _ in range(t.grad_accum)]
+        size = t.micro_batch_size
+        micro = [examples[i:i + size] for i in range(0, len(examples), size)]
         n_labels = sum(e.n_label_tokens for mb in micro for e in mb)
         n_tokens = sum(len(e.input_ids) for mb in micro for e in mb)
         poison = self.faults.take_nan()
@@ -240,7 +264,7 @@ class Trainer:
             aux_total += aux
             if pause:
                 time.sleep(pause)
-            if self.accum < t.grad_accum:
+            if self.accum < len(micro):
                 self.hb.progress(micro_step=self.accum, grad_accum=t.grad_accum)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm))
         loss_value = ce_total / n_labels
@@ -256,14 +280,14 @@ class Trainer:
             self.nonfinite_streak += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.accum = 0
-        self.samples += t.micro_batch_size * t.grad_accum
+        self.samples += sum(len(mb) for mb in micro)
         self.tokens += n_tokens
         elapsed = time.perf_counter() - started
-        pos = self.source.position()
+        self.boundary_position = self.source.position()
         return {
             "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
-            "samples": self.samples, "tokens": self.tokens, "epoch": pos.get("epoch"), "index": pos.get("index"),
+            "samples": self.samples, "tokens": self.tokens, **self.source.progress(),
         }
 
     def after_step(self, m: dict) -> None:
@@ -274,8 +298,9 @@ class Trainer:
             fields.update(memory_metrics(self.bundle.device))
             self.hb.step(self.step, **fields)
             self.last_metrics = fields
+            where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
             self.log(f"step {self.step}/{t.max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.3e} "
-                     f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} epoch {m['epoch']} index {m['index']}")
+                     f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} {where}")
             self.confirm_pending()
             return
         dropped = [str(p.path) for p in self.pending]
@@ -294,10 +319,14 @@ class Trainer:
         root = ckpt.checkpoints_root(self.run_dir)
         with self.hb.phase("checkpoint", budget_s=self.cfg.watchdog.phase_budgets_s.get("checkpoint")):
             started = time.perf_counter()
+            position = self.boundary_position
             path = ckpt.commit(root, self.step, self._fill)
             self.last_saved_step = self.step
             self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4))
             self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)")
+            commit = getattr(self.source, "commit", None)
+            if commit is not None:
+                commit(position, self.step)  # after the manifest: a kill before this is repaired by the resume
             if self.cfg.checkpoint.confirm_steps == 0:
                 self.mark_good(Pending(path, self.step))
             else:
@@ -355,9 +384,14 @@ class Trainer:
         self.bundle.model.train()
         while True:
             if self.stop:
-                if self.step > 0 and self.last_saved_step != self.step:
-                    path = self.save_checkpoint()
-                    if self.nonfinite_streak == 0 and self.bundle.weights_finite() and not ckpt.is_good(path):
+                if self.step > 0:
+                    # The step's checkpoint may already exist (saved on schedule just before the
+                    # request, common while continuous mode idles): it too must not wait for a
+                    # confirmation that this attempt will never give.
+                    path = (self.save_checkpoint() if self.last_saved_step != self.step
+                            else ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step))
+                    if (path.is_dir() and self.nonfinite_streak == 0 and self.bundle.weights_finite()
+                            and not ckpt.is_good(path) and not ckpt.is_provisional(path)):
                         ckpt.mark_provisional(path, reason=f"graceful stop on {self.stop.requested}")
                         self.log(f"checkpoint {path.name} is provisional: the next attempt resumes from it")
                 self.log(f"stopping on {self.stop.requested} at step {self.step}")
@@ -365,8 +399,16 @@ class Trainer:
             if self.step >= cfg.train.max_steps:
                 self.finish()
                 return "finished"
+            examples, end = self.next_examples()
+            if end == "stop":
+                continue  # a partial step is dropped: the checkpoint's position is the last step boundary
+            if end == "idle":
+                if examples:
+                    self.after_step(self.train_step(examples))
+                self.finish("no new data for data.idle_exit_s")
+                return "idle"
             before = self.step
-            self.after_step(self.train_step())
+            self.after_step(self.train_step(examples))
             if self.step == before:
                 continue
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
@@ -374,17 +416,18 @@ class Trainer:
             if self.step % cfg.checkpoint.every_steps == 0 or self.step >= cfg.train.max_steps:
                 self.save_checkpoint()
 
-    def finish(self) -> None:
-        """At max_steps: the last checkpoint counts as confirmed (nothing follows it), the adapter is exported."""
+    def finish(self, why: str = "finished") -> None:
+        """At the end (max_steps, or idle): the last checkpoint counts as confirmed (nothing follows it),
+        the adapter is exported."""
         if self.last_saved_step != self.step:
             self.save_checkpoint()
         path = ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step)
         self.pending = [p for p in self.pending if p.path != path]
         if not ckpt.is_good(path):
-            self.mark_good(Pending(path, self.step), reason="finished")
+            self.mark_good(Pending(path, self.step), reason=why)
         self.retain()
         final = export_final(self.bundle, self.cfg, self.run_dir / "final", self.step)
-        self.log(f"finished at step {self.step}; adapter exported to {final}")
+        self.log(f"finished at step {self.step}{'' if why == 'finished' else f' ({why})'}; adapter exported to {final}")
 
     def log(self, line: str) -> None:
         print(line, file=self.out, flush=True)

@@ -11,8 +11,8 @@ fault).  Measured from files, with wall-clock times of two processes on one mach
   what the poll period, file events and the loop add to the deadline itself;
 * detection → process tree gone — the supervisor's own timing (snapshot, dump, SIGTERM grace,
   SIGKILL, reap);
-* detection → first step of the next attempt, beside the worker's cold start (spawn → first
-  step of attempt 1): the difference is what recovery costs on top of starting over.
+* detection → first step of the next attempt, beside the worker's cold start (the same worker
+  started alone: spawn → first step): the difference is what recovery costs on top of starting over.
 
 Prints a table and a JSON object.  Figures are for reading, never for pass/fail.
 """
@@ -24,7 +24,9 @@ import math
 import os
 import subprocess
 import sys
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -84,6 +86,34 @@ def beats(run_dir: Path, attempt: int) -> list[dict]:
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
 
 
+def cold_start(cfg_path: Path, run_dir: Path, builtin: bool) -> float:
+    """The worker alone, as the supervisor would start it: spawn → its first step line (wall clock)."""
+    cfg = yaml.safe_load(cfg_path.read_text())
+    argv = ([PY, "-m", "daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)] if builtin
+            else cfg["worker"]["command"])
+    hb_dir = run_dir / "attempts" / "0001"
+    hb_dir.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HANGWATCH_RUN_DIR": str(run_dir), "HANGWATCH_ATTEMPT": "1",
+           "HANGWATCH_HEARTBEAT_DIR": str(hb_dir)}
+    t0 = time.time()
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        while True:
+            f = hb_dir / "heartbeat-rank0.jsonl"
+            if f.exists():
+                steps = [json.loads(x) for x in f.read_text().splitlines() if '"event":"step"' in x]
+                if steps:
+                    return steps[0]["t"] - t0
+            if p.poll() is not None:
+                raise RuntimeError(f"worker exited {p.returncode} before its first step")
+            time.sleep(0.01)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 def run_trial(mode: str = "block_c", budget: float = 2.0, builtin: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="hw-bench-") as d:
         tmp = Path(d)
@@ -98,14 +128,13 @@ def run_trial(mode: str = "block_c", budget: float = 2.0, builtin: bool = False)
         first = beats(run_dir, 1)
         second = beats(run_dir, 2)
         last_step = max(b["t"] for b in first if b["event"] in ("step", "phase") and b["phase"] == "train")
-        step1 = next(b["t"] for b in first if b["event"] == "step")
         step2 = next(b["t"] for b in second if b["event"] == "step")
-        worker = next(x for x in inc["process_snapshot"] if x["pid"] == inc["worker_pid"])
+        cold = cold_start(cfg_path, tmp / "cold", builtin)
         return {
             "detection_latency_s": inc["time_unix"] - (last_step + inc["deadline"]["budget_s"]),
             "detection_to_gone_s": inc["timings"]["detection_to_gone_s"],
             "detection_to_next_step_s": step2 - inc["time_unix"],
-            "cold_start_s": step1 - worker["create_time"],  # attempt 1: spawn → first step
+            "cold_start_s": cold,
             "classification": inc["classification"],
         }
 

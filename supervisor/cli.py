@@ -8,9 +8,11 @@
     hangwatch dump                                fresh stacks of every rank
     hangwatch logs [-f] [--supervisor]            the current attempt's worker log, across restarts
     hangwatch incidents [ID]
+    hangwatch submit FILE… [--priority N]         check data files, publish the good ones into the inbox
 
 Errors are one line on stderr, `hangwatch: ...`, and a non-zero exit: 64 usage, 69 no daemon
-reachable, 1 the daemon refused the request, 78 bad config; `run` exits with the supervisor's code.
+reachable, 1 the daemon refused the request, 78 bad config, 65 `submit` rejected a file; `run`
+exits with the supervisor's code.
 """
 from __future__ import annotations
 
@@ -324,6 +326,65 @@ def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> N
             continue
         out.write(item)
         out.flush()
+
+
+@main.command(short_help="Check data files and publish the good ones into the inbox.")
+@daemon_options
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The run's config (default: the run dir's config.yaml, the config as run).")
+@click.option("--priority", type=click.IntRange(0, 99), default=None,
+              help="0-99: files of higher priority are trained first (default 0).")
+def submit(run_dir, socket_path, timeout, files, config_path, priority) -> None:
+    """Check FILE… as the worker will (JSON, fields, lengths, label masks, with the run's tokenizer)
+    and publish each good one into <run_dir>/inbox/ (copied, then renamed into place, so the worker
+    never sees half a file).  Prints `accepted NAME (N examples)` or `rejected NAME: why` per file;
+    a rejected file is not published, and the exit code is then 65.
+    """
+    from pathlib import Path
+
+    from daemon.data import load_tokenizer, validate_file
+    from daemon.inbox_files import publish, validate_only
+
+    if config_path is None:
+        if run_dir is None and socket_path is not None:
+            run_dir = _client(run_dir, socket_path, timeout).call("status").get("run_dir")
+        if run_dir is None:
+            _fail("submit needs --run-dir DIR (or $HANGWATCH_RUN_DIR), --socket PATH or --config CONFIG", 64)
+        config_path = str(Path(run_dir) / "config.yaml")
+        if not Path(config_path).is_file():
+            _fail(f"{run_dir}: no config.yaml (has the run been started there?); pass --config CONFIG", EX_CONFIG)
+    try:
+        cfg = load_config(config_path, run_dir)
+    except ConfigError as exc:
+        report_config_error(exc)
+        sys.exit(EX_CONFIG)
+    if not cfg.data.inbox:
+        _fail(f"{config_path}: data.inbox is false: the run at {cfg.run_dir} does not take files from an inbox", EX_CONFIG)
+    tokenizer = load_tokenizer(cfg)
+    assessments = validate_only(files, lambda p: validate_file(p, tokenizer, cfg), run_dir=cfg.run_dir,
+                                max_file_bytes=cfg.data.max_file_bytes, on_bad_lines=cfg.data.on_bad_lines)
+    failed = 0
+    for a in assessments:
+        name = a.path.name
+        if not a.accepted:
+            failed += 1
+            why = [r["message"] for r in a.reasons] + [f"line {p['line']}: {p['error']}" for p in a.problems[:5]]
+            if a.problems_total > 5:
+                why.append(f"… {a.problems_total - 5} more bad line(s)")
+            click.echo(f"rejected {name}: " + "; ".join(why))
+            continue
+        try:
+            published = publish(a.path, cfg.run_dir, priority=priority)
+        except (OSError, ValueError) as exc:
+            failed += 1
+            click.echo(f"rejected {name}: could not publish into {cfg.run_dir}/inbox: {exc}")
+            continue
+        extra = f"; {a.problems_total} bad line(s) will be left out" if a.skipped_lines else ""
+        renamed = f" as inbox/{published.name}" if published.name != name else ""
+        click.echo(f"accepted {name} ({a.examples} example{'s' if a.examples != 1 else ''}{extra}){renamed}")
+    if failed:
+        sys.exit(65)
 
 
 if __name__ == "__main__":

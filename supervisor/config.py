@@ -155,6 +155,10 @@ class DataCfg(Section):
         "reject_file", description="Continuous mode: a partly bad file is rejected whole, or its good lines train."
     )
     max_file_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Continuous mode: larger inbox files are rejected.")
+    idle_exit_s: Optional[float] = Field(
+        None, gt=0, description="Continuous mode: after this long idle (queue empty, nothing arriving) train what is "
+        "left, checkpoint, export final/ and stop with reason `idle`; null: wait for files forever."
+    )
 
 
 class TrainCfg(Section):
@@ -231,6 +235,9 @@ class Config(Section):
     def _needs_data(self):
         if self.worker.command is None and not self.data.inbox and not self.data.train:
             raise ValueError("the built-in worker needs data.train (or data.inbox: true)")
+        if self.worker.command is None and self.data.inbox and self.data.train:
+            raise ValueError("data.train and data.inbox: true exclude each other: in continuous mode every training "
+                             "file comes through the inbox (`hangwatch submit FILE`); drop data.train")
         return self
 
 

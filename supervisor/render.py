@@ -195,11 +195,18 @@ def gpu_text(gpu: Any) -> str:
 
 
 def queue_text(q: dict) -> str:
+    """Continuous mode (keys of daemon.inbox_files.queue_status)."""
     text = f"{number(q.get('waiting'))} waiting, {number(q.get('done'))} done, {number(q.get('rejected'))} rejected"
+    if q.get("inbox"):
+        text += f", {q['inbox']} arriving"
+    if q.get("ledger_examples") is not None:
+        text += f"; {number(q['ledger_examples'])} examples trained"
     if q.get("current_file"):
         text += f"   now: {q['current_file']}"
         prog = q.get("current_progress")
-        if isinstance(prog, (int, float)):
+        if isinstance(prog, dict) and isinstance(prog.get("index"), int) and isinstance(prog.get("total"), int):
+            text += f" (example {prog['index']} of {prog['total']})"
+        elif isinstance(prog, (int, float)):
             text += f" ({100 * prog:.0f}%)" if prog <= 1 else f" ({prog})"
         elif prog is not None:
             text += f" ({prog})"

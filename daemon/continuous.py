@@ -1,0 +1,207 @@
+"""The worker's continuous mode (`data.inbox: true`): the inbox and its ContinuousSource behind the
+trainer's data-source interface, and the `idle` phase while there is nothing to train.
+
+    feed = InboxFeed.open(cfg, hb, stop, validator)   # watches inbox/; what arrived while down is listed
+    trainer = Trainer(cfg, hb, run_dir, bundle, feed, ...)
+        feed.restore(position, step)                  # from the checkpoint (None: a fresh run)
+        examples, end = feed.take_step(n)             # one optimizer step's examples
+        feed.position()                               # on step boundaries, stored in checkpoints
+        feed.commit(position, step)                   # once that checkpoint is committed
+    feed.close()
+
+Everything runs in the training thread: intake (validation with the run's tokenizer, then the
+move to queue/ or rejected/), file moves and ledger writes.  The watchdog observer thread only
+records file names; it never beats, so a hung training thread is still caught.
+
+Waiting for data.  When no new example is available the worker is in phase `idle`: it beats
+`progress` at least once a second (the supervisor applies no step deadline there, the silence
+deadline still holds), takes arrivals as they come, each intake in phase `intake` (budget
+`watchdog.phase_budgets_s.intake`, default 600 s), and is back in `train` as soon as a file is
+queued.
+
+A step that cannot be filled (the queue ran dry part-way) waits in `idle` for the next file, so
+step boundaries never depend on when files arrive and a run whose files were all there at the
+start trains the same steps however often it is interrupted.  After `data.idle_exit_s` with
+nothing queued and nothing arriving, the partial step is handed out with end "idle": the trainer
+trains it, checkpoints (so every file reaches done/), exports final/ and stops with reason
+`idle`.  With `idle_exit_s` null the worker waits for more files for ever.  A stop request ends
+the wait with end "stop"; the examples already handed out for the unfinished step are handed out
+again after the resume, since a checkpoint's position is always the last step boundary.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+from daemon.inbox import ContinuousSource, Inbox, IntakeResult, PositionError
+from daemon.inbox_files import Validator
+from supervisor.config import ConfigError
+
+DEFAULT_INTAKE_BUDGET_S = 600.0
+BEAT_EVERY_S = 1.0
+MAX_PROBLEMS_IN_BEAT = 5
+
+
+class WorkerInbox(Inbox):
+    """The inbox as the worker runs it: each intake in phase `intake`, its outcome beaten and logged."""
+
+    def __init__(self, *args: Any, hb, budget_s: Optional[float], log: Callable[[str], None], **kw: Any):
+        super().__init__(*args, **kw)
+        self.hb = hb
+        self.budget_s = budget_s
+        self.log = log
+        self.intakes = 0  # files taken in (queued or rejected): any of them is activity, not idleness
+
+    def arriving(self) -> int:
+        """Files seen in inbox/ and not yet taken in (still being written, or settling)."""
+        return len(self._pending)
+
+    def intake(self, name: str) -> Optional[IntakeResult]:
+        with self.hb.phase("intake", budget_s=self.budget_s, file=name):
+            result = super().intake(name)
+        if result is None:
+            return None
+        self.intakes += 1
+        a = result.assessment
+        if result.outcome == "queued":
+            skipped = f", {a.problems_total} bad line(s) left out (report {result.report.name})" if a.skipped_lines else ""
+            self.log(f"inbox: queued {name} as {result.path.name}: {a.examples} example(s){skipped}")
+            if a.skipped_lines:
+                self.hb.warn(f"inbox: {name}: {a.problems_total} bad line(s) left out", file=name,
+                             report=str(result.report), problems=a.problems[:MAX_PROBLEMS_IN_BEAT])
+        else:
+            self.log(f"inbox: {a.summary()} (report rejected/{result.report.name})")
+            self.hb.warn(f"inbox: rejected {name}", file=name, report=str(result.report),
+                         reasons=[r["message"] for r in a.reasons][:MAX_PROBLEMS_IN_BEAT],
+                         problems=a.problems[:MAX_PROBLEMS_IN_BEAT])
+        return result
+
+
+class InboxFeed:
+    """`daemon.data.DataSource` over the inbox, plus `take_step` (which may wait) and `commit`."""
+
+    def __init__(self, source: ContinuousSource, inbox: WorkerInbox, hb, stop, *, idle_exit_s: Optional[float],
+                 clock: Callable[[], float] = time.monotonic, beat_every_s: float = BEAT_EVERY_S,
+                 out: TextIO = sys.stdout):
+        self.source = source
+        self.inbox = inbox
+        self.hb = hb
+        self.stop = stop
+        self.idle_exit_s = idle_exit_s
+        self._clock = clock
+        self._beat_every_s = beat_every_s
+        self._out = out
+
+    @classmethod
+    def open(cls, cfg, hb, stop, validator: Validator, **kw: Any) -> "InboxFeed":
+        """Start watching `<run_dir>/inbox/`; files already there are taken in by the first `take_step`."""
+        out = kw.get("out", sys.stdout)
+
+        def log(line: str) -> None:
+            print(line, file=out, flush=True)
+
+        budget = cfg.watchdog.phase_budgets_s.get("intake", DEFAULT_INTAKE_BUDGET_S)
+        inbox = WorkerInbox.from_config(cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget, log=log)
+        source = ContinuousSource.from_config(cfg.run_dir, validator, cfg)
+        feed = cls(source, inbox, hb, stop, idle_exit_s=cfg.data.idle_exit_s, **kw)
+        inbox.start()
+        return feed
+
+    def close(self) -> None:
+        self.inbox.stop()
+
+    def log(self, line: str) -> None:
+        print(line, file=self._out, flush=True)
+
+    # ---- DataSource ----------------------------------------------------------------------
+
+    def position(self) -> dict:
+        return self.source.position()
+
+    def progress(self) -> dict:
+        p = self.source.progress()
+        return {"file": p["file"], "index": p["index"], "total": p["total"], "replays": p["replays"]}
+
+    def restore(self, position: Optional[dict], step: Optional[int] = None) -> None:
+        try:
+            summary = self.source.restore(position, step)
+        except PositionError as exc:
+            raise ConfigError([
+                f"data.inbox: the checkpoint being resumed does not hold a continuous-mode data position ({exc}); "
+                "it was made by a run with data.inbox: false — use a new run_dir"]) from None
+        self.source.warnings.clear()
+        for w in summary["warnings"]:
+            self.hb.warn(f"inbox: {w}")
+            self.log(f"inbox: {w}")
+        changes = {k: summary[k] for k in ("ledger_trimmed", "ledger_added", "replay_trimmed", "replay_added")
+                   if summary[k]}
+        if changes or summary["completed"] or summary["reopened"]:
+            self.log(f"inbox: ledger brought to the resumed position: {changes}; completed {summary['completed']}, "
+                     f"reopened {summary['reopened']}")
+
+    def commit(self, position: dict, step: int) -> None:
+        result = self.source.commit(position, step)
+        for name in result["completed"]:
+            self.log(f"inbox: {name} done (checkpoint step {step} covers its last example)")
+
+    def take(self, n: int) -> list:
+        return self.take_step(n)[0]
+
+    def take_step(self, n: int) -> tuple[list, Optional[str]]:
+        """`n` examples (fresh and replayed), or fewer with end "stop" or "idle" (see the module doc)."""
+        self.inbox.poll()  # arrivals while training: a few cheap checks unless a file is ready
+        items: list = []
+        end = None
+        while len(items) < n:
+            item = self.source.next_example()
+            if item is None:
+                end = self._wait_for_data(len(items))
+                if end is not None:
+                    break
+                continue
+            items.append(item)
+        self._pass_on_warnings()
+        return [i.example for i in items], end
+
+    # ---- idle ------------------------------------------------------------------------------
+
+    def _wait_for_data(self, have: int) -> Optional[str]:
+        """Phase idle until a file is queued (None), a stop is requested ("stop"), or idle_exit_s ("idle")."""
+        since = last_activity = self._clock()
+        intakes = self.inbox.intakes
+        self.log(f"idle: no new data ({have} example(s) of the next step in hand); waiting for files in {self.inbox.dir}")
+        with self.hb.phase("idle", waiting_examples=have):
+            while True:
+                if self.stop:
+                    return "stop"
+                if self.inbox.wait_for_work(self._beat_every_s):
+                    self._pass_on_warnings()
+                    if self.source.has_fresh():
+                        return None
+                self._pass_on_warnings()
+                now = self._clock()
+                if self.inbox.intakes != intakes or self.inbox.arriving():
+                    intakes, last_activity = self.inbox.intakes, now
+                self.hb.progress(idle_s=round(now - since, 1), waiting_examples=have, arriving=self.inbox.arriving())
+                if self.idle_exit_s is not None and now - last_activity >= self.idle_exit_s:
+                    self.log(f"idle for {now - last_activity:.1f}s (data.idle_exit_s = {self.idle_exit_s:g}): "
+                             f"finishing with {have} example(s) in the last step")
+                    return "idle"
+
+    def _pass_on_warnings(self) -> None:
+        while self.source.warnings:
+            w = self.source.warnings.pop(0)
+            self.hb.warn(f"inbox: {w}")
+            self.log(f"inbox: {w}")
+
+
+def open_feed(cfg, tokenizer, hb, stop) -> InboxFeed:
+    """The continuous-mode data source of the built-in worker, validating with the run's tokenizer."""
+    from daemon.data import validate_file
+
+    def validator(path: Path):
+        return validate_file(path, tokenizer, cfg)
+
+    return InboxFeed.open(cfg, hb, stop, validator)
