@@ -27,6 +27,8 @@ trains it, checkpoints (so every file reaches done/), exports final/ and stops w
 `idle`.  With `idle_exit_s` null the worker waits for more files for ever.  A stop request ends
 the wait with end "stop"; the examples already handed out for the unfinished step are handed out
 again after the resume, since a checkpoint's position is always the last step boundary.
+`train.max_steps` still ends a run (reason `finished`); files not yet trained then stay where
+they are for the next run in the same run dir.
 """
 from __future__ import annotations
 

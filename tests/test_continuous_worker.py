@@ -159,3 +159,13 @@ def test_submit_checks_with_the_run_tokenizer_and_publishes_good_files(tmp_path)
 
     result = CliRunner().invoke(main, ["submit", str(good), "--run-dir", str(tmp_path / "nowhere")])
     assert result.exit_code == 78 and "no config.yaml" in result.output
+
+
+def test_a_training_file_and_the_inbox_exclude_each_other(tmp_path):
+    from supervisor.config import ConfigError, load_config
+
+    config = inbox_config(tmp_path, data={"train": "data/train.jsonl"})
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert "data.train and data.inbox: true exclude each other" in str(err.value)
+    assert load_config(inbox_config(tmp_path, "ok.yaml")).data.train is None

@@ -6,8 +6,9 @@ stack dump, kills only the pid it knows, and knows nothing about phases or steps
 
     python scripts/baselines/cron_watchdog.py --status-file LOG --allowance-s 120 -- CMD...
 
-Prints one JSON object: whether it noticed, when (seconds after start), whether a stack dump exists,
-and whether the run finished within the allowance.
+Prints one JSON object: whether it noticed, when (seconds after start, and as wall-clock time), how
+many times it polled and restarted, and whether the run finished within the allowance.  It takes no
+stack dump by construction; whether one exists is for the caller to check in the run directory.
 """
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ def main() -> int:
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     t0 = time.monotonic()
+    started_unix = time.time()
     log = open(a.status_file, "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    noticed_at = None
+    noticed_at = noticed_unix = None
+    polls = 0
     restarts = 0
     finished = False
     while time.monotonic() - t0 < a.allowance_s:
         time.sleep(min(a.poll_s, max(0.0, a.allowance_s - (time.monotonic() - t0))))
+        polls += 1
         if proc.poll() is not None:
             if proc.returncode == 0:
                 finished = True
@@ -46,7 +50,8 @@ def main() -> int:
             continue
         age = time.time() - os.stat(a.status_file).st_mtime
         if age > a.threshold_s:
-            noticed_at = noticed_at or round(time.monotonic() - t0, 1)
+            if noticed_at is None:
+                noticed_at, noticed_unix = round(time.monotonic() - t0, 1), time.time()
             proc.kill()
             proc.wait()
             restarts += 1
@@ -54,7 +59,8 @@ def main() -> int:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    print(json.dumps({"noticed": noticed_at is not None, "noticed_after_s": noticed_at, "stack_dump": False,
+    print(json.dumps({"noticed": noticed_at is not None, "noticed_after_s": noticed_at, "noticed_unix": noticed_unix,
+                      "started_unix": started_unix, "poll_s": a.poll_s, "threshold_s": a.threshold_s, "polls": polls,
                       "restarts": restarts, "finished": finished}))
     return 0
 
