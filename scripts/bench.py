@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -270,6 +269,16 @@ def section_heartbeat(work: Path, quick: bool) -> dict:
     real.close()
     lines = sum(1 for _ in open(real.path, "rb"))
 
+    # what one beat costs on its own: the ratio above is the sum of these drowned in step-time noise
+    calls = 200 if quick else 2000
+    probe = Heartbeat(work / "steps" / "probe" / "heartbeat-rank0.jsonl")
+    beat_s = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        probe.step(i, loss=1.0, lr=1e-3, grad_norm=0.5, tokens_per_s=1234.5, samples=16)
+        beat_s.append(time.perf_counter() - t0)
+    probe.close()
+
     saves = []
     trainer.hb = null
     for _ in range(2 if quick else 5):
@@ -291,6 +300,8 @@ def section_heartbeat(work: Path, quick: bool) -> dict:
         "summary_without": s_without,
         "ratio_of_medians": s_with["median"] / s_without["median"],
         "heartbeat_lines_written": lines,
+        "beat_call_s": beat_s,
+        "beat_call": summary(beat_s),
         "checkpoint_save_s": saves,
         "checkpoint_save": summary(saves),
         "checkpoint_bytes": ckpt_bytes,
@@ -378,7 +389,9 @@ def section_detection(work: Path, quick: bool, jobs: int) -> dict:
                      "monotonic clock, from when it read the anchoring line); 'from the worker's last line' = "
                      "incident time − (wall time the worker wrote the anchoring line + budget), which adds the "
                      "file-event and read delay; for startup the anchor is the supervisor's `worker_spawned` log "
-                     "line, written just after the fork, so it can come out a few ms below zero",
+                     "line, written just after the fork, so it can come out a few ms below zero. A 'loop gap' is "
+                     "the supervisor's own `supervisor_suspended` log line: its loop did not run for > 2 s (an "
+                     "overloaded or paused machine, or a slow fsync), and it extended every deadline by the gap",
            "budget_s": [lo, hi], "trials": trials, "jobs": jobs, "wall_s": time.monotonic() - t0,
            "deadlines": {}}
     for dl, rows in results.items():
@@ -386,6 +399,7 @@ def section_detection(work: Path, quick: bool, jobs: int) -> dict:
         out["deadlines"][dl] = {
             "raw": rows,
             "other_deadline_fired": [r.get("fired", r.get("error")) for r in rows if r.get("fired") != dl],
+            "trials_with_loop_gaps": sum(1 for r in good if r.get("supervisor_suspended_gaps_s")),
             "overdue_s": summary([r["overdue_s"] for r in good]),
             "beyond_budget_from_last_line_s": summary([r["beyond_budget_from_last_line_s"] for r in good]),
             "detection_to_gone_s": summary([r["detection_to_gone_s"] for r in good]),
@@ -409,7 +423,7 @@ def recovery_trial(tmp: Path) -> dict:
     run_dir = tmp / "run"
     cfg = demo_worker_config(
         run_dir,
-        train={"max_steps": 40, "sleep_per_step_s": 0.05},
+        train={"max_steps": 32, "sleep_per_step_s": 0.05},
         eval={"every_steps": 0},
         checkpoint={"every_steps": 10, "confirm_steps": 2},
         watchdog={"step_timeout_s": 3},
@@ -497,8 +511,8 @@ def section_recovery(work: Path, quick: bool, cold: Optional[dict]) -> dict:
 
 def section_footprint(work: Path, quick: bool) -> dict:
     ranks, hz = 8, 20.0
-    window = 5.0 if quick else 60.0
-    settle = 2.0
+    window = 3.0 if quick else 60.0
+    settle = 1.0 if quick else 2.0
     run_dir = work / "run"
     cfg = {"run_dir": str(run_dir),
            "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
@@ -584,131 +598,139 @@ def supervisor_start_trial(tmp: Path) -> dict:
 
 
 CONTENDERS = ("hangwatch", "torchrun", "cron_watchdog")
+BASELINES = ("torchrun", "cron_watchdog")
 FAULTS = {"hang_generate": {"kind": "hang_generate", "at_step": 20}, "busy_loop": {"kind": "busy_loop", "at_step": 15}}
+BASELINE_NICE = 19
+CRON_REPORT_GRACE_S = 15.0  # the cron watchdog ends itself at the allowance and prints its report; wait for that
 
 
 def contender_argv(contender: str, cfg_path: Path, run_dir: Path, allowance: float) -> list[str]:
     worker = ["-m", "daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)]
     if contender == "hangwatch":
         return [PY, "-m", "supervisor.cli", "run", str(cfg_path), "--run-dir", str(run_dir)]
+    nice = ["nice", "-n", str(BASELINE_NICE)] if shutil.which("nice") else []
     if contender == "torchrun":  # --standalone: a free rendezvous port, so several can run at once
-        return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3"] + worker
-    return [PY, str(CRON_WATCHDOG), "--status-file", str(run_dir / "worker-stdout.log"), "--poll-s", "30",
-            "--threshold-s", "600", "--allowance-s", str(allowance), "--", PY] + worker
+        return nice + [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3"] + worker
+    return nice + [PY, str(CRON_WATCHDOG), "--status-file", str(run_dir / "worker-stdout.log"), "--poll-s", "30",
+                   "--threshold-s", "600", "--allowance-s", str(allowance), "--", PY] + worker
 
 
-def run_contender(tmp: Path, contender: str, fault: str, allowance: float) -> dict:
-    """One contender on one faulty run for at most `allowance` seconds of wall clock."""
-    run_dir = tmp / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = demo_worker_config(run_dir, train={"max_steps": 30, "sleep_per_step_s": 0.0},
-                             eval={"every_steps": 10}, checkpoint={"every_steps": 10, "confirm_steps": 2},
-                             faults=[FAULTS[fault]])
-    cfg_path = write_yaml(tmp / "cfg.yaml", cfg)
-    argv = contender_argv(contender, cfg_path, run_dir, allowance)
-    out_path = tmp / "contender.out"
-    started = time.time()
-    t0 = time.monotonic()
-    with open(out_path, "ab") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    while proc.poll() is None and time.monotonic() - t0 < allowance + (5 if contender == "cron_watchdog" else 0):
-        time.sleep(0.2)
-    ended_by_itself = proc.poll() is not None
-    hung = []  # what was still running at the end of the allowance: the worker, and its state
-    if not ended_by_itself:
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if "daemon" in p.cmdline():
-                        hung.append({"pid": p.pid, "status": p.status(), "cpu_percent": p.cpu_percent(interval=0.5)})
-        kill_tree(proc.pid)
-    code = proc.wait()
-    wall = time.monotonic() - t0
-    fired = []
-    with contextlib.suppress(OSError, ValueError):
-        fired = json.loads((run_dir / "faults-fired.json").read_text())["fired"]
-    hang_t = fired[0]["t"] if fired else None
-    row = {"contender": contender, "fault": fault, "allowance_s": allowance, "argv": argv, "started_unix": started,
-           "wall_s": wall, "exit_code": code, "ended_by_itself": ended_by_itself, "still_running_at_end": hung,
-           "hang_began_after_s": None if hang_t is None else hang_t - started, "attempts": len(attempts_of(run_dir)),
-           "stack_dump": has_stack_dump(run_dir), "dir": str(tmp)}
-    fin = finished_at(run_dir)
-    row["finished"] = fin is not None
-    row["finished_after_s"] = None if fin is None else fin - started
-    noticed_t = None
-    how = None
-    if contender == "hangwatch":
-        incs = incidents_of(run_dir)
-        if incs:
-            noticed_t = incs[0]["time_unix"]
-            d = incs[0].get("deadline") or {}
-            how = f"{incs[0]['kind']}: {d.get('name')} deadline ({d.get('budget_s')} s, {d.get('source')})"
-            row["classification"] = incs[0].get("classification")
-    elif contender == "torchrun":
-        later = [a for a in attempts_of(run_dir) if a > 1]
-        if later:  # torchrun restarted the worker: the new attempt's first line is when
-            beats = read_beats(run_dir, later[0])
-            noticed_t = beats[0]["t"] if beats else None
-            how = "worker restarted"
-    else:
-        report = {}
-        for line in reversed(out_path.read_text(errors="replace").splitlines()):
-            with contextlib.suppress(ValueError):
-                report = json.loads(line)
-                if isinstance(report, dict) and "noticed" in report:
-                    break
-        row["cron_report"] = report
-        if report.get("noticed"):
-            noticed_t = report.get("noticed_unix")
-            how = f"status file older than {report.get('threshold_s')} s"
-        row["cron_polls"] = report.get("polls")
-    row["noticed"] = noticed_t is not None
-    row["noticed_how"] = how
-    row["noticed_after_hang_s"] = None if noticed_t is None or hang_t is None else noticed_t - hang_t
-    return row
+class Contender:
+    """One contender on one faulty run: started, then `finish()`ed once its allowance is over."""
+
+    def __init__(self, tmp: Path, contender: str, fault: str, allowance: float):
+        self.tmp, self.contender, self.fault, self.allowance = tmp, contender, fault, allowance
+        self.run_dir = tmp / "run"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = demo_worker_config(self.run_dir, train={"max_steps": 30, "sleep_per_step_s": 0.0},
+                                 eval={"every_steps": 10}, checkpoint={"every_steps": 10, "confirm_steps": 2},
+                                 faults=[FAULTS[fault]])
+        cfg_path = write_yaml(tmp / "cfg.yaml", cfg)
+        self.argv = contender_argv(contender, cfg_path, self.run_dir, allowance)
+        self.out_path = tmp / "contender.out"
+        self.started = time.time()
+        self.t0 = time.monotonic()
+        with open(self.out_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def fault_fired_at(self) -> Optional[float]:
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            return json.loads((self.run_dir / "faults-fired.json").read_text())["fired"][0]["t"]
+        return None
+
+    def limit(self) -> float:
+        return self.t0 + self.allowance + (CRON_REPORT_GRACE_S if self.contender == "cron_watchdog" else 0)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None or time.monotonic() >= self.limit()
+
+    def finish(self) -> dict:
+        while not self.done():
+            time.sleep(0.2)
+        ended_by_itself = self.proc.poll() is not None
+        hung = []  # what still ran at the end of the allowance: the worker, and its state
+        if not ended_by_itself:
+            with contextlib.suppress(psutil.Error):
+                for p in psutil.Process(self.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if "daemon" in p.cmdline():
+                            hung.append({"pid": p.pid, "status": p.status(), "cpu_percent": p.cpu_percent(interval=0.5)})
+            kill_tree(self.proc.pid)
+        code = self.proc.wait()
+        run_dir = self.run_dir
+        hang_t = self.fault_fired_at()
+        row = {"contender": self.contender, "fault": self.fault, "allowance_s": self.allowance, "argv": self.argv,
+               "started_unix": self.started, "wall_s": time.monotonic() - self.t0, "exit_code": code,
+               "ended_by_itself": ended_by_itself, "still_running_at_end": hung,
+               "hang_began_after_s": None if hang_t is None else hang_t - self.started,
+               "attempts": len(attempts_of(run_dir)), "stack_dump": has_stack_dump(run_dir), "dir": str(self.tmp)}
+        fin = finished_at(run_dir)
+        row["finished"] = fin is not None
+        row["finished_after_s"] = None if fin is None else fin - self.started
+        noticed_t = how = None
+        if self.contender == "hangwatch":
+            incs = incidents_of(run_dir)
+            if incs:
+                noticed_t = incs[0]["time_unix"]
+                d = incs[0].get("deadline") or {}
+                how = f"{d.get('name')} deadline, {d.get('budget_s'):g} s ({d.get('source')})" if d else incs[0]["kind"]
+                row["classification"] = incs[0].get("classification")
+                row["supervisor_suspended_gaps_s"] = suspension_gaps(run_dir)
+        elif self.contender == "torchrun":
+            later = [a for a in attempts_of(run_dir) if a > 1]
+            if later:  # torchrun restarted the worker: the new attempt's first line says when
+                beats = read_beats(run_dir, later[0])
+                noticed_t = beats[0]["t"] if beats else None
+                how = "restarted the worker"
+        else:
+            report: dict = {}
+            for line in reversed(self.out_path.read_text(errors="replace").splitlines()):
+                with contextlib.suppress(ValueError):
+                    obj = json.loads(line)
+                    if isinstance(obj, dict) and "noticed" in obj:
+                        report = obj
+                        break
+            row["cron_report"] = report
+            if report.get("noticed"):
+                noticed_t = report.get("noticed_unix")
+                how = f"status file older than {report.get('threshold_s'):g} s"
+        row["noticed"] = noticed_t is not None
+        row["noticed_how"] = how
+        row["noticed_after_hang_s"] = None if noticed_t is None or hang_t is None else noticed_t - hang_t
+        return row
 
 
 def section_side_by_side(work: Path, quick: bool, allowance: float) -> dict:
-    """Two waves: the three contenders on hang_generate, then (once those hangs fired, which leaves them
-    idle) the three on busy_loop; every contender gets the same `allowance` from its own start."""
-    results: list = []
-    lock = threading.Lock()
-
-    def go(contender, fault):
-        r = run_contender(work / f"{fault}-{contender}", contender, fault, allowance)
-        with lock:
-            results.append(r)
-
+    """The four baseline runs start together (at nice 19); once their faults fired, or after half the
+    allowance, the two hangwatch runs start together; every run gets `allowance` from its own start."""
     t0 = time.monotonic()
-    threads = []
-    for wave, fault in enumerate(("hang_generate", "busy_loop")):
-        for c in CONTENDERS:
-            t = threading.Thread(target=go, args=(c, fault))
-            t.start()
-            threads.append(t)
-        if wave == 0:
-            limit = time.monotonic() + min(60.0, allowance / 2)
-            while time.monotonic() < limit and not all(
-                    (work / f"hang_generate-{c}" / "run" / "faults-fired.json").exists() for c in CONTENDERS):
-                time.sleep(0.2)
-    for t in threads:
-        t.join()
+    runs = [Contender(work / f"{f}-{c}", c, f, allowance) for f in FAULTS for c in BASELINES]
+    limit = time.monotonic() + allowance / 2
+    while time.monotonic() < limit and not all(r.fault_fired_at() or r.done() for r in runs):
+        time.sleep(0.2)
+    waited = time.monotonic() - t0
+    runs += [Contender(work / f"{f}-hangwatch", "hangwatch", f, allowance) for f in FAULTS]
+    rows = [r.finish() for r in runs]
     order = {(f, c): i for i, (f, c) in enumerate((f, c) for f in FAULTS for c in CONTENDERS)}
-    results.sort(key=lambda r: order[(r["fault"], r["contender"])])
+    rows.sort(key=lambda r: order[(r["fault"], r["contender"])])
     return {
         "method": f"The built-in worker on the demo model (configs/demo.yaml: max_steps 30, eval every 10, checkpoint "
                   f"every 10 confirmed after 2, no sleeps) with one fault: hang_generate (generate() waits forever at "
                   f"the eval of step 20) or busy_loop (a pure-Python loop in attention's forward from step 15). Each "
-                  f"contender gets {allowance:g} s of wall clock from its own start, then whatever still runs is "
-                  f"killed. hangwatch: `hangwatch run` with the demo's watchdog settings; torchrun: `python -m "
+                  f"run gets {allowance:g} s of wall clock from its own start; then whatever still runs is killed. "
+                  f"hangwatch: `hangwatch run` with the demo's watchdog settings; torchrun: `python -m "
                   f"torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=3 -m daemon …`; cron "
                   f"watchdog: scripts/baselines/cron_watchdog.py, status file = the worker's stdout log, polled every "
-                  f"30 s, threshold 600 s, kill -9 and restart. Run in two waves of three at once (hang_generate, "
-                  f"then busy_loop once the first wave's hangs fired); 'noticed' = an incident (hangwatch), a new "
-                  f"attempt (torchrun), the watchdog's own report (cron), timed from the fault's record in "
-                  f"faults-fired.json; 'stack dump' = a file under the run dir holding a Python stack; 'finished' "
-                  f"= a `stop finished` heartbeat line.",
-        "allowance_s": allowance, "wall_s": time.monotonic() - t0, "runs": results,
+                  f"30 s, threshold 600 s, kill -9 and restart. Schedule: the four torchrun/cron runs start together "
+                  f"at nice {BASELINE_NICE} (a hung busy_loop spins a core for the whole allowance; the niceness "
+                  f"cannot change whether they notice: torchrun reacts only to a worker's exit, the cron watchdog "
+                  f"only to the status file's age); the two hangwatch runs start together once those four faults "
+                  f"fired ({waited:.0f} s later). 'Noticed' = an incident (hangwatch), a new attempt (torchrun), "
+                  f"the watchdog's own report (cron), timed from the fault's record in faults-fired.json; 'stack "
+                  f"dump' = a file under the run dir holding a Python stack; 'finished' = a `stop finished` "
+                  f"heartbeat line.",
+        "allowance_s": allowance, "baselines_alone_s": waited, "wall_s": time.monotonic() - t0, "runs": rows,
     }
 
 
@@ -746,6 +768,22 @@ def stats_cell(s: dict, unit: str = "s", scale: float = 1.0, digits: int = 3) ->
     return f"{f(s['median'])} {unit} (n={s['n']}; min {f(s['min'])}, p95 {f(s['p95'])}, max {f(s['max'])})"
 
 
+def end_of_allowance(r: dict) -> str:
+    if r["contender"] == "cron_watchdog":
+        rep = r.get("cron_report") or {}
+        text = (f"gave up at the allowance after {rep.get('polls')} polls, {rep.get('restarts')} restarts; worker killed"
+                if rep else "no report from the watchdog; killed")
+    elif r["ended_by_itself"]:
+        text = f"ended by itself, exit {r['exit_code']}"
+    elif r["still_running_at_end"]:
+        text = "worker still " + ", ".join(f"{h['status']} at {h['cpu_percent']:.0f}% CPU" for h in r["still_running_at_end"])
+    else:
+        text = "still running; killed"
+    if r["hang_began_after_s"] is None:
+        text += "; the fault never fired (the worker did not reach it)"
+    return text
+
+
 def to_markdown(res: dict) -> str:
     m = res["machine"]
     lines = [f"## hangwatch benchmark — {m['date']}", "",
@@ -760,6 +798,8 @@ def to_markdown(res: dict) -> str:
                   f"| step time with heartbeats | {stats_cell(h['summary_with'], 'ms', 1000, 2)} |",
                   f"| step time without heartbeats | {stats_cell(h['summary_without'], 'ms', 1000, 2)} |",
                   f"| **ratio of medians (with / without)** | **{h['ratio_of_medians']:.3f}** |",
+                  f"| one `step` beat on its own (Heartbeat.step, {h['beat_call']['n']} calls) | "
+                  f"{stats_cell(h['beat_call'], 'µs', 1e6, 1)} |",
                   f"| checkpoint save (full commit, fsynced) | {stats_cell(h['checkpoint_save'], 'ms', 1000, 1)} "
                   f"· {h['checkpoint_bytes'] / 1024:.0f} KiB |",
                   f"| worker cold start: spawn → `start` beat | {stats_cell(h['cold_start_to_start_beat'], 's', 1, 2)} |",
@@ -769,14 +809,15 @@ def to_markdown(res: dict) -> str:
         d = sec["detection"]
         lines += [f"### 2. Detection latency beyond the budget ({d['budget_s'][0]:g}–{d['budget_s'][1]:g} s budgets)", "",
                   "| deadline | trials | supervisor clock: min / p50 / p95 / max (s) | from the worker's last line: "
-                  "min / p50 / p95 / max (s) | detection → tree gone p50 (s) | other deadline fired |",
-                  "|---|---|---|---|---|---|"]
+                  "min / p50 / p95 / max (s) | detection → tree gone p50 (s) | other deadline fired | "
+                  "trials where the supervisor logged a loop gap |",
+                  "|---|---|---|---|---|---|---|"]
         for dl in DEADLINES:
             x = d["deadlines"][dl]
             a, b = x["overdue_s"], x["beyond_budget_from_last_line_s"]
             four = lambda s: " / ".join(fmt_s(s.get(k)) for k in ("min", "median", "p95", "max")) if s.get("n") else "not measured"  # noqa: E731
             lines.append(f"| {dl} | {a.get('n', 0)} | {four(a)} | {four(b)} | {fmt_s(x['detection_to_gone_s'].get('median'))} "
-                         f"| {len(x['other_deadline_fired'])} |")
+                         f"| {len(x['other_deadline_fired'])} | {x['trials_with_loop_gaps']} |")
         lines += ["", f"How: {d['method']}.", ""]
     if "recovery" in sec:
         r = sec["recovery"]
@@ -813,16 +854,9 @@ def to_markdown(res: dict) -> str:
         for r in s["runs"]:
             noticed = f"yes ({r['noticed_how']})" if r["noticed"] else "no"
             after = f"{r['noticed_after_hang_s']:.1f} s" if r["noticed_after_hang_s"] is not None else "–"
-            fin = f"yes, {r['finished_after_s']:.0f} s after start" if r["finished"] else "no"
-            end = ("ended by itself, exit " + str(r["exit_code"])) if r["ended_by_itself"] else (
-                "worker still " + ", ".join(f"{h['status']} at {h['cpu_percent']:.0f}% CPU" for h in r["still_running_at_end"])
-                if r["still_running_at_end"] else "killed at the end of the allowance")
-            if r["contender"] == "cron_watchdog" and r.get("cron_polls") is not None:
-                end += f"; {r['cron_polls']} polls"
-            if r["hang_began_after_s"] is None:
-                end += "; the fault never fired"
+            fin = f"yes, {r['finished_after_s']:.0f} s after its start" if r["finished"] else "no"
             lines.append(f"| {r['fault']} | {r['contender']} | {noticed} | {after} | "
-                         f"{'yes' if r['stack_dump'] else 'no'} | {fin} | {r['attempts']} | {end} |")
+                         f"{'yes' if r['stack_dump'] else 'no'} | {fin} | {r['attempts']} | {end_of_allowance(r)} |")
         lines += ["", f"How: {s['method']}", ""]
     return "\n".join(lines)
 
@@ -848,13 +882,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"run only these sections: {', '.join(SECTIONS)}")
     ap.add_argument("--jobs", type=int, default=4, help="detection trials run at once (default 4)")
     ap.add_argument("--allowance-s", type=float, default=None,
-                    help="wall clock each side-by-side contender gets (default 90; 20 with --quick)")
+                    help="wall clock each side-by-side contender gets (default 120; 20 with --quick)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (with --workdir)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
-    allowance = args.allowance_s if args.allowance_s is not None else (20.0 if args.quick else 90.0)
+    allowance = args.allowance_s if args.allowance_s is not None else (20.0 if args.quick else 120.0)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
