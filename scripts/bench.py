@@ -388,8 +388,9 @@ def section_detection(work: Path, quick: bool, jobs: int) -> dict:
                      "'supervisor clock' = incident.json deadline.overdue_s (elapsed − budget on the supervisor's "
                      "monotonic clock, from when it read the anchoring line); 'from the worker's last line' = "
                      "incident time − (wall time the worker wrote the anchoring line + budget), which adds the "
-                     "file-event and read delay; for startup the anchor is the supervisor's `worker_spawned` log "
-                     "line, written just after the fork, so it can come out a few ms below zero. A 'loop gap' is "
+                     "file-event and read delay; it can come out a few ms below zero because the supervisor stamps a "
+                     "line with the start of the loop pass that reads it, and for startup the anchor is its "
+                     "`worker_spawned` log line, written just after the fork. A 'loop gap' is "
                      "the supervisor's own `supervisor_suspended` log line: its loop did not run for > 2 s (an "
                      "overloaded or paused machine, or a slow fsync), and it extended every deadline by the gap",
            "budget_s": [lo, hi], "trials": trials, "jobs": jobs, "wall_s": time.monotonic() - t0,
@@ -790,7 +791,11 @@ def to_markdown(res: dict) -> str:
              f"`{res['command']}` · {m['cores_usable']} of {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
              f"Python {m['python']}, torch {m['torch']}, commit {m['commit']} · load average at start "
              f"{', '.join(f'{x:.2f}' for x in m['load_average_start'])} · whole run {res['wall_s']:.0f} s"
-             + (" · **--quick: tiny trial counts, figures not representative**" if res["quick"] else ""), ""]
+             + (" · **--quick: tiny trial counts, figures not representative**" if res["quick"] else ""), "",
+             "Sections (wall time, 1-min load average when it began): " + ", ".join(
+                 f"{k} {v:.0f} s ({res['section_load_average_1min_at_start'][k]:.1f})" for k, v in res["section_wall_s"].items())
+             + ". The machine may be shared: a load well above the core count means the figures below include "
+               "waiting for a CPU.", ""]
     sec = res["sections"]
     if "heartbeat" in sec:
         h = sec["heartbeat"]
@@ -894,13 +899,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     t0 = time.monotonic()
     res: dict = {"command": "python scripts/bench.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
-                 "quick": args.quick, "machine": machine_info(), "sections": {}, "section_wall_s": {}}
+                 "quick": args.quick, "machine": machine_info(), "sections": {}, "section_wall_s": {},
+                 "section_load_average_1min_at_start": {}}
     base = Path(tempfile.mkdtemp(prefix="hangwatch-bench-", dir=args.workdir))
     try:
         for name in args.only:
             work = base / name
             work.mkdir(parents=True)
             s0 = time.monotonic()
+            res["section_load_average_1min_at_start"][name] = os.getloadavg()[0]
             print(f"bench: {name} …", file=sys.stderr, flush=True)
             if name == "heartbeat":
                 out = section_heartbeat(work, args.quick)

@@ -125,7 +125,8 @@ def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame
     where = f" at {frame_str(frame)}" if frame else ""
     if "D" in states:
         text = f"uninterruptible I/O (state D, CPU {cpu:.0f}%){where}"
-    elif cpu >= BUSY_CPU:
+    elif cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
+        # a spinning loop never sleeps: always runnable (R), though it gets less than a core when CPUs are contended
         text = f"busy loop in Python (CPU {cpu:.0f}%){where}"
     elif cpu <= IDLE_CPU:
         state = "/".join(sorted(s for s in states if s)) or "?"

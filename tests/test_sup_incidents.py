@@ -72,6 +72,7 @@ def test_a_dump_without_frames_gives_no_frame():
         ([{"state": "R", "cpu_percent": 99.0}], "busy loop in Python (CPU 99%)"),
         ([{"state": "S", "cpu_percent": 0.4}], "blocked in C (CPU 0%, state S)"),
         ([{"state": "D", "cpu_percent": 2.0}], "uninterruptible I/O (state D"),
+        ([{"state": "R", "cpu_percent": 30.0}], "busy loop in Python (CPU 30%)"),  # spinning on a contended CPU
         ([{"state": "S", "cpu_percent": 20.0}], "partly busy (CPU 20%)"),
         ([], "no worker process left"),
     ],
