@@ -44,8 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import psutil
 import yaml
@@ -527,7 +528,7 @@ def section_footprint(work: Path, quick: bool) -> dict:
     while not all(f.exists() and f.stat().st_size for f in hb_files):
         if time.monotonic() > limit or proc.poll() is not None:
             wait_exit(proc, 1)
-            return {"error": "the synthetic ranks did not all start", "dir": str(work)}
+            raise RuntimeError(f"the synthetic ranks did not all start (see {work})")
         time.sleep(0.05)
     time.sleep(settle)
     rss, cpu_pct = [], []
@@ -702,7 +703,7 @@ class Contender:
         return row
 
 
-def section_side_by_side(work: Path, quick: bool, allowance: float) -> dict:
+def section_side_by_side(work: Path, allowance: float) -> dict:
     """The four baseline runs start together (at nice 19); once their faults fired, or after half the
     allowance, the two hangwatch runs start together; every run gets `allowance` from its own start."""
     t0 = time.monotonic()
@@ -796,7 +797,10 @@ def to_markdown(res: dict) -> str:
                  f"{k} {v:.0f} s ({res['section_load_average_1min_at_start'][k]:.1f})" for k, v in res["section_wall_s"].items())
              + ". The machine may be shared: a load well above the core count means the figures below include "
                "waiting for a CPU.", ""]
-    sec = res["sections"]
+    sec = {k: v for k, v in res["sections"].items() if "error" not in v}
+    for name, v in res["sections"].items():
+        if "error" in v:
+            lines += [f"### {name}: not measured", "", f"The section failed: `{v['error']}` (traceback in bench-results.json).", ""]
     if "heartbeat" in sec:
         h = sec["heartbeat"]
         lines += ["### 1. Heartbeat cost (demo model, CPU)", "", "| figure | value (median; n, min, p95, max) |", "|---|---|",
@@ -838,19 +842,16 @@ def to_markdown(res: dict) -> str:
                   "", f"How: {r['method']}", ""]
     if "footprint" in sec:
         f = sec["footprint"]
-        if "error" in f:
-            lines += ["### 4. Footprint", "", f"not measured: {f['error']}", ""]
-        else:
-            lines += [f"### 4. Supervisor footprint ({f['ranks']} ranks at {f['hz']:g} Hz, {f['window_s']:.0f} s)", "",
-                      "| figure | value |", "|---|---|",
-                      f"| CPU, whole window | {f['cpu_percent_whole_window']:.2f} % of one core |",
-                      f"| CPU, per 1 s sample | {stats_cell(f['cpu_percent'], '%', 1, 2)} |",
-                      f"| RSS | {stats_cell(f['rss_mib'], 'MiB', 1, 1)} |",
-                      f"| heartbeat lines handled | {f['heartbeat_lines_in_window']} ({f['lines_per_s']:.0f}/s), "
-                      f"{f['torn_lines']} torn |",
-                      f"| start: spawn → worker spawned | {stats_cell(f['start_to_worker_spawned_s'], 's', 1, 3)} |",
-                      f"| start: spawn → control socket answers | {stats_cell(f['start_to_socket_ready_s'], 's', 1, 3)} |",
-                      "", f"How: {f['method']}", ""]
+        lines += [f"### 4. Supervisor footprint ({f['ranks']} ranks at {f['hz']:g} Hz, {f['window_s']:.0f} s)", "",
+                  "| figure | value |", "|---|---|",
+                  f"| CPU, whole window | {f['cpu_percent_whole_window']:.2f} % of one core |",
+                  f"| CPU, per 1 s sample | {stats_cell(f['cpu_percent'], '%', 1, 2)} |",
+                  f"| RSS | {stats_cell(f['rss_mib'], 'MiB', 1, 1)} |",
+                  f"| heartbeat lines handled | {f['heartbeat_lines_in_window']} ({f['lines_per_s']:.0f}/s), "
+                  f"{f['torn_lines']} torn |",
+                  f"| start: spawn → worker spawned | {stats_cell(f['start_to_worker_spawned_s'], 's', 1, 3)} |",
+                  f"| start: spawn → control socket answers | {stats_cell(f['start_to_socket_ready_s'], 's', 1, 3)} |",
+                  "", f"How: {f['method']}", ""]
     if "side_by_side" in sec:
         s = sec["side_by_side"]
         lines += [f"### 5. Side by side: the same hung worker, {s['allowance_s']:g} s allowance each", "",
@@ -879,6 +880,19 @@ def parse_only(text: Optional[str]) -> list[str]:
     return [s for s in SECTIONS if s in picked]
 
 
+def run_section(name: str, work: Path, args, res: dict, allowance: float) -> dict:
+    if name == "heartbeat":
+        return section_heartbeat(work, args.quick)
+    if name == "detection":
+        return section_detection(work, args.quick, args.jobs)
+    if name == "recovery":
+        hb = res["sections"].get("heartbeat") or {}
+        return section_recovery(work, args.quick, hb.get("cold_start_to_first_step"))
+    if name == "footprint":
+        return section_footprint(work, args.quick)
+    return section_side_by_side(work, allowance)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny trial counts and durations (plumbing check)")
@@ -902,6 +916,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "quick": args.quick, "machine": machine_info(), "sections": {}, "section_wall_s": {},
                  "section_load_average_1min_at_start": {}}
     base = Path(tempfile.mkdtemp(prefix="hangwatch-bench-", dir=args.workdir))
+    failed: list[str] = []
     try:
         for name in args.only:
             work = base / name
@@ -909,17 +924,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             s0 = time.monotonic()
             res["section_load_average_1min_at_start"][name] = os.getloadavg()[0]
             print(f"bench: {name} …", file=sys.stderr, flush=True)
-            if name == "heartbeat":
-                out = section_heartbeat(work, args.quick)
-            elif name == "detection":
-                out = section_detection(work, args.quick, args.jobs)
-            elif name == "recovery":
-                hb = res["sections"].get("heartbeat")
-                out = section_recovery(work, args.quick, hb["cold_start_to_first_step"] if hb else None)
-            elif name == "footprint":
-                out = section_footprint(work, args.quick)
-            else:
-                out = section_side_by_side(work, args.quick, allowance)
+            try:
+                out = run_section(name, work, args, res, allowance)
+            except Exception as exc:  # one broken section must not cost the others their figures
+                failed.append(name)
+                out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+                print(out["traceback"], file=sys.stderr, flush=True)
             res["sections"][name] = out
             res["section_wall_s"][name] = time.monotonic() - s0
             print(f"bench: {name} done in {res['section_wall_s'][name]:.0f} s", file=sys.stderr, flush=True)
@@ -934,6 +944,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "bench-results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     (args.out / "bench-results.md").write_text(md + "\n")
     print(md)
+    if failed:
+        print(f"bench: section(s) failed: {', '.join(failed)} (see their error in the table and the JSON)", file=sys.stderr)
+        return 1
     return 0
 
 

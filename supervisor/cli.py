@@ -387,5 +387,21 @@ def submit(run_dir, socket_path, timeout, files, config_path, priority) -> None:
         sys.exit(65)
 
 
+@main.command(short_help="Benchmark hangwatch on this machine (scripts/bench.py).",
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args) -> None:
+    """Run the benchmark (`scripts/bench.py` of the checkout hangwatch runs from) with ARGS, e.g. --quick.
+
+    It writes bench-results.json and bench-results.md and prints the table."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+    if not script.is_file():
+        _fail(f"no benchmark at {script}: `hangwatch bench` needs a source checkout (pip install -e .)", 1)
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
+
+
 if __name__ == "__main__":
     main(prog_name="hangwatch")

@@ -210,11 +210,13 @@ def descendants(pid: int) -> list[ProcRef]:
 
 
 def group_members(pgid: int) -> list[ProcRef]:
+    # Called on every loop pass while a tree is being killed: one getpgid syscall per pid, and a
+    # psutil lookup only for the few members (process_iter would build an object for every process).
     out = []
-    for p in psutil.process_iter():
+    for pid in psutil.pids():
         try:
-            if os.getpgid(p.pid) == pgid:
-                out.append(ProcRef(p.pid, p.create_time()))
+            if os.getpgid(pid) == pgid:
+                out.append(ProcRef(pid, psutil.Process(pid).create_time()))
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, PermissionError):
             pass
     return out

@@ -33,7 +33,8 @@ import structlog
 
 from daemon.heartbeat import (ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR, NO_RESTART_CODES, attempt_dir,
                               next_attempt)
-from supervisor import process, snapshot as snapshots, statefile
+from daemon.inbox_files import queue_status
+from supervisor import logs, process, snapshot as snapshots, statefile
 from supervisor.calibration import Calibration
 from supervisor.config import Config, ConfigError, dump_config, load_config
 from supervisor.deadlines import Deadlines, Expired, SuspensionDetector
@@ -50,7 +51,7 @@ log = structlog.get_logger("hangwatch")
 EXIT_OK = 0
 EXIT_FAILED = 1  # crash loop, or anything else that ends the run as failed
 EXIT_CONFIG = 78
-FAST_PASS_S = 0.05  # loop period while escalating or stopping: each step should follow promptly
+FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 TREE_SCAN_S = 1.0  # how often descendants are re-listed (to find those that leave the group)
 STATE_WRITE_S = 5.0
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -279,6 +280,7 @@ class Supervisor:
                 self.backoff_until += gap
             log.warning("supervisor_suspended", gap_s=round(gap, 3), note="deadlines extended by the gap")
         self._drain_signals()
+        logs.reopen_if_requested()
         self._read_heartbeats(now)
         if self.control is not None:
             try:
@@ -895,6 +897,7 @@ class Supervisor:
             "torn_lines": self.torn_lines,
             "calibration": {"step_budget_s": self.deadlines.step_budget()[0], "source": self.deadlines.step_budget()[1],
                             "samples": len(self.calibration.step_samples)},
+            "queue": queue_status(self.run_dir) if self.cfg.data.inbox else None,
         }
 
     def handle_request(self, req: Any) -> dict:
