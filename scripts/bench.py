@@ -773,7 +773,9 @@ def stats_cell(s: dict, unit: str = "s", scale: float = 1.0, digits: int = 3) ->
 def end_of_allowance(r: dict) -> str:
     if r["contender"] == "cron_watchdog":
         rep = r.get("cron_report") or {}
-        text = (f"gave up at the allowance after {rep.get('polls')} polls, {rep.get('restarts')} restarts; worker killed"
+        polls, restarts = rep.get("polls"), rep.get("restarts")
+        text = (f"gave up at the allowance after {polls} poll{'' if polls == 1 else 's'}, {restarts} "
+                f"restart{'' if restarts == 1 else 's'}; worker killed"
                 if rep else "no report from the watchdog; killed")
     elif r["ended_by_itself"]:
         text = f"ended by itself, exit {r['exit_code']}"

@@ -82,7 +82,33 @@ def run(config: str, run_dir: Optional[str]) -> None:
         report_config_error(exc)  # the same words as validate-config; nothing is started
         sys.exit(EX_CONFIG)
     logs.configure(cfg.run_dir, cfg.logging.level)
-    sys.exit(runner.run(config, run_dir, control_factory=make_control, notifier=Notifier.from_env()))
+    code = runner.run(config, run_dir, control_factory=make_control, notifier=Notifier.from_env())
+    if code != EX_CONFIG:
+        for line in run_summary(cfg.run_dir, code):
+            click.echo(line, err=True)
+    sys.exit(code)
+
+
+def run_summary(run_dir: str, code: int) -> list[str]:
+    """What a person wants to know when `hangwatch run` returns: how it ended, what went wrong on the
+    way (each incident and where its evidence is), and where the result is."""
+    from pathlib import Path
+
+    from supervisor import statefile
+    from supervisor.incidents import IncidentStore
+
+    rd = Path(run_dir)
+    state, _ = statefile.read(rd / "state.json")
+    state = state or {}
+    lines = [f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
+             f"run dir {rd}"]
+    store = IncidentStore(rd)
+    for inc, d in zip(store.list(), store.dirs()):
+        lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+    final = rd / "final"
+    if final.is_dir():
+        lines.append(f"  final adapter: {final}  (PeftModel.from_pretrained(base, '{final}'))")
+    return lines
 
 
 @main.command("validate-config", short_help="Check a config file (exit 78 when bad).")
@@ -280,9 +306,22 @@ def dump(run_dir, socket_path, timeout) -> None:
 @click.argument("incident_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
-    """List incidents, or show one (by ID, e.g. 0003)."""
-    client = _client(run_dir, socket_path, timeout)
-    result = client.call("incidents", id=incident_id) if incident_id else client.call("incidents")
+    """List incidents, or show one (by ID, e.g. 0003). With --run-dir they are read from disk when no
+    supervisor is running there (after the run ended)."""
+    from supervisor.client import DaemonUnavailable
+
+    try:
+        client = _client(run_dir, socket_path, timeout)
+        result = client.call("incidents", id=incident_id) if incident_id else client.call("incidents")
+    except DaemonUnavailable:
+        if not run_dir:
+            raise
+        from supervisor.incidents import IncidentStore
+
+        store = IncidentStore(run_dir)
+        result = store.get(incident_id) if incident_id else store.list()
+        if incident_id and result is None:
+            _fail(f"no incident {incident_id} in {run_dir}/incidents", 1)
     if as_json:
         click.echo(json.dumps(result, default=str))
         return

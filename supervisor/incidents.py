@@ -112,6 +112,18 @@ def frame_str(f: Optional[dict]) -> str:
     return f"{f['function']} ({f['file']}:{f['line']})" if f else "unknown"
 
 
+def call_chain(stack: list[dict], depth: int = 8) -> str:
+    """The functions a stuck frame was called from, innermost first ("__call__ ← generate ← …"):
+    the innermost frame alone is often a library's (a logits processor, a lock), the chain names
+    the user-level call that never returned."""
+    names: list[str] = []
+    for f in stack[1 : depth + 1]:
+        fn = f.get("function")
+        if fn and (not names or names[-1] != fn) and not fn.startswith("<"):
+            names.append(fn)
+    return " ← ".join(f"{n}()" for n in names)
+
+
 # --------------------------------------------------------------------------------------------
 # Classification
 

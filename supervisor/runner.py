@@ -40,7 +40,7 @@ from supervisor.config import Config, ConfigError, dump_config, load_config
 from supervisor.deadlines import Deadlines, Expired, SuspensionDetector
 from supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
 from supervisor.heartbeats import FileEvents, HeartbeatTail
-from supervisor.incidents import (Incident, IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
+from supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error, frame_str,
                                   read_json, signal_name, stuck_frame, tail_text)
 from supervisor.policy import Decision, RestartPolicy
 from supervisor.process import ProcRef, Worker
@@ -527,8 +527,8 @@ class Supervisor:
             deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
                         "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank,
                         "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
-        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s" if expired
-               else "restart now requested")
+        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s"
+               f" in phase {phase!r} at step {step}" if expired else "restart now requested")
         inc = self.incidents.create(kind, attempt=self.attempt, phase=phase, step=step, deadline=deadline,
                                     summary=why, status="in progress", worker_pid=self.worker.pid,
                                     last_good_checkpoint=self.last_good_checkpoint)
@@ -579,13 +579,14 @@ class Supervisor:
             own = [p for p in h.procs if p["pid"] == self.worker.pid]
         deadline = inc.data.get("deadline")
         classification = classify_stall(h.kind, deadline, own, frame)
+        chain = call_chain(stack)
         inc.data.update(
-            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank,
+            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, call_chain=chain,
             dumps={r: f"stack-rank{r}.txt" for r in texts},
             dump_signalled={r: ok for r, ok in h.dumps.signalled.items()},
             py_spy=h.dumps.py_spy_note or "not run",
             classification=classification,
-            summary=f"{h.reason}; {classification}",
+            summary=f"{h.reason}; {classification}" + (f"; called from {chain}" if chain else ""),
         )
         h.timings["dump_s"] = round(now - h.dumps.started_at, 3)
         inc.write()

@@ -352,3 +352,28 @@ def test_run_help_ends_with_the_config_reference():
     ref_lines = [line.strip() for line in reference_text().splitlines()]
     help_lines = [line.strip() for line in r.output.rstrip().splitlines()]
     assert help_lines[-len(ref_lines):] == ref_lines  # verbatim, not re-wrapped, and last
+
+
+def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_path):
+    """After `hangwatch run` returned there is no socket; the incidents are still on disk."""
+    from supervisor import statefile
+    from supervisor.cli import run_summary
+    from supervisor.incidents import IncidentStore
+
+    inc = IncidentStore(tmp_path).create("stall", attempt=1, phase="generate", step=40,
+                                         summary="phase deadline 10.0s exceeded in phase 'generate'")
+    inc.write()
+    (tmp_path / "final").mkdir()
+    statefile.write(tmp_path / "state.json", {"state": "finished", "attempt": 2})
+    r = CliRunner().invoke(main, ["incidents", "--run-dir", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    listed = json.loads(r.output)
+    assert [(i["id"], i["kind"]) for i in listed] == [(inc.id, "stall")]
+    r = CliRunner().invoke(main, ["incidents", "--run-dir", str(tmp_path), "--json", inc.id])
+    assert json.loads(r.output)["phase"] == "generate"
+    r = CliRunner().invoke(main, ["incidents", "--run-dir", str(tmp_path), "0042"])
+    assert r.exit_code == 1 and "no incident 0042" in r.output
+    lines = run_summary(str(tmp_path), 0)
+    assert "finished" in lines[0] and "2 attempt(s)" in lines[0]
+    assert any(f"incident {inc.id} [stall]" in ln and "generate" in ln for ln in lines)
+    assert any("final adapter" in ln and str(tmp_path / "final") in ln for ln in lines)
