@@ -27,16 +27,28 @@ from supervisor.client import Client, ClientError, resolve_socket
 from supervisor.config import Config, ConfigError, load_config, reference_text
 
 EX_CONFIG = 78
+EX_USAGE = 64
 
 
 class _Group(click.Group):
-    """Turns the errors a user can act on into one line and an exit code, never a traceback."""
+    """Turns the errors a user can act on into one line and an exit code, never a traceback.
+    Usage errors exit 64 (EX_USAGE), like the ones the client raises, not click's 2."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            exc.exit_code = EX_USAGE
+            raise
 
     def invoke(self, ctx: click.Context) -> Any:
         from supervisor.logs import NoLogYet
 
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            exc.exit_code = EX_USAGE
+            raise
         except ClientError as exc:
             _fail(str(exc), exc.exit_code)
         except NoLogYet as exc:
@@ -380,16 +392,14 @@ def submit(run_dir, socket_path, timeout, files, config_path, priority) -> None:
     never sees half a file).  Prints `accepted NAME (N examples)` or `rejected NAME: why` per file;
     a rejected file is not published, and the exit code is then 65.
     """
+    import subprocess
     from pathlib import Path
-
-    from daemon.data import load_tokenizer, validate_file
-    from daemon.inbox_files import publish, validate_only
 
     if config_path is None:
         if run_dir is None and socket_path is not None:
             run_dir = _client(run_dir, socket_path, timeout).call("status").get("run_dir")
         if run_dir is None:
-            _fail("submit needs --run-dir DIR (or $HANGWATCH_RUN_DIR), --socket PATH or --config CONFIG", 64)
+            _fail("submit needs --run-dir DIR (or $HANGWATCH_RUN_DIR), --socket PATH or --config CONFIG", EX_USAGE)
         config_path = str(Path(run_dir) / "config.yaml")
         if not Path(config_path).is_file():
             _fail(f"{run_dir}: no config.yaml (has the run been started there?); pass --config CONFIG", EX_CONFIG)
@@ -400,30 +410,17 @@ def submit(run_dir, socket_path, timeout, files, config_path, priority) -> None:
         sys.exit(EX_CONFIG)
     if not cfg.data.inbox:
         _fail(f"{config_path}: data.inbox is false: the run at {cfg.run_dir} does not take files from an inbox", EX_CONFIG)
-    tokenizer = load_tokenizer(cfg)
-    assessments = validate_only(files, lambda p: validate_file(p, tokenizer, cfg), run_dir=cfg.run_dir,
-                                max_file_bytes=cfg.data.max_file_bytes, on_bad_lines=cfg.data.on_bad_lines)
-    failed = 0
-    for a in assessments:
-        name = a.path.name
-        if not a.accepted:
-            failed += 1
-            why = [r["message"] for r in a.reasons] + [f"line {p['line']}: {p['error']}" for p in a.problems[:5]]
-            if a.problems_total > 5:
-                why.append(f"… {a.problems_total - 5} more bad line(s)")
-            click.echo(f"rejected {name}: " + "; ".join(why))
-            continue
-        try:
-            published = publish(a.path, cfg.run_dir, priority=priority)
-        except (OSError, ValueError) as exc:
-            failed += 1
-            click.echo(f"rejected {name}: could not publish into {cfg.run_dir}/inbox: {exc}")
-            continue
-        extra = f"; {a.problems_total} bad line(s) will be left out" if a.skipped_lines else ""
-        renamed = f" as inbox/{published.name}" if published.name != name else ""
-        click.echo(f"accepted {name} ({a.examples} example{'s' if a.examples != 1 else ''}{extra}){renamed}")
-    if failed:
-        sys.exit(65)
+    # Validation needs the run's tokenizer, hence transformers and torch: it runs in a worker-side
+    # process (daemon.submit) so that supervisor/ itself never imports them.
+    argv = [sys.executable, "-m", "daemon.submit", "--config", config_path]
+    if run_dir is not None:
+        argv += ["--run-dir", str(run_dir)]
+    if priority is not None:
+        argv += ["--priority", str(priority)]
+    done = subprocess.run([*argv, "--", *files], capture_output=True, text=True)
+    click.echo(done.stdout, nl=False)
+    click.echo(done.stderr, nl=False, err=True)
+    sys.exit(done.returncode)
 
 
 @main.command(short_help="Benchmark hangwatch on this machine (scripts/bench.py).",

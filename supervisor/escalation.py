@@ -28,6 +28,7 @@ from supervisor.process import Kill, ProcRef
 log = structlog.get_logger("hangwatch")
 
 SETTLE_S = 0.3  # a dump file unchanged this long after growing is complete
+KILL_WAIT_S = 30.0  # after SIGKILL, how long to wait for the tree to go before recording survivors
 
 
 @dataclass
@@ -163,6 +164,7 @@ class TreeKiller:
     gone_at: Optional[float] = None
     done_at: Optional[float] = None
     killed: list[int] = field(default_factory=list)
+    survivors: list[dict] = field(default_factory=list)
     gpu_release: dict = field(default_factory=dict)
     _dead: set[int] = field(default_factory=set)
 
@@ -210,6 +212,12 @@ class TreeKiller:
                 log.info("sigkill", pids=[r.pid for r in left], grace_s=self.term_grace_s)
                 self.kill_now(now)
                 return False
+            elif self.kill_at is not None and now - self.kill_at >= KILL_WAIT_S:
+                # SIGKILL cannot end a process in uninterruptible sleep (state D): record it and go on,
+                # rather than leave the run stuck in `killing` for ever.
+                self.survivors = [process.describe(r) for r in left]
+                log.error("sigkill_survivors", survivors=self.survivors, waited_s=round(now - self.kill_at, 3))
+                self.gone_at = now
             else:
                 return False
         holding = self.gpu_pids()
@@ -229,4 +237,4 @@ class TreeKiller:
         t0 = self.term_at
         rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
         return {"sigkill_after_s": rel(self.kill_at), "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
-                "sigterm_sent": self.send_term, "sigkilled_pids": self.killed}
+                "sigterm_sent": self.send_term, "sigkilled_pids": self.killed, "survivors": self.survivors}

@@ -309,3 +309,13 @@ def end_processes(refs: list[ProcRef], group: Optional[int], *, grace_s: float, 
     while alive(refs) and clock() < deadline:
         sleep(0.05)
     return alive(refs)
+
+
+def describe(ref: ProcRef) -> dict:
+    """pid, name and state of a process that would not die, for the incident."""
+    try:
+        p = psutil.Process(ref.pid)
+        with p.oneshot():
+            return {"pid": ref.pid, "name": p.name(), "state": p.status(), "cmdline": p.cmdline()[:6]}
+    except psutil.Error:
+        return {"pid": ref.pid, "state": "gone"}

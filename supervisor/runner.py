@@ -51,6 +51,7 @@ log = structlog.get_logger("hangwatch")
 EXIT_OK = 0
 EXIT_FAILED = 1  # crash loop, or anything else that ends the run as failed
 EXIT_CONFIG = 78
+EXIT_AFTER_STOP_S = 30.0  # a worker that said `stop` gets this long (plus term grace) to exit
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 TREE_SCAN_S = 1.0  # how often descendants are re-listed (to find those that leave the group)
 STATE_WRITE_S = 5.0
@@ -254,6 +255,8 @@ class Supervisor:
         if problem:
             print(f"hangwatch: {problem}", file=sys.stderr)
             log.error("refused", problem=problem)
+            if self.control is not None:
+                self.control.close()  # the socket file must not outlive a supervisor that never ran
             return EXIT_FAILED
         self._setup()
         log.info("supervisor_started", run_dir=str(self.run_dir), pid=os.getpid(), config=str(self.config_path))
@@ -361,6 +364,10 @@ class Supervisor:
             elif ev == "stop":
                 self.last_stop[tr.rank] = str(rec.get("reason"))
                 log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step)
+                if all(t.stopped for t in self.deadlines.ranks.values()):
+                    # No per-rank deadline applies after `stop`; a process that then hangs on its way
+                    # out (a non-daemon thread, CUDA/NCCL teardown) is still caught.
+                    self.deadlines.arm_extra("exit", now, EXIT_AFTER_STOP_S + self.wd.term_grace_s, "exit after stop line")
         if self.tail.torn != torn_before:
             self.torn_lines += self.tail.torn - torn_before
             log.warning("torn_heartbeat_lines", count=self.tail.torn - torn_before, total=self.torn_lines,
@@ -597,6 +604,7 @@ class Supervisor:
         if self.handling is None:
             self.handling = Handling(None, None, now, reason="forced stop")
         refs = list(self.tree.values()) + [a.ref for a in self.announced.values() if a.ref]
+        refs += list(self._adopted(exclude={self.worker.pid}).values())
         killer = TreeKiller(self.worker, refs, term_grace_s=self.wd.term_grace_s,
                             gpu_release_timeout_s=self.wd.gpu_release_timeout_s, kill=self._kill,
                             reap=lambda: self._reap(self.clock()), gpu_pids=self._gpu_pids, send_term=send_term)
@@ -772,15 +780,25 @@ class Supervisor:
             return
         self._last_tree_scan = now
         seen = {r.pid: r for r in process.descendants(w.pid)}
-        if self._subreaper:
-            for r in process.own_children(exclude={w.pid} | self._helpers):
-                seen.setdefault(r.pid, r)
-                for d in process.descendants(r.pid):
-                    seen.setdefault(d.pid, d)
+        for pid, r in self._adopted(exclude={w.pid}).items():
+            seen.setdefault(pid, r)
         changed = set(seen) - set(self.tree)
         self.tree = {**{p: r for p, r in self.tree.items() if not process.is_gone(r)}, **seen}
         if changed:
             self._write_state(now, force=True)
+
+    def _adopted(self, exclude: set[int] = frozenset()) -> dict[int, ProcRef]:
+        """Orphans of the worker's tree that were re-parented to us (we are their subreaper), with their
+        descendants: once the worker itself has exited, this is the only way to find a child that left
+        its process group (setsid) before the tree scan saw it."""
+        if not self._subreaper:
+            return {}
+        found: dict[int, ProcRef] = {}
+        for r in process.own_children(exclude=set(exclude) | self._helpers):
+            found.setdefault(r.pid, r)
+            for d in process.descendants(r.pid):
+                found.setdefault(d.pid, d)
+        return found
 
     def _on_state_change(self, src: State, dst: State, why: str) -> None:
         log.info("state", frm=src.value, to=dst.value, why=why, attempt=self.attempt)

@@ -377,3 +377,9 @@ def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_pat
     assert "finished" in lines[0] and "2 attempt(s)" in lines[0]
     assert any(f"incident {inc.id} [stall]" in ln and "generate" in ln for ln in lines)
     assert any("final adapter" in ln and str(tmp_path / "final") in ln for ln in lines)
+
+
+@pytest.mark.parametrize("argv", [["frob"], ["status", "--bogus"], ["--bogus"]])
+def test_usage_errors_exit_64(argv):
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 64, r.output

@@ -94,6 +94,15 @@ def test_crash_with_last_words(tmp_path):
     assert inc["deadline"] is None
 
 
+def test_child_that_left_the_group_dies_even_when_the_worker_exits_first(tmp_path):
+    """The worker setsid()s a child and exits at once: the orphan is re-parented to the supervisor
+    (its subreaper) and must be killed as part of that attempt's tree, not left running."""
+    inc, run_dir, _ = finished_after_one_incident(tmp_path, "setsid_exit")
+    assert inc["kind"] == "crash" and inc["exit"]["code"] == 3
+    worker_pid, *children = [int(x) for x in (run_dir / "attempts" / "0001" / "pids.txt").read_text().split()]
+    assert children and set(children) <= set(inc["timings"]["sigkilled_pids"]), inc["timings"]
+
+
 def test_killed_by_a_signal(tmp_path):
     inc, _, _ = finished_after_one_incident(tmp_path, "sigkill")
     assert inc["kind"] == "signal"

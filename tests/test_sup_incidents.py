@@ -150,9 +150,9 @@ def test_tree_killer_waits_for_the_gpu_memory_of_the_dead_to_be_freed():
 
 
 def test_tree_killer_gives_up_waiting_for_gpu_memory_after_its_bound():
-    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
-                             start_new_session=True)
-    time.sleep(0.3)  # let it install SIG_IGN
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                              "print('ready', flush=True); time.sleep(60)"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"  # SIG_IGN is in place: only SIGKILL can end it
     worker = process.Worker(pid=child.pid, create_time=psutil.Process(child.pid).create_time(), argv=[], log_path=None,
                             started_at=0.0)
 
