@@ -213,34 +213,9 @@ def write_yaml(path: Path, data: dict) -> Path:
 # ============================================================================ 1. heartbeat cost
 
 
-def make_trainer(cfg, hb):
-    """An in-process Trainer for `cfg`, built the way `python -m daemon` builds it (daemon.__main__.run)."""
-    import io
-
-    import torch
-
-    from daemon.__main__ import load_data
-    from daemon.faults import FaultPlan
-    from daemon.model import load_model
-    from daemon.signals import StopRequest
-    from daemon.train import NullHeartbeat, Trainer
-
-    if cfg.model.name_or_path is None and not torch.cuda.is_available():
-        torch.set_num_threads(1)  # as the worker does for the tiny model
-    bundle = load_model(cfg)
-    stop = StopRequest()
-    with contextlib.redirect_stdout(io.StringIO()):
-        source, eval_examples = load_data(cfg, bundle.tokenizer, NullHeartbeat(), stop)
-    trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, FaultPlan([], cfg.run_dir, NullHeartbeat()),
-                      stop, out=io.StringIO())
-    trainer.seed_fresh()
-    bundle.model.train()
-    return trainer
-
-
 def section_heartbeat(work: Path, quick: bool) -> dict:
     """Step time with real heartbeats vs a no-op heartbeat, interleaved in one process; cold start; save."""
-    from bench_worker import bench_cold_start, bench_config
+    from bench_worker import bench_cold_start, bench_config, build_trainer as make_trainer
 
     from daemon import checkpoint as ckpt
     from daemon.heartbeat import Heartbeat

@@ -54,10 +54,11 @@ def build_trainer(cfg, hb):
     if cfg.model.name_or_path is None and not torch.cuda.is_available():
         torch.set_num_threads(1)  # as the worker does for the tiny model
     bundle = load_model(cfg)
+    stop = StopRequest()
     with contextlib.redirect_stdout(io.StringIO()):
-        source, eval_examples = load_data(cfg, bundle.tokenizer, NullHeartbeat())
+        source, eval_examples = load_data(cfg, bundle.tokenizer, NullHeartbeat(), stop)
     trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, FaultPlan([], cfg.run_dir, NullHeartbeat()),
-                      StopRequest(), out=io.StringIO())
+                      stop, out=io.StringIO())
     trainer.seed_fresh()
     bundle.model.train()
     return trainer

@@ -92,7 +92,13 @@ class _Waker(FileSystemEventHandler):
     def __init__(self, fd: int):
         self.fd = fd
 
+    # Only events that mean new content: reading a heartbeat file raises `opened` and
+    # `closed_no_write`, and waking on those would make every read trigger the next pass.
+    WAKE_ON = frozenset({"modified", "created", "moved", "closed"})
+
     def on_any_event(self, event) -> None:
+        if event.event_type not in self.WAKE_ON:
+            return
         try:
             os.write(self.fd, b"h")
         except (BlockingIOError, OSError):
