@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from daemon.checkpoint import write_atomic
 from daemon.errors import DataError, NonFiniteStreak
 from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, attempt_dir
 
@@ -49,13 +50,7 @@ def write_last_words(
     record = {"kind": kind, "message": message, "traceback": tb, "pid": os.getpid(), "attempt": attempt, "t": time.time()}
     record.update(extra)
     path = directory / "exit.json"
-    tmp = directory / f".exit.json.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
     return path
 
 

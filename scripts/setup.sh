@@ -10,13 +10,27 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+
+pip_install() {
+  # pip's output is shown only when it fails (or for warnings other than unreachable index folders).
+  local log
+  log=$(mktemp)
+  if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    exit 1
+  fi
+  grep -v -e "is ignored: it is neither a file nor a directory" -e "^\s*$" "$log" >&2 || true
+  rm -f "$log"
+}
+
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0" >&2
-  "$VPY" -m pip install -q torch==2.13.0
+  pip_install torch==2.13.0
 fi
 stamp=.venv/.hangwatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing hangwatch and its dependencies" >&2
-  "$VPY" -m pip install -q -e ".[dev,profiling]"
+  pip_install -e ".[dev,profiling]"
   touch "$stamp"
 fi

@@ -185,3 +185,16 @@ def python_exe() -> str:
 def config_factory(tmp_path):
     """make_config bound to this test's tmp_path."""
     return lambda **overrides: make_config(tmp_path, **overrides)
+
+
+def safetensors_raw(path: Path) -> dict:
+    """safetensors file → {name: (dtype, shape, raw bytes)}, metadata ignored, no torch needed:
+    equal raw bytes is the strictest equality there is (bitwise, NaN payloads included)."""
+    import struct
+
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    return {k: (v["dtype"], tuple(v["shape"]), body[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}

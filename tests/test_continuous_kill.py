@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import ROOT, read_beats, start_worker, wait_for_beat, worker_env  # noqa: E402
+from conftest import ROOT, read_beats, safetensors_raw, start_worker, wait_for_beat, worker_env  # noqa: E402
 from daemon.inbox_files import Stage  # noqa: E402
 from test_continuous_support import (  # noqa: E402
     drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, replay_log,
@@ -32,20 +31,12 @@ N_FILES, N_LINES = 5, 12
 WAIT_S = 400  # for any one awaited event, on a loaded machine
 
 
-def tensors(path: Path) -> dict:
-    """safetensors file → {name: (dtype, shape, raw bytes)}."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
-    return {k: (v["dtype"], tuple(v["shape"]), body[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header.items() if k != "__metadata__"}
 
 
 def final_weights(run_dir: Path) -> dict:
     files = sorted((run_dir / "final").glob("*.safetensors"))
     assert [f.name for f in files] == ["adapter_model.safetensors", "extra_modules.safetensors"]
-    return {f.name: tensors(f) for f in files}
+    return {f.name: safetensors_raw(f) for f in files}
 
 
 def start_supervisor(config: Path, log: Path) -> subprocess.Popen:

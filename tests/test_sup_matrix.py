@@ -17,7 +17,6 @@ the resume from the last good checkpoint, and a finished run; then equal final w
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import psutil
 import pytest
 import yaml
 
+from conftest import safetensors_raw
 from fixtures.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
 
 pytestmark = pytest.mark.slow
@@ -77,20 +77,12 @@ def run_to_end(cfg_path: Path, run_dir: Path, timeout: float) -> str:
     return out
 
 
-def tensors(path: Path) -> dict:
-    """safetensors file → {name: (dtype, shape, raw bytes)}; metadata ignored, no torch needed."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
-    return {k: (v["dtype"], tuple(v["shape"]), body[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header.items() if k != "__metadata__"}
 
 
 def final_weights(run_dir: Path) -> dict:
     files = sorted((run_dir / "final").glob("*.safetensors"))
     assert files, f"no safetensors in {run_dir / 'final'}"
-    return {f.name: tensors(f) for f in files}
+    return {f.name: safetensors_raw(f) for f in files}
 
 
 def beats(run_dir: Path) -> list[dict]:
