@@ -215,7 +215,7 @@ def write_yaml(path: Path, data: dict) -> Path:
 
 def section_heartbeat(work: Path, quick: bool) -> dict:
     """Step time with real heartbeats vs a no-op heartbeat, interleaved in one process; cold start; save."""
-    from bench_worker import bench_cold_start, bench_config, build_trainer as make_trainer
+    from bench_worker import bench_cold_start, bench_config, build_trainer as make_trainer, timed_steps
 
     from daemon import checkpoint as ckpt
     from daemon.heartbeat import Heartbeat
@@ -228,12 +228,7 @@ def section_heartbeat(work: Path, quick: bool) -> dict:
     trainer = make_trainer(cfg, null)
 
     def timed(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            trainer.after_step(trainer.train_step())
-            out.append(time.perf_counter() - t0)
-        return out
+        return timed_steps(trainer, n)
 
     timed(warmup)
     with_hb, without_hb = [], []

@@ -64,7 +64,7 @@ def build_trainer(cfg, hb):
     return trainer
 
 
-def _timed_steps(trainer, n: int) -> list[float]:
+def timed_steps(trainer, n: int) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -82,13 +82,13 @@ def bench_step_overhead(cfg, rounds: int = 8, steps_per_round: int = 5, warmup: 
     real = Heartbeat(hb_dir / "heartbeat-rank0.jsonl")
     null = NullHeartbeat()
     trainer = build_trainer(cfg, null)
-    _timed_steps(trainer, warmup)
+    timed_steps(trainer, warmup)
     with_hb, without_hb = [], []
     for r in range(rounds):
         order = [(real, with_hb), (null, without_hb)] if r % 2 == 0 else [(null, without_hb), (real, with_hb)]
         for hb, bucket in order:
             trainer.hb = hb
-            bucket.extend(_timed_steps(trainer, steps_per_round))
+            bucket.extend(timed_steps(trainer, steps_per_round))
     real.close()
     med_with, med_without = statistics.median(with_hb), statistics.median(without_hb)
     return {

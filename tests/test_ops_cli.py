@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from click.testing import CliRunner
 
 from supervisor.cli import main
 from supervisor.config import reference_text
-from supervisor.control import ControlServer
+from fixtures.polled_server import PolledServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,15 +50,7 @@ STATUS = {
 }
 
 
-class FakeSupervisor:
-    def __init__(self, path: Path, run_dir=None):
-        self.server = ControlServer(path, run_dir=run_dir)
-        self.path = path
-        self.requests: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
+class FakeSupervisor(PolledServer):
     def handler(self, req):
         self.requests.append(req)
         cmd = req["cmd"]
@@ -84,16 +75,6 @@ class FakeSupervisor:
                 {"id": "0002", "kind": "stall", "time": "2026-01-01T04:00:00", "attempt": 2, "step": 20, "summary": None,
                  "classification": "busy loop in Python (CPU 100%)"}]}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
-
-    def _loop(self):
-        while not self._stop.is_set():
-            self.server.poll(self.handler)
-            time.sleep(0.01)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.server.close()
 
 
 @pytest.fixture

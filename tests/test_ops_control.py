@@ -10,13 +10,13 @@ import socket
 import stat
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from fixtures.polled_server import PolledServer
 from supervisor.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
 from supervisor.control import (
     SOCKET_PATH_FILE,
@@ -29,17 +29,8 @@ from supervisor.control import (
 )
 
 
-class FakeSupervisor:
-    """A ControlServer polled from a thread, as the supervisor's loop would, with a recording handler."""
-
-    def __init__(self, path, **kw):
-        self.server = ControlServer(path, **kw)
-        self.path = Path(path)
-        self.requests: list[dict] = []
-        self.big = b""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+class FakeSupervisor(PolledServer):
+    """The control server under test, with a handler that records and answers a few commands."""
 
     def handler(self, req: dict) -> dict:
         self.requests.append(req)
@@ -53,16 +44,6 @@ class FakeSupervisor:
         if cmd == "notadict":
             return ["not", "a", "reply"]
         return {"ok": False, "error": f"unknown command {cmd!r}"}
-
-    def _loop(self):
-        while not self._stop.is_set():
-            self.server.poll(self.handler)
-            time.sleep(0.01)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.server.close()
 
 
 @pytest.fixture
