@@ -1,4 +1,4 @@
-"""`python -m daemon --config CONFIG [--run-dir DIR]`: the training worker the supervisor watches.
+"""`python -m hangwatch.daemon --config CONFIG [--run-dir DIR]`: the training worker the supervisor watches.
 
 Order of business, so that the `start` heartbeat comes before the slow imports: read the config
 (pydantic and yaml only), choose the checkpoint to resume from (standard library only), beat
@@ -22,18 +22,21 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from daemon import checkpoint as ckpt
-from daemon.errors import DataError
-from daemon.heartbeat import ENV_ATTEMPT, ENV_RUN_DIR, EXIT_CONFIG, Heartbeat, next_attempt
-from daemon.lastwords import last_words_for, write_last_words
-from daemon.signals import StopRequest
-from supervisor.config import ConfigError, dump_config, fingerprint, load_config
+from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.errors import DataError
+from hangwatch.common.exitcodes import EXIT_CONFIG
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR
+from hangwatch.common.rundir import next_attempt
+from hangwatch.daemon.heartbeat import Heartbeat
+from hangwatch.daemon.lastwords import last_words_for, write_last_words
+from hangwatch.daemon.signals import StopRequest
+from hangwatch.common.config import ConfigError, dump_config, fingerprint, load_config
 
 MAX_PROBLEMS_IN_BEAT = 10
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m daemon", description="hangwatch training worker (LoRA fine-tuning).")
+    p = argparse.ArgumentParser(prog="python -m hangwatch.daemon", description="hangwatch training worker (LoRA fine-tuning).")
     p.add_argument("--config", required=True, help="YAML config (see `hangwatch --help` for every key)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir in the config)")
     return p.parse_args(argv)
@@ -50,7 +53,7 @@ def _quiet_libraries() -> None:
 
 
 def check_resume_compatible(cfg, path: Path) -> None:
-    from daemon.train import fingerprint_differences
+    from hangwatch.daemon.train import fingerprint_differences
 
     saved = ckpt.read_state(path).get("fingerprint", {})
     diffs = fingerprint_differences(saved, fingerprint(cfg))
@@ -65,10 +68,10 @@ def load_data(cfg, tokenizer, hb, stop):
     """(train source, eval examples); problems are reported, no usable training data raises DataError.
 
     Continuous mode: the source is the inbox (`daemon.continuous.InboxFeed`, to be closed after use)."""
-    from daemon.data import ShuffledEpochs, validate_file
+    from hangwatch.daemon.data import ShuffledEpochs, validate_file
 
     if cfg.data.inbox:
-        from daemon.continuous import open_feed
+        from hangwatch.daemon.continuous import open_feed
 
         source = open_feed(cfg, tokenizer, hb, stop)
     elif cfg.data.train is None:
@@ -102,9 +105,9 @@ def run(cfg, hb, choice, stop, faults) -> str:
     _quiet_libraries()
     import torch
 
-    from daemon.faults import FaultPlan
-    from daemon.model import load_model
-    from daemon.train import Trainer
+    from hangwatch.daemon.faults import FaultPlan
+    from hangwatch.daemon.model import load_model
+    from hangwatch.daemon.train import Trainer
 
     plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt)
     for f in faults:
@@ -151,7 +154,7 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
     hb = Heartbeat.from_env(run_dir, environ=env)
     stop = StopRequest().install()
     try:
-        from daemon.faults import faults_from
+        from hangwatch.daemon.faults import faults_from
 
         faults = faults_from(cfg, env)  # a bad HANGWATCH_FAULTS is a config error, reported before anything starts
         choice = ckpt.choose_resume(run_dir)

@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from daemon.inbox import ContinuousSource, Inbox, IntakeResult, PositionError
-from daemon.inbox_files import Validator
-from supervisor.config import ConfigError
+from hangwatch.daemon.inbox import ContinuousSource, Inbox, IntakeResult, PositionError
+from hangwatch.common.inbox_layout import Validator
+from hangwatch.common.config import ConfigError
 
 DEFAULT_INTAKE_BUDGET_S = 600.0
 BEAT_EVERY_S = 1.0
@@ -201,7 +201,7 @@ class InboxFeed:
 
 def open_feed(cfg, tokenizer, hb, stop) -> InboxFeed:
     """The continuous-mode data source of the built-in worker, validating with the run's tokenizer."""
-    from daemon.data import validate_file
+    from hangwatch.daemon.data import validate_file
 
     def validator(path: Path):
         return validate_file(path, tokenizer, cfg)

@@ -265,7 +265,7 @@ class ShuffledEpochs:
             self.epoch, self.index, self._order = 0, 0, None
             return
         if position.get("size") not in (None, len(self.examples)):
-            from supervisor.config import ConfigError
+            from hangwatch.common.config import ConfigError
 
             raise ConfigError([
                 f"data: the checkpoint was trained on {position['size']} usable examples, the data now has "
@@ -282,7 +282,7 @@ def load_tokenizer(cfg):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(cfg.model.name_or_path, local_files_only=True)
-    from daemon.model import build_tiny_tokenizer  # imports torch: the tiny tokenizer lives beside the tiny model
+    from hangwatch.daemon.model import build_tiny_tokenizer  # imports torch: the tiny tokenizer lives beside the tiny model
 
     return build_tiny_tokenizer(cfg.model.tiny.vocab_size)
 

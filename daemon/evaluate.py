@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from daemon.data import Example, collate, prompt_ids_for
+from hangwatch.daemon.data import Example, collate, prompt_ids_for
 
 EVOLUTION = "evolution.jsonl"
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from daemon.checkpoint import write_atomic
+from hangwatch.daemon.checkpoint import write_atomic
 
 ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"
@@ -39,7 +39,7 @@ def faults_from(cfg, environ: Optional[dict] = None) -> list:
     """The config's faults plus those of HANGWATCH_FAULTS; raises ConfigError on a bad variable."""
     from pydantic import ValidationError
 
-    from supervisor.config import ConfigError, FaultCfg
+    from hangwatch.common.config import ConfigError, FaultCfg
 
     env = os.environ if environ is None else environ
     faults = list(cfg.faults)

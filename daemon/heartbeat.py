@@ -1,6 +1,6 @@
-"""Heartbeat protocol, version 1 — the standard library only, so any training script can use it.
+"""Heartbeat client, protocol version 1 — the standard library only, so any training script can use it.
 
-    from daemon.heartbeat import Heartbeat
+    from hangwatch.daemon.heartbeat import Heartbeat
     hb = Heartbeat.from_env()          # reads HANGWATCH_* or falls back to ./runs/standalone
     hb.start()
     with hb.phase("train"):
@@ -20,73 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-VERSION = 1
-PIPE_BUF = 4096
-MAX_LINE = PIPE_BUF - 96  # margin for the newline and a future field or two
-DUMP_SIGNAL = "SIGUSR1"
-
-EVENTS = ("start", "phase", "step", "progress", "checkpoint", "warn", "stop")
-REQUIRED = ("v", "t", "pid", "rank", "attempt", "event", "step", "phase")
-
-# Exit codes, worker → supervisor (sysexits.h values).
-EXIT_OK = 0
-EXIT_DATAERR = 65  # unusable data for the whole run: do not restart
-EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last good checkpoint
-EXIT_CONFIG = 78  # configuration error: do not restart
-NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
-
-ENV_RUN_DIR = "HANGWATCH_RUN_DIR"
-ENV_ATTEMPT = "HANGWATCH_ATTEMPT"
-ENV_HEARTBEAT_DIR = "HANGWATCH_HEARTBEAT_DIR"
-
-
-def attempt_dir(run_dir: os.PathLike | str, attempt: int) -> Path:
-    return Path(run_dir) / "attempts" / f"{attempt:04d}"
-
-
-def heartbeat_path(directory: os.PathLike | str, rank: int) -> Path:
-    return Path(directory) / f"heartbeat-rank{rank}.jsonl"
-
-
-def dump_path_for(directory: os.PathLike | str, rank: int) -> Path:
-    return Path(directory) / f"stack-rank{rank}.txt"
-
-
-def next_attempt(run_dir: os.PathLike | str) -> int:
-    """The attempt number a worker started by hand takes: one past the highest on disk."""
-    base = Path(run_dir) / "attempts"
-    numbers = [int(p.name) for p in base.glob("[0-9]" * 4) if p.is_dir()] if base.is_dir() else []
-    return max(numbers, default=0) + 1
-
-
-def rank_from_env(environ: Optional[dict] = None) -> int:
-    env = os.environ if environ is None else environ
-    try:
-        return int(env.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
-def decode_line(raw: bytes | str) -> Optional[dict]:
-    """Parse one heartbeat line; None when it is torn, not JSON, or lacks a required field."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(obj, dict) or any(k not in obj for k in REQUIRED):
-        return None
-    if obj.get("v") != VERSION or obj.get("event") not in EVENTS:
-        return None
-    if not isinstance(obj.get("step"), int) or not isinstance(obj.get("pid"), int):
-        return None
-    return obj
+from hangwatch.common.protocol import (DUMP_SIGNAL, ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM,  # noqa: F401
+                                       ENV_RUN_DIR, EVENTS, REQUIRED, VERSION, decode_line, encode, rank_from_env)
+from hangwatch.common.rundir import attempt_dir, dump_path_for, heartbeat_path, next_attempt  # noqa: F401
 
 
 def install_dump_handler(dump_path: os.PathLike | str):
@@ -155,7 +97,7 @@ class Heartbeat:
             "phase": self.current_phase,
         }
         rec.update(fields)
-        data = _encode(rec)
+        data = encode(rec)
         os.write(self._fd, data)  # one write on O_APPEND: atomic for < PIPE_BUF
         return rec
 
@@ -217,18 +159,3 @@ class Heartbeat:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _encode(rec: dict) -> bytes:
-    data = (json.dumps(rec, separators=(",", ":"), default=str, allow_nan=True) + "\n").encode()
-    if len(data) <= MAX_LINE:
-        return data
-    # Too long to stay atomic: shorten the largest optional fields rather than tear the line.
-    slim = dict(rec)
-    for key in sorted((k for k in rec if k not in REQUIRED), key=lambda k: -len(json.dumps(rec[k], default=str))):
-        slim[key] = "<truncated>"
-        slim["truncated"] = True
-        data = (json.dumps(slim, separators=(",", ":"), default=str) + "\n").encode()
-        if len(data) <= MAX_LINE:
-            return data
-    raise ValueError("heartbeat line cannot be made shorter than PIPE_BUF")

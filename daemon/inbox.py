@@ -22,7 +22,7 @@ No torch here (the supervisor and the CLI import this module); the training loop
 Threads: the watchdog observer thread only records names in a queue; validation, moves and
 ledger writes all happen in the thread that calls `poll`, `wait_for_work` and the source.
 
-The file lifecycle and the naming scheme are in `daemon.inbox_files`.
+The file lifecycle and the naming scheme are in `hangwatch.common.inbox_layout`.
 
 Ledger idempotency: `done/ledger.jsonl` is appended in training order, so it is always a prefix
 of that order.  Both `commit` and `restore` bring it to exactly the examples before a position:
@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Optional
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from .inbox_files import (
+from hangwatch.common.inbox_layout import (
     CURRENT,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_LINE_BYTES,

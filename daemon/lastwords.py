@@ -13,16 +13,17 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from daemon.checkpoint import write_atomic
-from daemon.errors import DataError, NonFiniteStreak
-from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, attempt_dir
+from hangwatch.daemon.checkpoint import write_atomic
+from hangwatch.daemon.errors import DataError, NonFiniteStreak
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_TEMPFAIL
+from hangwatch.common.rundir import attempt_dir
 
-EXIT_CRASH = 1
+EXIT_CRASH = EXIT_FAILED
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
     """(kind, exit code) for an exception that ends the worker."""
-    from supervisor.config import ConfigError
+    from hangwatch.common.config import ConfigError
 
     if isinstance(exc, ConfigError):
         return "config_error", EXIT_CONFIG

@@ -138,7 +138,7 @@ def pick_device(cfg) -> tuple[torch.device, Optional[torch.dtype]]:
     want = cfg.model.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from supervisor.config import ConfigError
+            from hangwatch.common.config import ConfigError
 
             raise ConfigError(["model.device: cuda requested but torch sees no CUDA device"])
         autocast = torch.bfloat16 if cfg.model.dtype != "float32" and torch.cuda.is_bf16_supported() else None

@@ -1,4 +1,4 @@
-"""`python -m daemon.submit --config CONFIG [--run-dir DIR] [--priority N] FILE…` — what
+"""`python -m hangwatch.daemon.submit --config CONFIG [--run-dir DIR] [--priority N] FILE…` — what
 `hangwatch submit` runs: check each file as the worker will (JSON, fields, lengths, label masks,
 with the run's tokenizer) and publish each good one into <run_dir>/inbox/ by rename.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR
-from supervisor.config import ConfigError, load_config
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR
+from hangwatch.common.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(exc.problems), file=sys.stderr)
         return EXIT_CONFIG
 
-    from daemon.data import load_tokenizer, validate_file
-    from daemon.inbox_files import publish, validate_only
+    from hangwatch.daemon.data import load_tokenizer, validate_file
+    from hangwatch.common.inbox_layout import publish, validate_only
 
     files, priority = a.files, a.priority
     tokenizer = load_tokenizer(cfg)

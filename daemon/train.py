@@ -32,11 +32,11 @@ from typing import Optional, TextIO
 import numpy as np
 import torch
 
-from daemon import checkpoint as ckpt
-from daemon.data import DataSource, Example, collate
-from daemon.errors import NonFiniteStreak
-from daemon.evaluate import run_eval
-from daemon.model import EXTRA_FILE, ModelBundle, export_final, memory_metrics
+from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.data import DataSource, Example, collate
+from hangwatch.daemon.errors import NonFiniteStreak
+from hangwatch.daemon.evaluate import run_eval
+from hangwatch.daemon.model import EXTRA_FILE, ModelBundle, export_final, memory_metrics
 
 ADAPTER_FILE = "adapter_model.safetensors"
 # Settings that change nothing a checkpoint holds, so they may differ on resume.
@@ -164,7 +164,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["cuda"])
 
     def trainer_state(self) -> dict:
-        from supervisor.config import fingerprint
+        from hangwatch.common.config import fingerprint
 
         return {
             "step": self.step,

@@ -8,7 +8,7 @@
 Sections (all by default, in this order; `--only` picks some):
 
   heartbeat     median step time of the demo model with real heartbeats vs none, same process,
-                interleaved rounds; cold start of `python -m daemon` to its first step; checkpoint save.
+                interleaved rounds; cold start of `python -m hangwatch.daemon` to its first step; checkpoint save.
   detection     for each deadline (startup, silence, step, phase): a real supervisor (`hangwatch run`)
                 and a light stdlib worker (scripts/baselines/stall_worker.py) that breaks that deadline;
                 the latency beyond the budget, read from the incident (the supervisor's own clock),
@@ -90,7 +90,7 @@ def env() -> dict:
 
 def hangwatch_run(cfg_path: Path, out_path: Path, run_dir: Optional[Path] = None) -> subprocess.Popen:
     """`hangwatch run CONFIG` as a user starts it (control socket, supervisor.log), in its own session."""
-    argv = [PY, "-m", "supervisor.cli", "run", str(cfg_path)] + (["--run-dir", str(run_dir)] if run_dir else [])
+    argv = [PY, "-m", "hangwatch.supervisor.cli", "run", str(cfg_path)] + (["--run-dir", str(run_dir)] if run_dir else [])
     out = open(out_path, "ab")
     try:
         return subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -217,9 +217,9 @@ def section_heartbeat(work: Path, quick: bool) -> dict:
     """Step time with real heartbeats vs a no-op heartbeat, interleaved in one process; cold start; save."""
     from bench_worker import bench_cold_start, bench_config, build_trainer as make_trainer, timed_steps
 
-    from daemon import checkpoint as ckpt
-    from daemon.heartbeat import Heartbeat
-    from daemon.train import NullHeartbeat
+    from hangwatch.daemon import checkpoint as ckpt
+    from hangwatch.daemon.heartbeat import Heartbeat
+    from hangwatch.daemon.train import NullHeartbeat
 
     rounds, per_round, warmup = (2, 3, 2) if quick else (10, 6, 5)
     cfg = bench_config(DEMO_CONFIG, work / "steps")
@@ -389,8 +389,8 @@ RECOVERY_RESTART_AT = 26
 
 def recovery_trial(tmp: Path) -> dict:
     """One run: hang (block_c) at step 16 → supervisor recovers → graceful `restart` at step ≥ 26 → finish."""
-    from supervisor.client import Client, ClientError
-    from supervisor.control import socket_path_in
+    from hangwatch.supervisor.client import Client, ClientError
+    from hangwatch.supervisor.control import socket_path_in
 
     run_dir = tmp / "run"
     cfg = demo_worker_config(
@@ -542,8 +542,8 @@ def section_footprint(work: Path, quick: bool) -> dict:
 
 
 def supervisor_start_trial(tmp: Path) -> dict:
-    from supervisor.client import Client, ClientError
-    from supervisor.control import socket_path_in
+    from hangwatch.supervisor.client import Client, ClientError
+    from hangwatch.supervisor.control import socket_path_in
 
     run_dir = tmp / "run"
     cfg = {"run_dir": str(run_dir), "worker": {"command": [PY, "-c", "import time; time.sleep(600)"]},
@@ -577,9 +577,9 @@ CRON_REPORT_GRACE_S = 15.0  # the cron watchdog ends itself at the allowance and
 
 
 def contender_argv(contender: str, cfg_path: Path, run_dir: Path, allowance: float) -> list[str]:
-    worker = ["-m", "daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+    worker = ["-m", "hangwatch.daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)]
     if contender == "hangwatch":
-        return [PY, "-m", "supervisor.cli", "run", str(cfg_path), "--run-dir", str(run_dir)]
+        return [PY, "-m", "hangwatch.supervisor.cli", "run", str(cfg_path), "--run-dir", str(run_dir)]
     nice = ["nice", "-n", str(BASELINE_NICE)] if shutil.which("nice") else []
     if contender == "torchrun":  # --standalone: a free rendezvous port, so several can run at once
         return nice + [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3"] + worker
@@ -692,7 +692,7 @@ def section_side_by_side(work: Path, allowance: float) -> dict:
                   f"the eval of step 20) or busy_loop (a pure-Python loop in attention's forward from step 15). Each "
                   f"run gets {allowance:g} s of wall clock from its own start; then whatever still runs is killed. "
                   f"hangwatch: `hangwatch run` with the demo's watchdog settings; torchrun: `python -m "
-                  f"torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=3 -m daemon …`; cron "
+                  f"torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=3 -m hangwatch.daemon …`; cron "
                   f"watchdog: scripts/baselines/cron_watchdog.py, status file = the worker's stdout log, polled every "
                   f"30 s, threshold 600 s, kill -9 and restart. Schedule: the four torchrun/cron runs start together "
                   f"at nice {BASELINE_NICE} (a hung busy_loop spins a core for the whole allowance; the niceness "

@@ -89,7 +89,7 @@ def beats(run_dir: Path, attempt: int) -> list[dict]:
 def cold_start(cfg_path: Path, run_dir: Path, builtin: bool) -> float:
     """The worker alone, as the supervisor would start it: spawn → its first step line (wall clock)."""
     cfg = yaml.safe_load(cfg_path.read_text())
-    argv = ([PY, "-m", "daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)] if builtin
+    argv = ([PY, "-m", "hangwatch.daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)] if builtin
             else cfg["worker"]["command"])
     hb_dir = run_dir / "attempts" / "0001"
     hb_dir.mkdir(parents=True)
@@ -119,7 +119,7 @@ def run_trial(mode: str = "block_c", budget: float = 2.0, builtin: bool = False)
         tmp = Path(d)
         cfg_path, run_dir = builtin_config(tmp, budget) if builtin else fixture_config(tmp, mode, budget)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        p = subprocess.run([PY, "-m", "supervisor.runner", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
+        p = subprocess.run([PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"supervisor exited {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")

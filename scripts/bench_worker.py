@@ -31,7 +31,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "demo.yaml"
 
 def bench_config(config: os.PathLike | str, run_dir: os.PathLike | str):
     """The config with faults, evals and artificial sleeps taken out, writing into `run_dir`."""
-    from supervisor.config import load_config
+    from hangwatch.common.config import load_config
 
     cfg = load_config(config, run_dir=str(run_dir))
     cfg.faults = []
@@ -45,11 +45,11 @@ def build_trainer(cfg, hb):
     """An in-process Trainer for `cfg` with heartbeat `hb` (a Heartbeat or a NullHeartbeat)."""
     import torch
 
-    from daemon.__main__ import load_data
-    from daemon.faults import FaultPlan
-    from daemon.model import load_model
-    from daemon.signals import StopRequest
-    from daemon.train import NullHeartbeat, Trainer
+    from hangwatch.daemon.__main__ import load_data
+    from hangwatch.daemon.faults import FaultPlan
+    from hangwatch.daemon.model import load_model
+    from hangwatch.daemon.signals import StopRequest
+    from hangwatch.daemon.train import NullHeartbeat, Trainer
 
     if cfg.model.name_or_path is None and not torch.cuda.is_available():
         torch.set_num_threads(1)  # as the worker does for the tiny model
@@ -75,8 +75,8 @@ def timed_steps(trainer, n: int) -> list[float]:
 
 def bench_step_overhead(cfg, rounds: int = 8, steps_per_round: int = 5, warmup: int = 3) -> dict:
     """Median step time with real heartbeats vs none, interleaved in one process (same model, same data)."""
-    from daemon.heartbeat import Heartbeat
-    from daemon.train import NullHeartbeat
+    from hangwatch.daemon.heartbeat import Heartbeat
+    from hangwatch.daemon.train import NullHeartbeat
 
     hb_dir = Path(cfg.run_dir) / "bench-heartbeat"
     real = Heartbeat(hb_dir / "heartbeat-rank0.jsonl")
@@ -101,13 +101,13 @@ def bench_step_overhead(cfg, rounds: int = 8, steps_per_round: int = 5, warmup: 
 
 
 def bench_cold_start(config: os.PathLike | str, run_dir: os.PathLike | str, timeout: float = 300) -> dict:
-    """Spawn → `start` beat and spawn → first `step` beat of a real `python -m daemon`."""
-    from daemon.heartbeat import decode_line
+    """Spawn → `start` beat and spawn → first `step` beat of a real `python -m hangwatch.daemon`."""
+    from hangwatch.common.protocol import decode_line
 
     run_dir = Path(run_dir)
     cfg = bench_config(config, run_dir)
     cfg_path = run_dir / "bench-config.yaml"
-    from supervisor.config import dump_config
+    from hangwatch.common.config import dump_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(dump_config(cfg))
@@ -115,7 +115,7 @@ def bench_cold_start(config: os.PathLike | str, run_dir: os.PathLike | str, time
     env["PYTHONPATH"] = str(ROOT)
     hb_file = run_dir / "attempts" / "0001" / "heartbeat-rank0.jsonl"
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+    proc = subprocess.Popen([sys.executable, "-m", "hangwatch.daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)],
                             cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     found: dict = {}
     try:
@@ -139,7 +139,7 @@ def bench_cold_start(config: os.PathLike | str, run_dir: os.PathLike | str, time
 
 def bench_checkpoint_save(trainer, n: int = 5) -> dict:
     """Median time of a full checkpoint commit (adapter, extras, optimizer, RNG, manifest, fsyncs)."""
-    from daemon import checkpoint as ckpt
+    from hangwatch.daemon import checkpoint as ckpt
 
     times, size = [], 0
     for _ in range(n):
@@ -152,7 +152,7 @@ def bench_checkpoint_save(trainer, n: int = 5) -> dict:
 
 
 def run_all(config: os.PathLike | str = DEFAULT_CONFIG, workdir: os.PathLike | str | None = None) -> dict:
-    from daemon.train import NullHeartbeat
+    from hangwatch.daemon.train import NullHeartbeat
 
     with tempfile.TemporaryDirectory(prefix="hangwatch-bench-", dir=workdir) as tmp:
         tmp = Path(tmp)

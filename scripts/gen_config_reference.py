@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.config import reference_markdown  # noqa: E402
+from hangwatch.common.config import reference_markdown  # noqa: E402
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"

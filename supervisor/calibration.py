@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
-from supervisor.config import WatchdogCfg
+from hangwatch.common.config import WatchdogCfg
 
 MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
 PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them

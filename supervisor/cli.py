@@ -23,11 +23,10 @@ from typing import Any, Optional
 
 import click
 
-from supervisor.client import Client, ClientError, resolve_socket
-from supervisor.config import Config, ConfigError, load_config, reference_text
+from hangwatch.supervisor.client import Client, ClientError, resolve_socket
+from hangwatch.common.config import Config, ConfigError, load_config, reference_text
+from hangwatch.common.exitcodes import EXIT_CONFIG as EX_CONFIG, EX_USAGE
 
-EX_CONFIG = 78
-EX_USAGE = 64
 
 
 class _Group(click.Group):
@@ -42,7 +41,7 @@ class _Group(click.Group):
             raise
 
     def invoke(self, ctx: click.Context) -> Any:
-        from supervisor.logs import NoLogYet
+        from hangwatch.supervisor.logfollow import NoLogYet
 
         try:
             return super().invoke(ctx)
@@ -84,17 +83,14 @@ def run(config: str, run_dir: Optional[str]) -> None:
     Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
     Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
     """
-    from supervisor import logs, runner
-    from supervisor.control import make_control
-    from supervisor.notify import Notifier
+    from hangwatch.supervisor import app
 
     try:
-        cfg = load_config(config, run_dir)  # read here too: logging goes to the run dir from the start
+        cfg = load_config(config, run_dir)
     except ConfigError as exc:
         report_config_error(exc)  # the same words as validate-config; nothing is started
         sys.exit(EX_CONFIG)
-    logs.configure(cfg.run_dir, cfg.logging.level)
-    code = runner.run(config, run_dir, control_factory=make_control, notifier=Notifier.from_env())
+    code = app.run(cfg)
     if code != EX_CONFIG:
         for line in run_summary(cfg.run_dir, code):
             click.echo(line, err=True)
@@ -106,8 +102,8 @@ def run_summary(run_dir: str, code: int) -> list[str]:
     way (each incident and where its evidence is), and where the result is."""
     from pathlib import Path
 
-    from supervisor import statefile
-    from supervisor.incidents import IncidentStore
+    from hangwatch.supervisor import statefile
+    from hangwatch.supervisor.incidents import IncidentStore
 
     rd = Path(run_dir)
     state, _ = statefile.read(rd / "state.json")
@@ -147,11 +143,11 @@ def report_config_error(exc: ConfigError) -> None:
 
 
 def config_summary(cfg: Config) -> list[tuple[str, str]]:
-    from supervisor.control import socket_path_for
+    from hangwatch.supervisor.control import socket_path_for
 
     w = cfg.watchdog
     if cfg.worker.command is None:
-        worker = "built-in training daemon (python -m daemon)"
+        worker = "built-in training daemon (python -m hangwatch.daemon)"
     else:
         worker = " ".join(cfg.worker.command)
     if cfg.model.name_or_path:
@@ -224,7 +220,7 @@ def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> No
     if as_json:
         click.echo(json.dumps(st, default=str))
         return
-    from supervisor.render import status_view
+    from hangwatch.supervisor.render import status_view
 
     _console().print(status_view(st))
 
@@ -242,7 +238,7 @@ def _live(client: Client, interval: float, count: Optional[int], as_json: bool) 
     """Refresh until interrupted; a daemon that goes away is shown as such, and retried."""
     from rich.live import Live
 
-    from supervisor.render import status_view
+    from hangwatch.supervisor.render import status_view
 
     last: dict = {}
     refreshes = 0
@@ -276,7 +272,7 @@ def _live(client: Client, interval: float, count: Optional[int], as_json: bool) 
 
 def _simple(cmd: str):
     def command(run_dir, socket_path, timeout):
-        from supervisor.render import result_message
+        from hangwatch.supervisor.render import result_message
 
         click.echo(result_message(cmd, _client(run_dir, socket_path, timeout).call(cmd)))
 
@@ -288,7 +284,7 @@ def _simple(cmd: str):
 @click.option("--now", is_flag=True, help="Do not wait for a checkpoint: dump stacks and kill the worker.")
 def restart(run_dir, socket_path, timeout, now) -> None:
     """Restart the worker: by default it checkpoints first, so no step is lost."""
-    from supervisor.render import result_message
+    from hangwatch.supervisor.render import result_message
 
     result = _client(run_dir, socket_path, timeout).call("restart", mode="now" if now else "graceful")
     click.echo(result_message("restart", result))
@@ -307,7 +303,7 @@ main.command(name="resume", short_help="Start the worker again after pause.", he
 @daemon_options
 def dump(run_dir, socket_path, timeout) -> None:
     """Print fresh stack dumps of every rank (SIGUSR1 → faulthandler), without stopping anything."""
-    from supervisor.render import dump_text
+    from hangwatch.supervisor.render import dump_text
 
     result = _client(run_dir, socket_path, timeout).call("dump") or {}
     click.echo(dump_text(result.get("dumps") or {}), nl=False)
@@ -320,7 +316,7 @@ def dump(run_dir, socket_path, timeout) -> None:
 def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
     """List incidents, or show one (by ID, e.g. 0003). With --run-dir they are read from disk when no
     supervisor is running there (after the run ended)."""
-    from supervisor.client import DaemonUnavailable
+    from hangwatch.supervisor.client import DaemonUnavailable
 
     try:
         client = _client(run_dir, socket_path, timeout)
@@ -328,7 +324,7 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
     except DaemonUnavailable:
         if not run_dir:
             raise
-        from supervisor.incidents import IncidentStore
+        from hangwatch.supervisor.incidents import IncidentStore
 
         store = IncidentStore(run_dir)
         result = store.get(incident_id) if incident_id else store.list()
@@ -337,7 +333,7 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result, default=str))
         return
-    from supervisor.render import incident_view, incidents_table
+    from hangwatch.supervisor.render import incident_view, incidents_table
 
     if incident_id:
         _console().print(incident_view(result if isinstance(result, dict) else {"result": result}))
@@ -357,7 +353,7 @@ def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> N
     """Print the current attempt's worker log (or the supervisor log); -f follows it across restarts."""
     from pathlib import Path
 
-    from supervisor.logs import follow_log
+    from hangwatch.supervisor.logfollow import follow_log
 
     if run_dir is None:
         # Only the socket is known: the daemon says where its run dir is.
@@ -412,7 +408,7 @@ def submit(run_dir, socket_path, timeout, files, config_path, priority) -> None:
         _fail(f"{config_path}: data.inbox is false: the run at {cfg.run_dir} does not take files from an inbox", EX_CONFIG)
     # Validation needs the run's tokenizer, hence transformers and torch: it runs in a worker-side
     # process (daemon.submit) so that supervisor/ itself never imports them.
-    argv = [sys.executable, "-m", "daemon.submit", "--config", config_path]
+    argv = [sys.executable, "-m", "hangwatch.daemon.submit", "--config", config_path]
     if run_dir is not None:
         argv += ["--run-dir", str(run_dir)]
     if priority is not None:

@@ -12,11 +12,9 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from supervisor.control import socket_path_in, unix_address
+from hangwatch.common.exitcodes import EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE  # noqa: F401 (re-used by the CLI)
+from hangwatch.supervisor.control import socket_path_in, unix_address
 
-EX_UNAVAILABLE = 69  # sysexits: no daemon to talk to
-EX_SOFTWARE = 70  # the daemon answered something that is not a reply
-EX_USAGE = 64
 MAX_REPLY_BYTES = 256 * 1024 * 1024
 
 

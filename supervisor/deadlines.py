@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from supervisor.calibration import Calibration
-from supervisor.config import WatchdogCfg
+from hangwatch.supervisor.calibration import Calibration
+from hangwatch.common.config import WatchdogCfg
 
 UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
 QUIET_PHASES = frozenset({"load"})  # one long call that cannot beat: bounded by its phase budget instead

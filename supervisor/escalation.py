@@ -22,8 +22,8 @@ from typing import Callable, Optional
 
 import structlog
 
-from supervisor import process
-from supervisor.process import Kill, ProcRef
+from hangwatch.supervisor import process
+from hangwatch.supervisor.process import Kill, ProcRef
 
 log = structlog.get_logger("hangwatch")
 

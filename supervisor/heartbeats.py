@@ -19,7 +19,7 @@ from typing import Optional
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from daemon.heartbeat import decode_line
+from hangwatch.common.protocol import decode_line
 
 RANK_FILE = re.compile(r"^heartbeat-rank(\d+)\.jsonl$")
 READ_CHUNK = 1 << 20

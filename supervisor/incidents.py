@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL
 
 KINDS = ("stall", "livelock", "startup_timeout", "manual", "crash", "oom", "nan", "signal", "config_error",
          "data_error", "crash_loop")

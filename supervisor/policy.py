@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from daemon.heartbeat import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, NO_RESTART_CODES
-from supervisor.config import RestartCfg
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, NO_RESTART_CODES
+from hangwatch.common.config import RestartCfg
 
 FINISH_REASONS = frozenset({"finished", "idle"})
 

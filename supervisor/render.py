@@ -195,7 +195,7 @@ def gpu_text(gpu: Any) -> str:
 
 
 def queue_text(q: dict) -> str:
-    """Continuous mode (keys of daemon.inbox_files.queue_status)."""
+    """Continuous mode (keys of hangwatch.common.inbox_layout.queue_status)."""
     text = f"{number(q.get('waiting'))} waiting, {number(q.get('done'))} done, {number(q.get('rejected'))} rejected"
     if q.get("inbox"):
         text += f", {q['inbox']} arriving"

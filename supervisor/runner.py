@@ -1,6 +1,6 @@
 """The supervisor: launch the worker, watch its heartbeats, escalate stalls, restart, stop cleanly.
 
-    python -m supervisor.runner CONFIG [--run-dir DIR]      (what `hangwatch run` calls)
+    hangwatch run CONFIG [--run-dir DIR]      (wired by `hangwatch.supervisor.app`)
 
 Lifecycle (see `supervisor.states` for the full table):
     STARTING → RUNNING → (deadline) STALLED → DUMPING → KILLING → BACKOFF → STARTING → …
@@ -31,32 +31,29 @@ from typing import Any, Callable, Optional
 
 import structlog
 
-from daemon.heartbeat import (ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR, NO_RESTART_CODES, attempt_dir,
-                              next_attempt)
-from daemon.inbox_files import queue_status
-from supervisor import logs, process, snapshot as snapshots, statefile
-from supervisor.calibration import Calibration
-from supervisor.config import Config, ConfigError, dump_config, load_config
-from supervisor.deadlines import Deadlines, Expired, SuspensionDetector
-from supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
-from supervisor.heartbeats import FileEvents, HeartbeatTail
-from supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error, frame_str,
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, NO_RESTART_CODES
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR
+from hangwatch.common.rundir import attempt_dir, next_attempt
+from hangwatch.common.inbox_layout import queue_status
+from hangwatch.supervisor import logsetup, process, snapshot as snapshots, statefile
+from hangwatch.supervisor.calibration import Calibration
+from hangwatch.common.config import Config, ConfigError, dump_config, load_config
+from hangwatch.supervisor.deadlines import Deadlines, Expired, SuspensionDetector
+from hangwatch.supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
+from hangwatch.supervisor.heartbeats import FileEvents, HeartbeatTail
+from hangwatch.supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error, frame_str,
                                   read_json, signal_name, stuck_frame, tail_text)
-from supervisor.policy import Decision, RestartPolicy
-from supervisor.process import ProcRef, Worker
-from supervisor.states import State, StateMachine
+from hangwatch.supervisor.policy import Decision, RestartPolicy
+from hangwatch.supervisor.process import ProcRef, Worker
+from hangwatch.supervisor.states import State, StateMachine
 
 log = structlog.get_logger("hangwatch")
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # crash loop, or anything else that ends the run as failed
-EXIT_CONFIG = 78
 EXIT_AFTER_STOP_S = 30.0  # a worker that said `stop` gets this long (plus term grace) to exit
 MIN_PASS_S = 0.05  # at most 20 loop passes a second, however many heartbeat lines arrive
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 TREE_SCAN_S = 1.0  # how often descendants are re-listed (to find those that leave the group)
 STATE_WRITE_S = 5.0
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("status", "restart", "stop", "pause", "resume", "dump", "incidents")
 
 
@@ -285,7 +282,6 @@ class Supervisor:
                 self.backoff_until += gap
             log.warning("supervisor_suspended", gap_s=round(gap, 3), note="deadlines extended by the gap")
         self._drain_signals()
-        logs.reopen_if_requested()
         self._read_heartbeats(now)
         if self.control is not None:
             try:
@@ -484,16 +480,12 @@ class Supervisor:
         env[ENV_ATTEMPT] = str(self.attempt)
         env[ENV_HEARTBEAT_DIR] = str(adir)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # daemon.heartbeat must be importable by the built-in worker and by users' scripts
-        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if str(PROJECT_ROOT) not in parts:
-            env["PYTHONPATH"] = os.pathsep.join(parts + [str(PROJECT_ROOT)])
         return env
 
     def worker_argv(self) -> list[str]:
         if self.cfg.worker.command:
             return list(self.cfg.worker.command)
-        return [sys.executable, "-m", "daemon", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
+        return [sys.executable, "-m", "hangwatch.daemon", "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def _start_attempt(self, now: float) -> None:
         if self.worker is not None:
@@ -1022,45 +1014,3 @@ class Supervisor:
             known = ", ".join(i["id"] for i in self.incidents.list()) or "none yet"
             return {"ok": False, "error": f"no incident {ident!r} (known: {known})"}
         return {"ok": True, "result": found}
-
-
-# ==================================================================================== entry
-
-
-def run(config_path, run_dir: Optional[str] = None, *, control_factory: Optional[Callable[[Config], Any]] = None,
-        notifier: Any = None, **seams) -> int:
-    """`hangwatch run`: load the config, supervise until done, return the exit code.
-
-    `control_factory(cfg)` builds the control server (an object with poll(handler) and close()).
-    Exit codes: 0 finished or stopped; 78 unusable config (nothing started); the worker's 65/78
-    when it reported a do-not-restart error; 1 for a crash loop or another failure.
-    """
-    try:
-        cfg = load_config(config_path, run_dir)
-    except ConfigError as err:
-        for problem in err.problems:
-            print(problem, file=sys.stderr)
-        return EXIT_CONFIG
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    control = None
-    if control_factory is not None:
-        try:
-            control = control_factory(cfg)
-        except OSError as exc:
-            print(f"hangwatch: cannot open the control socket: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-    seams.setdefault("subreaper", True)
-    sup = Supervisor(cfg, control=control, notifier=notifier, **seams)
-    return sup.run()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m supervisor.runner", description="Run the hangwatch supervisor in the foreground.")
-    ap.add_argument("config")
-    ap.add_argument("--run-dir", default=None)
-    args = ap.parse_args(argv)
-    return run(args.config, args.run_dir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

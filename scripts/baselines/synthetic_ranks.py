@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from daemon.heartbeat import Heartbeat  # noqa: E402
+from hangwatch.daemon.heartbeat import Heartbeat  # noqa: E402
 
 
 def rank_main(hz: float, seconds: float) -> int:

@@ -1,0 +1,19 @@
+"""Every exit code hangwatch uses, once (sysexits.h values where one fits).
+
+Worker → supervisor: 0 finished · 65 unusable data (no restart) · 75 non-finite streak (restart with
+rollback) · 78 configuration error (no restart) · anything else or a signal: restart.
+Supervisor and CLI: 0 finished/stopped · 1 failed (crash loop, …) · 64 usage · 69 daemon unreachable ·
+70 internal error · 78 configuration error.
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run ended failed (crash loop, …)
+EX_USAGE = 64  # the command line was wrong
+EXIT_DATAERR = 65  # unusable data for the whole run: do not restart
+EX_UNAVAILABLE = 69  # no daemon answers on the socket
+EX_SOFTWARE = 70  # the daemon answered with an error
+EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last good checkpoint
+EXIT_CONFIG = 78  # configuration error: do not restart
+
+NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})

@@ -1,0 +1,64 @@
+"""Heartbeat protocol, version 1: the wire format both sides agree on (standard library only).
+
+One JSON object per line, written with a single `os.write` on an O_APPEND descriptor and shorter
+than PIPE_BUF, so lines from several writers never interleave or tear.  Readers skip (and count) a
+torn or invalid line.  See DESIGN.md, "Heartbeat protocol".
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, Optional
+
+VERSION = 1
+PIPE_BUF = 4096
+MAX_LINE = PIPE_BUF - 96  # margin for the newline and a future field or two
+DUMP_SIGNAL = "SIGUSR1"
+
+EVENTS = ("start", "phase", "step", "progress", "checkpoint", "warn", "stop")
+REQUIRED = ("v", "t", "pid", "rank", "attempt", "event", "step", "phase")
+
+# Where the supervisor tells a worker to write, and what to resume from.
+ENV_RUN_DIR = "HANGWATCH_RUN_DIR"
+ENV_ATTEMPT = "HANGWATCH_ATTEMPT"
+ENV_HEARTBEAT_DIR = "HANGWATCH_HEARTBEAT_DIR"
+ENV_RESUME_FROM = "HANGWATCH_RESUME_FROM"
+
+
+def rank_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def decode_line(raw: bytes | str) -> Optional[dict]:
+    """Parse one heartbeat line; None when it is torn, not JSON, or lacks a required field."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict) or any(k not in obj for k in REQUIRED):
+        return None
+    if obj.get("v") != VERSION or obj.get("event") not in EVENTS:
+        return None
+    if not isinstance(obj.get("step"), int) or not isinstance(obj.get("pid"), int):
+        return None
+    return obj
+
+
+def encode(rec: dict) -> bytes:
+    """One line, newline included, shorter than PIPE_BUF: over-long optional fields are shortened."""
+    data = (json.dumps(rec, separators=(",", ":"), default=str, allow_nan=True) + "\n").encode()
+    if len(data) <= MAX_LINE:
+        return data
+    # Too long to stay atomic: shorten the largest optional fields rather than tear the line.
+    slim = dict(rec)
+    for key in sorted((k for k in rec if k not in REQUIRED), key=lambda k: -len(json.dumps(rec[k], default=str))):
+        slim[key] = "<truncated>"
+        slim["truncated"] = True
+        data = (json.dumps(slim, separators=(",", ":"), default=str) + "\n").encode()
+        if len(data) <= MAX_LINE:
+            return data
+    raise ValueError("heartbeat line cannot be made shorter than PIPE_BUF")

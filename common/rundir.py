@@ -1,0 +1,80 @@
+"""The run directory's layout (DESIGN.md, "Run directory") and the small readers both sides use.
+
+    <run_dir>/config.yaml state.json calibration.json supervisor.log
+              attempts/NNNN/{worker.log, heartbeat-rank<R>.jsonl, stack-rank<R>.txt, exit.json}
+              checkpoints/step-NNNNNNNN/   incidents/NNNN-<kind>/
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+CONFIG_NAME = "config.yaml"
+STATE_NAME = "state.json"
+CALIBRATION_NAME = "calibration.json"
+SUPERVISOR_LOG_NAME = "supervisor.log"
+WORKER_LOG_NAME = "worker.log"
+EXIT_NAME = "exit.json"
+SOCKET_PATH_FILE = "socket-path"  # in the run dir, when the socket lives elsewhere
+ATTEMPTS = "attempts"
+CHECKPOINTS = "checkpoints"
+INCIDENTS = "incidents"
+
+
+def attempt_dir(run_dir: os.PathLike | str, attempt: int) -> Path:
+    return Path(run_dir) / ATTEMPTS / f"{attempt:04d}"
+
+
+def heartbeat_path(directory: os.PathLike | str, rank: int) -> Path:
+    return Path(directory) / f"heartbeat-rank{rank}.jsonl"
+
+
+def dump_path_for(directory: os.PathLike | str, rank: int) -> Path:
+    return Path(directory) / f"stack-rank{rank}.txt"
+
+
+def exit_path(run_dir: os.PathLike | str, attempt: int) -> Path:
+    return attempt_dir(run_dir, attempt) / EXIT_NAME
+
+
+def worker_log_path(run_dir: os.PathLike | str, attempt: int) -> Path:
+    return attempt_dir(run_dir, attempt) / WORKER_LOG_NAME
+
+
+def attempt_numbers(run_dir: os.PathLike | str) -> list[int]:
+    base = Path(run_dir) / ATTEMPTS
+    if not base.is_dir():
+        return []
+    return sorted(int(p.name) for p in base.glob("[0-9]" * 4) if p.is_dir())
+
+
+def next_attempt(run_dir: os.PathLike | str) -> int:
+    """The attempt number a worker started by hand takes: one past the highest on disk."""
+    return max(attempt_numbers(run_dir), default=0) + 1
+
+
+def read_json(path: os.PathLike | str) -> Optional[dict]:
+    """The JSON object in `path`, or None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def tail_text(path: os.PathLike | str, max_lines: int = 200, max_bytes: int = 64 * 1024) -> str:
+    """The last lines of a text file (at most `max_bytes` read); "" when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # the first is probably cut
+    return "\n".join(lines[-max_lines:]) + ("\n" if lines else "")

@@ -1,0 +1,153 @@
+"""Supervisor logging: structlog, JSON lines to a file, readable lines on stderr.
+
+    logsetup.configure(run_dir, "info")       # once, in the main thread, before the loop
+    log = structlog.get_logger("hangwatch.runner")
+    log.info("worker started", pid=1234, attempt=2)
+
+The file is `<run_dir>/supervisor.log` (one JSON object per line: timestamp, level, logger, event,
+fields).  Under systemd (`LogsDirectory=` sets `$LOGS_DIRECTORY`) the file lives in the logs
+directory, where logrotate expects it, and `<run_dir>/supervisor.log` is a symlink to it.
+
+Log rotation: the file handler is a `WatchedFileHandler`, which notices that the file was moved or
+removed and reopens the path before the next line, so logrotate's default (rename, create) works
+with no signal at all.  SIGHUP (`systemctl reload`, `postrotate kill -HUP`) is recorded by the
+supervisor's wake-up (`supervisor.wakeup`) like every other signal; the loop then calls `reopen()`.
+This module installs no signal handler and keeps no state but the handlers it made.
+
+stderr gets coloured console lines when it is a terminal and plain `key=value` lines otherwise (the
+journal, a pipe).
+"""
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import sys
+from pathlib import Path
+from typing import Mapping, Optional, TextIO
+
+import structlog
+
+from hangwatch.common.rundir import SUPERVISOR_LOG_NAME
+
+LOG_NAME = SUPERVISOR_LOG_NAME
+ROOT_LOGGER = "hangwatch"
+
+_handlers: list[logging.Handler] = []
+
+
+def log_path(run_dir: os.PathLike | str, environ: Optional[Mapping[str, str]] = None) -> Path:
+    """Where the supervisor log is written: $LOGS_DIRECTORY under systemd, else the run dir."""
+    env = os.environ if environ is None else environ
+    logs_dir = env.get("LOGS_DIRECTORY")
+    if logs_dir:
+        return Path(logs_dir.split(":")[0]) / LOG_NAME
+    return Path(run_dir) / LOG_NAME
+
+
+def configure(
+    run_dir: os.PathLike | str,
+    level: str = "info",
+    *,
+    stream: Optional[TextIO] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Path:
+    """Send hangwatch's logs to the log file and to `stream` (stderr). Returns the log file's path.
+
+    Calling it again replaces the previous set-up (tests, a second run in one process).
+    """
+    stream = sys.stderr if stream is None else stream
+    path = log_path(run_dir, environ)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _link_into_run_dir(path, Path(run_dir))
+
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    file_handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
+    file_handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                _leading_keys,
+                structlog.processors.JSONRenderer(default=str),
+            ],
+        )
+    )
+    if _isatty(stream):
+        console = structlog.dev.ConsoleRenderer(colors=True)
+        console_processors = [structlog.stdlib.ProcessorFormatter.remove_processors_meta, console]
+    else:
+        console_processors = [
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.LogfmtRenderer(
+                key_order=["timestamp", "level", "logger", "event"], drop_missing=True, bool_as_flag=False
+            ),
+        ]
+    stream_handler = logging.StreamHandler(stream)
+    stream_handler.setFormatter(structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=console_processors))
+
+    root = logging.getLogger(ROOT_LOGGER)
+    for old in _handlers:
+        root.removeHandler(old)
+        old.close()
+    _handlers[:] = [file_handler, stream_handler]
+    for h in _handlers:
+        root.addHandler(h)
+    root.setLevel(level.upper())
+    root.propagate = False
+
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    return path
+
+
+def _leading_keys(logger, name, event_dict: dict) -> dict:
+    """timestamp, level, logger, event first: the file is read by people with `tail` as much as by tools."""
+    head = {k: event_dict.pop(k) for k in ("timestamp", "level", "logger", "event") if k in event_dict}
+    return {**head, **event_dict}
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _link_into_run_dir(path: Path, run_dir: Path) -> None:
+    """Under systemd the log lives in LOGS_DIRECTORY; the run dir keeps a symlink so tools find it there."""
+    link = run_dir / LOG_NAME
+    if path == link:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        if os.readlink(link) == str(path):
+            return
+        link.unlink()
+    elif link.exists():
+        return  # a log from a run outside systemd: keep it, never overwrite a real file
+    os.symlink(path, link)
+
+
+def reopen() -> None:
+    """Reopen every log file this module opened (after SIGHUP: logrotate without copytruncate)."""
+    for h in _handlers:
+        if isinstance(h, logging.FileHandler):
+            with h.lock:
+                if h.stream is not None:
+                    h.stream.close()
+                h.stream = h._open()
+                if isinstance(h, logging.handlers.WatchedFileHandler):
+                    h._statstream()
