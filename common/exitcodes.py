@@ -17,3 +17,4 @@ EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last 
 EXIT_CONFIG = 78  # configuration error: do not restart
 
 NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
+EX_CANTCREAT = 73  # the run dir is held by another supervisor: nothing was started or changed

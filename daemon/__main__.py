@@ -5,7 +5,7 @@ Order of business, so that the `start` heartbeat comes before the slow imports: 
 `start`, enter `load` and only then import torch, transformers and peft.
 
 With `data.inbox: true` the worker trains continuously on files dropped into `<run_dir>/inbox/`
-(`daemon.continuous`); with `data.idle_exit_s` set it ends, reason `idle`, once no file came for
+(`hangwatch.daemon.inbox`); with `data.idle_exit_s` set it ends, reason `idle`, once no file came for
 that long.
 
 Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
@@ -22,15 +22,18 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from hangwatch.daemon import checkpoint as ckpt
-from hangwatch.daemon.errors import DataError
-from hangwatch.common.exitcodes import EXIT_CONFIG
+from hangwatch.common.config import ConfigError, dump_config, load_config
+from hangwatch.common.durable import write_atomic
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_OK
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR
-from hangwatch.common.rundir import next_attempt
+from hangwatch.common.rundir import CONFIG_NAME, next_attempt
+from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.data import ContinuousDataSource
+from hangwatch.daemon.errors import DataError
 from hangwatch.daemon.heartbeat import Heartbeat
 from hangwatch.daemon.lastwords import last_words_for, write_last_words
+from hangwatch.daemon.resume_compat import check_resume_compatible
 from hangwatch.daemon.signals import StopRequest
-from hangwatch.common.config import ConfigError, dump_config, fingerprint, load_config
 
 MAX_PROBLEMS_IN_BEAT = 10
 
@@ -52,26 +55,14 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
 
 
-def check_resume_compatible(cfg, path: Path) -> None:
-    from hangwatch.daemon.train import fingerprint_differences
-
-    saved = ckpt.read_state(path).get("fingerprint", {})
-    diffs = fingerprint_differences(saved, fingerprint(cfg))
-    if diffs:
-        raise ConfigError(
-            [f"{path}: this run's checkpoints were made with different settings; resuming would not continue the same run. "
-             "Restore the settings or use a new run_dir:"] + [f"  {d}" for d in diffs]
-        )
-
-
 def load_data(cfg, tokenizer, hb, stop):
     """(train source, eval examples); problems are reported, no usable training data raises DataError.
 
-    Continuous mode: the source is the inbox (`daemon.continuous.InboxFeed`, to be closed after use)."""
+    Continuous mode: the source is the inbox (`daemon.inbox.feed.InboxFeed`, to be closed after use)."""
     from hangwatch.daemon.data import ShuffledEpochs, validate_file
 
     if cfg.data.inbox:
-        from hangwatch.daemon.continuous import open_feed
+        from hangwatch.daemon.inbox.feed import open_feed
 
         source = open_feed(cfg, tokenizer, hb, stop)
     elif cfg.data.train is None:
@@ -107,7 +98,7 @@ def run(cfg, hb, choice, stop, faults) -> str:
 
     from hangwatch.daemon.faults import FaultPlan
     from hangwatch.daemon.model import load_model
-    from hangwatch.daemon.train import Trainer
+    from hangwatch.daemon.trainer.loop import Trainer
 
     plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt)
     for f in faults:
@@ -133,9 +124,8 @@ def run(cfg, hb, choice, stop, faults) -> str:
             print(f"skipped checkpoint {s['path']}: {s['reason']}", flush=True)
         return trainer.run()
     finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()  # the inbox's watcher thread
+        if isinstance(source, ContinuousDataSource):
+            source.close()  # the inbox's watcher thread
 
 
 def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> int:
@@ -149,8 +139,8 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         return EXIT_CONFIG
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "config.yaml").exists():
-        ckpt.write_atomic(run_dir / "config.yaml", dump_config(cfg).encode())
+    if not (run_dir / CONFIG_NAME).exists():
+        write_atomic(run_dir / CONFIG_NAME, dump_config(cfg))
     hb = Heartbeat.from_env(run_dir, environ=env)
     stop = StopRequest().install()
     try:
@@ -165,41 +155,30 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
                  resumed_step=choice.step)
         reason = run(cfg, hb, choice, stop, faults)
         hb.stop(reason)
-        return 0
+        return EXIT_OK
     except Exception as exc:  # last words for everything; signals and os._exit never get here
         kind, code, path = last_words_for(exc, run_dir, hb.attempt, step=hb.current_step, phase=hb.current_phase)
         if isinstance(exc, ConfigError):
-            print("configuration error:", file=sys.stderr)
-            for line in exc.problems:
-                print(f"  {line}", file=sys.stderr)
+            _print_problems(exc)
         else:
             traceback.print_exc()
         print(f"worker exiting with {code} ({kind}); last words in {path}", file=sys.stderr, flush=True)
         return code
     finally:
         stop.uninstall()
-        _release_dump_handler(hb)
+        hb.release_dump_handler()
         hb.close()
 
 
-def _release_dump_handler(hb) -> None:
-    """Undo Heartbeat.start's faulthandler set-up (matters when main() runs inside another program, e.g. tests)."""
-    import faulthandler
-    import signal
-
-    faulthandler.unregister(signal.SIGUSR1)
-    if sys.__stderr__ is not None:
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
-    dump_file = getattr(hb, "_dump_file", None)
-    if dump_file is not None:
-        dump_file.close()
-        hb._dump_file = None
-
-
-def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:
+def _print_problems(exc: ConfigError) -> None:
     print("configuration error:", file=sys.stderr)
     for line in exc.problems:
         print(f"  {line}", file=sys.stderr)
+
+
+def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:
+    """A config that does not load: said on stderr, and as last words when the run dir is known."""
+    _print_problems(exc)
     if run_dir:
         attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(run_dir)
         write_last_words(run_dir, attempt, "config_error", str(exc), None, problems=exc.problems, exit_code=EXIT_CONFIG)

@@ -1,13 +1,13 @@
 """Checkpoint directories: atomic commit, manifest, validity, goodness, retention, resume choice.
 
-This module is the standard library only: the worker chooses where to resume before it imports
-torch, so its `start` heartbeat is honest about startup time.  What goes *into* a checkpoint is
-the trainer's business (`daemon.train`); here a checkpoint is a directory of files.
+This module is the standard library and hangwatch.common only: the worker chooses where to resume
+before it imports torch, so its `start` heartbeat is honest about startup time.  What goes *into* a checkpoint is
+the trainer's business (`daemon.trainer.state`); here a checkpoint is a directory of files.
 
 Commit protocol (a kill at any instant leaves either the old state or the new one):
   1. `checkpoints/.tmp-step-NNNNNNNN-<pid>/` is filled by the caller;
-  2. every file is fsynced, `manifest.json` (sha256 + size per file) is written last and fsynced,
-     the directory is fsynced;
+  2. `manifest.json` (sha256 + size per file) is written last, then every file and directory of the
+     temp dir is fsynced;
   3. a stale `step-NNNNNNNN/` of an earlier attempt is moved aside, the temp dir renamed into place,
      the parent fsynced, the moved-aside one deleted.
 A checkpoint is *valid* when its manifest checks out, *good* when it also carries a `GOOD` marker,
@@ -31,17 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from hangwatch.common.durable import TMP_PREFIX, fsync_dir, fsync_file, write_atomic
+from hangwatch.common.rundir import CHECKPOINTS
+
 MANIFEST = "manifest.json"
 GOOD = "GOOD"
 PROVISIONAL = "PROVISIONAL"
 STATE = "trainer_state.json"
 MANIFEST_VERSION = 1
 STEP_RE = re.compile(r"^step-(\d{8})$")
-TEMP_PREFIXES = (".tmp-", ".old-")
+TEMP_PREFIXES = (TMP_PREFIX, ".old-")
 
 
 def checkpoints_root(run_dir: os.PathLike | str) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS
 
 
 def step_name(step: int) -> str:
@@ -51,14 +54,6 @@ def step_name(step: int) -> str:
 def step_of(path: os.PathLike | str) -> Optional[int]:
     m = STEP_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -71,15 +66,15 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
             h.update(block)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first: done before `root` is
+    renamed into place, so the rename never exposes a file whose data is not on disk."""
+    paths = list(root.rglob("*"))
+    for p in paths:
+        if p.is_file():
+            fsync_file(p)
+    for d in sorted({p.parent for p in paths} | {root}, key=lambda p: -len(p.parts)):
+        fsync_dir(d)
 
 
 # ---- commit ------------------------------------------------------------------------------
@@ -90,7 +85,7 @@ def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = step_name(step)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -98,15 +93,11 @@ def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> 
     files = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
-            _fsync_path(p)
             files[str(p.relative_to(tmp))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     manifest = {"version": MANIFEST_VERSION, "step": step, "created": time.time(), "files": files}
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-        _fsync_path(d)
+    # Not yet visible under its final name: a plain write, made durable with the rest of the tree.
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    fsync_tree(tmp)
     final = root / name
     old = None
     if final.exists():
@@ -114,7 +105,7 @@ def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> 
         old = root / f".old-{name}-{os.getpid()}"
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_path(root)
+    fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -139,7 +130,7 @@ def clear_provisional(root: os.PathLike | str) -> list[Path]:
         marker = p / PROVISIONAL
         if marker.exists():
             marker.unlink()
-            _fsync_path(p)
+            fsync_dir(p)
             cleared.append(p)
     return cleared
 
@@ -204,7 +195,7 @@ def clean_temporaries(root: os.PathLike | str) -> list[dict]:
         return removed
     for p in sorted(root.iterdir()):
         if p.is_dir() and p.name.startswith(TEMP_PREFIXES):
-            why = ("half-written temporary directory of an interrupted save" if p.name.startswith(".tmp-")
+            why = ("half-written temporary directory of an interrupted save" if p.name.startswith(TMP_PREFIX)
                    else "replaced checkpoint left by an interrupted save")
             shutil.rmtree(p, ignore_errors=True)
             removed.append({"path": str(p), "step": _temp_step(p.name), "reason": f"{why}; removed"})

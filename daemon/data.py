@@ -9,8 +9,8 @@ example with nothing left to learn never reaches the loss.
 
 `validate_file` is the one entry point for a file: it returns the usable examples and one problem
 per bad line (file, line number, what was wrong).  The order of training is a `DataSource`: an
-object yielding examples with stable ids whose position is a small JSON-serialisable dict, so the
-continuous (inbox) mode can swap in its own source.
+object yielding examples with stable ids whose position is a small JSON-serialisable dict; the
+continuous (inbox) mode's source is a `ContinuousDataSource`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, runtime_checkable
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -203,10 +203,7 @@ class DataSource(Protocol):
 
     `take(n)` returns n examples; `position()` is asked for only on optimizer-step boundaries and
     stored in checkpoints; `restore(position, step)` continues from one (None: from the start);
-    `progress()` is a few small fields for the step heartbeat and log line.  A source may also have
-    `take_step(n) -> (examples, end)`, which may come back short with `end` "stop" or "idle"
-    (continuous mode waits for data there), and `commit(position, step)`, called once the
-    checkpoint holding `position` is committed (see `daemon.continuous`).
+    `progress()` is a few small fields for the step heartbeat and log line.
     """
 
     def take(self, n: int) -> list[Example]: ...
@@ -216,6 +213,23 @@ class DataSource(Protocol):
     def restore(self, position: Optional[dict], step: Optional[int] = None) -> None: ...
 
     def progress(self) -> dict: ...
+
+
+@runtime_checkable
+class ContinuousDataSource(DataSource, Protocol):
+    """A source whose data arrives while training runs (continuous mode, `daemon.inbox.feed.InboxFeed`).
+
+    `take_step(n) -> (examples, end)` may wait for data and come back short, with `end` "stop" (a
+    stop request ended the wait) or "idle" (no data came for `data.idle_exit_s`); `end` is None for
+    a full step.  `commit(position, step)` is called once the checkpoint holding `position` is
+    committed; `close()` when training is over.
+    """
+
+    def take_step(self, n: int) -> tuple[list[Example], Optional[str]]: ...
+
+    def commit(self, position: dict, step: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hangwatch.common.durable import append_durable
 from hangwatch.daemon.data import Example, collate, prompt_ids_for
 
 EVOLUTION = "evolution.jsonl"
@@ -74,12 +75,8 @@ def generate_one(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), shou
 
 
 def append_evolution(run_dir: os.PathLike | str, records: list[dict]) -> None:
-    path = Path(run_dir) / EVOLUTION
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
-    finally:
-        os.close(fd)
+    """One eval's generations, appended in one durable write (a kill leaves whole lines only)."""
+    append_durable(Path(run_dir) / EVOLUTION, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
 
 
 def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,

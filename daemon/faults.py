@@ -2,7 +2,7 @@
 
 Faults come from the config's `faults:` list plus the `HANGWATCH_FAULTS` environment variable (a
 JSON list of the same objects).  Each fires once per run: it is recorded in `<run_dir>/faults-fired.json`
-(atomically, fsynced) *before* it fires, so the attempt that resumes after it does not fire it again;
+(hangwatch.common.durable) *before* it fires, so the attempt that resumes after it does not fire it again;
 `repeat: true` fires it once per attempt instead.
 
 Trigger points (the first opportunity at or after the given moment):
@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from hangwatch.daemon.checkpoint import write_atomic
+from hangwatch.common.durable import write_json_atomic
+from hangwatch.common.rundir import read_json
 
 ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"
@@ -151,10 +152,7 @@ class FaultPlan:
         return self.run_dir / FIRED_FILE
 
     def fired_record(self) -> list[dict]:
-        try:
-            return json.loads(self._fired_file().read_text()).get("fired", [])
-        except (OSError, ValueError, AttributeError):
-            return []
+        return (read_json(self._fired_file()) or {}).get("fired", [])
 
     def _due(self, fault, key) -> bool:
         if key in self._fired_this_attempt:
@@ -168,7 +166,7 @@ class FaultPlan:
         fired = self.fired_record()
         fired.append({"key": key, "kind": fault.kind, "step": step, "attempt": self.attempt, "t": time.time()})
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self._fired_file(), (json.dumps({"fired": fired}, indent=1) + "\n").encode())
+        write_json_atomic(self._fired_file(), {"fired": fired})
 
     def _announce(self, fault, step: int, where: str) -> None:
         if fault.spawn_child:

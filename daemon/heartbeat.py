@@ -11,6 +11,9 @@
         ...
     hb.stop("finished")
 
+`NullHeartbeat` is the null object: the same interface, nothing written (a baseline for benchmarks,
+in-process tools that need a heartbeat nobody reads).
+
 One append-only JSONL file per rank and attempt (`attempts/NNNN/heartbeat-rank<R>.jsonl`); each
 line is one `os.write` on an O_APPEND descriptor and shorter than PIPE_BUF, so lines from several
 writers never interleave or tear.  Beats must come from the thread that does the work: a timer
@@ -22,6 +25,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -129,7 +133,7 @@ class Heartbeat:
         try:
             yield
         finally:
-            if self._fd is not None and self.current_phase == name:
+            if not self.closed and self.current_phase == name:
                 self.enter_phase(previous)
 
     def step(self, step: int, **metrics: Any) -> dict:
@@ -149,6 +153,21 @@ class Heartbeat:
     def stop(self, reason: str, **extra: Any) -> dict:
         return self.emit("stop", reason=reason, **extra)
 
+    def release_dump_handler(self) -> None:
+        """Undo `start`'s faulthandler set-up: SIGUSR1 unregistered, fatal-signal dumps back to stderr,
+        the dump file closed.  Matters when the worker runs inside another program (tests)."""
+        if self._dump_file is None:
+            return
+        faulthandler.unregister(signal.SIGUSR1)
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        self._dump_file.close()
+        self._dump_file = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -159,3 +178,31 @@ class Heartbeat:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullHeartbeat(Heartbeat):
+    """Heartbeat's null object: the same interface and phase/step bookkeeping, nothing written, no
+    dump handler installed."""
+
+    def __init__(self, *, rank: int = 0, attempt: int = 1):
+        self.path = None
+        self.dump_path = None
+        self.rank = rank
+        self.attempt = attempt
+        self._fd = None
+        self._dump_file = None
+        self.current_step = 0
+        self.current_phase = "init"
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        if event not in EVENTS:
+            raise ValueError(f"unknown heartbeat event {event!r}")
+        return {}
+
+    def start(self, **kw: Any) -> dict:
+        kw["install_dump"] = False
+        return super().start(**kw)

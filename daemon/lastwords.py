@@ -2,23 +2,20 @@
 
 The supervisor reads it to name the incident (`crash`, `oom`, `nan`, `config_error`,
 `data_error`) without parsing logs.  Written atomically (temp file, fsync, rename) so a reader never
-sees half a file; a death by signal leaves none, which is itself evidence.
+sees half a file (hangwatch.common.durable); a death by signal leaves none, which is itself evidence.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from hangwatch.daemon.checkpoint import write_atomic
-from hangwatch.daemon.errors import DataError, NonFiniteStreak
+from hangwatch.common.durable import write_json_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_TEMPFAIL
-from hangwatch.common.rundir import attempt_dir
-
-EXIT_CRASH = EXIT_FAILED
+from hangwatch.common.rundir import exit_path
+from hangwatch.daemon.errors import DataError, NonFiniteStreak
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
@@ -33,8 +30,8 @@ def classify(exc: BaseException) -> tuple[str, int]:
         return "nan", EXIT_TEMPFAIL
     # By name, so classifying never imports torch (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError).
     if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
-        return "oom", EXIT_CRASH
-    return "crash", EXIT_CRASH
+        return "oom", EXIT_FAILED
+    return "crash", EXIT_FAILED
 
 
 def write_last_words(
@@ -46,13 +43,11 @@ def write_last_words(
     **extra: Any,
 ) -> Path:
     """Atomically write exit.json for `attempt`; returns its path."""
-    directory = attempt_dir(run_dir, attempt)
-    directory.mkdir(parents=True, exist_ok=True)
+    path = exit_path(run_dir, attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
     record = {"kind": kind, "message": message, "traceback": tb, "pid": os.getpid(), "attempt": attempt, "t": time.time()}
     record.update(extra)
-    path = directory / "exit.json"
-    write_atomic(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
-    return path
+    return write_json_atomic(path, record, indent=2)
 
 
 def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int, **extra: Any) -> tuple[str, int, Path]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR
 from hangwatch.common.config import ConfigError, load_config
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from hangwatch.daemon.data import load_tokenizer, validate_file
-    from hangwatch.common.inbox_layout import publish, validate_only
+    from hangwatch.daemon.inbox.assess import validate_only
+    from hangwatch.daemon.inbox.publish import publish
 
     files, priority = a.files, a.priority
     tokenizer = load_tokenizer(cfg)
@@ -40,10 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         name = a.path.name
         if not a.accepted:
             failed += 1
-            why = [r["message"] for r in a.reasons] + [f"line {p['line']}: {p['error']}" for p in a.problems[:5]]
-            if a.problems_total > 5:
-                why.append(f"… {a.problems_total - 5} more bad line(s)")
-            print(f"rejected {name}: " + "; ".join(why))
+            print(f"rejected {name}: " + "; ".join(a.why_not()))
             continue
         try:
             published = publish(a.path, cfg.run_dir, priority=priority)
@@ -54,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"; {a.problems_total} bad line(s) will be left out" if a.skipped_lines else ""
         renamed = f" as inbox/{published.name}" if published.name != name else ""
         print(f"accepted {name} ({a.examples} example{'s' if a.examples != 1 else ''}{extra}){renamed}")
-    return EXIT_DATAERR if failed else 0
+    return EXIT_DATAERR if failed else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
     python scripts/gen_config_reference.py            # rewrite README.md
     python scripts/gen_config_reference.py --check    # exit 1 when README.md is out of date
 
-One schema (supervisor/config.py) drives validation, this table and `hangwatch run --help`.
+One schema (common/config/schema.py) drives validation, this table and `hangwatch run --help`.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@
 #                  checkout's .venv/bin/hangwatch)
 #   --user NAME    run the service as NAME instead of root (a system user is created when missing;
 #                  it needs access to the GPUs, e.g. the `video`/`render` groups on some distributions)
-#   --config FILE  also copy FILE to /etc/hangwatch/ (the instance name is its base name without .yaml)
+#   --config FILE  also install FILE as /etc/hangwatch/NAME.yaml (NAME: its base name without .yaml):
+#                  checked first (exit 78 when it is not valid), relative paths in it resolved against
+#                  FILE's directory, readable by the service user; paths the hardened unit hides
+#                  (/home, /root) or keeps read-only get a drop-in that opens exactly those
 #   --root DIR     install under DIR instead of / (packaging, tests): no user creation, no daemon-reload
 #   --dry-run      print every step and the files it would write; change nothing
 #
@@ -51,6 +54,48 @@ if [ -n "$user" ]; then
   case "$user" in *[!a-z0-9_-]*|"") die "--user: '$user' is not a valid user name" ;; esac
 fi
 
+# The config is checked and resolved before anything is written: a bad one changes nothing.
+if [ -n "$config" ]; then
+  # The python that runs hangwatch: it resolves the config exactly as `hangwatch run` will.
+  # (Its shebang's interpreter, when that can import hangwatch; else this checkout's .venv.)
+  py=$(sed -n '1s/^#!//p' "$bin")
+  for candidate in "$py" "$repo/.venv/bin/python" "$(command -v python3)"; do
+    if [ -n "$candidate" ] && "$candidate" -c 'import hangwatch.common.config' 2>/dev/null; then py=$candidate; break; fi
+    py=""
+  done
+  [ -n "$py" ] || die "no python that can import hangwatch (tried $bin's interpreter, $repo/.venv/bin/python, python3)"
+  resolved=$("$py" - "$config" <<'PY'
+import sys
+from hangwatch.common.config import ConfigError, dump_config, load_config
+try:
+    cfg = load_config(sys.argv[1])
+except ConfigError as err:
+    for problem in err.problems:
+        print(problem, file=sys.stderr)
+    sys.exit(78)
+print(f"# installed by scripts/install-service.sh from {sys.argv[1]}; relative paths resolved against its directory")
+print(dump_config(cfg), end="")
+PY
+) || { code=$?; echo "install-service: $config is not a valid config (see above); nothing installed" >&2; exit "$code"; }
+  # Paths the run reads or writes, for the hardened unit (ProtectSystem=strict, ProtectHome=yes).
+  paths=$("$py" - "$config" <<'PY'
+import sys
+from hangwatch.common.config import load_config
+cfg = load_config(sys.argv[1])
+for kind, path in (("r", cfg.data.train), ("r", cfg.data.eval), ("r", cfg.model.name_or_path),
+                   ("r", cfg.worker.cwd), ("w", getattr(cfg.checkpoint, "dir", None))):
+    if path and path.startswith("/"):
+        print(kind, path)
+PY
+)
+  rw=""; home=false
+  while read -r kind path; do
+    [ -n "$path" ] || continue
+    case "$path" in /home/*|/root/*|/run/user/*) home=true ;; esac
+    case "$path" in /var/lib/hangwatch/*|/var/log/hangwatch/*|/run/hangwatch/*) ;; *) [ "$kind" = w ] && rw="$rw $path" ;; esac
+  done <<< "$paths"
+fi
+
 # Every change goes through one of these two, so --dry-run shows exactly what a real run does.
 step() {
   if $dry; then printf '+ %s\n' "$*"; else "$@"; fi
@@ -87,7 +132,25 @@ EOF
 fi
 
 if [ -n "$config" ]; then
-  step install -m 0640 "$config" "$root/etc/hangwatch/$(basename "$config")"
+  dest="$root/etc/hangwatch/$(basename "$config")"
+  printf '%s\n' "$resolved" | write 0640 "$dest"
+  if [ -n "$user" ]; then
+    if [ -z "$root" ] || $dry; then
+      step chown "root:$user" "$dest"  # 0640 root:USER: readable by the service, not by everyone
+    else
+      echo "install-service: not changing the owner of $dest (installing under $root): make it root:$user"
+    fi
+  fi
+  name=$(basename "$config" .yaml)
+  if $home || [ -n "$rw" ]; then
+    step install -d -m 0755 "$unit_dir/hangwatch@$name.service.d"
+    {
+      echo "[Service]"
+      echo "# written by install-service.sh for $config: the paths this run uses outside the unit's directories"
+      $home && echo "ProtectHome=read-only"
+      [ -n "$rw" ] && echo "ReadWritePaths=${rw# }"
+    } | write 0644 "$unit_dir/hangwatch@$name.service.d/20-paths.conf"
+  fi
 fi
 
 # logrotate renames the file and creates a new one; the supervisor's WatchedFileHandler notices and

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=10 "$@"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
 from hangwatch.common.config import WatchdogCfg
+from hangwatch.common.durable import write_json_atomic
 
 MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
 PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them
@@ -96,9 +96,8 @@ class Calibration:
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("no calibration path")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, target)
+        # Not fsynced: losing the newest samples to a crash costs only a less calibrated next attempt.
+        write_json_atomic(target, self.to_dict(), durable=False)
         self._dirty = 0
         return target
 
@@ -109,29 +108,32 @@ class Calibration:
             return True
         return False
 
-    @classmethod
-    def load(cls, wd: WatchdogCfg, path: Path) -> tuple["Calibration", Optional[str]]:
-        """Reload the samples (budgets are recomputed, so a changed factor or clamp applies).
+    def reload(self) -> Optional[str]:
+        """Read the samples back from `path` (budgets are recomputed, so a changed factor or clamp applies).
 
-        Returns (calibration, problem): an unreadable file gives a fresh calibration and says why.
+        Returns the problem when the file is unreadable (the calibration then stays empty); None otherwise.
         """
-        cal = cls(wd, path)
-        path = Path(path)
-        if not path.exists():
-            return cal, None
+        if self.path is None or not self.path.exists():
+            return None
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(self.path.read_text())
             steps = data["steps"]["samples_s"]
             phases = {k: v["samples_s"] for k, v in data.get("phases", {}).items()}
             if not all(isinstance(x, (int, float)) for x in steps):
                 raise ValueError("steps.samples_s must be numbers")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return cal, f"{path}: ignored unreadable calibration ({type(exc).__name__}: {exc})"
+            return f"{self.path}: ignored unreadable calibration ({type(exc).__name__}: {exc})"
         for x in steps:
-            cal.add_step(float(x))
+            self.add_step(float(x))
         for name, samples in phases.items():
             for x in samples:
                 if isinstance(x, (int, float)):
-                    cal.add_phase(str(name), float(x))
-        cal._dirty = 0
-        return cal, None
+                    self.add_phase(str(name), float(x))
+        self._dirty = 0
+        return None
+
+    @classmethod
+    def load(cls, wd: WatchdogCfg, path: Path) -> tuple["Calibration", Optional[str]]:
+        """A calibration read back from `path`, and the problem if the file was unreadable."""
+        cal = cls(wd, path)
+        return cal, cal.reload()

@@ -12,8 +12,8 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from hangwatch.common.exitcodes import EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE  # noqa: F401 (re-used by the CLI)
-from hangwatch.supervisor.control import socket_path_in, unix_address
+from hangwatch.common.exitcodes import EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE, EXIT_FAILED
+from hangwatch.supervisor.control.paths import socket_path_in, unix_address
 
 MAX_REPLY_BYTES = 256 * 1024 * 1024
 
@@ -21,7 +21,7 @@ MAX_REPLY_BYTES = 256 * 1024 * 1024
 class ClientError(Exception):
     """A request that could not be made or was refused; `str()` is the one-line explanation."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class DaemonUnavailable(ClientError):
@@ -35,7 +35,7 @@ class BadReply(ClientError):
 class RequestFailed(ClientError):
     """The daemon answered {"ok": false, "error": ...}."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 def resolve_socket(*, run_dir: Optional[os.PathLike | str] = None, socket_path: Optional[os.PathLike | str] = None) -> Path:

@@ -73,6 +73,13 @@ class Expired:
                 and self.last_progress_age_s <= self.budget_s / 2)
 
     @property
+    def incident_kind(self) -> str:
+        """The incident this deadline opens: startup_timeout, livelock or stall."""
+        if self.name == "startup":
+            return "startup_timeout"
+        return "livelock" if self.livelock else "stall"
+
+    @property
     def overdue_s(self) -> float:
         return max(0.0, self.elapsed_s - self.budget_s)
 
@@ -238,6 +245,14 @@ class Deadlines:
              "remaining_s": round(e.budget_s - e.elapsed_s, 3), "source": e.source}
             for e in self._candidates(now)
         ]
+
+    def main_rank(self) -> int:
+        """The rank whose phase and step stand for the run (the lowest that spoke; 0 before any)."""
+        return min(self.ranks) if self.ranks else 0
+
+    def next_due_s(self, now: float) -> Optional[float]:
+        """Seconds until the earliest armed deadline falls due (≤ 0: due now); None when none is armed."""
+        return min((e.budget_s - e.elapsed_s for e in self._candidates(now)), default=None)
 
     def check(self, now: float) -> Optional[Expired]:
         """The most overdue deadline that is due (elapsed ≥ budget), or None."""

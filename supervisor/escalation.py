@@ -4,15 +4,17 @@
                    `py-spy dump --native --locals` per pid when installed (time-boxed), then
                    wait until the dump files stop growing, bounded by `dump_grace_s`.
     TreeKiller:    SIGTERM to the process group → `term_grace_s` → SIGKILL to the group and to
-                   every descendant that left it → reap → wait (bounded) until NVML no longer
-                   lists the dead pids as holding GPU memory.
+                   every descendant that left it → the tree gone (or, after `kill_wait_s`, its
+                   survivors recorded) → wait (bounded) until NVML no longer lists the dead pids
+                   as holding GPU memory.
 
 Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control
-socket and draining events while a stall is being handled.
+socket and draining events while a stall is being handled.  Both see processes only through the
+injected `ProcessTable`; neither reaps: the supervisor's loop reaps children in one place each pass
+and records the worker's exit on `Worker`, which is what `TreeKiller` reads.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -22,13 +24,11 @@ from typing import Callable, Optional
 
 import structlog
 
-from hangwatch.supervisor import process
-from hangwatch.supervisor.process import Kill, ProcRef
+from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
 
 log = structlog.get_logger("hangwatch")
 
 SETTLE_S = 0.3  # a dump file unchanged this long after growing is complete
-KILL_WAIT_S = 30.0  # after SIGKILL, how long to wait for the tree to go before recording survivors
 
 
 @dataclass
@@ -43,10 +43,10 @@ class DumpTarget:
 class DumpCollector:
     targets: list[DumpTarget]
     grace_s: float
+    table: ProcessTable
     py_spy: bool = True
     py_spy_timeout_s: float = 20.0
     out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
-    kill: Kill = os.kill
     started_at: float = 0.0
     signalled: dict[int, bool] = field(default_factory=dict)
     py_spy_procs: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class DumpCollector:
             except OSError:
                 t.offset = 0
             self._sizes[t.rank] = t.offset
-            self.signalled[t.rank] = process.signal_ref(t.ref, signal.SIGUSR1, self.kill)
+            self.signalled[t.rank] = self.table.signal(t.ref, signal.SIGUSR1)
         self._start_py_spy()
 
     def _start_py_spy(self) -> None:
@@ -117,7 +117,7 @@ class DumpCollector:
             if size != self._sizes.get(t.rank):
                 self._sizes[t.rank] = size
                 self._changed_at = now
-            if self.signalled.get(t.rank) and size <= t.offset and not process.is_gone(t.ref):
+            if self.signalled.get(t.rank) and size <= t.offset and not self.table.is_gone(t.ref):
                 grew_all = False
         settled = grew_all and now - self._changed_at >= SETTLE_S
         bounded = now - self.started_at >= self.grace_s
@@ -151,12 +151,12 @@ class DumpCollector:
 class TreeKiller:
     """Brings a worker's whole tree down; `refs` are extra processes known to belong to it."""
 
-    worker: process.Worker
+    worker: Worker
     refs: list[ProcRef]
+    table: ProcessTable
     term_grace_s: float
     gpu_release_timeout_s: float
-    kill: Kill = os.kill
-    reap: Callable[[], None] = lambda: None
+    kill_wait_s: float = 30.0  # after SIGKILL, how long to wait for the tree to go before recording survivors
     gpu_pids: Callable[[], Optional[set[int]]] = lambda: None
     send_term: bool = True
     term_at: Optional[float] = None
@@ -169,39 +169,38 @@ class TreeKiller:
     _dead: set[int] = field(default_factory=set)
 
     def _tree(self) -> list[ProcRef]:
-        members = {r.pid: r for r in process.group_members(self.worker.pgid)}
+        members = {r.pid: r for r in self.table.group_members(self.worker.pgid)}
         for r in self.refs:
             members.setdefault(r.pid, r)
         if not self.worker.exited:
             members.setdefault(self.worker.pid, self.worker.ref)
-        return [r for r in members.values() if not process.is_gone(r)]
+        return self.table.alive(members.values())
 
     def begin(self, now: float) -> None:
         self.term_at = now
-        self.refs = list({r.pid: r for r in self.refs + process.descendants(self.worker.pid)}.values())
+        self.refs = list({r.pid: r for r in self.refs + self.table.descendants(self.worker.pid)}.values())
         self._dead = {r.pid for r in self.refs} | {self.worker.pid}
         if self.send_term:
-            process.signal_group(self.worker.pgid, signal.SIGTERM, self.kill)
+            self.table.signal_group(self.worker.pgid, signal.SIGTERM)
         else:
             self.kill_now(now)
 
     def kill_now(self, now: float) -> None:
         self.kill_at = now
         # the group first, then whoever left it (setsid, double fork), each checked by start time
-        process.signal_group(self.worker.pgid, signal.SIGKILL, self.kill)
+        self.table.signal_group(self.worker.pgid, signal.SIGKILL)
         for r in self._tree():
             self._dead.add(r.pid)
-            if process.signal_ref(r, signal.SIGKILL, self.kill):
+            if self.table.signal(r, signal.SIGKILL):
                 self.killed.append(r.pid)
 
     def advance(self, now: float) -> bool:
         if self.done_at is not None:
             return True
-        self.reap()
         if self.gone_at is None:
             # new descendants may still appear until the parent dies: keep collecting them
             if not self.worker.exited:
-                for r in process.descendants(self.worker.pid):
+                for r in self.table.descendants(self.worker.pid):
                     if r.pid not in {x.pid for x in self.refs}:
                         self.refs.append(r)
                         self._dead.add(r.pid)
@@ -212,10 +211,10 @@ class TreeKiller:
                 log.info("sigkill", pids=[r.pid for r in left], grace_s=self.term_grace_s)
                 self.kill_now(now)
                 return False
-            elif self.kill_at is not None and now - self.kill_at >= KILL_WAIT_S:
+            elif self.kill_at is not None and now - self.kill_at >= self.kill_wait_s:
                 # SIGKILL cannot end a process in uninterruptible sleep (state D): record it and go on,
                 # rather than leave the run stuck in `killing` for ever.
-                self.survivors = [process.describe(r) for r in left]
+                self.survivors = [self.table.describe(r) for r in left]
                 log.error("sigkill_survivors", survivors=self.survivors, waited_s=round(now - self.kill_at, 3))
                 self.gone_at = now
             else:

@@ -8,9 +8,23 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
-from hangwatch.common.rundir import ATTEMPTS, SUPERVISOR_LOG_NAME, WORKER_LOG_NAME, worker_log_path
+from hangwatch.common.rundir import (ATTEMPTS, STATE_NAME, SUPERVISOR_LOG_NAME, WORKER_LOG_NAME, read_json,
+                                     worker_log_path)
+from hangwatch.supervisor.runlock import holder
+
+ENDED_STATES = ("finished", "failed", "stopped")
+
+
+def run_ended(run_dir: os.PathLike | str) -> bool:
+    """True when the run is over: state.json says it ended and no supervisor holds the run dir.
+
+    A supervisor that died (SIGKILL) leaves `running` behind: that run is not over (systemd may be
+    about to restart it), so a follower keeps waiting.
+    """
+    state = read_json(Path(run_dir) / STATE_NAME) or {}
+    return state.get("state") in ENDED_STATES and holder(run_dir) is None
 
 
 class NoLogYet(Exception):
@@ -38,6 +52,7 @@ def follow_log(
     last_lines: Optional[int] = None,
     poll_s: float = 0.25,
     sleep=time.sleep,
+    ended: Optional[Callable[[], bool]] = None,
 ) -> Iterator[Union[Path, bytes]]:
     """Yield a `Path` each time a file is opened, then its bytes as they arrive.
 
@@ -45,8 +60,11 @@ def follow_log(
     and a newer attempt's worker.log exists, the follower moves on to it (the old worker is dead by
     then: the supervisor starts an attempt only after the previous tree is reaped).  The supervisor
     log is followed like `tail -F`: a rotated (moved) file is drained, then the new one opened; a
-    truncated one is read again from its start.
+    truncated one is read again from its start.  `ended()` (default `run_ended(run_dir)`) says the
+    run is over: once it is and the file is drained, following stops instead of waiting forever.
     """
+    if ended is None:
+        ended = lambda: run_ended(run_dir)  # noqa: E731
     run_dir = Path(run_dir)
 
     def target() -> Optional[Path]:
@@ -66,7 +84,7 @@ def follow_log(
             if f is None:
                 path = target()
                 if path is None:
-                    if not follow:
+                    if not follow or ended():
                         what = "supervisor log" if supervisor else (f"worker log for attempt {attempt}" if attempt else "worker log")
                         raise NoLogYet(f"no {what} yet in {run_dir}")
                     sleep(poll_s)
@@ -90,6 +108,11 @@ def follow_log(
             if os.fstat(f.fileno()).st_size < f.tell():
                 f.seek(0)  # truncated in place (copytruncate)
                 continue
+            if ended():
+                rest = f.read()  # what was written between the last read and the end
+                if rest:
+                    yield rest
+                return
             sleep(poll_s)
     finally:
         if f is not None:

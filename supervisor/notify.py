@@ -113,6 +113,22 @@ class Notifier:
             self._sock = None
 
 
+class NullNotifier:
+    """Outside systemd, or when a caller wants no notifications: the same calls, doing nothing."""
+
+    def ready(self, status: Optional[str] = None) -> bool:
+        return False
+
+    def status(self, text: str) -> bool:
+        return False
+
+    def watchdog(self, now: Optional[float] = None) -> bool:
+        return False
+
+    def stopping(self, status: Optional[str] = None) -> bool:
+        return False
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 

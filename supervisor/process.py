@@ -1,9 +1,15 @@
-"""Process control: spawn the worker in its own session, signal and reap its tree, end leftovers.
+"""Processes: identity, spawning the worker in its own session, and the process table behind a seam.
 
 Identity of a process is (pid, create_time): a pid alone can be reused by an unrelated process
 after the original died, so nothing here signals a pid without checking that its start time is
-still the recorded one.  Signals go through a `kill(pid, sig)` callable (os.kill by default;
-a negative pid addresses a process group) so that tests can watch or replace them.
+still the recorded one.
+
+Everything the supervisor asks the operating system about processes goes through a
+`ProcessTable`: reap, descendants, group members, own children, create time, signal.  The real
+one is `PsutilProcessTable` (psutil, waitpid, `kill(pid, sig)` — os.kill by default; a negative
+pid addresses a process group); tests pass a fake table and run the whole lifecycle without a
+single process.  The identity-checked helpers (`matches`, `ref_of`, `signal`, `signal_group`,
+`alive`) live on the base class, so a fake inherits exactly the checks the real table makes.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import psutil
 
@@ -37,22 +43,13 @@ def _prctl():
 
 @dataclass(frozen=True)
 class ProcRef:
-    """A process as (pid, create_time): survives pid reuse."""
+    """A process as (pid, create_time): survives pid reuse.  Pure data; the table checks it."""
 
     pid: int
     create_time: float
 
-    def matches(self) -> bool:
-        ct = create_time(self.pid)
-        return ct is not None and abs(ct - self.create_time) < CREATE_TIME_TOLERANCE_S
-
     def as_dict(self) -> dict:
         return {"pid": self.pid, "create_time": self.create_time}
-
-    @classmethod
-    def of(cls, pid: int) -> Optional["ProcRef"]:
-        ct = create_time(pid)
-        return cls(pid, ct) if ct is not None else None
 
     @classmethod
     def from_dict(cls, d) -> Optional["ProcRef"]:
@@ -62,24 +59,11 @@ class ProcRef:
             return None
 
 
-def create_time(pid: int) -> Optional[float]:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
-        return None
+class ExitStatus(NamedTuple):
+    """How a reaped child ended: exactly one of the two is set."""
 
-
-def is_gone(ref: ProcRef) -> bool:
-    """Dead, reaped, a zombie, or the pid now belongs to someone else."""
-    try:
-        p = psutil.Process(ref.pid)
-        if abs(p.create_time() - ref.create_time) >= CREATE_TIME_TOLERANCE_S:
-            return True
-        return p.status() == psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return True
-    except psutil.AccessDenied:
-        return False
+    code: Optional[int]
+    signal: Optional[int]
 
 
 @dataclass
@@ -108,9 +92,186 @@ class Worker:
     def exited(self) -> bool:
         return self.exited_at is not None
 
+    def record_exit(self, status: ExitStatus, now: float) -> None:
+        self.exit_code, self.exit_signal = status
+        self.exited_at = now
+        if self.popen is not None:  # reaped by us: tell Popen, or it would wait on a pid that is gone
+            self.popen.returncode = self.exit_code if self.exit_code is not None else -(self.exit_signal or 0)
+
     def as_dict(self) -> dict:
         return {"pid": self.pid, "pgid": self.pgid, "sid": self.pid, "create_time": self.create_time, "argv": self.argv,
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal}
+
+
+class ProcessTable:
+    """The operating system's processes, as the supervisor sees them.
+
+    Subclasses provide the primitives (`create_time`, `reap`, `descendants`, `group_members`,
+    `own_children`, `is_gone`, `session_id`, `describe`, `send`); the identity checks are shared.
+    """
+
+    # ---- primitives -----------------------------------------------------------------------
+
+    def create_time(self, pid: int) -> Optional[float]:
+        raise NotImplementedError
+
+    def reap(self, pid: int) -> Optional[ExitStatus]:
+        """Non-blocking: how `pid` ended once it exited, None while it runs or is not our child."""
+        raise NotImplementedError
+
+    def descendants(self, pid: int) -> list[ProcRef]:
+        """Every live descendant of `pid` (including those that left its process group)."""
+        raise NotImplementedError
+
+    def group_members(self, pgid: int) -> list[ProcRef]:
+        raise NotImplementedError
+
+    def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
+        raise NotImplementedError
+
+    def is_gone(self, ref: ProcRef) -> bool:
+        """Dead, reaped, a zombie, or the pid now belongs to someone else."""
+        raise NotImplementedError
+
+    def session_id(self, pid: int) -> Optional[int]:
+        raise NotImplementedError
+
+    def describe(self, ref: ProcRef) -> dict:
+        """pid, name and state of a process that would not die, for the incident."""
+        raise NotImplementedError
+
+    def send(self, pid: int, sig: int) -> None:
+        """kill(2): raises ProcessLookupError / PermissionError like os.kill."""
+        raise NotImplementedError
+
+    # ---- identity-checked helpers ---------------------------------------------------------
+
+    def matches(self, ref: ProcRef) -> bool:
+        ct = self.create_time(ref.pid)
+        return ct is not None and abs(ct - ref.create_time) < CREATE_TIME_TOLERANCE_S
+
+    def ref_of(self, pid: int) -> Optional[ProcRef]:
+        ct = self.create_time(pid)
+        return ProcRef(pid, ct) if ct is not None else None
+
+    def signal(self, ref: ProcRef, sig: int) -> bool:
+        """Signal a process only if it is still the one recorded (its create time matches)."""
+        if not self.matches(ref):
+            return False
+        try:
+            self.send(ref.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        """Signal a process group; False when it no longer exists (ESRCH)."""
+        try:
+            self.send(-pgid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def alive(self, refs: Iterable[ProcRef]) -> list[ProcRef]:
+        return [r for r in refs if not self.is_gone(r)]
+
+
+class PsutilProcessTable(ProcessTable):
+    """The real table: psutil for listing, waitpid for reaping, `kill` for signals."""
+
+    def __init__(self, kill: Kill = os.kill):
+        self._kill = kill
+
+    def create_time(self, pid: int) -> Optional[float]:
+        try:
+            return psutil.Process(pid).create_time()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            return None
+
+    def reap(self, pid: int) -> Optional[ExitStatus]:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, InterruptedError):  # ECHILD: not our child, or reaped already
+            return None
+        return decode_status(status) if got else None
+
+    def descendants(self, pid: int) -> list[ProcRef]:
+        try:
+            procs = psutil.Process(pid).children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            return []
+        return _refs(procs)
+
+    def group_members(self, pgid: int) -> list[ProcRef]:
+        # Called on every loop pass while a tree is being killed: one getpgid syscall per pid, and a
+        # psutil lookup only for the few members (process_iter would build an object for every process).
+        out = []
+        for pid in psutil.pids():
+            try:
+                if os.getpgid(pid) == pgid:
+                    out.append(ProcRef(pid, psutil.Process(pid).create_time()))
+            except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, PermissionError):
+                pass
+        return out
+
+    def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
+        excluded = set(exclude)
+        try:
+            children = psutil.Process(os.getpid()).children(recursive=False)
+        except psutil.Error:
+            return []
+        return _refs(p for p in children if p.pid not in excluded)
+
+    def is_gone(self, ref: ProcRef) -> bool:
+        try:
+            p = psutil.Process(ref.pid)
+            if abs(p.create_time() - ref.create_time) >= CREATE_TIME_TOLERANCE_S:
+                return True
+            return p.status() == psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return True
+        except psutil.AccessDenied:
+            return False
+
+    def session_id(self, pid: int) -> Optional[int]:
+        try:
+            return os.getsid(pid)
+        except (ProcessLookupError, PermissionError):
+            return None
+
+    def describe(self, ref: ProcRef) -> dict:
+        try:
+            p = psutil.Process(ref.pid)
+            with p.oneshot():
+                return {"pid": ref.pid, "name": p.name(), "state": p.status(), "cmdline": p.cmdline()[:6]}
+        except psutil.Error:
+            return {"pid": ref.pid, "state": "gone"}
+
+    def send(self, pid: int, sig: int) -> None:
+        self._kill(pid, sig)
+
+
+def _refs(procs: Iterable[psutil.Process]) -> list[ProcRef]:
+    out = []
+    for p in procs:
+        try:
+            out.append(ProcRef(p.pid, p.create_time()))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def decode_status(status: int) -> ExitStatus:
+    """waitpid status → (exit code, signal): exactly one is set."""
+    if os.WIFSIGNALED(status):
+        return ExitStatus(None, os.WTERMSIG(status))
+    if os.WIFEXITED(status):
+        return ExitStatus(os.WEXITSTATUS(status), None)
+    return ExitStatus(None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Starting the worker
 
 
 def _child_setup(parent_pid: int, deathsig: int):
@@ -136,7 +297,7 @@ def spawn(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
             start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True,
         )
-    ct = create_time(popen.pid)
+    ct = PsutilProcessTable().create_time(popen.pid)
     if ct is None:  # exited (or is a zombie) already; identity still needs a value
         ct = time.time()
     return Worker(pid=popen.pid, create_time=ct, argv=list(argv), log_path=log_path, started_at=now, popen=popen)
@@ -148,174 +309,3 @@ def set_child_subreaper() -> bool:
         return _prctl()(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def decode_status(status: int) -> tuple[Optional[int], Optional[int]]:
-    """waitpid status → (exit code, signal): exactly one is set."""
-    if os.WIFSIGNALED(status):
-        return None, os.WTERMSIG(status)
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status), None
-    return None, None
-
-
-def reap(pid: int) -> Optional[int]:
-    """Non-blocking waitpid: the raw status once `pid` exited, None while it runs or is not our child."""
-    try:
-        got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # ECHILD: not our child, or reaped already
-        return None
-    except InterruptedError:
-        return None
-    if got == 0:
-        return None
-    return status
-
-
-def signal_group(pgid: int, sig: int, kill: Kill = os.kill) -> bool:
-    """Signal a process group; False when it no longer exists (ESRCH)."""
-    try:
-        kill(-pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-
-
-def signal_ref(ref: ProcRef, sig: int, kill: Kill = os.kill) -> bool:
-    """Signal a process only if it is still the one recorded (its create time matches)."""
-    if not ref.matches():
-        return False
-    try:
-        kill(ref.pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def descendants(pid: int) -> list[ProcRef]:
-    """Every live descendant of `pid` (including those that left its process group)."""
-    try:
-        procs = psutil.Process(pid).children(recursive=True)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return []
-    out = []
-    for p in procs:
-        try:
-            out.append(ProcRef(p.pid, p.create_time()))
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def group_members(pgid: int) -> list[ProcRef]:
-    # Called on every loop pass while a tree is being killed: one getpgid syscall per pid, and a
-    # psutil lookup only for the few members (process_iter would build an object for every process).
-    out = []
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) == pgid:
-                out.append(ProcRef(pid, psutil.Process(pid).create_time()))
-        except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, PermissionError):
-            pass
-    return out
-
-
-def own_children(exclude: Iterable[int] = ()) -> list[ProcRef]:
-    excluded = set(exclude)
-    out = []
-    try:
-        for p in psutil.Process(os.getpid()).children(recursive=False):
-            if p.pid not in excluded:
-                try:
-                    out.append(ProcRef(p.pid, p.create_time()))
-                except (psutil.NoSuchProcess, psutil.ZombieProcess):
-                    pass
-    except psutil.Error:
-        pass
-    return out
-
-
-def alive(refs: Iterable[ProcRef]) -> list[ProcRef]:
-    return [r for r in refs if not is_gone(r)]
-
-
-# --------------------------------------------------------------------------------------------
-# What a previous supervisor left behind
-
-
-def leftovers(state: dict, now_wall: Optional[float] = None) -> tuple[list[ProcRef], Optional[int], list[str]]:
-    """Processes recorded in a dead supervisor's state.json that still run.
-
-    Returns (refs to end, the process group to end or None, notes).  A recorded pid counts only
-    while its create time matches.  Members of the recorded process group count when the group
-    leader is still the recorded process, or — the leader having died — when they are in the
-    recorded session and started between the leader's start and the last state update (Linux does
-    not hand out a pid that is still some group's id, so such members are the old tree's).
-    """
-    notes: list[str] = []
-    refs: dict[int, ProcRef] = {}
-    worker = state.get("worker") or {}
-    wref = ProcRef.from_dict(worker)
-    recorded = [wref] if wref else []
-    recorded += [r for r in (ProcRef.from_dict(d) for d in (state.get("pids") or {}).values()) if r]
-    recorded += [r for r in (ProcRef.from_dict(d) for d in state.get("descendants") or []) if r]
-    for r in recorded:
-        if r.matches():
-            refs[r.pid] = r
-        elif create_time(r.pid) is not None:
-            notes.append(f"pid {r.pid} now belongs to another process (start time differs): left alone")
-    group = None
-    if wref is not None:
-        pgid = int(worker.get("pgid", wref.pid))
-        sid = int(worker.get("sid", wref.pid))
-        leader_alive = wref.pid in refs
-        updated = float(state.get("updated_wall") or (now_wall or time.time()))
-        for m in group_members(pgid):
-            try:
-                same_session = os.getsid(m.pid) == sid
-            except (ProcessLookupError, PermissionError):
-                continue
-            if leader_alive or (same_session and wref.create_time - 1 <= m.create_time <= updated + 1):
-                refs.setdefault(m.pid, m)
-            else:
-                notes.append(f"pid {m.pid} in process group {pgid} started after the old tree: left alone")
-        if leader_alive:
-            group = pgid
-    return list(refs.values()), group, notes
-
-
-def end_processes(refs: list[ProcRef], group: Optional[int], *, grace_s: float, kill: Kill = os.kill,
-                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> list[ProcRef]:
-    """SIGTERM, wait up to `grace_s`, SIGKILL what is left, wait for it to be gone (blocking).
-
-    Used at start-up for a previous supervisor's leftovers, which are not our children: they are
-    reaped by init once dead, so "gone" is judged with psutil.  Returns what was still alive after
-    the SIGKILL wait (normally nothing).
-    """
-    if group is not None:
-        signal_group(group, signal.SIGTERM, kill)
-    for r in refs:
-        signal_ref(r, signal.SIGTERM, kill)
-    deadline = clock() + grace_s
-    while alive(refs) and clock() < deadline:
-        sleep(0.05)
-    if group is not None:
-        signal_group(group, signal.SIGKILL, kill)
-    for r in alive(refs):
-        signal_ref(r, signal.SIGKILL, kill)
-    deadline = clock() + 5.0
-    while alive(refs) and clock() < deadline:
-        sleep(0.05)
-    return alive(refs)
-
-
-def describe(ref: ProcRef) -> dict:
-    """pid, name and state of a process that would not die, for the incident."""
-    try:
-        p = psutil.Process(ref.pid)
-        with p.oneshot():
-            return {"pid": ref.pid, "name": p.name(), "state": p.status(), "cmdline": p.cmdline()[:6]}
-    except psutil.Error:
-        return {"pid": ref.pid, "state": "gone"}

@@ -1,6 +1,6 @@
 """What the worker's process tree and the GPUs look like at the moment of a stall.
 
-`process_tree` records, for every process of the tree: pid, ppid, name, cmdline, state letter
+`TreeSample` records, for every process of the tree: pid, ppid, name, cmdline, state letter
 (R running, S sleeping, D uninterruptible I/O, Z zombie, T stopped), CPU% sampled over a short
 interval, RSS and thread count.  `gpu` asks NVML (nvidia-ml-py) per device for utilisation,
 memory and compute processes; without a GPU it says so plainly instead of failing.
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import psutil
 
@@ -44,42 +43,44 @@ def _collect(roots: Iterable[int], extra: Iterable[int]) -> dict[int, psutil.Pro
     return procs
 
 
-def process_tree(roots: Iterable[int], extra: Iterable[int] = (), interval: float = 0.5,
-                 sleep=time.sleep) -> list[dict]:
-    """Snapshot `roots`, their descendants and `extra` pids; CPU% measured over `interval` seconds."""
-    roots = list(roots)
-    procs = _collect(roots, extra)
-    for p in procs.values():
-        try:
-            p.cpu_percent(None)  # primes the counter; the next call measures the interval
-        except psutil.Error:
-            pass
-    if interval > 0 and procs:
-        sleep(interval)
-    out = []
-    for pid, p in sorted(procs.items()):
-        try:
-            with p.oneshot():
-                status = p.status()
-                rec = {
-                    "pid": pid,
-                    "ppid": p.ppid(),
-                    "pgid": _pgid(pid),
-                    "name": p.name(),
-                    "cmdline": p.cmdline()[:CMDLINE_MAX],
-                    "state": STATE_LETTERS.get(status, status[:1].upper()),
-                    "status": status,
-                    "cpu_percent": round(p.cpu_percent(None), 1),
-                    "rss_bytes": p.memory_info().rss,
-                    "threads": p.num_threads(),
-                    "create_time": p.create_time(),
-                }
-        except psutil.ZombieProcess:
-            rec = {"pid": pid, "state": "Z", "status": "zombie", "cpu_percent": 0.0}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        out.append(rec)
-    return out
+class TreeSample:
+    """A snapshot of `roots`, their descendants and `extra` pids, taken in two steps so the loop never
+    blocks on the CPU interval: construction primes the CPU counters, `take()` (called by the loop
+    once the interval has passed) measures CPU% over the time in between and records the rest."""
+
+    def __init__(self, roots: Iterable[int], extra: Iterable[int] = ()):
+        self.procs = _collect(list(roots), extra)
+        for p in self.procs.values():
+            try:
+                p.cpu_percent(None)  # primes the counter; the next call measures the interval
+            except psutil.Error:
+                pass
+
+    def take(self) -> list[dict]:
+        out = []
+        for pid, p in sorted(self.procs.items()):
+            try:
+                with p.oneshot():
+                    status = p.status()
+                    rec = {
+                        "pid": pid,
+                        "ppid": p.ppid(),
+                        "pgid": _pgid(pid),
+                        "name": p.name(),
+                        "cmdline": p.cmdline()[:CMDLINE_MAX],
+                        "state": STATE_LETTERS.get(status, status[:1].upper()),
+                        "status": status,
+                        "cpu_percent": round(p.cpu_percent(None), 1),
+                        "rss_bytes": p.memory_info().rss,
+                        "threads": p.num_threads(),
+                        "create_time": p.create_time(),
+                    }
+            except psutil.ZombieProcess:
+                rec = {"pid": pid, "state": "Z", "status": "zombie", "cpu_percent": 0.0}
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            out.append(rec)
+        return out
 
 
 def _pgid(pid: int) -> Optional[int]:
@@ -181,3 +182,21 @@ def gpu_summary(snap: dict) -> dict:
     return {"available": True, "devices": [
         {k: d.get(k) for k in ("index", "name", "utilization_percent", "memory_used_bytes", "memory_total_bytes")}
         for d in snap["devices"]]}
+
+
+class GpuCache:
+    """The last GPU snapshot: `status` is asked often and NVML need not be, `fresh` for an incident."""
+
+    MAX_AGE_S = 5.0
+
+    def __init__(self, query: Callable[[], dict] = gpu):
+        self.query = query
+        self._at = float("-inf")
+        self._snap: dict = {}
+
+    def fresh(self, now: float) -> dict:
+        self._at, self._snap = now, self.query()
+        return self._snap
+
+    def summary(self, now: float) -> dict:
+        return gpu_summary(self._snap if now - self._at <= self.MAX_AGE_S else self.fresh(now))

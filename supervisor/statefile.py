@@ -2,38 +2,73 @@
 
 It records enough for the next supervisor to find what this one leaves behind if it dies:
 its own pid and start time, the worker's pid, process group, session and start time, the pids
-each rank announced and the descendants seen, each with its start time.
+each rank announced and the descendants seen, each with its start time (see `leftovers`).
+`hangwatch status` without a socket and `hangwatch report` read it too.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
+
+from hangwatch.common.durable import write_json_atomic
+from hangwatch.supervisor.process import ProcRef, Worker
 
 FORMAT_VERSION = 1
 
 
+@dataclass
+class RunFacts:
+    """What the run has established so far, kept across attempts (and, via state.json, across supervisors)."""
+
+    restarts: int = 0
+    last_good_checkpoint: Optional[str] = None
+    last_good_step: Optional[int] = None
+    torn_lines: int = 0
+    last_incident: Optional[dict] = None  # {"id", "kind", "summary"}
+    last_step: dict = field(default_factory=dict)  # the last `step` line (metrics for `status`)
+
+    @classmethod
+    def from_previous(cls, data: Optional[dict]) -> "RunFacts":
+        data = data or {}
+        return cls(restarts=int(data.get("restarts") or 0), last_good_checkpoint=data.get("last_good_checkpoint"),
+                   last_good_step=data.get("last_good_step"))
+
+    def note_incident(self, inc) -> None:
+        self.last_incident = {"id": inc.id, "kind": inc.kind, "summary": inc.data.get("summary")}
+
+
+def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef],
+           worker: Optional[Worker], announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int,
+           incidents: int, socket: str, run_dir: str, exit_code: int, wall: Optional[float] = None) -> dict:
+    """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
+    until then the worker stays recorded even after its exit, since its group may still hold processes."""
+    return {
+        "state": state,
+        "updated_wall": time.time() if wall is None else wall,
+        "supervisor": supervisor.as_dict() if supervisor else {"pid": os.getpid()},
+        "worker": worker.as_dict() if worker and not tree_gone else None,
+        "pids": {} if tree_gone else {str(rank): ref.as_dict() for rank, ref in announced.items()},
+        "descendants": [] if tree_gone else [r.as_dict() for r in descendants],
+        "attempt": attempt,
+        "restarts": facts.restarts,
+        "last_good_checkpoint": facts.last_good_checkpoint,
+        "last_good_step": facts.last_good_step,
+        "incidents": incidents,
+        "last_incident": facts.last_incident,
+        "torn_lines": facts.torn_lines,
+        "socket": socket,
+        "run_dir": run_dir,
+        "exit_code": exit_code if final else None,
+    }
+
+
 def write(path: Path, data: dict) -> None:
-    """Write to a temporary file in the same directory, fsync, rename over `path`, fsync the directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    payload = json.dumps({"version": FORMAT_VERSION, **data}, indent=1, default=str) + "\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, payload.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Durably replace `path` (temporary file, fsync, rename, fsync the directory)."""
+    write_json_atomic(path, {"version": FORMAT_VERSION, **data})
 
 
 def read(path: Path) -> tuple[Optional[dict], Optional[str]]:

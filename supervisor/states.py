@@ -16,13 +16,18 @@
     A deadline that fires while STOPPING escalates like any stall (STALLED → DUMPING → KILLING).
     PAUSED ─resume─▶ STARTING.  STOPPED, FINISHED and FAILED are final.
 
-Every change goes through `StateMachine.transition`, which raises `IllegalTransition` for a move
-the table does not allow, so a logic error shows up as an exception instead of a wedged supervisor.
+Every change goes through `StateMachine.transition`, which raises `IllegalTransition` (the project's
+one, from `hangwatch.common.transitions`) for a move the table does not allow, so a logic error shows
+up as an exception instead of a wedged supervisor.
 """
 from __future__ import annotations
 
 import enum
 from typing import Callable, Optional
+
+from hangwatch.common.transitions import IllegalTransition
+
+__all__ = ["FINAL", "TRANSITIONS", "IllegalTransition", "State", "StateMachine"]
 
 
 class State(enum.Enum):
@@ -61,30 +66,19 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    def __init__(self, src: State, dst: State, reason: str = ""):
-        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[src])) or "none (final state)"
-        super().__init__(f"illegal transition {src.value} → {dst.value}" + (f" ({reason})" if reason else "") + f"; allowed from {src.value}: {allowed}")
-        self.src, self.dst = src, dst
-
-
 class StateMachine:
-    """The current state plus a bounded history; listeners hear every accepted transition."""
+    """The current state; a listener hears every accepted transition."""
 
     def __init__(self, initial: State = State.STARTING, *, on_change: Optional[Callable[[State, State, str], None]] = None):
         self.state = initial
-        self.history: list[tuple[State, State, str]] = []
         self._on_change = on_change
-
-    def can(self, dst: State) -> bool:
-        return dst in TRANSITIONS[self.state]
 
     def transition(self, dst: State, reason: str = "") -> None:
         src = self.state
         if dst not in TRANSITIONS[src]:
-            raise IllegalTransition(src, dst, reason)
+            allowed = ", ".join(sorted(s.value for s in TRANSITIONS[src])) or "none (final state)"
+            raise IllegalTransition(f"illegal transition {src.value} → {dst.value}" + (f" ({reason})" if reason else "")
+                                    + f"; allowed from {src.value}: {allowed}")
         self.state = dst
-        self.history.append((src, dst, reason))
-        del self.history[:-200]
         if self._on_change is not None:
             self._on_change(src, dst, reason)

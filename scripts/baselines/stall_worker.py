@@ -20,10 +20,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hangwatch.daemon.heartbeat import Heartbeat  # noqa: E402
+from hangwatch.daemon.heartbeat import Heartbeat  # installed with hangwatch: no path set-up here
 
 terminated = []
 

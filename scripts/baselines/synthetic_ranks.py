@@ -13,10 +13,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hangwatch.daemon.heartbeat import Heartbeat  # noqa: E402
+from hangwatch.daemon.heartbeat import Heartbeat  # installed with hangwatch: no path set-up here
 
 
 def rank_main(hz: float, seconds: float) -> int:

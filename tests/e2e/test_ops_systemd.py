@@ -79,14 +79,18 @@ def test_install_into_a_root(tmp_path):
     b = fake_bin(tmp_path)
     root = tmp_path / "root"
     cfg = tmp_path / "demo.yaml"
-    cfg.write_text("run_dir: x\n")
+    cfg.write_text("run_dir: x\nworker: {command: [python3, train.py]}\n")  # a user's own script
     r = install("--root", root, "--bin", b, "--user", "hw", "--config", cfg)
     assert r.returncode == 0, r.stderr
     unit = root / "etc/systemd/system/hangwatch@.service"
     assert stat.S_IMODE(unit.stat().st_mode) == 0o644
     assert unit_sections(unit)["Service"]["ExecStart"] == f"{b} run /etc/hangwatch/%i.yaml --run-dir %S/hangwatch/%i"
     assert unit_sections(root / "etc/systemd/system/hangwatch@.service.d/10-user.conf")["Service"]["User"] == "hw"
-    assert (root / "etc/hangwatch/demo.yaml").read_text() == "run_dir: x\n"
+    installed = (root / "etc/hangwatch/demo.yaml").read_text()
+    # The config as `hangwatch run` will see it: validated, relative paths resolved against its folder.
+    assert installed.startswith(f"# installed by scripts/install-service.sh from {cfg};")
+    assert f"run_dir: {tmp_path / 'x'}\n" in installed and f"cwd: {tmp_path}\n" in installed
+    assert stat.S_IMODE((root / "etc/hangwatch/demo.yaml").stat().st_mode) == 0o640
     assert "/var/log/hangwatch/*/supervisor.log" in (root / "etc/logrotate.d/hangwatch").read_text()
     assert "skipping systemctl daemon-reload (installing under" in r.stdout
     assert "systemctl enable --now hangwatch@demo" in r.stdout
@@ -117,8 +121,9 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path):
     assert r.returncode == 0 and complaints == [], r.stderr
 
 
-def test_systemd_analyze_check_can_fail(tmp_path):
-    """The verify test above would notice a broken unit: a typo'd key is reported."""
+def test_guard_the_verify_test_can_fail(tmp_path):
+    """A guard of the verify test above, not a test of hangwatch: it shows that `systemd-analyze verify`
+    reports a typo'd key here, so that test's empty complaint list means something."""
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")

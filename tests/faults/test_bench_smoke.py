@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "scripts" / "bench.py"
+BENCH = ROOT / "scripts" / "bench"  # run as `python scripts/bench`, the way `hangwatch bench` does
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench  # noqa: E402
+from bench import __main__ as cli  # noqa: E402
+from bench.detection import DEADLINES  # noqa: E402
+from bench.harness import summary  # noqa: E402
 
 
 def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -37,7 +39,7 @@ def test_quick_bench_writes_results_computed_from_its_runs(tmp_path):
     assert set(res["sections"]) == {"detection", "footprint"}
 
     det = res["sections"]["detection"]
-    for dl in bench.DEADLINES:
+    for dl in DEADLINES:
         rows = det["deadlines"][dl]["raw"]
         assert len(rows) == 2, rows
         for r in rows:
@@ -57,8 +59,8 @@ def test_quick_bench_writes_results_computed_from_its_runs(tmp_path):
 
     fp = res["sections"]["footprint"]
     assert "error" not in fp, fp
-    assert fp["cpu_percent"] == bench.summary(fp["cpu_percent_per_second"])
-    assert fp["rss_mib"] == bench.summary([b / 2**20 for b in fp["rss_bytes_samples"]])
+    assert fp["cpu_percent"] == summary(fp["cpu_percent_per_second"])
+    assert fp["rss_mib"] == summary([b / 2**20 for b in fp["rss_bytes_samples"]])
     assert len(fp["rss_bytes_samples"]) >= 3 and all(b > 0 for b in fp["rss_bytes_samples"])
     assert fp["heartbeat_lines_in_window"] > 0  # the eight ranks were really beating
     assert len(fp["start"]) == 2 and all(s["to_socket_ready_s"] > 0 for s in fp["start"])
@@ -73,6 +75,35 @@ def test_unknown_section_is_refused_with_the_known_ones(tmp_path):
 
 
 def test_summary_of_samples():
-    assert bench.summary([]) == {"n": 0}
-    s = bench.summary([3.0, 1.0, 2.0, None, 10.0])
+    assert summary([]) == {"n": 0}
+    s = summary([3.0, 1.0, 2.0, None, 10.0])
     assert s == {"n": 4, "min": 1.0, "median": 2.5, "p95": 10.0, "max": 10.0}
+
+
+def test_help_names_every_section_and_the_exit_status():
+    p = subprocess.run([sys.executable, str(BENCH), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for name in cli.SECTIONS:
+        assert name in p.stdout
+    assert "1 when a section raised" in p.stdout
+
+
+def test_a_section_that_raises_is_reported_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    def run_section(name, work, args, res):
+        if name == "detection":
+            raise RuntimeError("no supervisor today")
+        return {"method": "m", "ranks": 1, "hz": 1.0, "window_s": 1.0, "cpu_percent_whole_window": 1.5,
+                "cpu_percent": summary([1.0]), "rss_mib": summary([40.0]), "heartbeat_lines_in_window": 3,
+                "lines_per_s": 3.0, "torn_lines": 0, "start_to_worker_spawned_s": summary([0.1]),
+                "start_to_socket_ready_s": summary([0.2])}
+
+    monkeypatch.setattr(cli, "run_section", run_section)
+    code = cli.main(["--only", "detection,footprint", "--out", str(tmp_path), "--workdir", str(tmp_path)])
+    assert code == 1
+    res = json.loads((tmp_path / "bench-results.json").read_text())
+    assert res["sections"]["detection"]["error"] == "RuntimeError: no supervisor today"
+    assert "no supervisor today" in res["sections"]["detection"]["traceback"]
+    md = (tmp_path / "bench-results.md").read_text()
+    assert "### detection: not measured" in md
+    assert "| CPU, whole window | 1.50 % of one core |" in md  # the other section still reported
+    assert "section(s) failed: detection" in capsys.readouterr().err

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 
 from fixtures.workers import read_beats, run_worker, start_worker, wait_for_beat  # noqa: E402
-from hangwatch.common.inbox_layout import Stage, publish, queue_status  # noqa: E402
+from hangwatch.common.inbox_layout import Stage, queue_status  # noqa: E402
+from hangwatch.daemon.inbox.publish import publish  # noqa: E402
 from fixtures.continuous_support import (  # noqa: E402
     drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, read_jsonl, report, sha16,
 )

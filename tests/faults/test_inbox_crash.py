@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hangwatch.daemon.inbox import Inbox
 from hangwatch.common.inbox_layout import Stage
+from hangwatch.daemon.inbox.intake import Inbox
 
 from fixtures.inbox_support import CountingOps, jsonl, sim_intake, sim_train, validator, where, write  # noqa: E402
 

@@ -180,7 +180,7 @@ class Recorder:
     def status(self, text):
         self.calls.append(("status", text))
 
-    def watchdog(self):
+    def watchdog(self, now=None):
         self.calls.append(("watchdog",))
 
     def stopping(self):
@@ -188,17 +188,29 @@ class Recorder:
 
 
 class ScriptedControl:
-    """Sends each request once its condition holds; records the replies."""
+    """Sends each request once its condition holds; records the replies.  Like the control server, it
+    holds a pending reply (a `dump`) and asks it on every poll, sending nothing else meanwhile."""
 
     def __init__(self, script):
         self.script = list(script)
         self.replies = []
+        self.pending = None
         self.closed = False
 
     def poll(self, handler):
+        if self.pending is not None:
+            req, pending = self.pending
+            if not pending.ready(time.monotonic()):
+                return
+            self.replies.append((req, pending.reply()))
+            self.pending = None
         while self.script and self.script[0][0]():
             _, req = self.script.pop(0)
-            self.replies.append((req, handler(req)))
+            reply = handler(req)
+            if not isinstance(reply, dict):
+                self.pending = (req, reply)
+                return
+            self.replies.append((req, reply))
 
     def close(self):
         self.closed = True
@@ -213,10 +225,10 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
         def cond():
             s = box["sup"]
             tr = s.deadlines.ranks.get(0)
-            return s.attempt == attempt and s.sm.state.value == state and (tr is not None and tr.step >= min_step)
+            return s.attempt == attempt and s.lifecycle.state.value == state and (tr is not None and tr.step >= min_step)
         return cond
 
-    paused = lambda: box["sup"].sm.state.value == "paused"  # noqa: E731
+    paused = lambda: box["sup"].lifecycle.state.value == "paused"  # noqa: E731
     control = ScriptedControl([
         (at(1), {"cmd": "bogus"}),
         (at(1), {"cmd": "status"}),
@@ -268,7 +280,7 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     assert [r for q, r in control.replies if q == {"cmd": "status"}][1]["result"]["state"] == "paused"
     assert stop_reason(run_dir, 3) == "terminated"
     assert get(cmd="stop")["result"]["accepted"] == "stop"
-    assert sup.sm.state.value == "stopped" and sup.attempt == 4 and sup.restarts == 3
+    assert sup.lifecycle.state.value == "stopped" and sup.attempt == 4 and sup.facts.restarts == 3
     assert control.closed
     kinds = [c[0] for c in notifier.calls]
     assert kinds.count("ready") == 1 and kinds.count("stopping") >= 1 and kinds.count("watchdog") > 10

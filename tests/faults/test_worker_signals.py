@@ -30,7 +30,7 @@ def test_usr1_dumps_and_training_continues_then_second_sigterm_exits_at_once(tmp
         os.kill(p.pid, signal.SIGUSR1)
         step = wait_for_beat(run, 1, lambda b: b["event"] == "step" and b["step"] >= 2, p)
         dump = open(start["dump_path"]).read()
-        assert "Current thread" in dump and "daemon/train.py" in dump and "in train_step" in dump
+        assert "Current thread" in dump and "daemon/trainer/loop.py" in dump and "in train_step" in dump
         assert step["loss"] > 0
 
         os.kill(p.pid, signal.SIGTERM)

@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hangwatch.daemon.inbox import Inbox
-from hangwatch.common.inbox_layout import (
-    IllegalTransition,
-    Stage,
-    data_files,
-    move,
-    publish,
-    queue_order,
-    queue_status,
-    validate_only,
-)
+from hangwatch.common.inbox_layout import Stage, data_files, move, queue_order, queue_status
+from hangwatch.common.transitions import IllegalTransition
+from hangwatch.daemon.inbox.assess import validate_only
+from hangwatch.daemon.inbox.intake import Inbox
+from hangwatch.daemon.inbox.publish import publish
 
 from fixtures.inbox_support import jsonl, validator, write  # noqa: E402
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hangwatch.daemon.inbox import ContinuousSource, Inbox, PositionError
 from hangwatch.common.inbox_layout import Stage, data_files, queue_status
+from hangwatch.daemon.inbox.intake import Inbox
+from hangwatch.daemon.inbox.position import PositionError
+from hangwatch.daemon.inbox.source import ContinuousSource
 
 from fixtures.inbox_support import jsonl, validator, write  # noqa: E402
 

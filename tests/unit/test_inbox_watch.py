@@ -6,8 +6,9 @@ import sys
 import threading
 from pathlib import Path
 
-from hangwatch.daemon.inbox import Inbox
-from hangwatch.common.inbox_layout import Stage, data_files, publish
+from hangwatch.common.inbox_layout import Stage, data_files
+from hangwatch.daemon.inbox.intake import Inbox
+from hangwatch.daemon.inbox.publish import publish
 
 from fixtures.inbox_support import jsonl, queued_names, validator, write  # noqa: E402
 

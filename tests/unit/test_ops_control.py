@@ -1,5 +1,6 @@
 """The control socket server and client against real Unix sockets: bad input, many and silent
-clients, slow readers, permissions (mode, SO_PEERCRED from another uid), stale and live sockets."""
+clients, slow readers, replies answered in a later pass (`Pending`), permissions (mode, SO_PEERCRED
+from another uid), stale and live sockets."""
 from __future__ import annotations
 
 import grp
@@ -15,8 +16,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import structlog
 
 from fixtures.polled_server import PolledServer
+from fixtures.sup_harness import wait_for
 from hangwatch.supervisor.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
 from hangwatch.supervisor.control import (
     SOCKET_PATH_FILE,
@@ -185,13 +188,203 @@ def test_pipelined_requests_are_answered_in_order(sup):
 def test_a_client_that_does_not_read_its_big_reply_blocks_nobody(sup):
     slow = raw(sup.path)
     slow.sendall(b'{"cmd": "big"}\n')
-    time.sleep(0.3)  # the server has answered into its buffer; the socket buffer is full
+    # The server has answered, and what the full socket buffer could not take waits in the server's.
+    wait_for(lambda: sup.server.unsent_bytes() > 0, 10, "the big reply to back up in the server")
     c = Client(sup.path, timeout=5)
     for _ in range(5):
         assert c.call("status")["state"] == "running"
     reply = read_replies(slow, 1)[0]  # now read it all: nothing was lost
     assert reply["ok"] is True and len(reply["result"]) == 4 * 1024 * 1024
     slow.close()
+
+
+# ---- replies answered in a later pass (Pending) -------------------------------------------------
+# Driven from the test's own thread with a fake clock, as the supervisor loop drives it: every
+# `poll()` is one loop pass, and nothing happens between passes.
+
+
+class Later:
+    """A `dump`-like reply: ready once the server's clock reaches `at`."""
+
+    def __init__(self, at: float, result: object = "dumped"):
+        self.at, self.result, self.asked = at, result, 0
+
+    def ready(self, now: float) -> bool:
+        self.asked += 1
+        return now >= self.at
+
+    def reply(self) -> dict:
+        return {"ok": True, "result": self.result}
+
+
+class Peer:
+    """A client socket read without blocking, so the test thread can poll the server in between."""
+
+    def __init__(self, path: Path):
+        self.sock = raw(path)
+        self.sock.setblocking(False)  # requests are small: sendall never waits
+        self.buf = b""
+        self.closed = False
+
+    def send(self, *requests: dict) -> None:
+        self.sock.sendall(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+
+    def replies(self) -> list[dict]:
+        while not self.closed:
+            try:
+                chunk = self.sock.recv(65536)
+            except BlockingIOError:
+                break
+            except ConnectionResetError:
+                chunk = b""
+            self.closed = not chunk
+            self.buf += chunk
+        return [json.loads(line) for line in self.buf.split(b"\n")[:-1]]
+
+    def hung_up(self) -> bool:
+        self.replies()
+        return self.closed
+
+
+class Deferred:
+    """A ControlServer on a fake clock whose handler answers `dump` with a Pending made by `later`."""
+
+    def __init__(self, path: Path, **kw):
+        self.now = 1000.0
+        self.server = ControlServer(path, clock=lambda: self.now, **kw)
+        self.path = path
+        self.seen: list[str] = []
+        self.later = Later(self.now + 5)
+
+    def handler(self, req: dict):
+        self.seen.append(req["cmd"])
+        if req["cmd"] == "dump":
+            return self.later
+        return {"ok": True, "result": req["cmd"]}
+
+    def passes(self, n: int = 3) -> None:
+        for _ in range(n):
+            self.server.poll(self.handler)
+
+    def poll_until(self, cond, what: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.server.poll(self.handler)
+            if cond():
+                return
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def deferred(tmp_path):
+    d = Deferred(tmp_path / "hw.sock")
+    yield d
+    d.server.close()
+
+
+def test_a_pending_reply_is_sent_in_the_first_pass_that_finds_it_ready(deferred):
+    waiting = Peer(deferred.path)
+    waiting.send({"cmd": "dump"})
+    deferred.poll_until(lambda: deferred.seen == ["dump"], "the dump request")
+    asked = deferred.later.asked
+    deferred.passes(3)
+    assert waiting.replies() == [] and deferred.later.asked == asked + 3  # asked again on every poll
+    other = Peer(deferred.path)  # meanwhile others are served
+    other.send({"cmd": "status"})
+    deferred.poll_until(lambda: other.replies() == [{"ok": True, "result": "status"}], "the status reply")
+    assert waiting.replies() == []
+    deferred.now += 5
+    deferred.passes(1)  # one pass: the reply is ready and written
+    assert waiting.replies() == [{"ok": True, "result": "dumped"}]
+
+
+def test_lines_behind_a_pending_reply_wait_for_it_and_keep_their_order(deferred):
+    peer = Peer(deferred.path)
+    peer.send({"cmd": "dump"}, {"cmd": "status"}, {"cmd": "pause"})
+    deferred.poll_until(lambda: deferred.seen == ["dump"], "the dump request")
+    deferred.passes(3)
+    assert deferred.seen == ["dump"] and peer.replies() == []  # the others were not even handled yet
+    deferred.now += 5
+    deferred.poll_until(lambda: len(peer.replies()) == 3, "three replies")
+    assert [r["result"] for r in peer.replies()] == ["dumped", "status", "pause"]
+    assert deferred.seen == ["dump", "status", "pause"]
+
+
+def test_end_of_input_after_a_pending_request_still_gets_the_reply(deferred):
+    peer = Peer(deferred.path)
+    peer.send({"cmd": "dump"})
+    peer.sock.shutdown(socket.SHUT_WR)  # `printf '{"cmd":"dump"}' | nc -U`
+    deferred.poll_until(lambda: deferred.seen == ["dump"], "the dump request")
+    deferred.passes(3)
+    assert peer.replies() == [] and not peer.hung_up()
+    deferred.now += 5
+    deferred.poll_until(peer.hung_up, "the server to hang up after the reply")
+    assert peer.replies() == [{"ok": True, "result": "dumped"}]
+    assert deferred.server.connected == 0
+
+
+def test_a_client_gone_while_waiting_is_dropped_cleanly(deferred):
+    peer = Peer(deferred.path)
+    peer.send({"cmd": "dump"})
+    deferred.poll_until(lambda: deferred.seen == ["dump"], "the dump request")
+    peer.sock.close()
+    deferred.now += 5
+    with structlog.testing.capture_logs() as logged:
+        deferred.poll_until(lambda: deferred.server.connected == 0, "the gone client to be dropped")
+    assert [e for e in logged if e["log_level"] in ("warning", "error")] == []
+    other = Peer(deferred.path)
+    other.send({"cmd": "status"})
+    deferred.poll_until(lambda: other.replies() == [{"ok": True, "result": "status"}], "the next client's reply")
+
+
+def test_the_idle_timeout_bounds_the_wait(tmp_path):
+    d = Deferred(tmp_path / "hw.sock", idle_timeout_s=30)
+    d.later = Later(float("inf"))  # never ready
+    try:
+        peer = Peer(d.path)
+        peer.send({"cmd": "dump"})
+        d.poll_until(lambda: d.seen == ["dump"], "the dump request")
+        d.now += 29
+        d.passes(3)
+        assert d.server.connected == 1 and not peer.replies() and not peer.hung_up()
+        d.now += 2
+        with structlog.testing.capture_logs() as logged:
+            d.passes(1)
+        assert d.server.connected == 0
+        assert peer.replies() == [] and peer.hung_up()
+        assert [(e["event"], e["waiting_for"]) for e in logged] == [("control client timed out", "dump")]
+    finally:
+        d.server.close()
+
+
+class Broken(Later):
+    def __init__(self, where: str):
+        super().__init__(0)
+        self.where = where
+
+    def ready(self, now):
+        if self.where == "ready":
+            raise RuntimeError("ready bug")
+        return True
+
+    def reply(self):
+        if self.where == "reply":
+            raise RuntimeError("reply bug")
+        return ["not", "a", "reply"]
+
+
+@pytest.mark.parametrize("where, error", [
+    ("ready", "internal error while handling 'dump': RuntimeError: ready bug"),
+    ("reply", "internal error while handling 'dump': RuntimeError: reply bug"),
+    ("shape", "internal error: handler returned list, not a reply"),
+])
+def test_a_broken_pending_reply_is_an_error_reply_not_a_crash(deferred, where, error):
+    deferred.later = Broken(where)
+    peer = Peer(deferred.path)
+    peer.send({"cmd": "dump"}, {"cmd": "status"})
+    with structlog.testing.capture_logs():
+        deferred.poll_until(lambda: len(peer.replies()) == 2, "both replies")
+    assert peer.replies() == [{"ok": False, "error": error}, {"ok": True, "result": "status"}]
 
 
 # ---- permissions ------------------------------------------------------------------------------
@@ -427,3 +620,45 @@ def test_client_errors_are_one_clear_line(tmp_path):
             Client(path, timeout=0.5).call("status")
     finally:
         mute.close()
+
+
+# ---- one conversation, without a socket ---------------------------------------------------------
+
+
+def _talk(chunks: list[bytes], limit: int = 64) -> tuple[list[dict], list[str], bool]:
+    """Feed `chunks` (b"": end of input) to a Conversation; (replies, commands handled, hung up)."""
+    from hangwatch.supervisor.control.conversation import Conversation
+
+    handled: list[str] = []
+
+    def handler(req):
+        handled.append(req["cmd"])
+        return {"ok": True, "result": req["cmd"]}
+
+    conv = Conversation(peer=PeerCred(pid=1, uid=0, gid=0), max_request_bytes=limit)
+    for chunk in chunks:
+        conv.received(chunk)
+        conv.process(handler)
+    replies = [json.loads(line) for line in bytes(conv.outbuf).split(b"\n")[:-1]]
+    return replies, handled, conv.hangup
+
+
+CONVERSATIONS = [
+    # chunks, results (or errors), commands handled, hung up
+    ([b'{"cmd":"a"}\n{"cmd":"b"}\n'], ["a", "b"], ["a", "b"], False),
+    ([b'{"cmd":', b'"a"}', b"\n"], ["a"], ["a"], False),  # a line split across reads
+    ([b'{"cmd":"a"}', b""], ["a"], ["a"], True),  # end of input ends the last line
+    ([b"\n  \n", b'{"cmd":"a"}\n'], ["a"], ["a"], False),  # blank lines are not requests
+    ([b'{"cmd":"a","pad":"' + b"x" * 80 + b'"}\n{"cmd":"b"}\n'],
+     ["request larger than 64 bytes; closing connection"], [], True),
+    ([b"x" * 65], ["request larger than 64 bytes; closing connection"], [], True),  # no newline yet, already too long
+    ([b"x" * 65, b'{"cmd":"b"}\n'], ["request larger than 64 bytes; closing connection"], [], True),  # the rest is dropped
+    ([b'{"cmd":"a"}\n', b"", b'{"cmd":"b"}\n'], ["a"], ["a"], True),  # nothing after end of input
+]
+
+
+@pytest.mark.parametrize("chunks, results, handled, hung_up", CONVERSATIONS, ids=[f"c{i}" for i in range(len(CONVERSATIONS))])
+def test_conversation_framing(chunks, results, handled, hung_up):
+    replies, seen, hangup = _talk(chunks)
+    assert [r.get("result", r.get("error")) for r in replies] == results
+    assert (seen, hangup) == (handled, hung_up)

@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
-import psutil
 import pytest
 
+from fixtures.fake_supervisor import FakeProcessTable
+from hangwatch.common.rundir import tail_text
 from hangwatch.supervisor import process
-from hangwatch.supervisor.escalation import TreeKiller
-from hangwatch.supervisor.incidents import (IncidentStore, classify_exit, classify_stall, parse_faulthandler, stuck_frame,
-                                  tail_text)
+from hangwatch.supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
+from hangwatch.supervisor.incidents import (IncidentStore, call_chain, classify_exit, classify_stall, fatal_error, frame_str,
+                                            parse_faulthandler, stuck_frame)
 
 DUMP_M = """\
 Thread 0x00007f0000000001 (most recent call first):
@@ -67,6 +65,25 @@ def test_a_dump_without_frames_gives_no_frame():
 
 
 @pytest.mark.parametrize(
+    "functions, chain",
+    [
+        (["__call__", "generate", "generate", "eval_step", "run", "<module>"], "generate() ← eval_step() ← run()"),
+        (["inner"], ""),
+        (["inner", "<listcomp>", "f"], "f()"),
+    ],
+)
+def test_call_chain_names_the_callers_innermost_first(functions, chain):
+    stack = [{"file": "x.py", "line": i, "function": fn} for i, fn in enumerate(functions)]
+    assert call_chain(stack) == chain
+
+
+def test_fatal_error_and_frame_str():
+    segv = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n  File \"m.py\", line 3 in f\n"
+    assert fatal_error(segv) == "Segmentation fault" and fatal_error(DUMP_M) is None
+    assert frame_str(stuck_frame(segv)[0]) == "f (m.py:3)" and frame_str(None) == "unknown"
+
+
+@pytest.mark.parametrize(
     "procs, needle",
     [
         ([{"state": "R", "cpu_percent": 99.0}], "busy loop in Python (CPU 99%)"),
@@ -114,6 +131,19 @@ def test_incident_store_numbers_lists_and_fetches(tmp_path):
         store.create("meltdown")
     (tmp_path / "incidents" / "0003-stall").mkdir()  # a directory whose incident.json never got written
     assert store.list()[-1]["summary"] == "incident.json missing or unreadable"
+    assert store.create("oom").id == "0004"  # the next number, past the directory without a record
+
+
+def test_evidence_files_are_listed_in_the_record(tmp_path):
+    inc = IncidentStore(tmp_path).create("stall", attempt=1)
+    inc.add_file("stack-rank0.txt", "Thread 0x1 ...\n")
+    inc.add_file("raw.bin", b"\x00\x01")
+    inc.add_file("stack-rank0.txt", "Thread 0x1 again\n")
+    inc.write()
+    record = json.loads((inc.dir / "incident.json").read_text())
+    assert record["files"] == ["stack-rank0.txt", "raw.bin"]
+    assert (inc.dir / "stack-rank0.txt").read_text() == "Thread 0x1 again\n" and (inc.dir / "raw.bin").read_bytes() == b"\x00\x01"
+    assert [p.name for p in inc.dir.iterdir() if p.name.startswith(".tmp-")] == []
 
 
 def test_tail_text_keeps_the_end(tmp_path):
@@ -123,54 +153,103 @@ def test_tail_text_keeps_the_end(tmp_path):
     assert tail_text(tmp_path / "missing") == ""
 
 
-def test_tree_killer_waits_for_the_gpu_memory_of_the_dead_to_be_freed():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    worker = process.Worker(pid=child.pid, create_time=psutil.Process(child.pid).create_time(), argv=[], log_path=None,
-                            started_at=0.0)
-    holding = [{child.pid}, {child.pid}, set()]  # NVML still lists the dead pid twice, then not
+# ------------------------------------------------------------------------ escalation, on a fake process table
 
-    def reap():
-        status = process.reap(child.pid)
-        if status is not None:
-            worker.exit_code, worker.exit_signal = process.decode_status(status)
-            worker.exited_at = time.monotonic()
-            child.returncode = -1
 
-    killer = TreeKiller(worker, [], term_grace_s=5, gpu_release_timeout_s=30, reap=reap,
-                        gpu_pids=lambda: holding.pop(0) if len(holding) > 1 else holding[0])
+def _killer(table, worker, **kw):
+    kw = {"term_grace_s": 1, "gpu_release_timeout_s": 30, "kill_wait_s": 5, **kw}
+    return TreeKiller(worker, [], table=table, **kw)
+
+
+def _fake_worker(table, **proc):
+    p = table.add(**proc)
+    return p, process.Worker(pid=p.pid, create_time=p.create_time, argv=[], log_path=None, started_at=0.0)
+
+
+def _drive(table, killer, worker, limit=20.0, step=0.1):
+    """What the loop does each pass: reap (the one place exits are observed), then advance the killer."""
     t = 0.0
     killer.begin(t)
-    while not killer.advance(t):
-        t += 0.1
-        time.sleep(0.02)
-        assert t < 20
-    assert worker.exit_signal == signal.SIGTERM
+    while True:
+        status = table.reap(worker.pid)
+        if status is not None:
+            worker.record_exit(status, t)
+        if killer.advance(t):
+            return t
+        t = round(t + step, 3)
+        assert t < limit
+
+
+def test_tree_killer_waits_for_the_gpu_memory_of_the_dead_to_be_freed():
+    table = FakeProcessTable()
+    p, worker = _fake_worker(table, term="die")
+    holding = [{p.pid}, {p.pid}, set()]  # NVML still lists the dead pid twice, then not
+    killer = _killer(table, worker, gpu_pids=lambda: holding.pop(0) if len(holding) > 1 else holding[0])
+    _drive(table, killer, worker)
+    assert table.signals() == ["-SIGTERM"] and worker.exit_signal == signal.SIGTERM
     assert killer.gpu_release["checked"] and killer.gpu_release["released"] and killer.gpu_release["waited_s"] > 0
     assert killer.kill_at is None  # SIGTERM was enough
 
 
 def test_tree_killer_gives_up_waiting_for_gpu_memory_after_its_bound():
-    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                              "print('ready', flush=True); time.sleep(60)"], start_new_session=True, stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "ready"  # SIG_IGN is in place: only SIGKILL can end it
-    worker = process.Worker(pid=child.pid, create_time=psutil.Process(child.pid).create_time(), argv=[], log_path=None,
-                            started_at=0.0)
-
-    def reap():
-        status = process.reap(child.pid)
-        if status is not None:
-            worker.exit_code, worker.exit_signal = process.decode_status(status)
-            worker.exited_at = 0.0
-            child.returncode = -1
-
-    killer = TreeKiller(worker, [], term_grace_s=1, gpu_release_timeout_s=2, reap=reap, gpu_pids=lambda: {child.pid})
-    t = 0.0
-    killer.begin(t)
-    while not killer.advance(t):
-        t += 0.1
-        time.sleep(0.01)
-        assert t < 30
-    assert worker.exit_signal == signal.SIGKILL and killer.kill_at is not None  # SIGTERM ignored → SIGKILL after grace
+    table = FakeProcessTable()
+    p, worker = _fake_worker(table, term="ignore")
+    killer = _killer(table, worker, gpu_release_timeout_s=2, gpu_pids=lambda: {p.pid})
+    _drive(table, killer, worker, limit=30)
+    assert worker.exit_signal == signal.SIGKILL and killer.kill_at == pytest.approx(1.0)  # SIGTERM ignored → SIGKILL after grace
+    assert table.signals() == ["-SIGTERM", "-SIGKILL"]
     assert killer.gpu_release == {"checked": True, "released": False, "waited_s": pytest.approx(2.0, abs=0.15),
-                                  "pids_still_holding": [child.pid]}
+                                  "pids_still_holding": [p.pid]}
     assert json.dumps(killer.timings())
+
+
+def test_tree_killer_never_calls_an_exit_gone_before_the_loop_reaped_it():
+    table = FakeProcessTable()
+    p, worker = _fake_worker(table, term="die")
+    killer = _killer(table, worker)
+    killer.begin(0.0)
+    assert not p.alive
+    for t in (0.1, 0.2, 5.0):  # dead, but not reaped by the loop yet: the killer waits for that fact
+        assert not killer.advance(t)
+    worker.record_exit(table.reap(p.pid), 5.0)
+    assert killer.advance(5.1) and killer.gone_at == 5.1
+
+
+def test_a_child_that_left_the_group_gets_its_own_sigkill_and_survivors_are_recorded():
+    table = FakeProcessTable()
+    p, worker = _fake_worker(table, term="die")
+    escaped = table.add(ppid=p.pid, term="ignore", survives_kill=True)  # setsid, then stuck in state D
+    killer = _killer(table, worker, kill_wait_s=3)
+    t = _drive(table, killer, worker)
+    assert table.signals() == ["-SIGTERM", "-SIGKILL", "SIGKILL"] and table.sent[-1][0] == escaped.pid
+    assert killer.killed == [escaped.pid] and [s["pid"] for s in killer.survivors] == [escaped.pid]
+    assert t == pytest.approx(1.0 + 3.0, abs=0.11)  # term grace, then kill_wait_s: recorded, not waited on for ever
+
+
+def test_dump_collector_signals_announced_targets_and_keeps_only_what_was_appended(tmp_path):
+    table = FakeProcessTable()
+    a, b = table.add(), table.add()
+    a.dump_path, b.dump_path = tmp_path / "stack-rank0.txt", tmp_path / "stack-rank1.txt"
+    a.dump_path.write_text("an old dump\n")
+    targets = [DumpTarget(0, process.ProcRef(a.pid, a.create_time), a.dump_path),
+               DumpTarget(1, process.ProcRef(b.pid, b.create_time), b.dump_path)]
+    dc = DumpCollector(targets, grace_s=5, table=table, py_spy=False)
+    dc.begin(0.0)
+    assert table.sent == [(a.pid, signal.SIGUSR1), (b.pid, signal.SIGUSR1)] and dc.signalled == {0: True, 1: True}
+    t = 0.0
+    while not dc.advance(t):
+        t = round(t + 0.1, 3)
+    assert t == pytest.approx(0.3)  # unchanged for SETTLE_S after both grew
+    texts = dc.texts()
+    assert "an old dump" not in texts[0] and "block_in_c" in texts[0] and "block_in_c" in texts[1]
+
+
+def test_dump_collector_is_bounded_when_a_rank_never_writes(tmp_path):
+    table = FakeProcessTable()
+    mute = table.add()  # announced a dump file, but its handler writes elsewhere (or never)
+    dc = DumpCollector([DumpTarget(0, process.ProcRef(mute.pid, mute.create_time), tmp_path / "none.txt")],
+                       grace_s=2, table=table, py_spy=False)
+    mute.dump_path = tmp_path / "elsewhere.txt"
+    dc.begin(0.0)
+    assert not dc.advance(1.9) and dc.advance(2.0)
+    assert dc.texts() == {0: ""} and dc.py_spy_note == "disabled (watchdog.py_spy: false)"

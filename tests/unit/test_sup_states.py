@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from hangwatch.common import transitions as common_transitions
 from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.policy import RestartPolicy
 from hangwatch.supervisor.states import FINAL, TRANSITIONS, IllegalTransition, State, StateMachine
@@ -44,6 +45,7 @@ def test_illegal_transitions_raise(path, bad):
         sm.transition(bad, "because")
     assert sm.state is before
     assert f"{before.value} → {bad.value}" in str(err.value) and "because" in str(err.value)
+    assert isinstance(err.value, common_transitions.IllegalTransition)  # the project's one, shared with the inbox
 
 
 def cfg(**kw):

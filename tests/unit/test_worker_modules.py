@@ -10,9 +10,11 @@ from safetensors.torch import load_file
 from fixtures.workers import make_config, run_in_process
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.faults import FaultPlan
-from hangwatch.daemon.model import load_final, load_model
+from hangwatch.daemon.export import load_final
+from hangwatch.daemon.heartbeat import NullHeartbeat
+from hangwatch.daemon.model import load_model
 from hangwatch.daemon.signals import StopRequest
-from hangwatch.daemon.train import NullHeartbeat, Trainer
+from hangwatch.daemon.trainer.loop import Trainer
 from hangwatch.common.config import load_config
 
 

@@ -1,5 +1,6 @@
 """The worker's continuous mode (`data.inbox: true`): the inbox and its ContinuousSource behind the
-trainer's data-source interface, and the `idle` phase while there is nothing to train.
+trainer's data-source interface (`ContinuousDataSource`), and the `idle` phase while there is
+nothing to train.
 
     feed = InboxFeed.open(cfg, hb, stop, validator)   # watches inbox/; what arrived while down is listed
     trainer = Trainer(cfg, hb, run_dir, bundle, feed, ...)
@@ -16,7 +17,7 @@ records file names; it never beats, so a hung training thread is still caught.
 Waiting for data.  When no new example is available the worker is in phase `idle`: it beats
 `progress` at least once a second (the supervisor applies no step deadline there, the silence
 deadline still holds), takes arrivals as they come, each intake in phase `intake` (budget
-`watchdog.phase_budgets_s.intake`, default 600 s), and is back in `train` as soon as a file is
+`watchdog.phase_budgets_s.intake`), and is back in `train` as soon as a file is
 queued.
 
 A step that cannot be filled (the queue ran dry part-way) waits in `idle` for the next file, so
@@ -32,18 +33,25 @@ they are for the next run in the same run dir.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from hangwatch.daemon.inbox import ContinuousSource, Inbox, IntakeResult, PositionError
-from hangwatch.common.inbox_layout import Validator
 from hangwatch.common.config import ConfigError
+from hangwatch.daemon.inbox.assess import Validator
+from hangwatch.daemon.inbox.intake import Inbox, IntakeResult
+from hangwatch.daemon.inbox.position import PositionError
+from hangwatch.daemon.inbox.source import ContinuousSource
 
-DEFAULT_INTAKE_BUDGET_S = 600.0
 BEAT_EVERY_S = 1.0
 MAX_PROBLEMS_IN_BEAT = 5
+
+
+def printer(out: TextIO) -> Callable[[str], None]:
+    """A log function: one line to `out`, flushed (the worker's stdout is its log file)."""
+    return functools.partial(print, file=out, flush=True)
 
 
 class WorkerInbox(Inbox):
@@ -55,10 +63,6 @@ class WorkerInbox(Inbox):
         self.budget_s = budget_s
         self.log = log
         self.intakes = 0  # files taken in (queued or rejected): any of them is activity, not idleness
-
-    def arriving(self) -> int:
-        """Files seen in inbox/ and not yet taken in (still being written, or settling)."""
-        return len(self._pending)
 
     def intake(self, name: str) -> Optional[IntakeResult]:
         with self.hb.phase("intake", budget_s=self.budget_s, file=name):
@@ -82,7 +86,8 @@ class WorkerInbox(Inbox):
 
 
 class InboxFeed:
-    """`daemon.data.DataSource` over the inbox, plus `take_step` (which may wait) and `commit`."""
+    """`daemon.data.ContinuousDataSource` over the inbox: `take_step` may wait for data, `commit`
+    records what a committed checkpoint covers, `close` stops the watcher thread."""
 
     def __init__(self, source: ContinuousSource, inbox: WorkerInbox, hb, stop, *, idle_exit_s: Optional[float],
                  clock: Callable[[], float] = time.monotonic, beat_every_s: float = BEAT_EVERY_S,
@@ -94,18 +99,14 @@ class InboxFeed:
         self.idle_exit_s = idle_exit_s
         self._clock = clock
         self._beat_every_s = beat_every_s
-        self._out = out
+        self.log = printer(out)
 
     @classmethod
     def open(cls, cfg, hb, stop, validator: Validator, **kw: Any) -> "InboxFeed":
         """Start watching `<run_dir>/inbox/`; files already there are taken in by the first `take_step`."""
-        out = kw.get("out", sys.stdout)
-
-        def log(line: str) -> None:
-            print(line, file=out, flush=True)
-
-        budget = cfg.watchdog.phase_budgets_s.get("intake", DEFAULT_INTAKE_BUDGET_S)
-        inbox = WorkerInbox.from_config(cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget, log=log)
+        budget = cfg.watchdog.phase_budgets_s.get("intake")
+        inbox = WorkerInbox.from_config(cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget,
+                                        log=printer(kw.get("out", sys.stdout)))
         source = ContinuousSource.from_config(cfg.run_dir, validator, cfg)
         feed = cls(source, inbox, hb, stop, idle_exit_s=cfg.data.idle_exit_s, **kw)
         inbox.start()
@@ -114,17 +115,13 @@ class InboxFeed:
     def close(self) -> None:
         self.inbox.stop()
 
-    def log(self, line: str) -> None:
-        print(line, file=self._out, flush=True)
-
-    # ---- DataSource ----------------------------------------------------------------------
+    # ---- ContinuousDataSource ------------------------------------------------------------
 
     def position(self) -> dict:
         return self.source.position()
 
     def progress(self) -> dict:
-        p = self.source.progress()
-        return {"file": p["file"], "index": p["index"], "total": p["total"], "replays": p["replays"]}
+        return self.source.progress()
 
     def restore(self, position: Optional[dict], step: Optional[int] = None) -> None:
         try:
@@ -133,10 +130,7 @@ class InboxFeed:
             raise ConfigError([
                 f"data.inbox: the checkpoint being resumed does not hold a continuous-mode data position ({exc}); "
                 "it was made by a run with data.inbox: false — use a new run_dir"]) from None
-        self.source.warnings.clear()
-        for w in summary["warnings"]:
-            self.hb.warn(f"inbox: {w}")
-            self.log(f"inbox: {w}")
+        self._pass_on_warnings()
         changes = {k: summary[k] for k in ("ledger_trimmed", "ledger_added", "replay_trimmed", "replay_added")
                    if summary[k]}
         if changes or summary["completed"] or summary["reopened"]:

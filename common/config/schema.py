@@ -1,22 +1,18 @@
-"""The configuration schema: one declarative record per setting.
+"""The configuration schema: one declarative record per setting (type, default, bounds, doc).
 
-Every key is a pydantic field carrying its type, default, validation and doc.  The same schema
-validates YAML files (unknown keys fail with a "did you mean"), renders the README's configuration
-reference (`reference_markdown`) and the CLI's `--help` epilogue.  Relative paths in a config file
-are resolved against the directory of that file, so a config behaves the same whatever the
-working directory (systemd runs from its StateDirectory).
+Every key is a pydantic field, and every default that shapes behaviour lives in a record here, with
+its doc: nothing in the worker or the supervisor carries a number of its own that a user would want
+to know (kill wait, exit-after-stop, the `intake` and `load` phase budgets, ...).  `load.py` validates
+YAML against these records; `reference.py` renders them for the README and `hangwatch run --help`.
 
-This module imports neither torch nor anything heavy: the supervisor and the worker both use it.
+Only pydantic here: the supervisor and the worker both import it.
 """
 from __future__ import annotations
 
-import difflib
-import os
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FAULT_KINDS = (
     "hang_generate",  # generate() never returns
@@ -52,6 +48,9 @@ class WorkerCfg(Section):
         return v
 
 
+DEFAULT_PHASE_BUDGETS_S = {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600}
+
+
 class WatchdogCfg(Section):
     startup_timeout_s: float = Field(300, gt=0, description="Spawn → first `start` heartbeat.")
     silence_timeout_s: float = Field(120, gt=0, description="No heartbeat line at all (progress lines count).")
@@ -64,9 +63,10 @@ class WatchdogCfg(Section):
     step_timeout_min_s: float = Field(10, gt=0, description="Lower clamp of the calibrated step deadline.")
     step_timeout_max_s: float = Field(1800, gt=0, description="Upper clamp of the calibrated step deadline.")
     phase_budgets_s: dict[str, float] = Field(
-        default_factory=lambda: {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600},
-        description="Most time a phase may take, by name; a `budget_s` on the phase line wins. "
-        "`load` (model loading) defaults to `startup_timeout_s`; `intake` is continuous mode's validation of one file.",
+        default_factory=lambda: dict(DEFAULT_PHASE_BUDGETS_S),
+        description="Most time a phase may take, by name; a `budget_s` on the phase line wins. Your entries are "
+        "merged over the defaults (null removes one). `load` (model loading) defaults to `startup_timeout_s`; "
+        "`intake` is continuous mode's validation of one file.",
     )
     default_phase_budget_s: Optional[float] = Field(
         None, gt=0, description="Budget of phases not named above (null: none; `train` is governed by the step deadline)."
@@ -81,6 +81,15 @@ class WatchdogCfg(Section):
     py_spy: bool = Field(True, description="Run `py-spy dump --native --locals` on a stall when py-spy is installed.")
     py_spy_timeout_s: float = Field(20, gt=0, description="Time box for one py-spy dump.")
     poll_interval_s: float = Field(0.25, gt=0, le=5, description="Supervisor loop period (deadline checks between file events).")
+
+    @field_validator("phase_budgets_s", mode="before")
+    @classmethod
+    def _merge_phase_budgets(cls, value):
+        # A user who sets one budget keeps the others: `{eval: 60}` must not silently drop `generate`.
+        if not isinstance(value, dict):
+            return value
+        merged = {**DEFAULT_PHASE_BUDGETS_S, **value}
+        return {k: v for k, v in merged.items() if v is not None}
 
     @model_validator(mode="after")
     def _clamp_order(self):
@@ -244,227 +253,3 @@ class Config(Section):
             raise ValueError("data.train and data.inbox: true exclude each other: in continuous mode every training "
                              "file comes through the inbox (`hangwatch submit FILE`); drop data.train")
         return self
-
-
-class ConfigError(Exception):
-    """A config that cannot be used. `problems` lists one human-readable line per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
-def _line_index(text: str) -> dict[tuple, int]:
-    """Map each key path of a YAML document to its 1-based line, for error messages."""
-    index: dict[tuple, int] = {}
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return index
-
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = (*path, k.value)
-                index[key] = k.start_mark.line + 1
-                walk(v, key)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                index[(*path, i)] = item.start_mark.line + 1
-                walk(item, (*path, i))
-
-    if root is not None:
-        walk(root, ())
-    return index
-
-
-def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
-    """The schema section a key path points into (for "did you mean")."""
-    model: Any = Config
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        fields = getattr(model, "model_fields", None)
-        if not fields or part not in fields:
-            return None
-        ann = fields[part].annotation
-        model = _first_model(ann)
-        if model is None:
-            return None
-    return model
-
-
-def _first_model(ann) -> Optional[type[BaseModel]]:
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in getattr(ann, "__args__", ()) or ():
-        found = _first_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int]) -> list[str]:
-    problems = []
-    errors = err.errors()
-
-    def strip(raw):
-        # Union members appear in the location as tags ("str", "EvalPrompt"); users never wrote those.
-        return tuple(p for p in raw if not (isinstance(p, str) and (p[:1].isupper() or p in ("str", "list[str]"))))
-
-    locs = [strip(e["loc"]) for e in errors]
-    for e, loc in zip(errors, locs):
-        if e["type"] == "string_type" and any(o != loc and o[: len(loc)] == loc for o in locs):
-            continue  # the other union member's error says more
-        dotted = ".".join(str(p) for p in loc) or "(top level)"
-        line = None
-        probe = loc
-        while probe and line is None:
-            line = lines.get(probe)
-            probe = probe[:-1]
-        where = f"{source}:{line}" if line else source
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            hint = ""
-            if parent is not None:
-                close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1, cutoff=0.6)
-                if close:
-                    hint = f" (did you mean '{close[0]}'?)"
-                else:
-                    hint = f" (known keys: {', '.join(parent.model_fields)})"
-            problems.append(f"{where}: {dotted}: unknown key{hint}")
-        else:
-            got = e.get("input")
-            got_s = "" if isinstance(got, (dict, list)) else f", got {got!r}"
-            msg = e["msg"]
-            if msg.startswith("Value error, "):
-                msg = msg[len("Value error, "):]
-            problems.append(f"{where}: {dotted}: {msg}{got_s}")
-    return problems
-
-
-def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] = None) -> Config:
-    """Validate YAML text. Raises ConfigError with one line per problem."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError([f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError([f"{source}: expected a mapping of settings at the top level, got {type(data).__name__}"])
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err, source, _line_index(text))) from None
-    if base_dir is not None:
-        cfg = resolve_paths(cfg, base_dir)
-    return cfg
-
-
-def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None) -> Config:
-    """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError([f"{p}: no such config file"]) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{p}: cannot read config: {exc}"]) from None
-    cfg = parse_config(text, str(p), p.resolve().parent)
-    if run_dir is not None:
-        cfg.run_dir = str(Path(run_dir).expanduser().resolve())
-    cfg._source = p.resolve()
-    return cfg
-
-
-def _resolve(base: Path, value: Optional[str]) -> Optional[str]:
-    if value is None:
-        return None
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def resolve_paths(cfg: Config, base: Path) -> Config:
-    cfg.run_dir = _resolve(base, cfg.run_dir)
-    cfg.data.train = _resolve(base, cfg.data.train)
-    cfg.data.eval = _resolve(base, cfg.data.eval)
-    cfg.control.socket = _resolve(base, cfg.control.socket)
-    cfg.worker.cwd = _resolve(base, cfg.worker.cwd) or str(base)
-    if cfg.model.name_or_path and (base / cfg.model.name_or_path).exists():
-        cfg.model.name_or_path = _resolve(base, cfg.model.name_or_path)
-    return cfg
-
-
-def dump_config(cfg: Config) -> str:
-    """The effective config as YAML (what `config.yaml` in the run dir holds)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def fingerprint(cfg: Config) -> dict[str, Any]:
-    """Settings that must match for a checkpoint to be resumed bit for bit."""
-    d = cfg.model_dump(mode="json")
-    return {k: d[k] for k in ("model", "lora", "train")} | {"data": {k: d["data"][k] for k in ("max_length", "truncation")}}
-
-
-# --------------------------------------------------------------------------------------------
-# Reference documentation, generated from the schema
-
-
-def _type_name(ann) -> str:
-    import typing
-
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in args)
-    if origin is Union:
-        names = [_type_name(a) for a in args if a is not type(None)]
-        return " or ".join(names) + (" or null" if type(None) in args else "")
-    if origin in (list, tuple):
-        return f"list of {_type_name(args[0])}" if args else "list"
-    if origin is dict:
-        return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann.__name__.removesuffix("Cfg").lower() if ann is not EvalPrompt else "{prompt, reference}"
-    return getattr(ann, "__name__", str(ann))
-
-
-def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every leaf setting, in schema order."""
-    rows = []
-    for name, f in model.model_fields.items():
-        key = f"{prefix}{name}"
-        sub = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else None
-        if sub is not None:
-            rows.extend(reference_rows(sub, key + "."))
-            continue
-        if f.is_required():
-            default_s = "required"
-        else:
-            default = f.default_factory() if f.default_factory is not None else f.default
-            default_s = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
-        rows.append((key, _type_name(f.annotation), default_s, f.description or ""))
-    return rows
-
-
-def reference_markdown() -> str:
-    out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for key, typ, default, doc in reference_rows():
-        out.append(f"| `{key}` | {typ} | `{default}` | {doc} |")
-    out += [f"| `{k}` | {t} | `{d}` | {doc} |" for k, t, d, doc in reference_rows(FaultCfg, "faults[].")]
-    return "\n".join(out) + "\n"
-
-
-def reference_text(width: int = 100) -> str:
-    """A compact plain-text reference for `--help`."""
-    lines = []
-    for key, typ, default, doc in reference_rows():
-        lines.append(f"  {key} = {default}  ({typ})")
-        lines.append(f"      {doc}")
-    return "\n".join(lines)

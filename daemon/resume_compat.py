@@ -1,0 +1,51 @@
+"""The one rule for "may this run resume that checkpoint": the settings that decide the numbers of the
+next step must be the ones the checkpoint was made with.
+
+A checkpoint stores `fingerprint(cfg)` of the run that wrote it (in trainer_state.json); before
+resuming, the worker compares it with its own and refuses (a config error, exit 78) on any
+difference outside `FINGERPRINT_FREE`.  The standard library and the config only: the check runs
+before torch is imported.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hangwatch.common.config import ConfigError
+from hangwatch.daemon import checkpoint as ckpt
+
+# Sections whose every setting matters for exact resume, and the data settings that do.
+FINGERPRINT_SECTIONS = ("model", "lora", "train")
+FINGERPRINT_DATA = ("max_length", "truncation")
+# Settings inside those that change nothing a checkpoint holds, so they may differ on resume.
+FINGERPRINT_FREE = {("train", "sleep_per_step_s"), ("train", "max_nonfinite_streak")}
+
+
+def fingerprint(cfg: Any) -> dict[str, Any]:
+    """Settings that must match for a checkpoint to be resumed bit for bit."""
+    d = cfg.model_dump(mode="json")
+    return {k: d[k] for k in FINGERPRINT_SECTIONS} | {"data": {k: d["data"][k] for k in FINGERPRINT_DATA}}
+
+
+def fingerprint_differences(saved: dict, current: dict, prefix: tuple = ()) -> list[str]:
+    """'key: saved → current' for each setting that differs and matters for exact resume."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        path = prefix + (key,)
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_differences(a, b, path)
+        elif a != b and path not in FINGERPRINT_FREE:
+            out.append(f"{'.'.join(path)}: {a!r} → {b!r}")
+    return out
+
+
+def check_resume_compatible(cfg: Any, path: os.PathLike | str) -> None:
+    """Raise ConfigError when checkpoint `path` was made with settings that differ from `cfg`'s."""
+    saved = ckpt.read_state(path).get("fingerprint", {})
+    diffs = fingerprint_differences(saved, fingerprint(cfg))
+    if diffs:
+        raise ConfigError(
+            [f"{path}: this run's checkpoints were made with different settings; resuming would not continue the same run. "
+             "Restore the settings or use a new run_dir:"] + [f"  {d}" for d in diffs]
+        )

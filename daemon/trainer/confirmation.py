@@ -1,0 +1,103 @@
+"""Which checkpoints count: confirmation by the finite steps after a checkpoint, provisional
+checkpoints at a graceful stop, and retention.
+
+A committed checkpoint waits (`Pending`) until `checkpoint.confirm_steps` finite optimizer steps
+followed it, then is marked good (if its weights are finite).  A non-finite step unconfirms every
+waiting one: the steps after it did not stay finite.  A graceful stop leaves the last checkpoint
+provisional instead (no steps follow it in this attempt); the next attempt resumes from it and
+confirms it like any other.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hangwatch.daemon import checkpoint as ckpt
+
+
+@dataclass
+class Pending:
+    path: Path
+    step: int
+
+
+class Confirmation:
+    """The checkpoints of one attempt that wait for confirmation, and what becomes of them."""
+
+    def __init__(self, run_dir: os.PathLike | str, hb, confirm_steps: int, keep_last: int,
+                 log: Callable[[str], None]):
+        self.root = ckpt.checkpoints_root(run_dir)
+        self.hb = hb
+        self.confirm_steps = confirm_steps
+        self.keep_last = keep_last
+        self.log = log
+        self.pending: list[Pending] = []
+
+    def wait_for(self, p: Pending) -> None:
+        """`p` counts once the steps after it confirm it (a resumed provisional checkpoint, or a new one)."""
+        self.pending.append(p)
+
+    def committed(self, p: Pending, step: int) -> None:
+        """Checkpoint `p` was just committed at `step`: good at once when no confirmation is asked for."""
+        if self.confirm_steps == 0:
+            self.mark_good(p, step)
+        else:
+            self.wait_for(p)
+        self.retain()
+
+    def mark_good(self, p: Pending, step: int, **why) -> None:
+        if ckpt.validate(p.path, verify_hashes=False) is not None:
+            self.hb.warn(f"checkpoint {p.path.name} is gone or damaged before it could be confirmed", path=str(p.path))
+            return
+        state = ckpt.read_state(p.path)
+        if not state.get("weights_finite", False):
+            self.hb.warn(f"checkpoint {p.path.name} has non-finite weights: never good", path=str(p.path))
+            return
+        ckpt.mark_good(p.path, confirmed_at_step=step, **why)
+        self.hb.checkpoint(p.path, p.step, True)
+        self.log(f"checkpoint {p.path.name} is good")
+
+    def confirm(self, step: int) -> None:
+        """A finite step `step` was taken: mark good every checkpoint it confirms."""
+        still = []
+        for p in self.pending:
+            if step - p.step >= self.confirm_steps:
+                self.mark_good(p, step)
+            else:
+                still.append(p)
+        changed = len(still) != len(self.pending)
+        self.pending = still
+        if changed:
+            self.retain()
+
+    def unconfirm(self) -> list[str]:
+        """A non-finite step: nothing waiting will be confirmed; returns their paths."""
+        dropped = [str(p.path) for p in self.pending]
+        self.pending.clear()
+        return dropped
+
+    def withdraw_provisional(self) -> None:
+        """Training went non-finite for good: only confirmed checkpoints may be resumed."""
+        ckpt.clear_provisional(self.root)
+
+    def provisional_on_stop(self, path: Path, finite: bool, why: str) -> None:
+        """A graceful stop at checkpoint `path`: the next attempt may resume from it unconfirmed, if the
+        training that led to it was finite."""
+        if path.is_dir() and finite and not ckpt.is_good(path) and not ckpt.is_provisional(path):
+            ckpt.mark_provisional(path, reason=why)
+            self.log(f"checkpoint {path.name} is provisional: the next attempt resumes from it")
+
+    def finish(self, step: int, why: str) -> None:
+        """The run ends at `step`: its checkpoint counts as confirmed, as nothing follows it."""
+        path = self.root / ckpt.step_name(step)
+        self.pending = [p for p in self.pending if p.path != path]
+        if not ckpt.is_good(path):
+            self.mark_good(Pending(path, step), step, reason=why)
+        self.retain()
+
+    def retain(self) -> None:
+        """Retention; checkpoints still waiting for confirmation are kept too, or with a small keep_last
+        none would ever live long enough to become good."""
+        ckpt.apply_retention(self.root, self.keep_last, protect=tuple(p.path for p in self.pending))

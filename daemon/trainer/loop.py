@@ -1,0 +1,290 @@
+"""The training loop: AdamW on the trainable parameters, warm-up + cosine in optimizer steps,
+gradient accumulation with its own counter, clipping, a non-finite guard, evals, checkpoints.
+
+Exactness is the point: a run killed at any instant and restarted from its last good checkpoint
+continues bit for bit.  So everything that decides the next step's numbers is saved at a step
+boundary and restored (`state.py`); evaluation runs on a set-aside RNG so whether it ran does not
+matter.
+
+Lifecycle: `Trainer(...)` → `restore(path)` (or `seed_fresh()`) → `run()` → "finished" | "terminated"
+| "idle".  Within a step boundary the order is: step beat → confirm pending checkpoints → eval (if
+due) → checkpoint (if due) → stop request → max_steps.
+
+The data position a checkpoint stores is the one taken at the last step boundary: a continuous
+source (`ContinuousDataSource`) may have handed out part of the next step's examples when a stop
+request ends its wait for more, and those are simply taken again after the resume.  Once a
+checkpoint is committed, the continuous source's `commit` records what it covers.  A source that
+runs dry for good (end "idle") gets its last, partial step trained, and the run finishes with
+reason "idle".
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional, TextIO
+
+import torch
+
+from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.data import ContinuousDataSource, DataSource, Example, collate
+from hangwatch.daemon.errors import NonFiniteStreak
+from hangwatch.daemon.evaluate import run_eval
+from hangwatch.daemon.export import FINAL_DIR, export_final
+from hangwatch.daemon.model import ModelBundle, memory_metrics
+from hangwatch.daemon.resume_compat import fingerprint
+from hangwatch.daemon.trainer import state
+from hangwatch.daemon.trainer.confirmation import Confirmation, Pending
+from hangwatch.daemon.trainer.schedule import WarmupCosine
+
+
+class Trainer:
+    def __init__(self, cfg, hb, run_dir, bundle: ModelBundle, source: DataSource, eval_examples: list[Example],
+                 faults, stop, *, attempt: int = 1, out: TextIO = sys.stdout):
+        self.cfg = cfg
+        self.confirmation = Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log)
+        self.hb = hb
+        self.run_dir = Path(run_dir)
+        self.bundle = bundle
+        self.source = source
+        self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
+        self.eval_examples = eval_examples
+        self.faults = faults
+        self.stop = stop
+        self.attempt = attempt
+        self.out = out
+        t = cfg.train
+        self.params = [p for _, p in bundle.trainable_parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(t.warmup_steps, t.max_steps))
+        self.step = 0
+        self.accum = 0  # micro-batches accumulated into the current optimizer step
+        self.samples = 0
+        self.tokens = 0
+        self.nonfinite_total = 0
+        self.nonfinite_streak = 0
+        self.last_saved_step: Optional[int] = None
+        self.resumed_from: Optional[Path] = None
+        self.last_metrics: dict = {}
+        self.boundary_position: dict = {}  # the source's position at the last optimizer-step boundary
+
+    @property
+    def hb(self):
+        return self._hb
+
+    @hb.setter
+    def hb(self, hb) -> None:
+        """Swapping the heartbeat (benchmarks time one trainer with and without) swaps it everywhere."""
+        self._hb = hb
+        self.confirmation.hb = hb
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def seed_fresh(self) -> None:
+        self.source.restore(None, 0)
+        self.boundary_position = self.source.position()
+        state.seed_everything(self.cfg.train.seed)
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "data_position": self.boundary_position,
+            "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum},
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_streak": self.nonfinite_streak,
+            "weights_finite": self.bundle.weights_finite(),
+            "fingerprint": fingerprint(self.cfg),
+            "attempt": self.attempt,
+            "t": time.time(),
+        }
+
+    def fill_checkpoint(self, tmp: Path) -> None:
+        """Write this step's checkpoint files into `tmp` (for `checkpoint.commit`)."""
+        state.fill(tmp, self.bundle, self.optimizer, self.scheduler, self.trainer_state())
+
+    def restore(self, path: Path) -> None:
+        """Continue from checkpoint `path` exactly where it left off."""
+        saved = state.load_weights(path, self.bundle, self.optimizer, self.scheduler)
+        self.source.restore(saved["data_position"], int(saved["step"]))
+        self.boundary_position = self.source.position()
+        self.step = int(saved["step"])
+        self.hb.current_step = self.step
+        self.samples = int(saved["samples"])
+        self.tokens = int(saved["tokens"])
+        self.nonfinite_total = int(saved["nonfinite_total"])
+        self.nonfinite_streak = int(saved["nonfinite_streak"])
+        self.last_saved_step = self.step
+        self.resumed_from = path
+        if not ckpt.is_good(path):
+            self.confirmation.wait_for(Pending(path, self.step))  # provisional: the steps after it confirm it
+        state.load_rng(path)  # last: nothing after this may draw random numbers before training does
+
+    # ---- one optimizer step ---------------------------------------------------------------
+
+    def next_examples(self) -> tuple[list[Example], Optional[str]]:
+        """The next optimizer step's examples, and why there are fewer than a full step (None: there are not)."""
+        t = self.cfg.train
+        n = t.micro_batch_size * t.grad_accum
+        if self.continuous is not None:
+            return self.continuous.take_step(n)
+        return self.source.take(n), None
+
+    def train_step(self, examples: Optional[list[Example]] = None) -> dict:
+        """Accumulate the step's micro-batches (`grad_accum` of them; fewer for a partial last step)
+        and take (or skip, when non-finite) one optimizer step; `examples` default to the source's next."""
+        t = self.cfg.train
+        if examples is None:
+            examples, _ = self.next_examples()
+        number = self.step + 1
+        self.faults.before_step(number, self.bundle)
+        started = time.perf_counter()
+        size = t.micro_batch_size
+        micro = [examples[i:i + size] for i in range(0, len(examples), size)]
+        n_labels = sum(e.n_label_tokens for e in examples)
+        n_tokens = sum(len(e.input_ids) for e in examples)
+        poison = self.faults.take_nan()
+        ce_total = aux_total = 0.0
+        self.accum = 0
+        pause = t.sleep_per_step_s / t.grad_accum
+        for batch in micro:
+            loss, ce, aux = self.bundle.compute_loss(collate(batch, self.bundle.tokenizer.pad_token_id), n_labels)
+            if poison:
+                loss = loss * float("nan")
+                ce = float("nan")
+            loss.backward()
+            self.accum += 1
+            ce_total += ce
+            aux_total += aux
+            if pause:
+                time.sleep(pause)
+            if self.accum < len(micro):
+                self.hb.progress(micro_step=self.accum, grad_accum=t.grad_accum)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm))
+        loss_value = ce_total / n_labels
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm) and math.isfinite(aux_total)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_total += 1
+            self.nonfinite_streak += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accum = 0
+        self.samples += len(examples)
+        self.tokens += n_tokens
+        elapsed = time.perf_counter() - started
+        self.boundary_position = self.source.position()
+        return {
+            "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
+            "samples": self.samples, "tokens": self.tokens, **self.source.progress(),
+        }
+
+    def after_step(self, m: dict) -> None:
+        """Beats, log line and the non-finite guard for the step just taken."""
+        t = self.cfg.train
+        if m["finite"]:
+            fields = {k: v for k, v in m.items() if k != "finite"}
+            fields.update(memory_metrics(self.bundle.device))
+            self.hb.step(self.step, **fields)
+            self.last_metrics = fields
+            where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
+            self.log(f"step {self.step}/{t.max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.3e} "
+                     f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} {where}")
+            self.confirmation.confirm(self.step)
+            return
+        dropped = self.confirmation.unconfirm()
+        self.hb.warn("non-finite loss or gradient norm: optimizer step skipped", loss=m["loss"], grad_norm=m["grad_norm"],
+                     streak=self.nonfinite_streak, nonfinite_total=self.nonfinite_total, unconfirmed_checkpoints=dropped)
+        self.log(f"step {self.step + 1}: non-finite (loss {m['loss']}, grad_norm {m['grad_norm']}) — skipped, "
+                 f"{self.nonfinite_streak} in a row (limit {t.max_nonfinite_streak})")
+        if self.nonfinite_streak >= t.max_nonfinite_streak:
+            self.confirmation.withdraw_provisional()
+            raise NonFiniteStreak(self.nonfinite_streak, self.step)
+
+    # ---- checkpoints and evals ----------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        root = ckpt.checkpoints_root(self.run_dir)
+        with self.hb.phase("checkpoint", budget_s=self.cfg.watchdog.phase_budgets_s.get("checkpoint")):
+            started = time.perf_counter()
+            position = self.boundary_position
+            path = ckpt.commit(root, self.step, self.fill_checkpoint)
+            self.last_saved_step = self.step
+            self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4))
+            self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)")
+            if self.continuous is not None:
+                self.continuous.commit(position, self.step)  # after the manifest: a kill before this is repaired by the resume
+            self.confirmation.committed(Pending(path, self.step), self.step)
+        return path
+
+    def evaluate(self) -> None:
+        every = self.cfg.eval.every_steps
+        number = self.step // every
+        with self.hb.phase("eval", budget_s=self.cfg.watchdog.phase_budgets_s.get("eval")):
+            processors = self.faults.before_eval(self.step, number, self.bundle)
+            summary = run_eval(self.bundle, self.cfg, self.hb, self.run_dir, self.step, self.eval_examples,
+                               attempt=self.attempt, processors=processors, should_stop=lambda: bool(self.stop))
+        loss = summary["loss"]
+        self.log(f"eval {number} at step {self.step}: loss {'-' if loss is None else f'{loss:.4f}'}, "
+                 f"{summary['generations']} generations")
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> str:
+        cfg = self.cfg
+        self.hb.enter_phase("train")
+        self.bundle.model.train()
+        while True:
+            if self.stop:
+                self.stop_gracefully()
+                return "terminated"
+            if self.step >= cfg.train.max_steps:
+                self.finish()
+                return "finished"
+            examples, end = self.next_examples()
+            if end == "stop":
+                continue  # a partial step is dropped: the checkpoint's position is the last step boundary
+            if end == "idle":
+                if examples:
+                    self.after_step(self.train_step(examples))
+                self.finish("no new data for data.idle_exit_s")
+                return "idle"
+            before = self.step
+            self.after_step(self.train_step(examples))
+            if self.step == before:
+                continue
+            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                self.evaluate()
+            if self.step % cfg.checkpoint.every_steps == 0 or self.step >= cfg.train.max_steps:
+                self.save_checkpoint()
+
+    def stop_gracefully(self) -> None:
+        """A stop request: checkpoint this step (unless done already) and leave it provisional."""
+        if self.step > 0:
+            # The step's checkpoint may already exist (saved on schedule just before the request,
+            # common while continuous mode idles): it too must not wait for a confirmation that
+            # this attempt will never give.
+            path = (self.save_checkpoint() if self.last_saved_step != self.step
+                    else ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step))
+            finite = self.nonfinite_streak == 0 and self.bundle.weights_finite()
+            self.confirmation.provisional_on_stop(path, finite, f"graceful stop on {self.stop.requested}")
+        self.log(f"stopping on {self.stop.requested} at step {self.step}")
+
+    def finish(self, why: str = "finished") -> None:
+        """At the end (max_steps, or idle): the last checkpoint counts as confirmed (nothing follows it),
+        the adapter is exported."""
+        if self.last_saved_step != self.step:
+            self.save_checkpoint()
+        self.confirmation.finish(self.step, why)
+        final = export_final(self.bundle, self.cfg, self.run_dir / FINAL_DIR, self.step)
+        self.log(f"finished at step {self.step}{'' if why == 'finished' else f' ({why})'}; adapter exported to {final}")
+
+    def log(self, line: str) -> None:
+        print(line, file=self.out, flush=True)

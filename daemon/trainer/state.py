@@ -1,0 +1,94 @@
+"""What a checkpoint holds of the training state, and how it is put back.
+
+Everything that decides the next step's numbers: adapter and extra-module weights, optimizer and
+scheduler state, the RNG states (python, numpy, torch, cuda: dropout) and the trainer's counters
+and data position (`trainer_state.json`, written by the trainer).  A checkpoint is always taken on
+an optimizer-step boundary; one saved mid-accumulation is refused.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.model import EXTRA_FILE, ModelBundle
+
+ADAPTER_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    py = random.getstate()
+    npst = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: dict) -> None:
+    """Write a checkpoint's files into `tmp` (the directory `checkpoint.commit` then makes durable)."""
+    from safetensors.torch import save_file
+
+    save_file(bundle.adapter_state(), str(tmp / ADAPTER_FILE))
+    bundle.model.peft_config["default"].save_pretrained(str(tmp))
+    extra = bundle.extra_state()
+    if extra:
+        save_file(extra, str(tmp / EXTRA_FILE))
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+    torch.save(rng_state(), tmp / RNG_FILE)
+    (tmp / ckpt.STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
+
+
+def load_weights(path: Path, bundle: ModelBundle, optimizer, scheduler) -> dict:
+    """Put checkpoint `path`'s weights, optimizer and scheduler state back; returns its trainer state.
+
+    The RNG states are left for `load_rng`, to be called last: nothing after it may draw random
+    numbers before training does."""
+    from safetensors.torch import load_file
+
+    state = ckpt.read_state(path)
+    accum = state["accumulation"]
+    if accum["micro_step"] != 0:
+        raise RuntimeError(f"{path}: saved mid-accumulation (micro_step {accum['micro_step']}); checkpoints are step boundaries")
+    bundle.load_adapter_state(load_file(str(path / ADAPTER_FILE), device="cpu"))
+    if (path / EXTRA_FILE).exists() or bundle.extra:
+        if not (path / EXTRA_FILE).exists():
+            raise RuntimeError(f"{path}: the model has extra trainable modules {sorted(bundle.extra)} but the checkpoint holds none")
+        bundle.load_extra_state(load_file(str(path / EXTRA_FILE), device="cpu"))
+    if not bundle.weights_finite():
+        raise RuntimeError(f"{path}: restored weights are not finite")
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu"))
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
+    return state
+
+
+def load_rng(path: Path) -> None:
+    set_rng_state(torch.load(path / RNG_FILE, weights_only=True))

@@ -1,0 +1,168 @@
+"""bench-results.md: one markdown section per bench section, every table drawn by `table`, each figure
+followed by how it was measured; and the machine the figures came from."""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Callable, Optional
+
+import psutil
+
+from .harness import ROOT
+
+FIGURE_STATS = ["figure", "value (median; n, min, p95, max)"]
+
+
+def machine_info() -> dict:
+    def version(dist):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+        return None
+
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+        "cpu": platform.processor() or platform.machine(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
+        "peft": version("peft"), "psutil": version("psutil"), "commit": commit,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "load_average_start": os.getloadavg(),
+    }
+
+
+def fmt_s(x: Optional[float], digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def stats_cell(s: Optional[dict], unit: str = "s", scale: float = 1.0, digits: int = 3) -> str:
+    if not s or not s.get("n"):
+        return "not measured"
+    f = lambda v: f"{v * scale:.{digits}f}"  # noqa: E731
+    return f"{f(s['median'])} {unit} (n={s['n']}; min {f(s['min'])}, p95 {f(s['p95'])}, max {f(s['max'])})"
+
+
+def four(s: dict) -> str:
+    """min / p50 / p95 / max of a summary, in seconds."""
+    return " / ".join(fmt_s(s.get(k)) for k in ("min", "median", "p95", "max")) if s.get("n") else "not measured"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(cells)} |" for cells in rows]
+
+
+def end_of_allowance(r: dict) -> str:
+    if r["contender"] == "cron_watchdog":
+        rep = r.get("cron_report") or {}
+        polls, restarts = rep.get("polls"), rep.get("restarts")
+        text = (f"gave up at the allowance after {polls} poll{'' if polls == 1 else 's'}, {restarts} "
+                f"restart{'' if restarts == 1 else 's'}; worker killed"
+                if rep else "no report from the watchdog; killed")
+    elif r["ended_by_itself"]:
+        text = f"ended by itself, exit {r['exit_code']}"
+    elif r["still_running_at_end"]:
+        text = "worker still " + ", ".join(f"{h['status']} at {h['cpu_percent']:.0f}% CPU" for h in r["still_running_at_end"])
+    else:
+        text = "still running; killed"
+    if r["hang_began_after_s"] is None:
+        text += "; the fault never fired (the worker did not reach it)"
+    return text
+
+
+# Each renderer: a section's results → (title, table header, table rows, how it was measured).
+
+def heartbeat(h: dict) -> tuple:
+    return ("1. Heartbeat cost (demo model, CPU)", FIGURE_STATS, [
+        ["step time with heartbeats", stats_cell(h["summary_with"], "ms", 1000, 2)],
+        ["step time without heartbeats", stats_cell(h["summary_without"], "ms", 1000, 2)],
+        ["**ratio of medians (with / without)**", f"**{h['ratio_of_medians']:.3f}**"],
+        [f"one `step` beat on its own (Heartbeat.step, {h['beat_call']['n']} calls)", stats_cell(h["beat_call"], "µs", 1e6, 1)],
+        ["checkpoint save (full commit, fsynced)",
+         f"{stats_cell(h['checkpoint_save'], 'ms', 1000, 1)} · {h['checkpoint_bytes'] / 1024:.0f} KiB"],
+        ["worker cold start: spawn → `start` beat", stats_cell(h["cold_start_to_start_beat"], "s", 1, 2)],
+        ["worker cold start: spawn → first step", stats_cell(h["cold_start_to_first_step"], "s", 1, 2)],
+    ], f"{h['method']}; cold start = `python -m hangwatch.daemon` spawned alone (bench/heartbeat_cost.py), sequential trials.")
+
+
+def detection(d: dict) -> tuple:
+    rows = [[dl, str(x["overdue_s"].get("n", 0)), four(x["overdue_s"]), four(x["beyond_budget_from_last_line_s"]),
+             fmt_s(x["detection_to_gone_s"].get("median")), str(len(x["other_deadline_fired"])),
+             str(x["trials_with_loop_gaps"])] for dl, x in d["deadlines"].items()]
+    return (f"2. Detection latency beyond the budget ({d['budget_s'][0]:g}–{d['budget_s'][1]:g} s budgets)",
+            ["deadline", "trials", "supervisor clock: min / p50 / p95 / max (s)",
+             "from the worker's last line: min / p50 / p95 / max (s)", "detection → tree gone p50 (s)",
+             "other deadline fired", "trials where the supervisor logged a loop gap"], rows, f"{d['method']}.")
+
+
+def recovery(r: dict) -> tuple:
+    cold = r.get("cold_start_to_first_step_s")
+    return ("3. Recovery (demo model, hang in C)", FIGURE_STATS, [
+        ["detection → process tree gone", stats_cell(r["detection_to_gone_s"], "s", 1, 2)],
+        ["detection → first step of the next attempt", stats_cell(r["detection_to_next_step_s"], "s", 1, 2)],
+        ["worker's own cold start → first step (for comparison)",
+         stats_cell(cold, "s", 1, 2) if cold else "not measured (run the heartbeat section)"],
+        ["steps lost per fault: hang (resume from the last good checkpoint)", stats_cell(r["steps_lost_hang"], "steps", 1, 0)],
+        ["steps lost per fault: graceful `restart`", stats_cell(r["steps_lost_graceful"], "steps", 1, 0)],
+        ["graceful `restart` request → first step of the next attempt", stats_cell(r["request_to_next_step_s"], "s", 1, 2)],
+    ], r["method"])
+
+
+def footprint(f: dict) -> tuple:
+    return (f"4. Supervisor footprint ({f['ranks']} ranks at {f['hz']:g} Hz, {f['window_s']:.0f} s)", ["figure", "value"], [
+        ["CPU, whole window", f"{f['cpu_percent_whole_window']:.2f} % of one core"],
+        ["CPU, per 1 s sample", stats_cell(f["cpu_percent"], "%", 1, 2)],
+        ["RSS", stats_cell(f["rss_mib"], "MiB", 1, 1)],
+        ["heartbeat lines handled", f"{f['heartbeat_lines_in_window']} ({f['lines_per_s']:.0f}/s), {f['torn_lines']} torn"],
+        ["start: spawn → worker spawned", stats_cell(f["start_to_worker_spawned_s"], "s", 1, 3)],
+        ["start: spawn → control socket answers", stats_cell(f["start_to_socket_ready_s"], "s", 1, 3)],
+    ], f["method"])
+
+
+def side_by_side(s: dict) -> tuple:
+    rows = []
+    for r in s["runs"]:
+        after = f"{r['noticed_after_hang_s']:.1f} s" if r["noticed_after_hang_s"] is not None else "–"
+        rows.append([r["fault"], r["contender"], f"yes ({r['noticed_how']})" if r["noticed"] else "no", after,
+                     "yes" if r["stack_dump"] else "no",
+                     f"yes, {r['finished_after_s']:.0f} s after its start" if r["finished"] else "no",
+                     str(r["attempts"]), end_of_allowance(r)])
+    return (f"5. Side by side: the same hung worker, {s['allowance_s']:g} s allowance each",
+            ["fault", "contender", "noticed?", "noticed after the hang began", "stack dump?", "run finished?",
+             "attempts", "at the end of the allowance"], rows, s["method"])
+
+
+RENDERERS: dict[str, Callable[[dict], tuple]] = {
+    "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
+    "side_by_side": side_by_side}
+
+
+def header(res: dict) -> list[str]:
+    m = res["machine"]
+    return [f"## hangwatch benchmark — {m['date']}", "",
+            f"`{res['command']}` · {m['cores_usable']} of {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
+            f"Python {m['python']}, torch {m['torch']}, commit {m['commit']} · load average at start "
+            f"{', '.join(f'{x:.2f}' for x in m['load_average_start'])} · whole run {res['wall_s']:.0f} s"
+            + (" · **--quick: tiny trial counts, figures not representative**" if res["quick"] else ""), "",
+            "Sections (wall time, 1-min load average when it began): " + ", ".join(
+                f"{k} {v:.0f} s ({res['section_load_average_1min_at_start'][k]:.1f})" for k, v in res["section_wall_s"].items())
+            + ". The machine may be shared: a load well above the core count means the figures below include "
+              "waiting for a CPU.", ""]
+
+
+def to_markdown(res: dict) -> str:
+    lines = header(res)
+    for name, v in res["sections"].items():
+        if "error" in v:
+            lines += [f"### {name}: not measured", "", f"The section failed: `{v['error']}` (traceback in bench-results.json).", ""]
+    for name, v in res["sections"].items():
+        if "error" not in v:
+            title, head, rows, how = RENDERERS[name](v)
+            lines += [f"### {title}", ""] + table(head, rows) + ["", f"How: {how}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""One worker attempt: how it is started, which processes belong to it, which ranks announced themselves.
+
+`attempts/NNNN/` holds the attempt's heartbeat files, worker log, stack dumps and last words.  The
+worker learns where they go from its environment (`HANGWATCH_RUN_DIR`, `HANGWATCH_ATTEMPT`,
+`HANGWATCH_HEARTBEAT_DIR`).  Its tree is tracked by (pid, create time): the direct child and its
+process group, the pids the ranks announced in their `start` lines, descendants seen by the tree
+scan, and — with the supervisor as subreaper — orphans re-parented to it, which is the only way to
+find a child that left the group (setsid) once the worker itself has exited.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from hangwatch.common.config import Config
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR
+from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
+from hangwatch.supervisor.escalation import DumpTarget
+from hangwatch.supervisor.heartbeats import HeartbeatTail
+from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
+
+Spawn = Callable[..., Worker]
+
+
+@dataclass
+class Announced:
+    """A process that sent `start`: the only ones that get SIGUSR1."""
+
+    rank: int
+    ref: Optional[ProcRef]
+    dump_path: Optional[Path]
+    dump_signal: Optional[str]
+
+
+@dataclass
+class Attempt:
+    number: int
+    dir: Path
+    worker: Worker
+    tail: HeartbeatTail
+    announced: dict[int, Announced] = field(default_factory=dict)
+    tree: dict[int, ProcRef] = field(default_factory=dict)  # descendants seen, by pid
+    last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
+    last_tree_scan: float = float("-inf")
+
+    def announce(self, rec: dict, table: ProcessTable) -> Announced:
+        """A `start` line: remember the rank's process (by identity) and where its dumps go."""
+        rank = int(rec.get("rank") or 0)
+        pid = rec.get("pid")
+        dump_path = rec.get("dump_path")
+        a = Announced(rank, table.ref_of(pid) if isinstance(pid, int) else None, Path(dump_path) if dump_path else None,
+                      rec.get("dump_signal"))
+        self.announced[rank] = a
+        return a
+
+    def announced_refs(self) -> dict[int, ProcRef]:
+        return {rank: a.ref for rank, a in self.announced.items() if a.ref}
+
+    def dump_targets(self) -> list[DumpTarget]:
+        return [DumpTarget(a.rank, a.ref, a.dump_path) for a in self.announced.values()
+                if a.ref is not None and a.dump_path is not None and a.dump_signal]
+
+    def known_refs(self, table: ProcessTable, subreaper: bool) -> list[ProcRef]:
+        """Every process known to belong to this attempt besides the worker's group."""
+        refs = list(self.tree.values()) + list(self.announced_refs().values())
+        return refs + list(adopted(table, subreaper, exclude={self.worker.pid}).values())
+
+    def kill_all(self, table: ProcessTable) -> None:
+        """SIGKILL to the group and every known member at once (the supervisor itself is failing)."""
+        table.signal_group(self.worker.pgid, signal.SIGKILL)
+        for ref in [*self.tree.values(), self.worker.ref]:
+            table.signal(ref, signal.SIGKILL)
+
+    def scan_tree(self, table: ProcessTable, subreaper: bool) -> bool:
+        """Remember the worker's descendants (with start times) to find those that leave the group.
+        True when a new one was found."""
+        seen = {r.pid: r for r in table.descendants(self.worker.pid)}
+        for pid, r in adopted(table, subreaper, exclude={self.worker.pid}).items():
+            seen.setdefault(pid, r)
+        changed = bool(set(seen) - set(self.tree))
+        self.tree = {**{p: r for p, r in self.tree.items() if not table.is_gone(r)}, **seen}
+        return changed
+
+
+def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int, ProcRef]:
+    """Orphans of the worker's tree that were re-parented to us (we are their subreaper), with their
+    descendants."""
+    if not subreaper:
+        return {}
+    found: dict[int, ProcRef] = {}
+    for r in table.own_children(exclude=exclude):
+        found.setdefault(r.pid, r)
+        for d in table.descendants(r.pid):
+            found.setdefault(d.pid, d)
+    return found
+
+
+def worker_argv(cfg: Config, config_path: Path) -> list[str]:
+    if cfg.worker.command:
+        return list(cfg.worker.command)
+    return [sys.executable, "-m", "hangwatch.daemon", "--config", str(config_path), "--run-dir", str(cfg.run_dir)]
+
+
+def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None) -> dict:
+    """The supervisor's environment, the configured additions, and where this attempt writes."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(cfg.worker.env)
+    env[ENV_RUN_DIR] = str(cfg.run_dir)
+    env[ENV_ATTEMPT] = str(number)
+    env[ENV_HEARTBEAT_DIR] = str(attempt_dir(cfg.run_dir, number))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float) -> Attempt:
+    """Create the attempt's directory and spawn the worker; OSError when it cannot be executed."""
+    adir = attempt_dir(cfg.run_dir, number)
+    adir.mkdir(parents=True, exist_ok=True)
+    worker = spawn(worker_argv(cfg, config_path), env=worker_env(cfg, number), cwd=cfg.worker.cwd,
+                   log_path=adir / WORKER_LOG_NAME, now=now)
+    return Attempt(number, adir, worker, HeartbeatTail(adir))

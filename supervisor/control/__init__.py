@@ -1,0 +1,41 @@
+"""The control socket: a Unix stream socket speaking newline-delimited JSON (DESIGN.md, "Control socket").
+
+    paths.py         where the socket lives and how a client finds it (the one resolver; stdlib only)
+    peer.py          who may talk to it (SO_PEERCRED policy)
+    wire.py          request parsing, reply encoding, `Pending` (a reply answered in a later pass)
+    conversation.py  one client's requests and replies, without the socket
+    listener.py      creating the socket file safely
+    server.py        the non-blocking `ControlServer` the supervisor loop polls
+
+`ControlServer` and `make_control` load on first use, so that a client (`hangwatch status`), which
+needs only `paths`, does not import the server and its logging stack.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hangwatch.supervisor.control.paths import (
+    DEFAULT_SOCKET_NAME,
+    SOCKET_PATH_FILE,
+    record_socket_path,
+    socket_path_for,
+    socket_path_in,
+    unix_address,
+)
+from hangwatch.supervisor.control.peer import ControlSocketError, PeerCred, PeerPolicy, peer_credentials
+from hangwatch.supervisor.control.wire import Handler, Pending, encode_reply, error_reply, parse_request
+
+_SERVER_NAMES = ("ControlServer", "make_control")
+
+__all__ = ["DEFAULT_SOCKET_NAME", "SOCKET_PATH_FILE", "ControlSocketError", "Handler", "PeerCred", "PeerPolicy",
+           "Pending", "encode_reply", "error_reply", "parse_request", "peer_credentials", "record_socket_path",
+           "socket_path_for", "socket_path_in", "unix_address", *_SERVER_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SERVER_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.server"), name)
+    globals()[name] = value
+    return value

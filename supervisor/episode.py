@@ -1,0 +1,249 @@
+"""One failure (or end) of a worker, from detection until its process tree is gone.
+
+A stall (a deadline fired, or `restart now`):
+    incident "in progress" → process snapshot (CPU sampled over `cpu_sample_s` while the loop keeps
+    running) → SIGUSR1 to the announced pids and wait for the dumps (`DumpCollector`) → the stuck
+    frame and classification into the incident → SIGTERM/SIGKILL to the tree (`TreeKiller`).
+A worker exit (crash, signal, do-not-restart code, or the end of the run):
+    classify the exit (last words, the fatal-signal dump, the log tail) → incident unless it was a
+    clean end → `TreeKiller` for whatever is left of its tree.
+Either way, once the tree is gone `finish` completes the incident (timings, the decision, the
+heartbeat tails and the worker log tail) and writes it.
+
+An episode never reaps: the loop observes exits in one place and records them on the `Worker`.
+"""
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import structlog
+
+from hangwatch.common.config import RestartCfg, WatchdogCfg
+from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
+from hangwatch.supervisor.attempt import Attempt
+from hangwatch.supervisor.deadlines import Deadlines, Expired
+from hangwatch.supervisor.escalation import DumpCollector, TreeKiller
+from hangwatch.supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error,
+                                            frame_str, signal_name, stuck_frame)
+from hangwatch.supervisor.policy import Decision, RestartPolicy
+from hangwatch.supervisor.process import ProcessTable, ProcRef
+from hangwatch.supervisor.snapshot import GpuCache
+from hangwatch.supervisor.statefile import RunFacts
+
+log = structlog.get_logger("hangwatch")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What an episode acts with; built once by the supervisor from its seams."""
+
+    table: ProcessTable
+    incidents: IncidentStore
+    watchdog_cfg: WatchdogCfg
+    snapshot: Callable[..., Any]  # (roots, extra) → an object whose take() returns the process records
+    gpu: GpuCache
+    gpu_pids: Callable[[], Optional[set]]
+    cpu_sample_s: float
+    subreaper: bool
+
+
+@dataclass
+class Episode:
+    kind: Optional[str]  # incident kind; None for a clean end (finished, graceful stop)
+    incident: Optional[Incident]
+    detected_at: float
+    expired: Optional[Expired] = None
+    reason: str = ""
+    decision: Optional[Decision] = None
+    sample: Any = None  # the process snapshot being taken
+    sampled_at: Optional[float] = None
+    procs: list = field(default_factory=list)
+    dumps: Optional[DumpCollector] = None
+    killer: Optional[TreeKiller] = None
+    timings: dict = field(default_factory=dict)
+
+    # ---- a stall ---------------------------------------------------------------------------
+
+    @classmethod
+    def stall(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, kind: str,
+              expired: Optional[Expired]) -> "Episode":
+        tr = deadlines.ranks.get(expired.rank if expired and expired.rank is not None else deadlines.main_rank())
+        phase, step = (tr.phase, tr.step) if tr else (None, None)
+        deadline = None
+        if expired is not None:
+            deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
+                        "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank,
+                        "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
+        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s"
+               f" in phase {phase!r} at step {step}" if expired else "restart now requested")
+        inc = tools.incidents.create(kind, attempt=attempt.number, phase=phase, step=step, deadline=deadline,
+                                     summary=why, status="in progress", worker_pid=attempt.worker.pid,
+                                     last_good_checkpoint=facts.last_good_checkpoint)
+        log.warning("stall_detected" if kind != "manual" else "restart_now", kind=kind, incident=inc.id,
+                    deadline=expired.name if expired else None, budget_s=deadline and deadline["budget_s"],
+                    elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
+                    phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
+        return cls(kind, inc, now, expired=expired, reason=why)
+
+    def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
+        """Start the snapshot; once its CPU interval has passed, record it and send the dump signals.
+        True when the dumps have begun."""
+        w = attempt.worker
+        if self.sample is None:
+            extra = [ref.pid for ref in attempt.announced_refs().values()]
+            self.sample = tools.snapshot([w.pid] if not w.exited else [], extra)
+            self.sampled_at = now
+        if now - self.sampled_at < tools.cpu_sample_s:
+            return False
+        self.procs = self.sample.take()
+        for p in self.procs:
+            if p.get("create_time") and p["pid"] != w.pid:
+                attempt.tree.setdefault(p["pid"], ProcRef(p["pid"], p["create_time"]))
+        self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
+        self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
+        wd = tools.watchdog_cfg
+        self.dumps = DumpCollector(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
+                                   py_spy_timeout_s=wd.py_spy_timeout_s, out_dir=self.incident.dir)
+        self.dumps.begin(now)
+        self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
+        return True
+
+    def collect_dumps(self, attempt: Attempt, now: float) -> None:
+        inc = self.incident
+        texts = self.dumps.texts()
+        for rank, text in texts.items():
+            inc.add_file(f"stack-rank{rank}.txt", text)
+        for rank, text in self.dumps.py_spy_texts().items():
+            inc.add_file(f"py-spy-rank{rank}.txt", text)
+        rank = self.expired.rank if self.expired and self.expired.rank in texts else (min(texts) if texts else None)
+        frame, stack, user = stuck_frame(texts.get(rank, "")) if rank is not None else (None, [], None)
+        announced = {ref.pid for ref in attempt.announced_refs().values()}
+        own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
+        classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
+        chain = call_chain(stack)
+        inc.data.update(
+            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, call_chain=chain,
+            dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
+            py_spy=self.dumps.py_spy_note or "not run", classification=classification,
+            summary=f"{self.reason}; {classification}" + (f"; called from {chain}" if chain else ""),
+        )
+        self.timings["dump_s"] = round(now - self.dumps.started_at, 3)
+        inc.write()
+        log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts))
+
+    # ---- a worker exit ---------------------------------------------------------------------
+
+    @classmethod
+    def exited(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, *,
+               decision: Optional[Decision] = None, stopping: Optional[str] = None) -> "Episode":
+        """The worker exited by itself: after a stop request (`stopping` says which), or judged by `decision`."""
+        w = attempt.worker
+        if stopping is not None:
+            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM:  # our SIGTERM before its handler was set is clean
+                return cls(None, None, now, reason=stopping)
+            kind, classification = _classify(attempt)
+            summary = f"worker exited during a graceful stop: {classification}"
+            return cls(kind, _exit_incident(tools, attempt, deadlines, facts, kind, classification, summary), now, reason=stopping)
+        if decision.action == "finish":
+            return cls(None, None, now, decision=decision, reason=decision.reason)
+        kind, classification = _classify(attempt)
+        inc = _exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision)
+        return cls(kind, inc, now, decision=decision, reason=classification)
+
+    # ---- the tree ----------------------------------------------------------------------------
+
+    def begin_kill(self, tools: Tools, attempt: Attempt, now: float, send_term: bool = True) -> None:
+        wd = tools.watchdog_cfg
+        self.killer = TreeKiller(attempt.worker, attempt.known_refs(tools.table, tools.subreaper), table=tools.table,
+                                 term_grace_s=wd.term_grace_s, gpu_release_timeout_s=wd.gpu_release_timeout_s,
+                                 kill_wait_s=wd.kill_wait_s, gpu_pids=tools.gpu_pids, send_term=send_term)
+        self.killer.begin(now)
+
+    def finish(self, attempt: Optional[Attempt], facts: RunFacts, now: float, next_state: str, why: str,
+               main_rank: int = 0) -> None:
+        """The tree is gone: complete and write the incident (if this episode has one)."""
+        inc = self.incident
+        if inc is None:
+            return
+        k = self.killer
+        timings = {**self.timings, **(k.timings() if k else {})}
+        gone_at = k.gone_at if k and k.gone_at is not None else now
+        timings["detection_to_gone_s"] = round(gone_at - self.detected_at, 3)
+        timings["total_s"] = round(now - self.detected_at, 3)
+        w = attempt.worker if attempt else None
+        inc.data.update(status="handled", timings=timings, gpu_release=k.gpu_release if k else None,
+                        decision=self.decision.as_dict() if self.decision else {"action": next_state, "reason": why},
+                        exit=inc.data.get("exit") or (exit_info(attempt, main_rank) if w and w.exited else None),
+                        last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step,
+                        torn_lines=facts.torn_lines)
+        if self.decision and self.decision.rollback:
+            inc.data["rollback_to"] = facts.last_good_checkpoint
+        if attempt is not None:
+            for rank in sorted(attempt.tail.recent):
+                inc.add_file(f"heartbeat-tail-rank{rank}.jsonl", attempt.tail.tail_text(rank))
+            inc.add_file("worker-log-tail.txt", tail_text(attempt.worker.log_path))
+        inc.write()
+        facts.note_incident(inc)
+
+
+def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
+    w = attempt.worker
+    return {"code": w.exit_code, "signal": w.exit_signal, "signal_name": signal_name(w.exit_signal),
+            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.last_stop.get(main_rank)}
+
+
+def _classify(attempt: Attempt) -> tuple[str, str]:
+    w = attempt.worker
+    return classify_exit(w.exit_code, w.exit_signal, read_json(attempt.dir / EXIT_NAME), tail_text(w.log_path, 80))
+
+
+def _exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, kind: str, classification: str,
+                   summary: str, decision: Optional[Decision] = None) -> Incident:
+    w = attempt.worker
+    tr = deadlines.ranks.get(deadlines.main_rank())
+    info = exit_info(attempt, deadlines.main_rank())
+    frame = stack = user = None
+    for a in attempt.announced.values():  # a fatal signal makes faulthandler write the stack too
+        if a.dump_path is not None and a.dump_path.exists():
+            text = a.dump_path.read_text(errors="replace")
+            if fatal_error(text):
+                frame, stack, user = stuck_frame(text[text.rfind("Fatal Python error"):])
+                info["fatal_error"] = fatal_error(text)
+                break
+    inc = tools.incidents.create(
+        kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
+        exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
+        user_frame=user, status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
+        decision=decision.as_dict() if decision else None,
+    )
+    if info.get("last_words"):
+        inc.add_file(EXIT_NAME, (attempt.dir / EXIT_NAME).read_text(errors="replace"))
+    log.warning("worker_failed", kind=kind, incident=inc.id, classification=classification, attempt=attempt.number,
+                code=w.exit_code, signal=signal_name(w.exit_signal))
+    return inc
+
+
+def spawn_failed_incident(incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError,
+                          facts: RunFacts) -> Incident:
+    """The worker command cannot be executed: a configuration error, recorded before the run fails."""
+    inc = incidents.create("config_error", attempt=attempt, phase=None, step=None,
+                           classification=f"cannot start the worker: {exc}",
+                           summary=f"cannot start {argv[0]!r}: {exc.strerror or exc}", argv=argv, cwd=cwd)
+    facts.note_incident(inc)
+    log.error("spawn_failed", argv=argv, error=str(exc))
+    return inc
+
+
+def crash_loop_incident(incidents: IncidentStore, attempt: int, decision: Decision, policy: RestartPolicy,
+                        restart_cfg: RestartCfg, facts: RunFacts) -> Incident:
+    """The final incident of a run the restart policy gave up on."""
+    inc = incidents.create(
+        "crash_loop", attempt=attempt, phase=None, step=policy.best_step, classification="crash loop",
+        summary=decision.reason, status="final", restarts_in_window=len(policy.recent), window_s=restart_cfg.window_s,
+        max_restarts=restart_cfg.max_restarts, last_incident=facts.last_incident,
+        last_good_checkpoint=facts.last_good_checkpoint)
+    facts.note_incident(inc)
+    log.error("crash_loop", incident=inc.id, reason=decision.reason)
+    return inc

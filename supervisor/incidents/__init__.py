@@ -1,0 +1,24 @@
+"""Incidents: one directory per failure, the evidence in it, and what the evidence says.
+
+    dumps.py     faulthandler dumps: threads, the stuck frame, the call chain
+    classify.py  the classification of a stall (CPU, state) and of an exit (last words, code, signal, log)
+    store.py     Incident, IncidentStore: `incidents/NNNN-<kind>/incident.json` and the evidence files
+
+Kinds: stall, livelock, startup_timeout, manual, crash, oom, nan, signal, config_error, data_error,
+crash_loop.
+"""
+from hangwatch.supervisor.incidents.classify import classify_exit, classify_stall, last_exception_line, signal_name
+from hangwatch.supervisor.incidents.dumps import (
+    ThreadStack,
+    call_chain,
+    fatal_error,
+    frame_str,
+    main_thread,
+    parse_faulthandler,
+    stuck_frame,
+)
+from hangwatch.supervisor.incidents.store import KINDS, Incident, IncidentStore, summary_of
+
+__all__ = ["KINDS", "Incident", "IncidentStore", "ThreadStack", "call_chain", "classify_exit", "classify_stall",
+           "fatal_error", "frame_str", "last_exception_line", "main_thread", "parse_faulthandler", "signal_name",
+           "stuck_frame", "summary_of"]

@@ -1,0 +1,105 @@
+"""What the evidence says: a stalled worker from its processes' CPU and state, an ended one from its
+last words (exit.json), exit code or signal, and the tail of its log — in that order of trust.
+
+The words are the incident's `classification`, e.g. "busy loop in Python (CPU 100%)", "blocked in C
+(CPU 0%, state S)", "uninterruptible I/O (state D)", "killed by SIGKILL (signal 9)".
+"""
+from __future__ import annotations
+
+import signal as _signal
+from typing import Optional
+
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL
+from hangwatch.supervisor.incidents.dumps import frame_str
+
+OOM_PATTERNS = ("OutOfMemoryError", "out of memory", "MemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc")
+BUSY_CPU = 40.0  # % of one core: a hot loop (generous, CPUs are shared)
+IDLE_CPU = 10.0
+
+def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame: Optional[dict]) -> str:
+    """What the evidence shows about a stalled worker: CPU and state of its announced processes."""
+    if not procs:
+        return "no worker process left to inspect"
+    states = {p.get("state") for p in procs}
+    cpu = max(p.get("cpu_percent", 0.0) for p in procs)
+    where = f" at {frame_str(frame)}" if frame else ""
+    if "D" in states:
+        text = f"uninterruptible I/O (state D, CPU {cpu:.0f}%){where}"
+    elif cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
+        # a spinning loop never sleeps: always runnable (R), though it gets less than a core when CPUs are contended
+        text = f"busy loop in Python (CPU {cpu:.0f}%){where}"
+    elif cpu <= IDLE_CPU:
+        state = "/".join(sorted(s for s in states if s)) or "?"
+        text = f"blocked in C (CPU {cpu:.0f}%, state {state}){where}"
+    elif states == {"T"}:
+        text = f"stopped (state T){where}"
+    else:
+        text = f"partly busy (CPU {cpu:.0f}%){where}"
+    if kind == "livelock" and deadline:
+        text = (f"livelock: {deadline.get('progress_lines', 0)} progress beat(s) but no "
+                f"{'step' if deadline.get('name') == 'step' else 'end of phase ' + repr(deadline.get('phase'))} "
+                f"in {deadline.get('elapsed_s', 0):.1f}s; " + text)
+    elif kind == "startup_timeout":
+        text = "never sent its start beat; " + text
+    return text
+
+
+def signal_name(sig: Optional[int]) -> Optional[str]:
+    if sig is None:
+        return None
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[dict], log_tail: str,
+                  *, killed_by_us: bool = False) -> tuple[str, str]:
+    """(kind, classification) of a worker that ended by itself.
+
+    Last words (exit.json) first, then the exit code or signal, then the log tail.
+    """
+    lw = last_words or {}
+    lw_kind = str(lw.get("kind") or "")
+    lw_msg = str(lw.get("message") or "")
+    lw_tb = str(lw.get("traceback") or "")
+    lw_text = " ".join((lw_kind, lw_msg, lw_tb))
+    exc_line = last_exception_line(lw_tb.splitlines()) or (f"{lw_kind}: {lw_msg}" if lw_kind or lw_msg else "")
+    if code == EXIT_CONFIG or lw_kind in ("config", "config_error"):
+        return "config_error", f"configuration error: {lw_msg or exc_line or 'exit 78 (EX_CONFIG)'}"
+    if code == EXIT_DATAERR or lw_kind in ("data", "data_error"):
+        return "data_error", f"unusable data: {lw_msg or exc_line or 'exit 65 (EX_DATAERR)'}"
+    if code == EXIT_TEMPFAIL or lw_kind in ("nan", "nonfinite", "non_finite"):
+        return "nan", f"non-finite loss: {lw_msg or 'exit 75 (EX_TEMPFAIL)'}"
+    if any(p in lw_text for p in OOM_PATTERNS) or lw_kind == "oom":
+        return "oom", f"out of memory: {exc_line or lw_msg}"
+    if last_words:
+        return "crash", f"crash with {exc_line or lw_kind or 'an exception'}"
+    if sig is not None:
+        name = signal_name(sig)
+        hint = ""
+        if sig == _signal.SIGKILL and not killed_by_us:
+            hint = " — not sent by the supervisor; the kernel's OOM killer does this"
+        return "signal", f"killed by {name} (signal {sig}){hint}"
+    tail_exc = last_exception_line(log_tail.splitlines())
+    if tail_exc and any(p in tail_exc for p in OOM_PATTERNS):
+        return "oom", f"out of memory: {tail_exc}"
+    if tail_exc:
+        return "crash", f"crash with {tail_exc} (from the worker log)"
+    if any(p in log_tail for p in OOM_PATTERNS):
+        return "oom", "out of memory (from the worker log)"
+    return "crash", f"exited with code {code} without last words"
+
+
+def last_exception_line(lines: list[str]) -> Optional[str]:
+    """The `Type: message` line closing the last traceback in `lines`."""
+    idx = max((i for i, l in enumerate(lines) if l.startswith("Traceback (most recent call last):")), default=None)
+    if idx is None:
+        return None
+    for line in lines[idx + 1:]:
+        if line and not line.startswith((" ", "\t", "Traceback")):
+            if line.startswith(("During handling", "The above exception")):
+                continue
+            return line.strip()
+    return None
+

@@ -1,0 +1,200 @@
+"""Step 3 of every loop pass: bring the processes in line with the state, one handler per state.
+
+The handlers are the only code that acts on processes and incidents — spawn an attempt, ask the
+worker to stop (SIGTERM), start an episode (snapshot, SIGUSR1, SIGTERM/SIGKILL to the tree, the
+incident), back off — and they act on what the loop's first two steps recorded: the worker's exit
+(`Worker.exited`), an operator's intent (`after_teardown`, `escalate_now`, `force`), the overdue
+deadline (`expired`).  A pass runs handlers until the state settles, so a fired deadline is
+snapshotted in the same pass and a finished backoff spawns at once.
+
+`Reconciler` works on its `Supervisor`'s state (like `Commands`); what follows a finished episode
+or a request is decided by the pure `outcome.resolve`.
+"""
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Callable, Optional
+
+import structlog
+
+from hangwatch.common.exitcodes import EXIT_CONFIG
+from hangwatch.supervisor import attempt as attempts
+from hangwatch.supervisor.episode import Episode, crash_loop_incident, spawn_failed_incident
+from hangwatch.supervisor.outcome import Intent, Outcome, resolve
+from hangwatch.supervisor.states import State
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.runner import Supervisor
+
+log = structlog.get_logger("hangwatch")
+
+
+class Reconciler:
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        self.handlers: dict[State, Callable[[float], None]] = {
+            State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
+            State.STALLED: self.stalled, State.DUMPING: self.dumping, State.KILLING: self.killing,
+            State.BACKOFF: self.backoff, State.PAUSED: self.paused,
+        }
+
+    def __call__(self, now: float) -> None:
+        """Run the current state's handler until the state settles (each handler moves at most one step)."""
+        for _ in range(len(State)):
+            st = self.sup.lifecycle.state
+            handler = self.handlers.get(st)  # final states have none
+            if handler is None:
+                return
+            handler(now)
+            if self.sup.lifecycle.state is st:
+                return
+
+    # ================================================================================ per state
+
+    def running(self, now: float) -> None:  # STARTING, RUNNING
+        if self.sup.current is None:
+            self.start_attempt(now)
+        elif not self._escalated(now) and self.sup.after_teardown is not Intent.NONE:
+            self.graceful_stop(now)
+
+    def stopping(self, now: float) -> None:
+        if not self._escalated(now) and self.sup.force:
+            self.sup.force = False
+            self.begin_kill(Episode(None, None, now, reason="forced stop"), now, send_term=False)
+
+    def _escalated(self, now: float) -> bool:
+        """A worker exit, `restart now` or an overdue deadline starts an episode (True when one did)."""
+        sup = self.sup
+        if sup.current.worker.exited:
+            self.worker_exited(now)
+        elif sup.escalate_now or sup.expired is not None:
+            ex = None if sup.escalate_now else sup.expired
+            sup.escalate_now = False
+            sup.episode = Episode.stall(sup.tools, sup.current, sup.deadlines, sup.facts, now,
+                                        ex.incident_kind if ex else "manual", ex)
+            sup.deadlines.disarm_extra("stop")
+            sup.transition(State.STALLED, sup.episode.reason, now)
+        else:
+            return False
+        return True
+
+    def stalled(self, now: float) -> None:
+        sup = self.sup
+        if sup.episode.sample_then_dump(sup.tools, sup.current, now):
+            sup.transition(State.DUMPING, f"SIGUSR1 to {[t.ref.pid for t in sup.episode.dumps.targets]}", now)
+
+    def dumping(self, now: float) -> None:
+        ep = self.sup.episode
+        if ep.dumps.advance(now):
+            ep.collect_dumps(self.sup.current, now)
+            self.begin_kill(ep, now)
+
+    def killing(self, now: float) -> None:
+        killer = self.sup.episode.killer
+        if self.sup.force and killer.kill_at is None:
+            self.sup.force = False
+            killer.kill_now(now)
+        if killer.advance(now):
+            self.finish_episode(now)
+
+    def backoff(self, now: float) -> None:
+        out = resolve(self.sup.after_teardown, None, during="backoff")
+        if out is not None:
+            self.apply(out, now)
+        elif self.sup.backoff_until is None or now >= self.sup.backoff_until:
+            self.start_attempt(now)
+
+    def paused(self, now: float) -> None:
+        out = resolve(self.sup.after_teardown, None, during="paused")
+        if out is not None and out.state is not State.PAUSED:
+            self.apply(out, now)
+
+    # ================================================================================ actions
+
+    def start_attempt(self, now: float) -> None:
+        sup = self.sup
+        if sup.current is not None:
+            sup.facts.restarts += 1
+        sup.attempt += 1
+        if sup.lifecycle.state is not State.STARTING:
+            sup.transition(State.STARTING, f"attempt {sup.attempt}", now)
+        sup.episode, sup.backoff_until, sup.expired, sup.escalate_now = None, None, None, False
+        try:
+            sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now)
+        except OSError as exc:
+            sup.current = None
+            spawn_failed_incident(sup.incidents, sup.attempt, attempts.worker_argv(sup.cfg, sup.config_path),
+                                  sup.cfg.worker.cwd, exc, sup.facts)
+            self.finish(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
+            return
+        sup.deadlines.arm_startup(now)
+        sup.policy.attempt_started(now)
+        w = sup.current.worker
+        log.info("worker_spawned", attempt=sup.attempt, pid=w.pid, argv=w.argv, log=str(w.log_path))
+        sup.spawned(now)
+
+    def graceful_stop(self, now: float) -> None:
+        sup = self.sup
+        sup.transition(State.STOPPING, f"{sup.after_teardown.value} requested", now)
+        w = sup.current.worker
+        sent = sup.table.signal(w.ref, signal.SIGTERM)
+        budget, source = sup.deadlines.step_budget()
+        bound = sup.watchdog_cfg.term_grace_s + budget
+        sup.deadlines.arm_extra("stop", now, bound, f"term_grace + {source} step budget")
+        log.info("graceful_stop", intent=sup.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3))
+
+    def worker_exited(self, now: float) -> None:
+        sup = self.sup
+        cur, w = sup.current, sup.current.worker
+        if sup.lifecycle.state is State.STOPPING:
+            ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now,
+                                stopping=f"graceful stop ({sup.after_teardown.value})")
+        else:
+            stop_reason = cur.last_stop.get(sup.deadlines.main_rank())
+            decision = sup.policy.on_exit(now, w.exit_code if w.exit_signal is None else None, stop_reason)
+            ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now, decision=decision)
+        self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
+
+    def begin_kill(self, ep: Episode, now: float, send_term: bool = True, why: Optional[str] = None) -> None:
+        sup = self.sup
+        sup.episode = ep
+        ep.begin_kill(sup.tools, sup.current, now, send_term)
+        sup.deadlines.disarm_extra("stop")
+        sup.transition(State.KILLING, why or ("SIGTERM to the process group" if send_term else "SIGKILL to the tree"), now)
+
+    def finish_episode(self, now: float) -> None:
+        """The tree is gone: decide what follows, complete the incident, go there."""
+        sup = self.sup
+        ep, cur = sup.episode, sup.current
+        cur.tail.finish()
+        sup.save_calibration()
+        if ep.decision is None and sup.after_teardown is Intent.NONE:
+            ep.decision = sup.policy.on_failure(now, ep.reason)
+        out = resolve(sup.after_teardown, ep.decision, cur.worker.exit_code)
+        ep.finish(cur, sup.facts, now, out.state.value, out.why, sup.deadlines.main_rank())
+        log.info("tree_gone", attempt=sup.attempt, next=out.state.value, why=out.why,
+                 gone_after_s=ep.killer.timings()["tree_gone_after_s"])
+        sup.episode = None
+        if out.state is State.FAILED and ep.decision is not None and ep.decision.crash_loop:
+            crash_loop_incident(sup.incidents, sup.attempt, ep.decision, sup.policy, sup.cfg.restart, sup.facts)
+        self.apply(out, now)
+
+    def apply(self, out: Outcome, now: float) -> None:
+        sup = self.sup
+        if out.state is State.STARTING:
+            sup.after_teardown = Intent.NONE
+            self.start_attempt(now)
+        elif out.state is State.BACKOFF:
+            sup.backoff_until = now + out.delay_s
+            sup.transition(State.BACKOFF, out.why, now)
+        elif out.state is State.PAUSED:
+            sup.after_teardown = Intent.NONE
+            sup.transition(State.PAUSED, out.why, now)
+        else:
+            self.finish(out, now)
+
+    def finish(self, out: Outcome, now: float) -> None:
+        self.sup.exit_code = out.exit_code
+        if out.state is not State.FAILED:
+            self.sup.notify("stopping")
+        self.sup.transition(out.state, out.why, now)
