@@ -169,6 +169,9 @@ class DataCfg(Section):
         "reject_file", description="Continuous mode: a partly bad file is rejected whole, or its good lines train."
     )
     max_file_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Continuous mode: larger inbox files are rejected.")
+    flush_after_s: float = Field(
+        30, gt=0, description="Continuous mode: with nothing new arriving for this long, the examples in hand train as a "
+        "partial optimizer step (loss over the tokens present), the covering checkpoint is written and the file reaches done/.")
     idle_exit_s: Optional[float] = Field(
         None, gt=0, description="Continuous mode: after this long idle (queue empty, nothing arriving) train what is "
         "left, checkpoint, export final/ and stop with reason `idle`; null: wait for files forever."
