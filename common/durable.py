@@ -10,6 +10,7 @@ that fails (or dies) at a chosen operation.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -17,6 +18,20 @@ from pathlib import Path
 from typing import Any
 
 TMP_PREFIX = ".tmp-"  # every temporary this module creates starts with it (a crash's leftovers are findable)
+
+# The write failures that are the disk's, not the program's: no retry of the same write can help.
+DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EIO: "I/O error"}
+
+
+def disk_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+def describe_write_error(exc: OSError, path: os.PathLike | str) -> str:
+    """"no space left on device at PATH" (or the OS's own words for another errno)."""
+    what = DISK_ERRNOS.get(exc.errno) or (exc.strerror or str(exc)).lower()
+    return f"{what} at {path}"
 
 
 def fsync_dir(path: os.PathLike | str) -> None:
@@ -89,8 +104,14 @@ class FsOps:
     """Every change that moves data between durable states goes through one of these methods.
 
     The default does the real thing; tests pass a subclass that raises (or kills the process)
-    before or after a chosen operation.
+    before or after a chosen operation — the seam that walks every write site.
     """
+
+    def write_json(self, path: Path, data: Any, durable: bool = True) -> None:
+        write_json_atomic(path, data, durable=durable)
+
+    def mkdir(self, path: Path, exist_ok: bool = True) -> None:
+        Path(path).mkdir(parents=True, exist_ok=exist_ok)
 
     def rename(self, src: Path, dst: Path) -> None:
         os.rename(src, dst)

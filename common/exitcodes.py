@@ -13,8 +13,9 @@ EX_USAGE = 64  # the command line was wrong
 EXIT_DATAERR = 65  # unusable data for the whole run: do not restart
 EX_UNAVAILABLE = 69  # no daemon answers on the socket
 EX_SOFTWARE = 70  # the daemon answered with an error
+EXIT_IOERR = 74  # the disk refused a write (full, read-only, I/O error): a person must make room; not restarted
 EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last good checkpoint
 EXIT_CONFIG = 78  # configuration error: do not restart
 
-NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
+NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG, EXIT_IOERR})
 EX_CANTCREAT = 73  # the run dir is held by another supervisor: nothing was started or changed

@@ -5,8 +5,9 @@ Order of business, so that the `start` heartbeat comes before the slow imports: 
 `start`, enter `load` and only then import torch, transformers and peft.
 
 With `data.inbox: true` the worker trains continuously on files dropped into `<run_dir>/inbox/`
-(`hangwatch.daemon.inbox`); with `data.idle_exit_s` set it ends, reason `idle`, once no file came for
-that long.
+(`hangwatch.daemon.inbox`); after `data.flush_after_s` with no file coming it trains what it has as a
+partial step and checkpoints it, and with `data.idle_exit_s` set it ends, reason `idle`, once no file
+came for that long.
 
 Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in

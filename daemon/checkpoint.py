@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from hangwatch.common.durable import TMP_PREFIX, fsync_dir, fsync_file, write_atomic
 from hangwatch.common.rundir import CHECKPOINTS
+from hangwatch.daemon.errors import CheckpointSaveError
 
 MANIFEST = "manifest.json"
 GOOD = "GOOD"
@@ -83,9 +84,22 @@ def fsync_tree(root: Path) -> None:
 def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> Path:
     """Write checkpoint `step` under `root` with the commit protocol; `fill(tmpdir)` writes its files."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = step_name(step)
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    try:
+        return _commit(root, name, step, tmp, fill)
+    except OSError as exc:
+        # Nothing half-written is left behind (a full disk must not also be a littered one), and
+        # nothing under a checkpoint's name was touched: the last good checkpoint is intact.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(step, str(root), exc) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit(root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], None]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()

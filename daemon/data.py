@@ -220,8 +220,10 @@ class ContinuousDataSource(DataSource, Protocol):
     """A source whose data arrives while training runs (continuous mode, `daemon.inbox.feed.InboxFeed`).
 
     `take_step(n) -> (examples, end)` may wait for data and come back short, with `end` "stop" (a
-    stop request ended the wait) or "idle" (no data came for `data.idle_exit_s`); `end` is None for
-    a full step.  `commit(position, step)` is called once the checkpoint holding `position` is
+    stop request ended the wait: the examples are not trained), "flush" (no data came for
+    `data.flush_after_s`: train what is in hand, possibly nothing, as a partial step and make it
+    durable, then go on) or "idle" (no data came for `data.idle_exit_s`: train it and end); `end`
+    is None for a full step.  `commit(position, step)` is called once the checkpoint holding `position` is
     committed; `close()` when training is over.
     """
 

@@ -21,3 +21,14 @@ class NonFiniteStreak(Exception):
         self.streak = streak
         self.step = step
         super().__init__(f"{streak} non-finite optimizer steps in a row after step {step}")
+
+
+class CheckpointSaveError(Exception):
+    """A checkpoint could not be written (exit 74 when the disk refused: a person must make room).
+
+    The half-written temporary directory is already gone when this is raised; the last good
+    checkpoint was never touched."""
+
+    def __init__(self, step: int, root: str, cause: OSError):
+        self.step, self.root, self.cause = step, root, cause
+        super().__init__(f"checkpoint of step {step} could not be written under {root}: {cause}")

@@ -1,4 +1,5 @@
-"""Evaluation: held-out loss, then generation for the fixed prompts, appended to evolution.jsonl.
+"""Evaluation: held-out loss, then generation for the fixed prompts, appended to evolution.jsonl;
+and the held-out loss alone (`heldout_loss`), on which continuous mode confirms an idle checkpoint.
 
 Generation is its own heartbeat phase (`generate`, with the configured budget) and beats
 `progress` every few tokens from a stopping criterion — that is, from the thread that generates:
@@ -7,11 +8,12 @@ the whole eval, so evaluating (or not) never changes the training trajectory.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -79,30 +81,47 @@ def append_evolution(run_dir: os.PathLike | str, records: list[dict]) -> None:
     append_durable(Path(run_dir) / EVOLUTION, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
 
 
-def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,
-             processors=(), should_stop: Callable[[], bool] = lambda: False) -> dict:
-    """One evaluation at `step`: loss, generations, evolution.jsonl; returns a summary."""
-    budgets = cfg.watchdog.phase_budgets_s
+@contextlib.contextmanager
+def set_aside(bundle) -> Iterator[None]:
+    """Eval mode, no gradients and the training RNG forked: whatever runs inside leaves the training
+    trajectory exactly as it was."""
     model = bundle.model
     was_training = model.training
     model.eval()
     try:
         cuda_devices = [torch.cuda.current_device()] if bundle.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
-            loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
-            records = []
-            with hb.phase("generate", budget_s=budgets.get("generate")):
-                for item in cfg.eval.prompts:
-                    if should_stop():
-                        break
-                    prompt = item if isinstance(item, str) else item.prompt
-                    reference = None if isinstance(item, str) else item.reference
-                    output = generate_one(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop)
-                    records.append({"step": step, "prompt": prompt, "reference": reference, "output": output,
-                                    "loss": loss, "attempt": attempt, "t": time.time()})
+            yield
     finally:
         if was_training:
             model.train()
+
+
+def heldout_loss(bundle, cfg, hb, eval_examples: list[Example]) -> Optional[float]:
+    """The held-out loss of the current weights alone (no generation), in phase `eval`; None without
+    eval examples.  Continuous mode confirms an idle checkpoint on it."""
+    if not eval_examples:
+        return None
+    with hb.phase("eval", budget_s=cfg.watchdog.phase_budgets_s.get("eval")), set_aside(bundle):
+        return eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
+
+
+def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,
+             processors=(), should_stop: Callable[[], bool] = lambda: False) -> dict:
+    """One evaluation at `step`: loss, generations, evolution.jsonl; returns a summary."""
+    budgets = cfg.watchdog.phase_budgets_s
+    with set_aside(bundle):
+        loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
+        records = []
+        with hb.phase("generate", budget_s=budgets.get("generate")):
+            for item in cfg.eval.prompts:
+                if should_stop():
+                    break
+                prompt = item if isinstance(item, str) else item.prompt
+                reference = None if isinstance(item, str) else item.reference
+                output = generate_one(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop)
+                records.append({"step": step, "prompt": prompt, "reference": reference, "output": output,
+                                "loss": loss, "attempt": attempt, "t": time.time()})
     if records:
         append_evolution(run_dir, records)
     return {"loss": loss, "generations": len(records)}

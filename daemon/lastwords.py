@@ -7,15 +7,17 @@ sees half a file (hangwatch.common.durable); a death by signal leaves none, whic
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 from hangwatch.common.durable import write_json_atomic
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_TEMPFAIL
+from hangwatch.common.durable import disk_error
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.common.rundir import exit_path
-from hangwatch.daemon.errors import DataError, NonFiniteStreak
+from hangwatch.daemon.errors import CheckpointSaveError, DataError, NonFiniteStreak
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
@@ -28,6 +30,10 @@ def classify(exc: BaseException) -> tuple[str, int]:
         return "data_error", EXIT_DATAERR
     if isinstance(exc, NonFiniteStreak):
         return "nan", EXIT_TEMPFAIL
+    if isinstance(exc, CheckpointSaveError):
+        return "checkpoint_failed", EXIT_IOERR if disk_error(exc.cause) else EXIT_FAILED
+    if disk_error(exc):  # another write the disk refused (evolution log, final export, …)
+        return "disk", EXIT_IOERR
     # By name, so classifying never imports torch (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError).
     if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
         return "oom", EXIT_FAILED
@@ -57,5 +63,10 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
     problems = getattr(exc, "problems", None)
     if problems:
         extra.setdefault("problems", list(problems))
-    path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, exit_code=code, **extra)
+    try:
+        path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, exit_code=code, **extra)
+    except OSError as write_exc:  # a full disk takes the last words too: the exit code and stderr still speak
+        path = exit_path(run_dir, attempt)
+        print(f"hangwatch worker: last words not written to {path} ({write_exc}); {kind}: {exc}", file=sys.stderr,
+              flush=True)
     return kind, code, path

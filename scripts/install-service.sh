@@ -66,9 +66,9 @@ if [ -n "$config" ]; then
   [ -n "$py" ] || die "no python that can import hangwatch (tried $bin's interpreter, $repo/.venv/bin/python, python3)"
   resolved=$("$py" - "$config" <<'PY'
 import sys
-from hangwatch.common.config import ConfigError, dump_config, load_config
+from hangwatch.common.config import ConfigError, dump_config, load_checked
 try:
-    cfg = load_config(sys.argv[1])
+    cfg, warnings = load_checked(sys.argv[1])  # what `hangwatch run` checks: files, model, command, dirs
 except ConfigError as err:
     for problem in err.problems:
         print(problem, file=sys.stderr)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from hangwatch.common.durable import FsOps
 from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
@@ -46,6 +47,7 @@ class Attempt:
     tree: dict[int, ProcRef] = field(default_factory=dict)  # descendants seen, by pid
     last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
     last_tree_scan: float = float("-inf")
+    oom_kills_at_start: Optional[int] = None  # the memory cgroup's OOM-kill count when it started (evidence)
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
         """A `start` line: remember the rank's process (by identity) and where its dumps go."""
@@ -116,10 +118,10 @@ def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = 
     return env
 
 
-def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float) -> Attempt:
+def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None) -> Attempt:
     """Create the attempt's directory and spawn the worker; OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
-    adir.mkdir(parents=True, exist_ok=True)
+    (fs or FsOps()).mkdir(adir)
     worker = spawn(worker_argv(cfg, config_path), env=worker_env(cfg, number), cwd=cfg.worker.cwd,
                    log_path=adir / WORKER_LOG_NAME, now=now)
     return Attempt(number, adir, worker, HeartbeatTail(adir))

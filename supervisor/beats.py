@@ -66,4 +66,4 @@ def read(sup: "Supervisor", now: float) -> None:
         sup.facts.torn_lines += cur.tail.torn - torn_before
         log.warning("torn_heartbeat_lines", count=cur.tail.torn - torn_before, total=sup.facts.torn_lines,
                     example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None)
-    sup.calibration.save_if_changed()
+    sup.save_calibration(only_if_changed=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from hangwatch.common.config import WatchdogCfg
-from hangwatch.common.durable import write_json_atomic
+from hangwatch.common.durable import FsOps
 
 MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
 PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them
@@ -32,9 +32,10 @@ def p99(samples: Iterable[float]) -> float:
 
 
 class Calibration:
-    def __init__(self, wd: WatchdogCfg, path: Optional[Path] = None):
+    def __init__(self, wd: WatchdogCfg, path: Optional[Path] = None, fs: Optional[FsOps] = None):
         self.wd = wd
         self.path = Path(path) if path is not None else None
+        self.fs = fs or FsOps()
         self.step_samples: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.phase_samples: dict[str, deque[float]] = {}
         self._dirty = 0
@@ -97,7 +98,7 @@ class Calibration:
         if target is None:
             raise ValueError("no calibration path")
         # Not fsynced: losing the newest samples to a crash costs only a less calibrated next attempt.
-        write_json_atomic(target, self.to_dict(), durable=False)
+        self.fs.write_json(target, self.to_dict(), durable=False)
         self._dirty = 0
         return target
 

@@ -24,13 +24,13 @@ from typing import Any, Optional
 
 import click
 
-from hangwatch.common.config import ConfigError, load_config, reference_text
-from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED
+from hangwatch.common.config import ConfigError, load_checked, load_config, reference_text
+from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hangwatch.common.rundir import CONFIG_NAME
 from hangwatch.supervisor import cli_client
 from hangwatch.supervisor.cli_client import client_for, daemon_options, fail
 from hangwatch.supervisor.client import ClientError
-from hangwatch.supervisor.summary import config_summary, run_summary
+from hangwatch.supervisor.summary import config_summary, finished_hint, run_summary
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout hangwatch runs from (an editable install)
 INTERRUPTED = 130  # the shell's code for death by SIGINT
@@ -85,6 +85,19 @@ def load_or_exit(config: str, run_dir: Optional[str]):
         sys.exit(EXIT_CONFIG)
 
 
+def check_or_exit(config: str, run_dir: Optional[str]):
+    """The config checked against this machine too (data files, model, command, directories): its
+    problems exit 78 before anything starts; its warnings go to stderr and the command goes on."""
+    try:
+        cfg, warnings = load_checked(config, run_dir)
+    except ConfigError as exc:
+        report_config_error(exc)
+        sys.exit(EXIT_CONFIG)
+    for warning in warnings:
+        click.echo(f"hangwatch: warning: {warning}", err=True)
+    return cfg
+
+
 def report_config_error(exc: ConfigError) -> None:
     """The one place a bad config is explained: a headline, then one line per problem."""
     n = len(exc.problems)
@@ -94,17 +107,23 @@ def report_config_error(exc: ConfigError) -> None:
 
 
 @main.command(short_help="Run the supervisor in the foreground.", epilog="\b\nConfiguration keys (YAML; key = default  (type)):\n" + reference_text())
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Use this run directory instead of the config's run_dir.")
 def run(config: str, run_dir: Optional[str]) -> None:
     """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
 
     Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
+    The config is checked as by `validate-config` first (files, model, command): nothing starts for a
+    bad one.  A run dir whose run already finished is left alone: exit 0 with how to start afresh.
     Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
     """
     from hangwatch.supervisor import app
 
-    cfg = load_or_exit(config, run_dir)  # nothing is started for a bad config
+    cfg = check_or_exit(config, run_dir)  # nothing is started for a bad config
+    hint = finished_hint(cfg, config)
+    if hint is not None:
+        say_finished(hint)
+        sys.exit(EXIT_OK)
     code = app.run(cfg)
     if code not in (EXIT_CONFIG, EX_CANTCREAT):  # nothing ran: no summary of someone else's run
         for line in run_summary(cfg.run_dir, code):
@@ -112,12 +131,28 @@ def run(config: str, run_dir: Optional[str]) -> None:
     sys.exit(code)
 
 
+def say_finished(hint: list[str]) -> None:
+    """The finished-run hint on stderr, and to systemd (READY then STOPPING: a clean exit, not a failed start)."""
+    from hangwatch.supervisor.notify import Notifier
+
+    for line in hint:
+        click.echo(line, err=True)
+    notifier = Notifier.from_env()
+    notifier.ready(status=hint[0])
+    notifier.stopping()
+    notifier.close()
+
+
 @main.command("validate-config", short_help="Check a config file (exit 78 when bad).")
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="As for `run`: override the config's run_dir.")
 def validate_config(config: str, run_dir: Optional[str]) -> None:
-    """Check a config file: print OK and what it will do, or every problem (exit 78)."""
-    cfg = load_or_exit(config, run_dir)
+    """Check a config file: print OK and what it will do, or every problem (exit 78).
+
+    Beyond each key's type and range: settings that contradict each other, duplicate keys, and what
+    the config names on this machine (data files and their first lines, the model, worker.cwd and
+    worker.command, the run and socket directories).  Likely mistakes are warnings on stderr."""
+    cfg = check_or_exit(config, run_dir)
     click.echo(f"OK: {config}")
     for label, text in config_summary(cfg):
         click.echo(f"  {label:<10} {text}")
@@ -126,7 +161,7 @@ def validate_config(config: str, run_dir: Optional[str]) -> None:
 @main.command(short_help="Check data files and publish the good ones into the inbox.")
 @daemon_options
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+@click.option("--config", "config_path",
               help="The run's config (default: the run dir's config.yaml, the config as run).")
 @click.option("--priority", type=click.IntRange(0, 99), default=None,
               help="0-99: files of higher priority are trained first (default 0).")

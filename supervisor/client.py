@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import socket
+import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,11 +62,14 @@ class Client:
         """Send one request, return the raw reply object."""
         timeout = self.timeout if timeout is None else timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(timeout)
         try:
-            self._connect(sock)
+            self._connect(sock, timeout)
+            sock.settimeout(timeout)
             try:
-                sock.sendall(json.dumps(req).encode() + b"\n")
+                try:
+                    sock.sendall(json.dumps(req).encode() + b"\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it hung up mid-request (one too large): its reply, still readable, says why
                 raw = self._read_line(sock)
             except socket.timeout:
                 raise DaemonUnavailable(f"hangwatch at {self.path} did not answer within {timeout:g}s") from None
@@ -90,8 +94,17 @@ class Client:
             raise RequestFailed(f"{cmd}: {reply.get('error', 'failed (no reason given)')}")
         return reply.get("result")
 
-    def _connect(self, sock: socket.socket) -> None:
+    def _connect(self, sock: socket.socket, timeout: float) -> None:
+        """Connect, waiting at most `timeout` for room when the supervisor's queue of new connections is full.
+
+        A socket with a Python timeout is non-blocking, and a non-blocking Unix connect to a full queue
+        fails at once with EAGAIN; a blocking one with SO_SNDTIMEO waits in the kernel until the
+        supervisor's next pass accepts, or the time is up.
+        """
         where = self.path
+        seconds = max(timeout, 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000)))
         try:
             with unix_address(where) as addr:
                 sock.connect(addr)
@@ -101,8 +114,8 @@ class Client:
             raise DaemonUnavailable(f"no hangwatch running at {where} (connection refused)") from None
         except PermissionError:
             raise DaemonUnavailable(f"not allowed to use {where} (permission denied; the socket belongs to {_owner(where)})") from None
-        except socket.timeout:
-            raise DaemonUnavailable(f"hangwatch at {where} did not accept the connection in time") from None
+        except (socket.timeout, BlockingIOError):
+            raise DaemonUnavailable(f"hangwatch at {where} did not accept the connection within {timeout:g}s") from None
         except OSError as exc:
             raise DaemonUnavailable(f"cannot connect to {where}: {exc.strerror or exc}") from None
 
@@ -110,7 +123,10 @@ class Client:
     def _read_line(sock: socket.socket) -> Optional[bytes]:
         buf = bytearray()
         while True:
-            chunk = sock.recv(1 << 20)
+            try:
+                chunk = sock.recv(1 << 20)
+            except ConnectionResetError:  # closed with our request unread: what came before still counts
+                chunk = b""
             if not chunk:
                 return bytes(buf) if buf else None
             buf += chunk

@@ -136,6 +136,7 @@ class Commands:
         if self.sup.lifecycle.state is State.PAUSED:
             return {"ok": True, "result": {"accepted": "pause", "note": "already paused"}}
         self.sup.after_teardown = Intent.PAUSE
+        self.sup.write_state(now, force=True)  # the pause must survive this supervisor from now on
         return {"ok": True, "result": {"accepted": "pause", "state": self.sup.lifecycle.state.value}}
 
     def resume(self, req: dict, now: float) -> dict:
@@ -144,6 +145,7 @@ class Commands:
             return {"ok": False, "error": f"not paused (state {st.value})"}
         # paused, or a pause still under way: either way a worker runs again once nothing is left of the old one
         self.sup.after_teardown = Intent.RESTART
+        self.sup.write_state(now, force=True)
         return {"ok": True, "result": {"accepted": "resume"}}
 
     def dump(self, req: dict, now: float) -> Reply:

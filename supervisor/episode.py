@@ -25,6 +25,7 @@ from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines, Expired
 from hangwatch.supervisor.escalation import DumpCollector, TreeKiller
+from hangwatch.supervisor.evidence import KernelEvidence, sigkill_cause, torchrun_root_cause
 from hangwatch.supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error,
                                             frame_str, signal_name, stuck_frame)
 from hangwatch.supervisor.policy import Decision, RestartPolicy
@@ -47,6 +48,7 @@ class Tools:
     gpu_pids: Callable[[], Optional[set]]
     cpu_sample_s: float
     subreaper: bool
+    kernel: KernelEvidence = field(default_factory=KernelEvidence)  # what the kernel says of a SIGKILL
 
 
 @dataclass
@@ -141,14 +143,17 @@ class Episode:
         """The worker exited by itself: after a stop request (`stopping` says which), or judged by `decision`."""
         w = attempt.worker
         if stopping is not None:
-            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM:  # our SIGTERM before its handler was set is clean
-                return cls(None, None, now, reason=stopping)
-            kind, classification = _classify(attempt)
+            # A stop hangwatch asked for is a stop, whatever exit code a launcher turns it into (torchrun
+            # exits 1 after forwarding SIGTERM); only the worker's own last words make it a failure.
+            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or read_json(attempt.dir / EXIT_NAME) is None:
+                how = "" if w.exit_code == 0 else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
+                return cls(None, None, now, reason=stopping + how)
+            kind, classification = _classify(tools, attempt)
             summary = f"worker exited during a graceful stop: {classification}"
             return cls(kind, _exit_incident(tools, attempt, deadlines, facts, kind, classification, summary), now, reason=stopping)
         if decision.action == "finish":
             return cls(None, None, now, decision=decision, reason=decision.reason)
-        kind, classification = _classify(attempt)
+        kind, classification = _classify(tools, attempt)
         inc = _exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision)
         return cls(kind, inc, now, decision=decision, reason=classification)
 
@@ -194,9 +199,21 @@ def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
             "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.last_stop.get(main_rank)}
 
 
-def _classify(attempt: Attempt) -> tuple[str, str]:
+def _classify(tools: Tools, attempt: Attempt) -> tuple[str, str]:
     w = attempt.worker
-    return classify_exit(w.exit_code, w.exit_signal, read_json(attempt.dir / EXIT_NAME), tail_text(w.log_path, 80))
+    last_words = read_json(attempt.dir / EXIT_NAME)
+    cause = launcher = None
+    if w.exit_signal == signal.SIGKILL:
+        pids = {w.pid} | {a.ref.pid for a in attempt.announced.values() if a.ref}
+        cause = sigkill_cause(pids, attempt.oom_kills_at_start, tools.kernel.oom_kills(), tools.kernel.log())
+    elif last_words is None:
+        launcher = torchrun_root_cause(tail_text(w.log_path, 400))
+        if launcher and launcher.get("signal") == "SIGKILL":
+            rank_cause = sigkill_cause({launcher["pid"]}, attempt.oom_kills_at_start, tools.kernel.oom_kills(),
+                                       tools.kernel.log())
+            launcher = {**launcher, "signal": f"SIGKILL: {rank_cause}"}
+    return classify_exit(w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause,
+                         launcher=launcher)
 
 
 def _exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, kind: str, classification: str,

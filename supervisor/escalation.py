@@ -15,9 +15,11 @@ and records the worker's exit on `Worker`, which is what `TreeKiller` reads.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -67,12 +69,12 @@ class DumpCollector:
         self._start_py_spy()
 
     def _start_py_spy(self) -> None:
-        exe = shutil.which("py-spy") if self.py_spy else None
+        exe = find_py_spy() if self.py_spy else None
         if not self.py_spy:
             self.py_spy_note = "disabled (watchdog.py_spy: false)"
             return
         if exe is None:
-            self.py_spy_note = "not installed"
+            self.py_spy_note = f"not installed (looked in {Path(sys.executable).parent} and on PATH)"
             return
         if self.out_dir is None:
             return
@@ -80,7 +82,11 @@ class DumpCollector:
             if not self.signalled.get(t.rank):
                 continue
             out = self.out_dir / f"py-spy-rank{t.rank}.txt"
-            f = open(out, "wb")
+            try:
+                f = open(out, "wb")
+            except OSError as exc:  # the incident directory could not be made (a full disk): no py-spy output
+                self.py_spy_note = f"not run: cannot write {out} ({exc.strerror})"
+                return
             try:
                 p = subprocess.Popen([exe, "dump", "--native", "--locals", "--pid", str(t.ref.pid)], stdout=f,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -237,3 +243,12 @@ class TreeKiller:
         rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
         return {"sigkill_after_s": rel(self.kill_at), "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
                 "sigterm_sent": self.send_term, "sigkilled_pids": self.killed, "survivors": self.survivors}
+
+
+def find_py_spy(interpreter: str = sys.executable, path: Optional[str] = None) -> Optional[str]:
+    """py-spy next to the running interpreter first (`pip install py-spy` into the venv puts it in the
+    venv's bin/, which a service's PATH does not include), then on PATH."""
+    beside = Path(interpreter).parent / "py-spy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy", path=path)

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from hangwatch.supervisor.incidents.classify import last_exception_line
 
@@ -96,17 +96,14 @@ def oom_victims(records: Iterable[str]) -> set[int]:
 
 
 @dataclass(frozen=True)
-class OomWatch:
-    """The cgroup's OOM-kill count when an attempt started; compared when one of its processes dies."""
+class KernelEvidence:
+    """The kernel's records, read on demand (seams: tests pass readers of their own)."""
 
-    before: Optional[int]
-
-    @classmethod
-    def start(cls, **paths) -> "OomWatch":
-        return cls(cgroup_oom_kills(**paths))
+    oom_kills: Callable[[], Optional[int]] = cgroup_oom_kills
+    log: Callable[[], Optional[list[str]]] = kernel_log
 
 
-def sigkill_cause(pids: Iterable[int], watch: OomWatch, oom_kills_now: Optional[int],
+def sigkill_cause(pids: Iterable[int], oom_kills_before: Optional[int], oom_kills_now: Optional[int],
                   kernel_records: Optional[list[str]]) -> str:
     """What killed a process by SIGKILL that hangwatch did not send — only as far as the evidence goes."""
     pids = set(pids)
@@ -114,10 +111,10 @@ def sigkill_cause(pids: Iterable[int], watch: OomWatch, oom_kills_now: Optional[
     hit = sorted(pids & victims)
     if hit:
         return f"the kernel's OOM killer (kernel log: killed process {hit[0]})"
-    if watch.before is not None and oom_kills_now is not None and oom_kills_now > watch.before:
-        n = oom_kills_now - watch.before
+    if oom_kills_before is not None and oom_kills_now is not None and oom_kills_now > oom_kills_before:
+        n = oom_kills_now - oom_kills_before
         return f"the kernel's OOM killer (the memory cgroup counted {n} OOM kill(s) during this attempt)"
-    if kernel_records is None and (watch.before is None or oom_kills_now is None):
+    if kernel_records is None and (oom_kills_before is None or oom_kills_now is None):
         return "not sent by hangwatch; the kernel's OOM records cannot be read here, so whether it was the OOM killer is unknown"
     return "not sent by hangwatch, and not the OOM killer (the kernel recorded no OOM kill)"
 

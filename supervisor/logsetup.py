@@ -68,7 +68,7 @@ def configure(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
-    file_handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
+    file_handler = _FileHandler(path, encoding="utf-8", stream=stream)
     file_handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
@@ -111,6 +111,25 @@ def configure(
         cache_logger_on_first_use=False,
     )
     return path
+
+
+class _FileHandler(logging.handlers.WatchedFileHandler):
+    """The JSON log file.  When the disk refuses a line (full, read-only), the supervisor carries on:
+    the failure is said once per errno on stderr (the journal under systemd) instead of a traceback
+    per line, and the console handler still carries every line."""
+
+    def __init__(self, path: Path, *, encoding: str, stream: TextIO):
+        super().__init__(path, encoding=encoding, delay=False)
+        self._stderr = stream
+        self._said: set = set()
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        key = getattr(exc, "errno", None) or type(exc).__name__
+        if key not in self._said:
+            self._said.add(key)
+            print(f"hangwatch: cannot write the log file {self.baseFilename}: {exc} "
+                  "(lines go to stderr only until it can)", file=self._stderr, flush=True)
 
 
 def _leading_keys(logger, name, event_dict: dict) -> dict:

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_OK, NO_RESTART_CODES
+from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK, NO_RESTART_CODES
 from hangwatch.supervisor.policy import Decision
 from hangwatch.supervisor.states import State
 
@@ -27,6 +27,7 @@ class Intent(enum.Enum):
     EXIT = "exit"  # SIGTERM/SIGINT to the supervisor, `stop`
     PAUSE = "pause"
     RESTART = "restart"  # `restart`, `resume`
+    FAIL = "fail"  # the supervisor cannot go on (the disk refused its writes): stop the worker, end failed
 
 
 @dataclass(frozen=True)
@@ -38,21 +39,24 @@ class Outcome:
 
 
 REQUESTED = {
-    Intent.EXIT: (State.STOPPED, "stop requested"),
-    Intent.PAUSE: (State.PAUSED, "pause requested"),
-    Intent.RESTART: (State.STARTING, "restart requested"),
+    Intent.EXIT: (State.STOPPED, "stop requested", EXIT_OK),
+    Intent.PAUSE: (State.PAUSED, "pause requested", EXIT_OK),
+    Intent.RESTART: (State.STARTING, "restart requested", EXIT_OK),
+    Intent.FAIL: (State.FAILED, "the run cannot go on", EXIT_IOERR),
 }
 
 
 def resolve(intent: Intent, decision: Optional[Decision], exit_code: Optional[int] = None,
-            during: Optional[str] = None) -> Optional[Outcome]:
+            during: Optional[str] = None, reason: Optional[str] = None) -> Optional[Outcome]:
     """(request, policy decision, the worker's exit code) → what comes next; None: stay as it is.
 
-    `during` names the state a request arrived in ("backoff", "paused"), for the reason given.
+    `during` names the state a request arrived in ("backoff", "paused"), for the reason given;
+    `reason` replaces the request's generic words (why a FAIL: "no space left on device at PATH").
     """
     if intent is not Intent.NONE:
-        state, why = REQUESTED[intent]
-        return Outcome(state, f"{why} during {during}" if during else why)
+        state, why, code = REQUESTED[intent]
+        why = reason or why
+        return Outcome(state, f"{why} during {during}" if during else why, code)
     if decision is None:
         return None
     if decision.action == "finish":

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL, NO_RESTART_CODES
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL, NO_RESTART_CODES
 from hangwatch.common.config import RestartCfg
 
 FINISH_REASONS = frozenset({"finished", "idle"})
@@ -71,7 +71,9 @@ class RestartPolicy:
         if code == 0 and stop_reason in FINISH_REASONS:
             return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
         if code in NO_RESTART_CODES:
-            what = {EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)"}[code]
+            what = {EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)",
+                    EXIT_IOERR: "the disk refused a write (EX_IOERR): make room, then `hangwatch run` resumes from "
+                                "the last good checkpoint"}[code]
             return Decision("fail", f"worker exited {code}: {what}; not restarting")
         if code == EXIT_TEMPFAIL:
             return self.on_failure(now, f"worker exited {code}: non-finite loss streak; restart from the last good checkpoint",

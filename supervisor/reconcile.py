@@ -13,11 +13,14 @@ or a request is decided by the pure `outcome.resolve`.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import structlog
 
-from hangwatch.common.exitcodes import EXIT_CONFIG
+from hangwatch.common.durable import disk_error
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_IOERR
+from hangwatch.common.rundir import attempt_dir
 from hangwatch.supervisor import attempt as attempts
 from hangwatch.supervisor.episode import Episode, crash_loop_incident, spawn_failed_incident
 from hangwatch.supervisor.outcome import Intent, Outcome, resolve
@@ -98,14 +101,14 @@ class Reconciler:
             self.finish_episode(now)
 
     def backoff(self, now: float) -> None:
-        out = resolve(self.sup.after_teardown, None, during="backoff")
+        out = resolve(self.sup.after_teardown, None, during="backoff", reason=self.sup.fail_reason)
         if out is not None:
             self.apply(out, now)
         elif self.sup.backoff_until is None or now >= self.sup.backoff_until:
             self.start_attempt(now)
 
     def paused(self, now: float) -> None:
-        out = resolve(self.sup.after_teardown, None, during="paused")
+        out = resolve(self.sup.after_teardown, None, during="paused", reason=self.sup.fail_reason)
         if out is not None and out.state is not State.PAUSED:
             self.apply(out, now)
 
@@ -120,9 +123,14 @@ class Reconciler:
             sup.transition(State.STARTING, f"attempt {sup.attempt}", now)
         sup.episode, sup.backoff_until, sup.expired, sup.escalate_now = None, None, None, False
         try:
-            sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now)
+            sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now, fs=sup.fs)
+            sup.current.oom_kills_at_start = sup.tools.kernel.oom_kills()
         except OSError as exc:
             sup.current = None
+            if disk_error(exc):  # the attempt's directory or log cannot be made: the disk, not the config
+                sup.write_failed(exc, Path(exc.filename or attempt_dir(sup.run_dir, sup.attempt)))
+                self.finish(Outcome(State.FAILED, sup.fail_reason, EXIT_IOERR), now)
+                return
             spawn_failed_incident(sup.incidents, sup.attempt, attempts.worker_argv(sup.cfg, sup.config_path),
                                   sup.cfg.worker.cwd, exc, sup.facts)
             self.finish(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
@@ -170,7 +178,7 @@ class Reconciler:
         sup.save_calibration()
         if ep.decision is None and sup.after_teardown is Intent.NONE:
             ep.decision = sup.policy.on_failure(now, ep.reason)
-        out = resolve(sup.after_teardown, ep.decision, cur.worker.exit_code)
+        out = resolve(sup.after_teardown, ep.decision, cur.worker.exit_code, reason=sup.fail_reason)
         ep.finish(cur, sup.facts, now, out.state.value, out.why, sup.deadlines.main_rank())
         log.info("tree_gone", attempt=sup.attempt, next=out.state.value, why=out.why,
                  gone_after_s=ep.killer.timings()["tree_gone_after_s"])

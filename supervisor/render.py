@@ -234,7 +234,8 @@ def incidents_table(incidents: list) -> Table:
 
 
 def incident_view(inc: dict) -> Group:
-    """One incident: the headline fields, then the whole record as JSON."""
+    """One incident: the headline fields, the record as JSON, then every multi-line text in it (a
+    traceback, a log tail) printed as text under its key path — not as one escaped JSON string."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold", no_wrap=True)
     head.add_column()
@@ -242,8 +243,24 @@ def incident_view(inc: dict) -> Group:
         if inc.get(key) not in (None, "", [], {}):
             value = inc[key]
             head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))
-    body = Text(json.dumps(inc, indent=2, default=str))
-    return Group(head, Text(""), body)
+    texts: list[tuple[str, str]] = []
+    record = _lift_texts(inc, "", texts)
+    parts = [head, Text(""), Text(json.dumps(record, indent=2, default=str))]
+    for path, text in texts:
+        parts += [Text(""), Text(f"{path}:", style="bold"), Text(text.rstrip("\n"))]
+    return Group(*parts)
+
+
+def _lift_texts(value: Any, path: str, out: list) -> Any:
+    """A copy of `value` whose multi-line strings are replaced by a pointer; the strings go to `out`."""
+    if isinstance(value, dict):
+        return {k: _lift_texts(v, f"{path}.{k}" if path else str(k), out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_lift_texts(v, f"{path}[{i}]", out) for i, v in enumerate(value)]
+    if isinstance(value, str) and "\n" in value.strip("\n"):
+        out.append((path, value))
+        return f"<{value.count(chr(10)) + 1} lines: below, under {path}>"
+    return value
 
 
 def dump_text(dumps: dict) -> str:

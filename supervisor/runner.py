@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import structlog
 
 from hangwatch.common.config import Config, dump_config
-from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_OK
+from hangwatch.common.durable import FsOps, describe_write_error, disk_error
+from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK
 from hangwatch.common.rundir import ATTEMPTS, CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
 from hangwatch.supervisor import attempt as attempts, beats, leftovers, logsetup, process, snapshot as snapshots, statefile
 from hangwatch.supervisor.calibration import Calibration
@@ -58,7 +59,7 @@ class Supervisor:
                  notifier: Any = None, snapshot: Callable[..., Any] = snapshots.TreeSample,
                  gpu: Callable[[], dict] = snapshots.gpu, gpu_pids: Callable[[], Optional[set]] = snapshots.gpu_pids,
                  wakeup: Optional[Wakeup] = None, install_signals: bool = True, subreaper: bool = False,
-                 cpu_sample_s: float = 0.5, end_leftovers: bool = True):
+                 cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None):
         """Seams only; no I/O (that is `prepare`)."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
@@ -67,6 +68,7 @@ class Supervisor:
         self.state_path = self.run_dir / STATE_NAME
         self.clock = clock
         self.spawn = spawn
+        self.fs = fs if fs is not None else FsOps()  # every write in the run dir (the seam that makes one fail)
         self.table = table if table is not None else process.PsutilProcessTable(kill)
         self.control = control
         self.notifier = notifier if notifier is not None else NullNotifier()
@@ -75,10 +77,10 @@ class Supervisor:
         self._end_leftovers = end_leftovers
 
         self.lifecycle = StateMachine(State.STARTING)
-        self.calibration = Calibration(wd, self.run_dir / CALIBRATION_NAME)
+        self.calibration = Calibration(wd, self.run_dir / CALIBRATION_NAME, fs=self.fs)
         self.deadlines = Deadlines(wd, self.calibration)
         self.policy = RestartPolicy(cfg.restart)
-        self.incidents = IncidentStore(self.run_dir)
+        self.incidents = IncidentStore(self.run_dir, fs=self.fs, on_write_error=self.write_failed)
         self.suspension = SuspensionDetector(wd.poll_interval_s)
         self.gpu = snapshots.GpuCache(gpu)
         self.tools = Tools(self.table, self.incidents, wd, snapshot, self.gpu, gpu_pids, cpu_sample_s, subreaper)
@@ -95,6 +97,7 @@ class Supervisor:
         self.backoff_until: Optional[float] = None
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
+        self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
         self.started_at = 0.0
         self._ready_sent = False
         self._last_state_write = self._last_status_note = float("-inf")
@@ -119,7 +122,14 @@ class Supervisor:
         if problem:
             log.warning("calibration_ignored", problem=problem)
         self.attempt = next_attempt(self.run_dir) - 1
-        self.config_path.write_text(dump_config(self.cfg))
+        try:
+            self.fs.write_file(self.config_path, dump_config(self.cfg).encode())
+        except OSError as exc:
+            self.exit_code = EXIT_IOERR if disk_error(exc) else EXIT_FAILED
+            return f"cannot write {self.config_path}: {describe_write_error(exc, self.config_path)}"
+        if statefile.paused_before(previous):
+            # A pause outlives the supervisor: start paused; `resume` starts a worker.
+            self.transition(State.PAUSED, "paused before this supervisor started (state.json)", now)
         if self._subreaper:
             process.set_child_subreaper()
         return None
@@ -131,7 +141,7 @@ class Supervisor:
             print(f"hangwatch: {problem}", file=sys.stderr)
             log.error("refused", problem=problem)
             self._close_control()  # the socket file must not outlive a supervisor that never ran
-            return EXIT_FAILED
+            return self.exit_code if self.exit_code != EXIT_OK else EXIT_FAILED
         self.wakeup.open(self.run_dir / ATTEMPTS)
         log.info("supervisor_started", run_dir=str(self.run_dir), pid=os.getpid(), config=str(self.config_path))
         try:
@@ -280,11 +290,27 @@ class Supervisor:
         except Exception:  # systemd notification is a courtesy: never fatal
             log.exception("notify_failed", what=what)
 
-    def save_calibration(self) -> None:
+    def save_calibration(self, only_if_changed: bool = False) -> None:
         try:
-            self.calibration.save()
-        except OSError as exc:
+            if only_if_changed:
+                self.calibration.save_if_changed()
+            else:
+                self.calibration.save()
+        except OSError as exc:  # only a less calibrated next attempt: never a reason to end the run
             log.warning("calibration_not_saved", error=str(exc))
+
+    def write_failed(self, exc: OSError, path: Path) -> None:
+        """A write in the run dir failed.  Said on stderr first (the log file may be on the same disk);
+        when it is the disk's fault (full, read-only, I/O error) the run cannot go on: the worker is
+        stopped (it checkpoints if it still can; the last good checkpoint is never touched) and the run
+        ends `failed`, exit 74, its reason naming the path.  Resuming is `hangwatch run` once there is room."""
+        what = describe_write_error(exc, path)
+        print(f"hangwatch: cannot write {path}: {exc}", file=sys.stderr, flush=True)
+        log.error("write_failed", path=str(path), error=str(exc))
+        if disk_error(exc) and self.fail_reason is None and not self.lifecycle.state.final:
+            self.fail_reason = what
+            self.after_teardown = Intent.FAIL
+            log.error("run_cannot_go_on", why=what)
 
     def write_state(self, now: float, force: bool = False) -> None:
         if not force and now - self._last_state_write < STATE_WRITE_S:
@@ -296,8 +322,9 @@ class Supervisor:
             supervisor=self.table.ref_of(os.getpid()), worker=cur.worker if cur else None,
             announced=cur.announced_refs() if cur else {}, descendants=cur.tree.values() if cur else (),
             attempt=self.attempt, incidents=self.incidents.count(), run_dir=str(self.run_dir), exit_code=self.exit_code,
+            paused=st is State.PAUSED or self.after_teardown is Intent.PAUSE,
             socket=str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir)))
         try:
-            statefile.write(self.state_path, data)
+            statefile.write(self.state_path, data, fs=self.fs)
         except OSError as exc:
-            log.warning("state_not_written", error=str(exc))
+            self.write_failed(exc, self.state_path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from hangwatch.common.durable import write_json_atomic
+from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.process import ProcRef, Worker
 
 FORMAT_VERSION = 1
@@ -43,9 +43,12 @@ class RunFacts:
 
 def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef],
            worker: Optional[Worker], announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int,
-           incidents: int, socket: str, run_dir: str, exit_code: int, wall: Optional[float] = None) -> dict:
+           incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
+           wall: Optional[float] = None) -> dict:
     """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
-    until then the worker stays recorded even after its exit, since its group may still hold processes."""
+    until then the worker stays recorded even after its exit, since its group may still hold processes.
+    `intent`: an operator's request that must outlive this supervisor (a pause: the next supervisor on
+    this run dir starts paused, not training)."""
     return {
         "state": state,
         "updated_wall": time.time() if wall is None else wall,
@@ -63,12 +66,21 @@ def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervi
         "socket": socket,
         "run_dir": run_dir,
         "exit_code": exit_code if final else None,
+        "intent": "pause" if paused and not final else None,
     }
 
 
-def write(path: Path, data: dict) -> None:
+def paused_before(previous: Optional[dict]) -> bool:
+    """Did the supervisor that wrote `previous` leave the run paused (or on its way to a pause)?"""
+    return bool(previous) and previous.get("intent") == "pause" and previous.get("state") not in FINAL_STATES
+
+
+FINAL_STATES = ("finished", "failed", "stopped")
+
+
+def write(path: Path, data: dict, fs: Optional[FsOps] = None) -> None:
     """Durably replace `path` (temporary file, fsync, rename, fsync the directory)."""
-    write_json_atomic(path, {"version": FORMAT_VERSION, **data})
+    (fs or FsOps()).write_json(path, {"version": FORMAT_VERSION, **data})
 
 
 def read(path: Path) -> tuple[Optional[dict], Optional[str]]:

@@ -15,6 +15,8 @@
     worker, which checkpoints and exits 0) ─▶ KILLING (stragglers) ─▶ STOPPED / PAUSED / STARTING.
     A deadline that fires while STOPPING escalates like any stall (STALLED → DUMPING → KILLING).
     PAUSED ─resume─▶ STARTING.  STOPPED, FINISHED and FAILED are final.
+    STARTING ─▶ PAUSED before any worker is spawned: the run was paused when the previous supervisor
+    ended (state.json `intent: pause`), and a pause outlives its supervisor.
 
 Every change goes through `StateMachine.transition`, which raises `IllegalTransition` (the project's
 one, from `hangwatch.common.transitions`) for a move the table does not allow, so a logic error shows
@@ -52,14 +54,14 @@ FINAL = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
 
 S = State
 TRANSITIONS: dict[State, frozenset[State]] = {
-    S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED}),
+    S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED, S.PAUSED}),
     S.RUNNING: frozenset({S.STALLED, S.KILLING, S.STOPPING}),
     S.STALLED: frozenset({S.DUMPING}),
     S.DUMPING: frozenset({S.KILLING}),
     S.KILLING: frozenset({S.BACKOFF, S.STARTING, S.FAILED, S.STOPPED, S.PAUSED, S.FINISHED}),
-    S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PAUSED}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PAUSED, S.FAILED}),
     S.STOPPING: frozenset({S.STALLED, S.KILLING}),
-    S.PAUSED: frozenset({S.STARTING, S.STOPPED}),
+    S.PAUSED: frozenset({S.STARTING, S.STOPPED, S.FAILED}),
     S.STOPPED: frozenset(),
     S.FINISHED: frozenset(),
     S.FAILED: frozenset(),

@@ -1,39 +1,59 @@
 """Reading a config: YAML → the schema's records, with errors a person can act on.
 
 Every problem becomes one line `FILE:LINE: dotted.key: what is wrong`; an unknown key gets a
-"did you mean" from the keys of the section it sits in.  Relative paths in a config file are
-resolved against the directory of that file, so a config behaves the same whatever the working
-directory (systemd runs from its StateDirectory).
+"did you mean" from the keys of the section it sits in; a key written twice is an error naming both
+lines (`yamldoc`); settings that contradict each other are errors too (`rules`).  Relative paths in a
+config file are resolved against the directory of that file, so a config behaves the same whatever
+the working directory (systemd runs from its StateDirectory).  `load_checked` adds the checks against this
+machine (`deep`): what `hangwatch validate-config` and `hangwatch run` do before anything starts.
 """
 from __future__ import annotations
 
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hangwatch.common.config import deep, rules
+from hangwatch.common.config.errors import ConfigError, line_of, located
 from hangwatch.common.config.schema import Config
-
-
-class ConfigError(Exception):
-    """A config that cannot be used. `problems` lists one human-readable line per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+from hangwatch.common.config.yamldoc import Lines, read_yaml
 
 
 def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] = None) -> Config:
-    """Validate YAML text. Raises ConfigError with one line per problem."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError([f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+    """Validate YAML text (records, then the rules across settings). Raises ConfigError, one line per problem."""
+    return _parse(text, source, base_dir)[0]
+
+
+def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None) -> Config:
+    """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's."""
+    return _load(path, run_dir)[0]
+
+
+def load_checked(path: Union[str, os.PathLike], run_dir: Optional[str] = None,
+                 environ: Optional[Mapping[str, str]] = None) -> tuple[Config, list[str]]:
+    """`load_config`, then the checks against this machine (files, model, command, directories):
+    what `validate-config` and `run` use.  Returns (config, warnings); raises ConfigError with every
+    problem.  `environ` is the supervisor's environment (the worker's is it plus `worker.env`)."""
+    cfg, lines = _load(path, run_dir)
+    source = str(path)
+    found = deep.check(cfg, os.environ if environ is None else environ)
+    if found.errors:
+        raise ConfigError(_in_file_order(found.errors, source, lines))
+    return cfg, _in_file_order([*found.warnings, *rules.advice(cfg)], source, lines)
+
+
+def _in_file_order(findings: list[rules.Finding], source: str, lines: Lines) -> list[str]:
+    """Problem lines sorted by where they are in the file (a stable sort: same line, same order)."""
+    order = sorted(findings, key=lambda f: line_of(f[0], lines) or 0)
+    return [located(loc, msg, source, lines) for loc, msg in order]
+
+
+def _parse(text: str, source: str, base_dir: Optional[Path]) -> tuple[Config, Lines]:
+    data, lines = read_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -41,26 +61,31 @@ def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] =
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_errors(err, source, line_index(text))) from None
+        raise ConfigError(format_errors(err, source, lines)) from None
+    problems = [located(loc, msg, source, lines) for loc, msg in rules.errors(cfg)]
+    if problems:
+        raise ConfigError(problems)
     if base_dir is not None:
         cfg = resolve_paths(cfg, base_dir)
-    return cfg
+    return cfg, lines
 
 
-def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None) -> Config:
-    """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's."""
+def _load(path: Union[str, os.PathLike], run_dir: Optional[str]) -> tuple[Config, Lines]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError([f"{p}: is a directory; give the config file (a .yaml) inside it"])
     try:
         text = p.read_text()
     except FileNotFoundError:
         raise ConfigError([f"{p}: no such config file"]) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except (PermissionError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError([f"{p}: cannot read config: {exc}"]) from None
-    cfg = parse_config(text, str(p), p.resolve().parent)
+    cfg, lines = _parse(text, str(p), p.resolve().parent)
     if run_dir is not None:
         cfg.run_dir = str(Path(run_dir).expanduser().resolve())
+        lines = {k: v for k, v in lines.items() if k != ("run_dir",)}  # the file's line is not where it came from
     cfg._source = p.resolve()
-    return cfg
+    return cfg, lines
 
 
 def resolve_paths(cfg: Config, base: Path) -> Config:
@@ -92,30 +117,6 @@ def dump_config(cfg: Config) -> str:
 # Error messages
 
 
-def line_index(text: str) -> dict[tuple, int]:
-    """Map each key path of a YAML document to its 1-based line, for error messages."""
-    index: dict[tuple, int] = {}
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return index
-
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = (*path, k.value)
-                index[key] = k.start_mark.line + 1
-                walk(v, key)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                index[(*path, i)] = item.start_mark.line + 1
-                walk(item, (*path, i))
-
-    if root is not None:
-        walk(root, ())
-    return index
-
-
 def format_errors(err: ValidationError, source: str, lines: dict[tuple, int]) -> list[str]:
     """One line per validation error: where (file:line), which key, what is wrong (and what was given)."""
     problems = []
@@ -124,20 +125,13 @@ def format_errors(err: ValidationError, source: str, lines: dict[tuple, int]) ->
     for e, loc in zip(errors, locs):
         if e["type"] == "string_type" and any(o != loc and o[: len(loc)] == loc for o in locs):
             continue  # the other union member's error says more
-        dotted = ".".join(str(p) for p in loc) or "(top level)"
-        line = None
-        probe = loc
-        while probe and line is None:
-            line = lines.get(probe)
-            probe = probe[:-1]
-        where = f"{source}:{line}" if line else source
         if e["type"] == "extra_forbidden":
-            problems.append(f"{where}: {dotted}: unknown key{_did_you_mean(loc)}")
+            problems.append(located(loc, f"unknown key{_did_you_mean(loc)}", source, lines))
             continue
         got = e.get("input")
         got_s = "" if isinstance(got, (dict, list)) else f", got {got!r}"
         msg = e["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {dotted}: {msg}{got_s}")
+        problems.append(located(loc, f"{msg}{got_s}", source, lines))
     return problems
 
 

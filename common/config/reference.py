@@ -6,7 +6,7 @@ documentation cannot drift from what is validated (tests/e2e/test_ops_systemd.py
 from __future__ import annotations
 
 import typing
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import yaml
 from pydantic import BaseModel
@@ -53,6 +53,8 @@ def reference_text() -> str:
 def type_name(ann) -> str:
     """A type annotation in words: "float or null", "map of str to float", "one of a, b"."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Annotated:  # bounds are said in the doc and enforced by the record
+        return type_name(args[0])
     if origin is Literal:
         return "one of " + ", ".join(str(a) for a in args)
     if origin is Union:

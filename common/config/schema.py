@@ -5,12 +5,13 @@ its doc: nothing in the worker or the supervisor carries a number of its own tha
 to know (kill wait, exit-after-stop, the `intake` and `load` phase budgets, ...).  `load.py` validates
 YAML against these records; `reference.py` renders them for the README and `hangwatch run --help`.
 
-Only pydantic here: the supervisor and the worker both import it.
+Only pydantic here: the supervisor and the worker both import it.  Rules that relate one setting to
+another live in `rules.py`; checks against the filesystem (files, model, command) in `deep.py`.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -48,6 +49,7 @@ class WorkerCfg(Section):
         return v
 
 
+Budget = Annotated[float, Field(gt=0)]  # a phase budget of 0 s would fire at once: name it null to drop it
 DEFAULT_PHASE_BUDGETS_S = {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600}
 
 
@@ -60,11 +62,11 @@ class WatchdogCfg(Section):
     first_steps_timeout_s: float = Field(600, gt=0, description="Step deadline before calibration (compile, warm-up).")
     calibrate_after: int = Field(20, ge=1, description="Steps observed before the step deadline is calibrated.")
     calibration_factor: float = Field(5.0, ge=1.0, description="Calibrated step deadline = factor × p99 of step times.")
-    step_timeout_min_s: float = Field(10, gt=0, description="Lower clamp of the calibrated step deadline.")
+    step_timeout_min_s: float = Field(10, gt=0, description="Lower clamp of the calibrated step deadline (at most `step_timeout_max_s`).")
     step_timeout_max_s: float = Field(1800, gt=0, description="Upper clamp of the calibrated step deadline.")
-    phase_budgets_s: dict[str, float] = Field(
+    phase_budgets_s: dict[str, Budget] = Field(
         default_factory=lambda: dict(DEFAULT_PHASE_BUDGETS_S),
-        description="Most time a phase may take, by name; a `budget_s` on the phase line wins. Your entries are "
+        description="Most time a phase may take (> 0 s), by name; a `budget_s` on the phase line wins. Your entries are "
         "merged over the defaults (null removes one). `load` (model loading) defaults to `startup_timeout_s`; "
         "`intake` is continuous mode's validation of one file.",
     )
@@ -91,17 +93,13 @@ class WatchdogCfg(Section):
         merged = {**DEFAULT_PHASE_BUDGETS_S, **value}
         return {k: v for k, v in merged.items() if v is not None}
 
-    @model_validator(mode="after")
-    def _clamp_order(self):
-        if self.step_timeout_min_s > self.step_timeout_max_s:
-            raise ValueError("step_timeout_min_s must not exceed step_timeout_max_s")
-        return self
 
 
 class RestartCfg(Section):
     max_restarts: int = Field(10, ge=0, description="Restarts allowed within `window_s` without a new step before the run is `failed`.")
     window_s: float = Field(3600, gt=0, description="Crash-loop window.")
-    backoff_initial_s: float = Field(1, ge=0, description="First restart delay; doubles each consecutive failure.")
+    backoff_initial_s: float = Field(
+        1, ge=0, description="First restart delay (at most `backoff_max_s`); doubles each consecutive failure.")
     backoff_max_s: float = Field(300, ge=0, description="Backoff cap.")
     healthy_after_s: float = Field(300, gt=0, description="An attempt that runs this long and steps resets the backoff.")
 

@@ -10,6 +10,7 @@ taken in, trained in order, and recorded once a checkpoint covers them.
     ledger.py   done/ledger.jsonl and done/replay.jsonl: read (torn tail cut), append, trim
     replay.py   counter-based draws and the pool replays are drawn from
     feed.py     the trainer's data source over all of it, with the intake and idle phases
+    idle.py     what the idle wait does after a quiet spell: flush (a partial step) or end
 
 The stages and names of the files are `hangwatch.common.inbox_layout` (the supervisor reads them too).
 Nothing here imports torch; the worker hands in a `validator(path) -> (examples, problems)` that

@@ -21,15 +21,18 @@ deadline still holds), takes arrivals as they come, each intake in phase `intake
 queued.
 
 A step that cannot be filled (the queue ran dry part-way) waits in `idle` for the next file, so
-step boundaries never depend on when files arrive and a run whose files were all there at the
-start trains the same steps however often it is interrupted.  After `data.idle_exit_s` with
-nothing queued and nothing arriving, the partial step is handed out with end "idle": the trainer
-trains it, checkpoints (so every file reaches done/), exports final/ and stops with reason
-`idle`.  With `idle_exit_s` null the worker waits for more files for ever.  A stop request ends
-the wait with end "stop"; the examples already handed out for the unfinished step are handed out
-again after the resume, since a checkpoint's position is always the last step boundary.
-`train.max_steps` still ends a run (reason `finished`); files not yet trained then stay where
-they are for the next run in the same run dir.
+step boundaries do not depend on when files arrive as long as they keep coming (a run whose files
+were all there at the start trains the same steps however often it is interrupted).  Once nothing
+new arrived for `data.flush_after_s` (`idle.IdlePolicy`), the examples in hand are handed out with
+end "flush": the trainer trains them as a partial step, writes the checkpoint that covers them (so
+their file reaches done/) and settles it; the wait then goes on, beating, without flushing again
+until new examples are handed out.  After `data.idle_exit_s` with nothing queued and nothing
+arriving, what is in hand is handed out with end "idle": the trainer trains it, checkpoints,
+exports final/ and stops with reason `idle`.  With `idle_exit_s` null the worker waits for more
+files for ever.  A stop request ends the wait with end "stop"; the examples already handed out for
+the unfinished step are handed out again after the resume, since a checkpoint's position is always
+the last step boundary.  `train.max_steps` still ends a run (reason `finished`); files not yet
+trained then stay where they are for the next run in the same run dir.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from typing import Any, Callable, Optional, TextIO
 
 from hangwatch.common.config import ConfigError
 from hangwatch.daemon.inbox.assess import Validator
+from hangwatch.daemon.inbox.idle import FLUSH, IDLE, IdlePolicy
 from hangwatch.daemon.inbox.intake import Inbox, IntakeResult
 from hangwatch.daemon.inbox.position import PositionError
 from hangwatch.daemon.inbox.source import ContinuousSource
@@ -89,16 +93,19 @@ class InboxFeed:
     """`daemon.data.ContinuousDataSource` over the inbox: `take_step` may wait for data, `commit`
     records what a committed checkpoint covers, `close` stops the watcher thread."""
 
-    def __init__(self, source: ContinuousSource, inbox: WorkerInbox, hb, stop, *, idle_exit_s: Optional[float],
-                 clock: Callable[[], float] = time.monotonic, beat_every_s: float = BEAT_EVERY_S,
-                 out: TextIO = sys.stdout):
+    def __init__(self, source: ContinuousSource, inbox: WorkerInbox, hb, stop, *, flush_after_s: float,
+                 idle_exit_s: Optional[float], clock: Callable[[], float] = time.monotonic,
+                 beat_every_s: float = BEAT_EVERY_S, out: TextIO = sys.stdout):
         self.source = source
         self.inbox = inbox
         self.hb = hb
         self.stop = stop
-        self.idle_exit_s = idle_exit_s
+        self.policy = IdlePolicy(flush_after_s, idle_exit_s)
         self._clock = clock
         self._beat_every_s = beat_every_s
+        # True from a flush until new examples are handed out: a quiet spell is flushed once.
+        # False in a new attempt, so that it settles the checkpoint it resumed from.
+        self._flushed = False
         self.log = printer(out)
 
     @classmethod
@@ -108,7 +115,7 @@ class InboxFeed:
         inbox = WorkerInbox.from_config(cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget,
                                         log=printer(kw.get("out", sys.stdout)))
         source = ContinuousSource.from_config(cfg.run_dir, validator, cfg)
-        feed = cls(source, inbox, hb, stop, idle_exit_s=cfg.data.idle_exit_s, **kw)
+        feed = cls(source, inbox, hb, stop, flush_after_s=cfg.data.flush_after_s, idle_exit_s=cfg.data.idle_exit_s, **kw)
         inbox.start()
         return feed
 
@@ -146,7 +153,7 @@ class InboxFeed:
         return self.take_step(n)[0]
 
     def take_step(self, n: int) -> tuple[list, Optional[str]]:
-        """`n` examples (fresh and replayed), or fewer with end "stop" or "idle" (see the module doc)."""
+        """`n` examples (fresh and replayed), or fewer with end "stop", "flush" or "idle" (see the module doc)."""
         self.inbox.poll()  # arrivals while training: a few cheap checks unless a file is ready
         items: list = []
         end = None
@@ -158,13 +165,15 @@ class InboxFeed:
                     break
                 continue
             items.append(item)
+            self._flushed = False
         self._pass_on_warnings()
         return [i.example for i in items], end
 
     # ---- idle ------------------------------------------------------------------------------
 
     def _wait_for_data(self, have: int) -> Optional[str]:
-        """Phase idle until a file is queued (None), a stop is requested ("stop"), or idle_exit_s ("idle")."""
+        """Phase idle until a file is queued (None), a stop is requested ("stop"), or the quiet spell
+        calls for a flush ("flush") or the end ("idle"): `idle.IdlePolicy`."""
         since = last_activity = self._clock()
         intakes = self.inbox.intakes
         self.log(f"idle: no new data ({have} example(s) of the next step in hand); waiting for files in {self.inbox.dir}")
@@ -172,7 +181,8 @@ class InboxFeed:
             while True:
                 if self.stop:
                     return "stop"
-                if self.inbox.wait_for_work(self._beat_every_s):
+                wait = self.policy.wait_s(self._clock() - last_activity, self._flushed, self._beat_every_s)
+                if self.inbox.wait_for_work(wait):
                     self._pass_on_warnings()
                     if self.source.has_fresh():
                         return None
@@ -180,11 +190,19 @@ class InboxFeed:
                 now = self._clock()
                 if self.inbox.intakes != intakes or self.inbox.arriving():
                     intakes, last_activity = self.inbox.intakes, now
+                quiet = now - last_activity
                 self.hb.progress(idle_s=round(now - since, 1), waiting_examples=have, arriving=self.inbox.arriving())
-                if self.idle_exit_s is not None and now - last_activity >= self.idle_exit_s:
-                    self.log(f"idle for {now - last_activity:.1f}s (data.idle_exit_s = {self.idle_exit_s:g}): "
+                decision = self.policy.decide(quiet, self._flushed)
+                if decision == IDLE:
+                    self.log(f"idle for {quiet:.1f}s (data.idle_exit_s = {self.policy.idle_exit_s:g}): "
                              f"finishing with {have} example(s) in the last step")
-                    return "idle"
+                    return IDLE
+                if decision == FLUSH:
+                    self._flushed = True
+                    self.log(f"no new data for {quiet:.1f}s (data.flush_after_s = {self.policy.flush_after_s:g}): "
+                             + (f"training the {have} example(s) in hand as a partial step" if have
+                                else "making the last step durable"))
+                    return FLUSH
 
     def _pass_on_warnings(self) -> None:
         while self.source.warnings:

@@ -1,7 +1,7 @@
 """The training loop and what it saves (`python -m hangwatch.daemon` builds a `loop.Trainer`).
 
-    loop.py          Trainer: run / train_step / after_step / evaluate / finish
+    loop.py          Trainer: run / train_step / after_step / evaluate / flush / finish
     state.py         what a checkpoint holds (weights, optimizer, scheduler, RNG) and putting it back
-    confirmation.py  checkpoints waiting to be confirmed good, provisional ones, retention
+    confirmation.py  checkpoints waiting to be confirmed good, provisional ones, an idle run's, retention
     schedule.py      the learning-rate schedule
 """

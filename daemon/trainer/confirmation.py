@@ -1,20 +1,42 @@
 """Which checkpoints count: confirmation by the finite steps after a checkpoint, provisional
-checkpoints at a graceful stop, and retention.
+checkpoints, confirmation of an idle continuous run's checkpoint, and retention.
 
 A committed checkpoint waits (`Pending`) until `checkpoint.confirm_steps` finite optimizer steps
 followed it, then is marked good (if its weights are finite).  A non-finite step unconfirms every
 waiting one: the steps after it did not stay finite.  A graceful stop leaves the last checkpoint
 provisional instead (no steps follow it in this attempt); the next attempt resumes from it and
 confirms it like any other.
+
+Continuous mode (`provisional_on_commit`) cannot wait for later steps: data may not come for days,
+and a kill meanwhile would go back to the last confirmed checkpoint, or to step 0.  So there:
+  * every checkpoint whose weights are finite and whose step was finite is provisional from the
+    moment it is committed: resume takes it, and a kill loses at most the work since the newest
+    checkpoint;
+  * it becomes good by the usual later finite steps, or, when the run goes quiet
+    (`data.flush_after_s`, see `idle`), by a finite held-out loss of its weights on `data.eval`;
+    without `data.eval` it stays provisional until training goes on and confirms it;
+  * a non-finite held-out loss, like a non-finite streak, withdraws every provisional marker, so
+    the rollback goes to the newest good checkpoint.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from hangwatch.daemon import checkpoint as ckpt
+from hangwatch.daemon.errors import NonFiniteStreak
+
+
+class NonFiniteHeldOut(NonFiniteStreak):
+    """An idle continuous run's weights give a non-finite held-out loss: like a non-finite streak,
+    exit 75 and roll back to the last good checkpoint."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(0, step)
+        self.args = (f"non-finite held-out loss ({loss}) of the weights at step {step}",)
 
 
 @dataclass
@@ -27,17 +49,29 @@ class Confirmation:
     """The checkpoints of one attempt that wait for confirmation, and what becomes of them."""
 
     def __init__(self, run_dir: os.PathLike | str, hb, confirm_steps: int, keep_last: int,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], *, provisional_on_commit: bool = False):
         self.root = ckpt.checkpoints_root(run_dir)
         self.hb = hb
         self.confirm_steps = confirm_steps
         self.keep_last = keep_last
         self.log = log
+        self.provisional_on_commit = provisional_on_commit
         self.pending: list[Pending] = []
 
     def wait_for(self, p: Pending) -> None:
         """`p` counts once the steps after it confirm it (a resumed provisional checkpoint, or a new one)."""
         self.pending.append(p)
+
+    def provisional_at_commit(self, p: Pending) -> bool:
+        """Continuous mode, right after `p` is committed (before it is announced or its data recorded as
+        done): provisional when its weights and its step were finite.  Returns whether it was marked."""
+        if not self.provisional_on_commit or self.confirm_steps == 0:
+            return False  # confirm_steps 0: `committed` makes it good at once
+        state = ckpt.read_state(p.path)
+        if not (state.get("weights_finite") is True and state.get("nonfinite_streak") == 0):
+            return False
+        ckpt.mark_provisional(p.path, reason="continuous mode: resumable until confirmed good or withdrawn")
+        return True
 
     def committed(self, p: Pending, step: int) -> None:
         """Checkpoint `p` was just committed at `step`: good at once when no confirmation is asked for."""
@@ -81,6 +115,31 @@ class Confirmation:
     def withdraw_provisional(self) -> None:
         """Training went non-finite for good: only confirmed checkpoints may be resumed."""
         ckpt.clear_provisional(self.root)
+
+    def waiting_at(self, step: int) -> Optional[Pending]:
+        """The checkpoint of `step` if it still waits for confirmation."""
+        return next((p for p in self.pending if p.step == step), None)
+
+    def settle_idle(self, step: int, heldout_loss: Optional[float]) -> None:
+        """A continuous run went quiet at `step`, whose checkpoint is committed, whose training stayed
+        finite, and which no step may follow for a long time: confirm it on the held-out loss of its
+        weights (None: there is no data.eval; it stays provisional).  A non-finite loss withdraws
+        every provisional marker and raises NonFiniteHeldOut (exit 75: roll back to the last good)."""
+        p = self.waiting_at(step)
+        if p is None:
+            return
+        if heldout_loss is None:
+            self.log(f"checkpoint {p.path.name} stays provisional (no data.eval to confirm it on while idle)")
+            return
+        self.pending.remove(p)
+        if not math.isfinite(heldout_loss):
+            self.withdraw_provisional()
+            self.hb.warn(f"checkpoint {p.path.name}: non-finite held-out loss while idle: never good; "
+                         "provisional checkpoints withdrawn", path=str(p.path), heldout_loss=heldout_loss)
+            self.retain()
+            raise NonFiniteHeldOut(step, heldout_loss)
+        self.mark_good(p, step, reason="idle: finite held-out loss", heldout_loss=heldout_loss)
+        self.retain()
 
     def provisional_on_stop(self, path: Path, finite: bool, why: str) -> None:
         """A graceful stop at checkpoint `path`: the next attempt may resume from it unconfirmed, if the

@@ -13,7 +13,12 @@ due) → checkpoint (if due) → stop request → max_steps.
 The data position a checkpoint stores is the one taken at the last step boundary: a continuous
 source (`ContinuousDataSource`) may have handed out part of the next step's examples when a stop
 request ends its wait for more, and those are simply taken again after the resume.  Once a
-checkpoint is committed, the continuous source's `commit` records what it covers.  A source that
+checkpoint is committed, the continuous source's `commit` records what it covers.
+
+A continuous source that goes quiet (end "flush", after `data.flush_after_s`) gets the examples in
+hand trained as a partial step (its loss normalised over the label tokens actually present, the step
+beat marked `partial`), then the checkpoint covering them is written (their file reaches done/) and
+settled: confirmed good on a finite held-out loss, or left provisional (`confirmation`).  One that
 runs dry for good (end "idle") gets its last, partial step trained, and the run finishes with
 reason "idle".
 """
@@ -30,7 +35,7 @@ import torch
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource, DataSource, Example, collate
 from hangwatch.daemon.errors import NonFiniteStreak
-from hangwatch.daemon.evaluate import run_eval
+from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
@@ -43,12 +48,13 @@ class Trainer:
     def __init__(self, cfg, hb, run_dir, bundle: ModelBundle, source: DataSource, eval_examples: list[Example],
                  faults, stop, *, attempt: int = 1, out: TextIO = sys.stdout):
         self.cfg = cfg
-        self.confirmation = Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log)
+        self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
+        self.confirmation = Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log,
+                                         provisional_on_commit=self.continuous is not None)
         self.hb = hb
         self.run_dir = Path(run_dir)
         self.bundle = bundle
         self.source = source
-        self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
         self.eval_examples = eval_examples
         self.faults = faults
         self.stop = stop
@@ -64,6 +70,8 @@ class Trainer:
         self.tokens = 0
         self.nonfinite_total = 0
         self.nonfinite_streak = 0
+        self.partial_steps = 0  # optimizer steps taken on fewer examples than a full step
+        self.last_step_examples = 0
         self.last_saved_step: Optional[int] = None
         self.resumed_from: Optional[Path] = None
         self.last_metrics: dict = {}
@@ -95,6 +103,8 @@ class Trainer:
             "tokens": self.tokens,
             "nonfinite_total": self.nonfinite_total,
             "nonfinite_streak": self.nonfinite_streak,
+            "partial_steps": self.partial_steps,
+            "last_step": {"examples": self.last_step_examples, "partial": self.last_step_examples < self.step_size},
             "weights_finite": self.bundle.weights_finite(),
             "fingerprint": fingerprint(self.cfg),
             "attempt": self.attempt,
@@ -116,6 +126,8 @@ class Trainer:
         self.tokens = int(saved["tokens"])
         self.nonfinite_total = int(saved["nonfinite_total"])
         self.nonfinite_streak = int(saved["nonfinite_streak"])
+        self.partial_steps = int(saved.get("partial_steps", 0))  # absent from checkpoints older than the field
+        self.last_step_examples = int(saved.get("last_step", {}).get("examples", 0))
         self.last_saved_step = self.step
         self.resumed_from = path
         if not ckpt.is_good(path):
@@ -124,17 +136,24 @@ class Trainer:
 
     # ---- one optimizer step ---------------------------------------------------------------
 
+    @property
+    def step_size(self) -> int:
+        """Examples in a full optimizer step."""
+        return self.cfg.train.micro_batch_size * self.cfg.train.grad_accum
+
     def next_examples(self) -> tuple[list[Example], Optional[str]]:
         """The next optimizer step's examples, and why there are fewer than a full step (None: there are not)."""
-        t = self.cfg.train
-        n = t.micro_batch_size * t.grad_accum
         if self.continuous is not None:
-            return self.continuous.take_step(n)
-        return self.source.take(n), None
+            return self.continuous.take_step(self.step_size)
+        return self.source.take(self.step_size), None
 
     def train_step(self, examples: Optional[list[Example]] = None) -> dict:
-        """Accumulate the step's micro-batches (`grad_accum` of them; fewer for a partial last step)
-        and take (or skip, when non-finite) one optimizer step; `examples` default to the source's next."""
+        """Accumulate the step's micro-batches (`grad_accum` of them; fewer for a partial step) and take
+        (or skip, when non-finite) one optimizer step; `examples` default to the source's next.
+
+        Every micro-batch's loss is divided by the label tokens of the whole step *as it is*: a partial
+        step's loss is the mean over the tokens actually present, never scaled down as if the missing
+        examples had contributed zero."""
         t = self.cfg.train
         if examples is None:
             examples, _ = self.next_examples()
@@ -178,12 +197,17 @@ class Trainer:
         self.accum = 0
         self.samples += len(examples)
         self.tokens += n_tokens
+        partial = len(examples) < self.step_size
+        if finite:
+            self.partial_steps += partial
+            self.last_step_examples = len(examples)
         elapsed = time.perf_counter() - started
         self.boundary_position = self.source.position()
         return {
             "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
-            "samples": self.samples, "tokens": self.tokens, **self.source.progress(),
+            "samples": self.samples, "tokens": self.tokens, "examples": len(examples), "partial": partial,
+            **self.source.progress(),
         }
 
     def after_step(self, m: dict) -> None:
@@ -195,6 +219,8 @@ class Trainer:
             self.hb.step(self.step, **fields)
             self.last_metrics = fields
             where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
+            if m["partial"]:
+                where += f" (partial: {m['examples']} of {self.step_size} examples)"
             self.log(f"step {self.step}/{t.max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.3e} "
                      f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} {where}")
             self.confirmation.confirm(self.step)
@@ -217,8 +243,12 @@ class Trainer:
             position = self.boundary_position
             path = ckpt.commit(root, self.step, self.fill_checkpoint)
             self.last_saved_step = self.step
-            self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4))
-            self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)")
+            # Resumable before it is announced and before its data is recorded as done.
+            provisional = self.confirmation.provisional_at_commit(Pending(path, self.step))
+            self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4),
+                               provisional=provisional)
+            self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)"
+                     + (", provisional" if provisional else ""))
             if self.continuous is not None:
                 self.continuous.commit(position, self.step)  # after the manifest: a kill before this is repaired by the resume
             self.confirmation.committed(Pending(path, self.step), self.step)
@@ -251,6 +281,9 @@ class Trainer:
             examples, end = self.next_examples()
             if end == "stop":
                 continue  # a partial step is dropped: the checkpoint's position is the last step boundary
+            if end == "flush":
+                self.flush(examples)
+                continue
             if end == "idle":
                 if examples:
                     self.after_step(self.train_step(examples))
@@ -264,6 +297,23 @@ class Trainer:
                 self.evaluate()
             if self.step % cfg.checkpoint.every_steps == 0 or self.step >= cfg.train.max_steps:
                 self.save_checkpoint()
+
+    def flush(self, examples: list[Example]) -> None:
+        """Continuous mode went quiet: train what is in hand as a partial step, write the checkpoint that
+        covers everything trained so far (their files reach done/) and settle it."""
+        if examples:
+            before = self.step
+            self.after_step(self.train_step(examples))
+            if self.step != before and self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
+                self.evaluate()
+        if self.step == 0:
+            return  # nothing trained yet: nothing to make durable
+        if self.last_saved_step != self.step:
+            self.save_checkpoint()
+        if self.nonfinite_streak or self.confirmation.waiting_at(self.step) is None:
+            return  # good already, or the training since it did not stay finite: nothing to settle
+        # The weights are the checkpoint's (just saved, or resumed and not stepped since).
+        self.confirmation.settle_idle(self.step, heldout_loss(self.bundle, self.cfg, self.hb, self.eval_examples))
 
     def stop_gracefully(self) -> None:
         """A stop request: checkpoint this step (unless done already) and leave it provisional."""

@@ -1,8 +1,8 @@
 """One client's side of the protocol, without the socket: request bytes in, reply bytes out, in order.
 
 The server feeds it what `recv` returned and sends what it has queued; everything between — framing,
-the request size limit, handler calls and their failures, replies that are answered later
-(`Pending`) and the lines that wait behind them — happens here.
+the request size limit, empty lines, handler calls and their failures, replies that are answered
+later (`Pending`) and the lines that wait behind them — happens here.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hangwatch.supervisor.control.peer import PeerCred
 from hangwatch.supervisor.control.wire import Handler, Pending, encode_reply, error_reply, parse_request
 
 QUIET_COMMANDS = ("status", "incidents")  # read-only: not worth an audit line each
+EMPTY_REQUEST = 'empty request: send one JSON object per line, e.g. {"cmd":"status"}'
 
 log = structlog.get_logger("hangwatch.control")
 
@@ -29,6 +30,8 @@ class Conversation:
     pending_cmd: str = ""
     eof: bool = False  # the peer finished sending
     hangup: bool = False  # answer nothing more; close once the replies are out
+    abandon: bool = False  # with hangup: read nothing more either, and close without waiting for the peer
+    replies: int = 0  # replies queued so far
 
     def received(self, data: bytes) -> None:
         """Take what `recv` returned (b"": end of input)."""
@@ -37,19 +40,21 @@ class Conversation:
         elif not self.hangup:  # after a hang-up decision further input is discarded
             self.inbuf += data
 
-    def refuse(self, message: str) -> None:
-        """Answer `message` as an error and nothing more."""
+    def refuse(self, message: str, *, abandon: bool = False) -> None:
+        """Answer `message` as an error and nothing more; `abandon`: and stop reading at once."""
         self.reply(error_reply(message))
         self.hangup = True
+        self.abandon = abandon
 
     def process(self, handler: Handler) -> None:
         """Answer the complete lines received, in order, up to one whose reply is pending."""
         self._answer_lines(handler)
         if self.eof and self.pending is None and not self.hangup:
-            if self.inbuf:
+            line = bytes(self.inbuf)
+            self.inbuf.clear()
+            if line.strip():
                 # End of input ends the last line too: `printf '{"cmd":"status"}' | nc -U` works.
-                line = bytes(self.inbuf)
-                self.inbuf.clear()
+                # Bare whitespace before the end is no line at all, so it gets no reply.
                 self._answer(line, handler)
             if self.pending is None:
                 self.hangup = True
@@ -76,6 +81,7 @@ class Conversation:
         except (TypeError, ValueError) as exc:
             data = encode_reply(error_reply(f"internal error: reply not serialisable: {exc}"))
         self.outbuf += data
+        self.replies += 1
 
     def _answer_lines(self, handler: Handler) -> None:
         while not self.hangup and self.pending is None:
@@ -92,13 +98,16 @@ class Conversation:
             self._answer(line, handler)
 
     def _oversized(self) -> None:
-        # The rest of the stream cannot be trusted to start at a line boundary: answer, then hang up.
-        log.warning("control request too large", peer_uid=self.peer.uid, limit=self.max_request_bytes)
+        # The rest of the stream cannot be trusted to start at a line boundary, and reading megabytes
+        # of it only to throw them away is what a flood wants: answer, then close without reading on.
+        log.warning("control request too large", peer_uid=self.peer.uid, peer_pid=self.peer.pid,
+                    limit=self.max_request_bytes)
         self.inbuf.clear()
-        self.refuse(f"request larger than {self.max_request_bytes} bytes; closing connection")
+        self.refuse(f"request larger than {self.max_request_bytes} bytes; closing connection", abandon=True)
 
     def _answer(self, line: bytes, handler: Handler) -> None:
         if not line.strip():
+            self.reply(error_reply(EMPTY_REQUEST))  # a client waiting for a reply must not wait forever
             return
         req, problem = parse_request(line)
         if problem is not None:

@@ -17,7 +17,10 @@ import structlog
 from hangwatch.supervisor.control.paths import unix_address
 from hangwatch.supervisor.control.peer import ControlSocketError, PeerPolicy
 
-BACKLOG = 64
+# Connections the kernel queues until the loop's next pass accepts them (it caps this at
+# net.core.somaxconn).  A burst of clients must fit: when the queue is full, a client whose
+# socket has a timeout is refused at once with EAGAIN rather than made to wait.
+BACKLOG = 1024
 STALE_PROBE_TIMEOUT_S = 2.0
 
 log = structlog.get_logger("hangwatch.control")

@@ -9,11 +9,15 @@ A handler may return a `Pending` instead of a reply (a `dump` waits for stack fi
 client then waits, its later lines stay queued, and every `poll` asks the pending reply whether it is
 ready; the idle timeout still bounds the wait.  The loop never sleeps for a reply.
 
-The server answers by itself — without calling the handler — a line that is not JSON, not an
-object or has no "cmd"; a line longer than `max_request_bytes` (and then hangs up, since the rest of
-the stream cannot be trusted: conversation.py); and any request from a peer whose SO_PEERCRED uid is
-neither ours nor root (nor, with a configured group, a member of it: peer.py).  The socket file itself
-is never reachable by others, even for an instant (listener.py).
+The server answers by itself — without calling the handler — an empty line, a line that is not
+JSON, not an object or has no "cmd"; a line longer than `max_request_bytes` (and then closes the
+connection at once, reading nothing more of it: conversation.py); and any request from a peer whose
+SO_PEERCRED uid is neither ours nor root (nor, with a configured group, a member of it: peer.py).
+The socket file itself is never reachable by others, even for an instant (listener.py).
+
+The connection table is bounded, overall and per peer process; a newcomer past either bound takes
+the place of the oldest idle connection, so a new `status` is answered however many clients sit on
+the socket (admission.py).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import contextlib
 import errno
 import os
 import selectors
+import itertools
 import socket
 import time
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ from typing import Callable, Optional
 
 import structlog
 
+from hangwatch.supervisor.control.admission import Limits, admit
 from hangwatch.supervisor.control.conversation import Conversation
 from hangwatch.supervisor.control.listener import open_listener
 from hangwatch.supervisor.control.paths import record_socket_path, socket_path_for
@@ -36,7 +42,8 @@ from hangwatch.supervisor.control.peer import PeerPolicy, peer_credentials
 from hangwatch.supervisor.control.wire import Handler
 
 IDLE_TIMEOUT_S = 30.0
-MAX_CLIENTS = 128
+LINGER_S = 2.0  # how long a connection we hung up on may take to close its end before we close ours
+EVICTION_LOG_EVERY_S = 60.0  # evictions come in floods: one line for the first, then a count at most this often
 MAX_PENDING_REPLY_BYTES = 8 * 1024 * 1024  # stop reading from a client that does not read its replies
 
 log = structlog.get_logger("hangwatch.control")
@@ -46,7 +53,12 @@ log = structlog.get_logger("hangwatch.control")
 class _Client(Conversation):
     sock: socket.socket
     last_active: float
-    lingering: bool = False  # replies out and our side shut: draining the peer's input until it closes
+    seq: int  # accept order (admission breaks ties with it)
+    lingering_since: Optional[float] = None  # replies out and our side shut: draining the peer's input
+
+    @property
+    def lingering(self) -> bool:
+        return self.lingering_since is not None
 
 
 class ControlServer:
@@ -60,15 +72,20 @@ class ControlServer:
         group: Optional[str] = None,
         run_dir: Optional[os.PathLike | str] = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        limits: Optional[Limits] = None,
         policy: Optional[PeerPolicy] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.path = Path(path)
         self.max_request_bytes = max_request_bytes
         self.idle_timeout_s = idle_timeout_s
+        self.limits = limits or Limits.derived()
         self.policy = policy or PeerPolicy.for_group(group)
         self._clock = clock
         self._clients: set[_Client] = set()
+        self._seq = itertools.count()
+        self._evicted_unlogged = 0
+        self._evictions_logged_at = float("-inf")
         self._sel = selectors.DefaultSelector()
         self._listener = open_listener(self.path, self.policy)
         self._ino = os.stat(self.path).st_ino
@@ -97,6 +114,7 @@ class ControlServer:
                 self._flush(client, now)
             if client in self._clients:
                 self._settle(client, now)
+        self._note_evictions(0, now)
 
     @property
     def connected(self) -> int:
@@ -111,6 +129,7 @@ class ControlServer:
         """Hang up on every client and remove the socket file (only if it is still ours)."""
         for client in list(self._clients):
             self._drop(client)
+        self._note_evictions(0, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(self._listener)
         self._listener.close()
@@ -142,17 +161,47 @@ class ControlServer:
             except OSError:
                 sock.close()
                 continue
-            client = _Client(peer=peer, max_request_bytes=self.max_request_bytes, sock=sock, last_active=now)
-            self._clients.add(client)
-            self._sel.register(sock, selectors.EVENT_READ, client)
+            client = _Client(peer=peer, max_request_bytes=self.max_request_bytes, sock=sock, last_active=now,
+                             seq=next(self._seq))
             refusal = self.policy.refusal(peer)
             if refusal is not None:
                 log.warning("control client refused", peer_uid=peer.uid, peer_pid=peer.pid, reason=refusal)
-                client.refuse(refusal)
-            elif len(self._clients) > MAX_CLIENTS:
-                client.refuse(f"busy: more than {MAX_CLIENTS} control clients connected")
-            else:
-                self._read(client, now, handler)  # a client usually writes at once: answer in this pass
+                self._admit_refused(client, refusal, now, abandon=False)
+                continue
+            admission = admit(peer, tuple(self._clients), self.limits)
+            if admission.refusal is not None:
+                log.warning("control client refused", peer_uid=peer.uid, peer_pid=peer.pid, reason=admission.refusal)
+                # Nobody can make room, so this one takes none: it hears why and is closed in this pass.
+                self._admit_refused(client, admission.refusal, now, abandon=True)
+                continue
+            for victim in admission.evict:
+                log.debug("control client evicted", peer_uid=victim.peer.uid, peer_pid=victim.peer.pid,
+                          idle_s=round(now - victim.last_active, 1), for_pid=peer.pid)
+                self._drop(victim)
+            self._note_evictions(len(admission.evict), now)
+            self._clients.add(client)
+            self._sel.register(sock, selectors.EVENT_READ, client)
+            self._read(client, now, handler)  # a client usually writes at once: answer in this pass
+
+    def _note_evictions(self, n: int, now: Optional[float]) -> None:
+        """Count evictions; say so at once after a quiet spell, then at most every EVICTION_LOG_EVERY_S
+        (now=None: say what is left to say)."""
+        self._evicted_unlogged += n
+        if not self._evicted_unlogged or (now is not None and now - self._evictions_logged_at < EVICTION_LOG_EVERY_S):
+            return
+        log.info("control clients evicted", count=self._evicted_unlogged,
+                 why="connection table full or a process at its share; the oldest idle ones made room",
+                 limits=f"{self.limits.max_clients} in all, {self.limits.max_per_peer} per process")
+        self._evicted_unlogged = 0
+        if now is not None:
+            self._evictions_logged_at = now
+
+    def _admit_refused(self, client: _Client, why: str, now: float, *, abandon: bool) -> None:
+        """Tell `client` why it is refused; the flush then lingers on it or closes it."""
+        self._clients.add(client)
+        self._sel.register(client.sock, selectors.EVENT_READ, client)
+        client.refuse(why, abandon=abandon)
+        self._flush(client, now)
 
     def _read(self, client: _Client, now: float, handler: Handler) -> None:
         try:
@@ -186,11 +235,11 @@ class ControlServer:
             del client.outbuf[:sent]
             client.last_active = now
         if client.hangup and not client.outbuf:
-            self._linger(client)
+            self._linger(client, now)
             return
-        # Stop reading from a client that does not read its replies, or that waits for one: what it
-        # sends meanwhile stays in the kernel's buffer, not ours.
-        reading = len(client.outbuf) <= MAX_PENDING_REPLY_BYTES and client.pending is None
+        # Stop reading from a client that does not read its replies, or that waits for one, or that we
+        # are done with: what it sends meanwhile stays in the kernel's buffer, not ours.
+        reading = len(client.outbuf) <= MAX_PENDING_REPLY_BYTES and client.pending is None and not client.abandon
         self._watch(client, (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0))
 
     def _settle(self, client: _Client, now: float) -> None:
@@ -200,23 +249,26 @@ class ControlServer:
         if client not in self._clients:
             return
         if client.hangup and not client.outbuf:
-            self._linger(client)
+            self._linger(client, now)
+        if client in self._clients and client.lingering and now - client.lingering_since > LINGER_S:
+            self._drop(client)  # it has its replies; a peer that keeps sending gets no more of our time
         if client in self._clients and now - client.last_active > self.idle_timeout_s:
             log.info("control client timed out", peer_uid=client.peer.uid, peer_pid=client.peer.pid,
                      idle_s=round(now - client.last_active, 1), waiting_for=client.pending_cmd or None)
             self._drop(client)
 
-    def _linger(self, client: _Client) -> None:
-        """Replies are out: send EOF, then read and discard until the peer closes.
+    def _linger(self, client: _Client, now: float) -> None:
+        """Replies are out: send EOF, then read and discard until the peer closes (at most LINGER_S).
 
-        Closing at once while the peer's unread request sits in our buffer makes the kernel reset
-        the connection, and the peer would lose the error reply it was meant to read.
+        Closing while the peer's unsent or unread request is still on its way makes the kernel reset
+        the connection; the reply already sent stays readable, but the peer sees a reset, not an end.
+        A connection abandoned (a flood) is closed at once all the same: its peer gets the reset.
         """
-        if client.eof:
+        if client.eof or client.abandon:
             self._drop(client)
             return
         if not client.lingering:
-            client.lingering = True
+            client.lingering_since = now
             with contextlib.suppress(OSError):
                 client.sock.shutdown(socket.SHUT_WR)
             self._watch(client, selectors.EVENT_READ)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal as _signal
 from typing import Optional
 
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_TEMPFAIL
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.supervisor.incidents.dumps import frame_str
 
 OOM_PATTERNS = ("OutOfMemoryError", "out of memory", "MemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc")
@@ -23,7 +23,11 @@ def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame
     states = {p.get("state") for p in procs}
     cpu = max(p.get("cpu_percent", 0.0) for p in procs)
     where = f" at {frame_str(frame)}" if frame else ""
-    if "D" in states:
+    if states & {"T", "t"} and not states & {"R", "D"}:
+        # Checked before CPU: a stopped process shows 0% CPU, which is not "blocked in C".
+        what = "stopped by a debugger (state t)" if "t" in states else "stopped (SIGSTOP or a debugger; state T)"
+        text = f"{what}{where}"
+    elif "D" in states:
         text = f"uninterruptible I/O (state D, CPU {cpu:.0f}%){where}"
     elif cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
         # a spinning loop never sleeps: always runnable (R), though it gets less than a core when CPUs are contended
@@ -31,8 +35,6 @@ def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame
     elif cpu <= IDLE_CPU:
         state = "/".join(sorted(s for s in states if s)) or "?"
         text = f"blocked in C (CPU {cpu:.0f}%, state {state}){where}"
-    elif states == {"T"}:
-        text = f"stopped (state T){where}"
     else:
         text = f"partly busy (CPU {cpu:.0f}%){where}"
     if kind == "livelock" and deadline:
@@ -54,10 +56,13 @@ def signal_name(sig: Optional[int]) -> Optional[str]:
 
 
 def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[dict], log_tail: str,
-                  *, killed_by_us: bool = False) -> tuple[str, str]:
+                  *, killed_by_us: bool = False, sigkill_cause: Optional[str] = None,
+                  launcher: Optional[dict] = None) -> tuple[str, str]:
     """(kind, classification) of a worker that ended by itself.
 
-    Last words (exit.json) first, then the exit code or signal, then the log tail.
+    Last words (exit.json) first, then the exit code or signal, then what a launcher (torchrun's root
+    cause report, `launcher`) says of its failed rank, then the log tail.  A SIGKILL hangwatch did not
+    send is described by `sigkill_cause` (`evidence.sigkill_cause`: the kernel's word, or "unknown").
     """
     lw = last_words or {}
     lw_kind = str(lw.get("kind") or "")
@@ -71,16 +76,30 @@ def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[
         return "data_error", f"unusable data: {lw_msg or exc_line or 'exit 65 (EX_DATAERR)'}"
     if code == EXIT_TEMPFAIL or lw_kind in ("nan", "nonfinite", "non_finite"):
         return "nan", f"non-finite loss: {lw_msg or 'exit 75 (EX_TEMPFAIL)'}"
+    if lw_kind == "checkpoint_failed":
+        return "checkpoint_failed", f"checkpoint save failed: {lw_msg or exc_line}"
+    if code == EXIT_IOERR or lw_kind == "disk":
+        # Without last words (the disk took them too) the exit code alone says it.
+        return "disk", f"the disk refused a write: {lw_msg or exc_line or 'exit 74 (EX_IOERR), no last words'}"
     if any(p in lw_text for p in OOM_PATTERNS) or lw_kind == "oom":
         return "oom", f"out of memory: {exc_line or lw_msg}"
     if last_words:
         return "crash", f"crash with {exc_line or lw_kind or 'an exception'}"
     if sig is not None:
         name = signal_name(sig)
-        hint = ""
         if sig == _signal.SIGKILL and not killed_by_us:
-            hint = " — not sent by the supervisor; the kernel's OOM killer does this"
-        return "signal", f"killed by {name} (signal {sig}){hint}"
+            cause = sigkill_cause or "not sent by hangwatch; what sent it is unknown"
+            kind = "oom" if cause.startswith("the kernel's OOM killer") else "signal"
+            return kind, f"killed by {name} (signal {sig}): {cause}"
+        return "signal", f"killed by {name} (signal {sig})"
+    if launcher and launcher.get("rank") is not None:
+        exc = launcher.get("exception")
+        how = (f"killed by {launcher['signal']}" if launcher.get("signal")
+               else f"exit code {launcher.get('exitcode')}")
+        text = f"rank {launcher['rank']} failed first ({how}, pid {launcher.get('pid')}, per torchrun)"
+        if exc and any(p in exc for p in OOM_PATTERNS):
+            return "oom", f"{text}: out of memory: {exc}"
+        return "crash", f"{text}: {exc}" if exc else f"{text}; no exception in the log"
     tail_exc = last_exception_line(log_tail.splitlines())
     if tail_exc and any(p in tail_exc for p in OOM_PATTERNS):
         return "oom", f"out of memory: {tail_exc}"

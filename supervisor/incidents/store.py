@@ -2,6 +2,10 @@
 
 Numbers are taken by `mkdir` (exclusive), so two writers never share one; `incident.json` is
 replaced durably, so a reader sees the old record or the new, never half.
+
+A write the disk refuses (full, read-only, I/O error) never raises out of here: the incident lives
+on in memory (status, the run summary), the failure goes to `on_write_error(exc, path)` — the
+supervisor decides what a full disk means for the run — and no temporary file is left behind.
 """
 from __future__ import annotations
 
@@ -9,35 +13,55 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from hangwatch.common.durable import write_atomic, write_json_atomic
+from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import INCIDENTS, read_json
 
+WriteError = Callable[[OSError, Path], None]
+
 KINDS = ("stall", "livelock", "startup_timeout", "manual", "crash", "oom", "nan", "signal", "config_error",
-         "data_error", "crash_loop")
+         "data_error", "crash_loop", "checkpoint_failed", "disk")
 RECORD_NAME = "incident.json"
 SUMMARY_KEYS = ("id", "kind", "time", "attempt", "step", "classification", "summary")
 UNREADABLE = "incident.json missing or unreadable"
 
 
+def _report(exc: OSError, path: Path) -> None:
+    raise exc  # without a handler a failed write is the caller's problem, as with any write
+
+
 class Incident:
-    def __init__(self, directory: Path, ident: str, kind: str, data: dict):
+    def __init__(self, directory: Path, ident: str, kind: str, data: dict, *, fs: Optional[FsOps] = None,
+                 on_write_error: WriteError = _report):
         self.dir = directory
         self.id = ident
         self.kind = kind
         self.data = data
+        self._fs = fs or FsOps()
+        self._on_write_error = on_write_error
 
     def add_file(self, name: str, content: str | bytes) -> Path:
         """Write one evidence file into the incident and list it in the record (write() saves that)."""
-        p = write_atomic(self.dir / name, content)
+        p = self.dir / name
+        try:
+            self._fs.write_file(p, content.encode() if isinstance(content, str) else content)
+        except OSError as exc:
+            self._on_write_error(exc, p)
+            return p
         self.data.setdefault("files", [])
         if name not in self.data["files"]:
             self.data["files"].append(name)
         return p
 
-    def write(self) -> None:
-        write_json_atomic(self.dir / RECORD_NAME, self.data)
+    def write(self) -> bool:
+        """Save the record; False when the disk refused (reported through `on_write_error`)."""
+        try:
+            self._fs.write_json(self.dir / RECORD_NAME, self.data)
+        except OSError as exc:
+            self._on_write_error(exc, self.dir / RECORD_NAME)
+            return False
+        return True
 
     def summary(self) -> dict:
         return summary_of(self.data)
@@ -48,8 +72,11 @@ def summary_of(d: dict) -> dict:
 
 
 class IncidentStore:
-    def __init__(self, run_dir: os.PathLike | str):
+    def __init__(self, run_dir: os.PathLike | str, *, fs: Optional[FsOps] = None, on_write_error: WriteError = _report):
         self.root = Path(run_dir) / INCIDENTS
+        self.fs = fs or FsOps()
+        self.on_write_error = on_write_error
+        self._unwritten = 0  # incidents whose directory could not be made: numbered on, never reused
 
     def dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -57,27 +84,31 @@ class IncidentStore:
         return sorted(p for p in self.root.iterdir() if p.is_dir() and re.match(r"^\d{4,}-", p.name))
 
     def count(self) -> int:
-        return len(self.dirs())
+        return len(self.dirs()) + self._unwritten
 
     def create(self, kind: str, **fields) -> Incident:
         """A new numbered incident directory with its first `incident.json` (time stamped now)."""
         if kind not in KINDS:
             raise ValueError(f"unknown incident kind {kind!r}")
-        self.root.mkdir(parents=True, exist_ok=True)
-        n = max((int(p.name.split("-", 1)[0]) for p in self.dirs()), default=0) + 1
+        n = max((int(p.name.split("-", 1)[0]) for p in self.dirs()), default=0) + 1 + self._unwritten
         while True:
             ident = f"{n:04d}"
             d = self.root / f"{ident}-{kind}"
             try:
-                d.mkdir()
+                self.fs.mkdir(d, exist_ok=False)
                 break
             except FileExistsError:
                 n += 1
+            except OSError as exc:  # the disk refused: the incident still exists, in memory
+                self._unwritten += 1
+                self.on_write_error(exc, d)
+                break
         wall = time.time()
         data = {"id": ident, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(wall)),
                 "time_unix": wall, **fields}
-        inc = Incident(d, ident, kind, data)
-        inc.write()
+        inc = Incident(d, ident, kind, data, fs=self.fs, on_write_error=self.on_write_error)
+        if d.is_dir():
+            inc.write()
         return inc
 
     def list(self) -> list[dict]:

@@ -233,10 +233,10 @@ def test_operating_a_run_through_the_cli(tmp_path):
         assert "not valid JSON" in replies[0]["error"] and "unknown command 'frobnicate'" in replies[1]["error"]
         assert "sideways" in replies[2]["error"]
 
-        # --- a second supervisor on the same socket refuses to start, and says why
+        # --- a second supervisor on the same run dir refuses to start, names the holder, changes nothing
         second = hw("run", config, "--run-dir", run_dir)
-        assert second.returncode != 0
-        assert f"another hangwatch is already running on {run_dir / 'hangwatch.sock'}" in second.stderr
+        assert second.returncode == 73
+        assert f"another hangwatch (pid {run.status()['supervisor_pid']}) is supervising {run_dir}" in second.stderr
 
         # --- dump: fresh stacks, nothing stops
         d = hw("dump", "--run-dir", run_dir)

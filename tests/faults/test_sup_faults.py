@@ -150,11 +150,13 @@ def test_crash_loop_fails_the_run_with_a_final_incident(tmp_path):
 
 
 def test_missing_worker_command_is_a_config_error(tmp_path):
+    """Refused before anything is spawned (the spawn-failure incident, for a program that vanished after the
+    check, is the fake-driven `the worker cannot be spawned` case in tests/unit/test_runner_fake.py)."""
     cfg_path, run_dir = write_config(tmp_path, "ok", worker={"command": [str(tmp_path / "no-such-program")]})
     rc, out = run_supervisor(cfg_path)
     assert rc == 78, out[-3000:]
-    (inc,) = incidents(run_dir)
-    assert inc["kind"] == "config_error" and "no-such-program" in inc["summary"]
+    assert f"worker.command.0: {tmp_path / 'no-such-program'}: no such file" in out, out[-3000:]
+    assert not (run_dir / "attempts").exists()
 
 
 def test_torn_lines_are_skipped_and_counted(tmp_path):

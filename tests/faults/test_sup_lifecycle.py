@@ -287,3 +287,34 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     assert any(c[0] == "status" and "attempt 2" in c[1] for c in notifier.calls)
     assert not wait_no_strays(str(run_dir))
     assert strays(str(run_dir)) == []
+
+
+def _cli(*args):
+    return subprocess.run([PY, "-m", "hangwatch.supervisor", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_pause_survives_a_sigkilled_supervisor(tmp_path):
+    """Paused, the supervisor is SIGKILLed and started again: it stays paused (no worker) until `resume`."""
+    cfg_path, run_dir = write_config(tmp_path, "ok", *LONG)
+    first = start_supervisor(cfg_path)
+    try:
+        wait_for(running_with_steps(run_dir), 20, "steps")
+        assert _cli("pause", "--run-dir", str(run_dir)).returncode == 0
+        wait_for(lambda: state(run_dir)["state"] == "paused", 30, "paused")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    second = start_supervisor(cfg_path)
+    try:
+        wait_for(lambda: _cli("status", "--run-dir", str(run_dir), "--json").returncode == 0, 20, "the new supervisor")
+        time.sleep(1.0)  # a supervisor that ignored the pause would have spawned attempt 2 by now
+        st = json.loads(_cli("status", "--run-dir", str(run_dir), "--json").stdout)
+        assert st["state"] == "paused" and [p.name for p in attempts(run_dir)] == ["0001"]
+        assert _cli("resume", "--run-dir", str(run_dir)).returncode == 0
+        wait_for(running_with_steps(run_dir, 2), 20, "attempt 2 stepping after resume")
+        assert _cli("stop", "--run-dir", str(run_dir)).returncode == 0
+        assert second.wait(timeout=30) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()

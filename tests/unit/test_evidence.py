@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.evidence import (OomWatch, cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
+from hangwatch.supervisor.evidence import (cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
                                            sigkill_cause)
 
 
@@ -55,7 +55,7 @@ def test_oom_victims_are_read_from_both_kernel_line_shapes():
     ({77}, 1, 1, None, "not sent by hangwatch, and not the OOM killer"),  # the counter alone is evidence enough
 ])
 def test_sigkill_cause_names_the_oom_killer_only_on_the_kernels_word(pids, before, now, records, expect):
-    assert expect in sigkill_cause(pids, OomWatch(before), now, records)
+    assert expect in sigkill_cause(pids, before, now, records)
 
 
 def test_kernel_log_reads_records_until_the_end_and_none_when_unreadable(tmp_path):

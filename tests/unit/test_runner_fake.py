@@ -6,6 +6,7 @@ Signals read "SIGUSR1" (to one announced pid), "-SIGTERM" (to the worker's proce
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -107,13 +108,16 @@ def crash_loop(h):
         h.worker.exit(1)
 
 
-def exits_while_stopping(code):
+def exits_while_stopping(code, last_words=None):
     def script(h):
         h.running()
         h.request(cmd="stop")
         h.until(lambda: h.state == "stopping")
-        h.worker.exit(code)
+        h.worker.exit(code, last_words=last_words)
     return script
+
+
+CRASH_WORDS = {"kind": "crash", "message": "boom", "traceback": "Traceback (most recent call last):\nValueError: boom\n"}
 
 
 def hangs_after_stop_line(h):  # `stop finished`, then never exits: the exit deadline (exit_after_stop 4 + term 1)
@@ -213,8 +217,11 @@ CASES = [
          f"starting running killing {RESTARTED} running killing {RESTARTED} running killing failed", ["-SIGTERM"] * 3,
          [("crash", None)] * 3 + [("crash_loop", None)], {"restart": {"max_restarts": 2, "backoff_initial_s": 0}},
          exit_code=1),
-    Case("worker crashes while stopping", exits_while_stopping(1), in_state("stopped"), f"{STOPPED} stopped",
+    Case("worker crashes while stopping", exits_while_stopping(1, CRASH_WORDS), in_state("stopped"), f"{STOPPED} stopped",
          ["SIGTERM", "-SIGTERM"], [("crash", None)], IGNORE, exit_code=0),
+    # torchrun exits 1 after forwarding our SIGTERM: a stop hangwatch asked for is a stop, not a crash.
+    Case("a launcher exits 1 on the stop it was asked for", exits_while_stopping(1), in_state("stopped"),
+         f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
     Case("worker exits cleanly while stopping", exits_while_stopping(0), in_state("stopped"), f"{STOPPED} stopped",
          ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
     Case("hangs on its way out after `stop`", hangs_after_stop_line, attempt(2), f"{STALL} {RESTARTED}",
@@ -380,3 +387,26 @@ def test_state_file_and_notifications(tmp_path):
     assert final["worker"] is None and final["pids"] == {} and final["exit_code"] == 0
     kinds = [c[0] for c in h.notifier.calls]
     assert kinds.count("ready") == 1 and "stopping" in kinds and kinds.count("watchdog") >= 4  # every pass
+
+
+@pytest.mark.parametrize("when", ["while pausing", "once paused"])
+def test_a_pause_outlives_the_supervisor(tmp_path, when):
+    first = Harness(tmp_path)
+    first.running()
+    first.request(cmd="pause")
+    if when == "while pausing":
+        first.until(lambda: first.state == "stopping")  # the supervisor dies before the worker is gone
+    else:
+        first.until(lambda: first.state == "stopping")
+        first.worker.graceful_exit()
+        first.until(lambda: first.state == "paused")
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["intent"] == "pause"
+    second = Harness(tmp_path)  # a new supervisor on the same run dir (systemd restarted it, say)
+    for _ in range(20):
+        second.tick()
+    assert second.state == "paused" and second.spawn.workers == []
+    second.request(cmd="resume")
+    second.until(lambda: second.spawn.workers)
+    second.worker.start()
+    second.until(lambda: second.state == "running")
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["intent"] is None

@@ -91,6 +91,9 @@ def test_fatal_error_and_frame_str():
         ([{"state": "D", "cpu_percent": 2.0}], "uninterruptible I/O (state D"),
         ([{"state": "R", "cpu_percent": 30.0}], "busy loop in Python (CPU 30%)"),  # spinning on a contended CPU
         ([{"state": "S", "cpu_percent": 20.0}], "partly busy (CPU 20%)"),
+        ([{"state": "T", "cpu_percent": 0.0}], "stopped (SIGSTOP or a debugger; state T)"),  # not "blocked in C"
+        ([{"state": "t", "cpu_percent": 0.0}], "stopped by a debugger (state t)"),
+        ([{"state": "T", "cpu_percent": 0.0}, {"state": "R", "cpu_percent": 95.0}], "busy loop in Python"),
         ([], "no worker process left"),
     ],
 )
@@ -108,7 +111,10 @@ def test_stall_classification_from_cpu_and_state(procs, needle):
         (78, None, None, "", "config_error", "EX_CONFIG"),
         (65, None, {"kind": "data_error", "message": "no usable example"}, "", "data_error", "no usable example"),
         (None, signal.SIGSEGV, None, "", "signal", "killed by SIGSEGV (signal 11)"),
-        (None, signal.SIGKILL, None, "", "signal", "OOM killer"),
+        (74, None, {"kind": "checkpoint_failed", "message": "checkpoint of step 30 could not be written under /r: "
+                    "[Errno 28] No space left on device"}, "", "checkpoint_failed", "checkpoint save failed: checkpoint of step 30"),
+        (74, None, None, "", "disk", "exit 74 (EX_IOERR), no last words"),
+        (None, signal.SIGKILL, None, "", "signal", "killed by SIGKILL (signal 9): not sent by hangwatch; what sent it is unknown"),
         (1, None, None, "step 3\nTraceback (most recent call last):\n  File \"t.py\", line 3\ntorch.OutOfMemoryError: CUDA out of memory\n",
          "oom", "torch.OutOfMemoryError"),
         (1, None, None, "Traceback (most recent call last):\n  File \"t.py\", line 3\nKeyError: 'x'\n", "crash", "KeyError: 'x' (from the worker log)"),
@@ -118,6 +124,28 @@ def test_stall_classification_from_cpu_and_state(procs, needle):
 def test_exit_classification(code, sig, last_words, log, kind, needle):
     got_kind, text = classify_exit(code, sig, last_words, log)
     assert got_kind == kind and needle in text, text
+
+
+@pytest.mark.parametrize("cause, kind", [
+    ("the kernel's OOM killer (kernel log: killed process 41)", "oom"),
+    ("not sent by hangwatch, and not the OOM killer (the kernel recorded no OOM kill)", "signal"),
+    ("not sent by hangwatch; the kernel's OOM records cannot be read here, so whether it was the OOM killer is unknown",
+     "signal"),
+])
+def test_a_sigkill_names_the_oom_killer_only_when_the_evidence_does(cause, kind):
+    got_kind, text = classify_exit(None, signal.SIGKILL, None, "", sigkill_cause=cause)
+    assert (got_kind, text) == (kind, f"killed by SIGKILL (signal 9): {cause}")
+    assert classify_exit(None, signal.SIGKILL, None, "", killed_by_us=True) == ("signal", "killed by SIGKILL (signal 9)")
+
+
+def test_a_torchrun_jobs_failed_rank_is_named_not_childfailederror():
+    root = {"rank": 1, "exitcode": 1, "pid": 9406, "signal": None, "exception": "ValueError: shard 7 is empty"}
+    tail = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert classify_exit(1, None, None, tail, launcher=root) == (
+        "crash", "rank 1 failed first (exit code 1, pid 9406, per torchrun): ValueError: shard 7 is empty")
+    oom = dict(root, exception="torch.OutOfMemoryError: CUDA out of memory")
+    assert classify_exit(1, None, None, tail, launcher=oom)[0] == "oom"
+    assert "no exception in the log" in classify_exit(1, None, None, tail, launcher=dict(root, exception=None))[1]
 
 
 def test_incident_store_numbers_lists_and_fetches(tmp_path):

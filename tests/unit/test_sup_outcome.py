@@ -26,6 +26,10 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
         (Intent.EXIT, None, None, "backoff", Outcome(State.STOPPED, "stop requested during backoff")),
         (Intent.PAUSE, None, None, "backoff", Outcome(State.PAUSED, "pause requested during backoff")),
         (Intent.RESTART, None, None, "paused", Outcome(State.STARTING, "restart requested during paused")),
+        # the disk refused a write: failed with 74 whatever the worker's exit or the policy would say
+        (Intent.FAIL, RESTART, 1, None, Outcome(State.FAILED, "the run cannot go on", 74)),
+        (Intent.FAIL, FINISH, 0, None, Outcome(State.FAILED, "the run cannot go on", 74)),
+        (Intent.FAIL, None, None, "backoff", Outcome(State.FAILED, "the run cannot go on during backoff", 74)),
         # no request: the policy's decision
         (Intent.NONE, FINISH, 0, None, Outcome(State.FINISHED, FINISH.reason, 0)),
         (Intent.NONE, FAIL, 78, None, Outcome(State.FAILED, FAIL.reason, 78)),
@@ -43,4 +47,4 @@ def test_resolve(intent, decision, code, during, expected):
 
 
 def test_the_intent_reads_as_status_reports_it():
-    assert [i.value for i in Intent] == [None, "exit", "pause", "restart"]
+    assert [i.value for i in Intent] == [None, "exit", "pause", "restart", "fail"]

@@ -113,3 +113,19 @@ def test_the_state_record_drops_pids_once_the_tree_is_gone():
     live = statefile.record(facts, tree_gone=False, **common)
     assert live["pids"] == {"0": {"pid": 5, "create_time": 1.0}} and live["supervisor"] == {"pid": os.getpid()}
     assert statefile.RunFacts.from_previous(gone).last_good_checkpoint == "ckpt-4"
+
+
+def test_py_spy_is_found_next_to_the_interpreter_before_path(tmp_path):
+    from hangwatch.supervisor.escalation import find_py_spy
+
+    venv_bin, other = tmp_path / "venv" / "bin", tmp_path / "elsewhere"
+    venv_bin.mkdir(parents=True)
+    other.mkdir()
+    for d in (venv_bin, other):
+        exe = d / "py-spy"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    assert find_py_spy(str(venv_bin / "python"), path=str(other)) == str(venv_bin / "py-spy")
+    (venv_bin / "py-spy").unlink()
+    assert find_py_spy(str(venv_bin / "python"), path=str(other)) == str(other / "py-spy")
+    assert find_py_spy(str(venv_bin / "python"), path=str(tmp_path)) is None

@@ -151,3 +151,28 @@ def test_provisional_checkpoint_is_resumed_until_a_nonfinite_streak_withdraws_it
     assert ckpt.clear_provisional(root) == [stopped]
     choice = ckpt.choose_resume(tmp_path)
     assert choice.path == good and "not confirmed good" in choice.skipped[0]["reason"]
+
+
+def test_a_refused_checkpoint_write_leaves_nothing_and_says_so(tmp_path):
+    """A disk that refuses mid-save: no temporary directory left, the older checkpoint untouched, and the
+    error is the worker's own kind with exit 74 (not a generic crash)."""
+    import errno as _errno
+
+    from hangwatch.daemon import checkpoint as ck
+    from hangwatch.daemon.errors import CheckpointSaveError
+    from hangwatch.daemon.lastwords import classify
+
+    root = tmp_path / "checkpoints"
+    good = ck.commit(root, 10, lambda d: (d / "weights.bin").write_bytes(b"w" * 64))
+    ck.mark_good(good)
+
+    def fill(d):
+        (d / "weights.bin").write_bytes(b"x" * 32)
+        raise OSError(_errno.ENOSPC, "No space left on device", str(d / "optimizer.pt"))
+
+    with pytest.raises(CheckpointSaveError) as err:
+        ck.commit(root, 20, fill)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000010"]  # no .tmp-*, no step-20
+    assert ck.validate(good) is None  # the last good checkpoint still checks out
+    assert classify(err.value) == ("checkpoint_failed", 74)
+    assert classify(CheckpointSaveError(20, str(root), PermissionError(_errno.EACCES, "denied"))) == ("checkpoint_failed", 1)

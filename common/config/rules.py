@@ -1,0 +1,126 @@
+"""Rules across settings: pure functions of a validated Config, no filesystem.
+
+A pydantic record checks one value; these check values against each other.  Two tiers:
+
+    errors(cfg)   settings that contradict each other or cannot do what they say (the config is refused)
+    advice(cfg)   legal settings that are very likely a mistake (said as a warning; the run goes ahead)
+
+Each finding is `(key path, message)`; the loader turns the path into `FILE:LINE: dotted.key`.  Rules
+about the training worker's own settings (eval, faults, checkpoints) apply only to the built-in worker:
+a `worker.command` of one's own reads what it likes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from hangwatch.common.config.schema import Config
+
+Finding = tuple[tuple, str]  # (key path, e.g. ("restart", "backoff_initial_s"); what is wrong)
+Rule = Callable[[Config], Iterator[Finding]]
+
+
+def builtin_worker(cfg: Config) -> bool:
+    return cfg.worker.command is None
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def _not_above(loc: tuple, low: float, high_key: str, high: float, why: str) -> Iterator[Finding]:
+    if low > high:
+        yield loc, f"{low:g} exceeds {high_key} ({high:g}): {why}"
+
+
+def backoff_order(cfg: Config) -> Iterator[Finding]:
+    r = cfg.restart
+    yield from _not_above(("restart", "backoff_initial_s"), r.backoff_initial_s, "restart.backoff_max_s", r.backoff_max_s,
+                          "the first restart delay cannot be larger than the cap it doubles towards")
+
+
+def step_clamp_order(cfg: Config) -> Iterator[Finding]:
+    w = cfg.watchdog
+    yield from _not_above(("watchdog", "step_timeout_min_s"), w.step_timeout_min_s, "watchdog.step_timeout_max_s",
+                          w.step_timeout_max_s, "the calibrated step deadline is clamped between the two")
+
+
+def eval_has_something_to_do(cfg: Config) -> Iterator[Finding]:
+    # An eval is the held-out loss (data.eval) and the generations (eval.prompts); with neither it
+    # would stop training every N steps to record nothing.
+    if builtin_worker(cfg) and cfg.eval.every_steps and not cfg.data.eval and not cfg.eval.prompts:
+        yield (("eval", "every_steps"),
+               f"{cfg.eval.every_steps} evaluates every {cfg.eval.every_steps} steps, but there is nothing to "
+               "evaluate: set data.eval (held-out loss) and/or eval.prompts (generations), or eval.every_steps: 0")
+
+
+def faults_can_fire(cfg: Config) -> Iterator[Finding]:
+    # A fault that can never fire makes a test or a demo pass for the wrong reason.
+    if not builtin_worker(cfg):
+        return
+    for i, f in enumerate(cfg.faults):
+        waits_for_eval = f.kind == "hang_generate" or f.at_eval is not None
+        if waits_for_eval and not cfg.eval.every_steps:
+            yield (("faults", i, "at_eval" if f.at_eval is not None else "kind"),
+                   f"{f.kind} waits for an eval, but eval.every_steps is 0: it would never fire")
+        elif f.kind == "hang_generate" and not cfg.eval.prompts:
+            yield (("faults", i, "kind"), "hang_generate hangs eval's generate(), which runs only for eval.prompts, "
+                   "and there are none: it would never fire")
+        if f.at_step is not None and f.at_step > cfg.train.max_steps:
+            yield (("faults", i, "at_step"),
+                   f"{f.at_step} is past train.max_steps ({cfg.train.max_steps}): it would never fire")
+        if f.at_eval is not None and cfg.eval.every_steps and f.at_eval * cfg.eval.every_steps > cfg.train.max_steps:
+            yield (("faults", i, "at_eval"),
+                   f"eval {f.at_eval} would come at step {f.at_eval * cfg.eval.every_steps}, past train.max_steps "
+                   f"({cfg.train.max_steps}): it would never fire")
+
+
+ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire)
+
+
+# ---- advice ----------------------------------------------------------------------------------
+
+
+def unused_eval_settings(cfg: Config) -> Iterator[Finding]:
+    if not builtin_worker(cfg):
+        return
+    e = cfg.eval
+    if not e.every_steps and e.prompts:
+        yield (("eval", "prompts"), "never generated: eval.every_steps is 0 (no eval runs)")
+    if not e.every_steps and cfg.data.eval:
+        yield (("data", "eval"), "never read: eval.every_steps is 0 (no eval runs)")
+    if e.every_steps > cfg.train.max_steps:
+        yield (("eval", "every_steps"),
+               f"{e.every_steps} is more than train.max_steps ({cfg.train.max_steps}): no eval will run")
+
+
+def checkpoints_confirm_before_the_end(cfg: Config) -> Iterator[Finding]:
+    # The first checkpoint counts as good only `confirm_steps` finite steps after it is written;
+    # until then a crash restarts the run from step 0.
+    if not builtin_worker(cfg):
+        return
+    c, t = cfg.checkpoint, cfg.train
+    first_good = c.every_steps + c.confirm_steps
+    if first_good >= t.max_steps:
+        yield (("checkpoint", "every_steps"),
+               f"the first checkpoint (step {c.every_steps}, good {c.confirm_steps} steps later) is not good "
+               f"before train.max_steps ({t.max_steps}): a crash before the end restarts the run from step 0")
+
+
+def warmup_within_run(cfg: Config) -> Iterator[Finding]:
+    t = cfg.train
+    if builtin_worker(cfg) and t.warmup_steps >= t.max_steps:
+        yield (("train", "warmup_steps"),
+               f"{t.warmup_steps} is not less than train.max_steps ({t.max_steps}): the learning rate never "
+               f"reaches train.lr ({t.lr:g})")
+
+
+ADVICE_RULES: tuple[Rule, ...] = (unused_eval_settings, checkpoints_confirm_before_the_end, warmup_within_run)
+
+
+def errors(cfg: Config) -> list[Finding]:
+    """Every contradiction between settings (each makes the config unusable)."""
+    return [finding for rule in ERROR_RULES for finding in rule(cfg)]
+
+
+def advice(cfg: Config) -> list[Finding]:
+    """Settings that are legal but very likely not what was meant."""
+    return [finding for rule in ADVICE_RULES for finding in rule(cfg)]

@@ -1,0 +1,123 @@
+"""`hangwatch validate-config` and `hangwatch run` as a user meets them: a config that cannot work is
+refused (exit 78, the key, its line) before any worker starts; a directory as CONFIG is a config error,
+not a usage error; a run dir whose run already finished is left alone, with how to start afresh."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures.sup_harness import attempts, state, write_config
+from fixtures.workers import make_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hangwatch(*args, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "hangwatch"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HANGWATCH_", "NOTIFY_SOCKET"))}
+    return subprocess.run([*argv, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def test_a_missing_train_file_is_refused_before_anything_starts(tmp_path):
+    cfg = make_config(tmp_path, data={"train": str(tmp_path / "data" / "gone.jsonl")})
+    run_dir = tmp_path / "run"
+    line = next(i for i, text in enumerate(cfg.read_text().splitlines(), 1) if "gone.jsonl" in text)
+    for command in ("validate-config", "run"):
+        r = hangwatch(command, cfg)
+        assert r.returncode == 78, r.stderr
+        assert r.stderr.splitlines() == ["hangwatch: invalid configuration (1 problem):",
+                                         f"  {cfg}:{line}: data.train: {tmp_path / 'data' / 'gone.jsonl'}: no such file"]
+        assert not run_dir.exists()  # no worker, no attempts/, not even a run dir
+
+
+def test_validate_config_reports_every_problem_in_file_order(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run_dir: runs/x\n"
+                   "restart:\n  backoff_initial_s: 100\n  backoff_max_s: 1\n"
+                   "data:\n  train: train.jsonl\n")
+    r = hangwatch("validate-config", cfg)
+    assert (r.returncode, r.stdout) == (78, "")
+    assert r.stderr.splitlines()[1:] == [
+        f"  {cfg}:3: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first restart delay cannot "
+        "be larger than the cap it doubles towards"]
+    cfg.write_text("run_dir: runs/x\nmodel:\n  name_or_path: models/none\ndata:\n  train: train.jsonl\n  eval: eval.jsonl\n")
+    r = hangwatch("validate-config", cfg)
+    assert r.returncode == 78
+    assert [ln.split(": ", 2)[:2] for ln in r.stderr.splitlines()[1:]] == [
+        [f"  {cfg}:3", "model.name_or_path"], [f"  {cfg}:5", "data.train"], [f"  {cfg}:6", "data.eval"]]
+    assert "hangwatch never downloads a model" in r.stderr
+
+
+def test_duplicate_keys_exit_78_with_both_lines(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("worker:\n  command: [python3, x.py]\nwatchdog:\n  silence_timeout_s: 10\n  silence_timeout_s: 20\n")
+    r = hangwatch("validate-config", cfg)
+    assert r.returncode == 78
+    assert r.stderr.splitlines()[1] == (f"  {cfg}:5: watchdog.silence_timeout_s: duplicate key (first at line 4); YAML "
+                                        "would silently keep only the last one: remove one of them")
+
+
+def test_a_directory_or_a_missing_file_as_config_exits_78_not_64(tmp_path):
+    for command in ("validate-config", "run"):
+        r = hangwatch(command, tmp_path)
+        assert (r.returncode, r.stderr) == (78, "hangwatch: invalid configuration (1 problem):\n"
+                                                f"  {tmp_path}: is a directory; give the config file (a .yaml) inside it\n")
+        r = hangwatch(command, tmp_path / "nope.yaml")
+        assert r.returncode == 78 and f"{tmp_path / 'nope.yaml'}: no such config file" in r.stderr
+
+
+def test_warnings_go_to_stderr_and_the_config_is_still_ok(tmp_path):
+    cfg = make_config(tmp_path)  # eval.prompts with eval.every_steps 0: legal, but never used
+    r = hangwatch("validate-config", cfg)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"OK: {cfg}\n")
+    assert "hangwatch: warning: " in r.stderr and "eval.prompts: never generated: eval.every_steps is 0" in r.stderr
+
+
+def test_a_finished_run_is_not_run_again_and_says_how_to_start_fresh(tmp_path):
+    cfg, run_dir = write_config(tmp_path, "ok")
+    first = hangwatch("run", cfg)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert state(run_dir)["state"] == "finished"
+    before = (len(attempts(run_dir)), (run_dir / "state.json").read_bytes())
+    again = hangwatch("run", cfg, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.splitlines()[0].startswith("hangwatch: run already finished")
+    assert "nothing to do, no worker started" in again.stderr
+    assert again.stderr.splitlines()[-1] == f"  to start fresh: rm -r run   or   hangwatch run {cfg} --run-dir NEW_DIR"
+    assert (len(attempts(run_dir)), (run_dir / "state.json").read_bytes()) == before  # nothing ran, nothing changed
+    # the way out it names works
+    fresh = hangwatch("run", cfg, "--run-dir", tmp_path / "fresh")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert state(tmp_path / "fresh")["state"] == "finished" and len(attempts(tmp_path / "fresh")) == 1
+
+
+def test_a_stopped_or_failed_run_resumes_as_before(tmp_path):
+    cfg, run_dir = write_config(tmp_path, "ok")
+    run_dir.mkdir()
+    for previous in ("stopped", "failed"):
+        (run_dir / "state.json").write_text(json.dumps({"state": previous, "attempt": 1}))
+        r = hangwatch("run", cfg)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "already finished" not in r.stderr
+        assert state(run_dir)["state"] == "finished"
+    assert len(attempts(run_dir)) == 2
+
+
+def test_a_finished_continuous_run_takes_new_inbox_files(tmp_path):
+    """In continuous mode a finished run can have new work (files in the inbox): no hint, it runs."""
+    from hangwatch.common.config import load_config
+    from hangwatch.supervisor.summary import finished_hint
+
+    cfg_path = make_config(tmp_path, data={"train": None, "inbox": True})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "state.json").write_text(json.dumps({"state": "finished", "last_good_step": 7}))
+    assert finished_hint(load_config(cfg_path), str(cfg_path)) is None
+    plain = load_config(make_config(tmp_path, "plain.yaml"))
+    hint = finished_hint(plain, "plain.yaml")
+    assert hint is not None and f"{run_dir} already finished (at step 7)" in hint[0]
