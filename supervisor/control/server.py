@@ -253,8 +253,12 @@ class ControlServer:
         if client in self._clients and client.lingering and now - client.lingering_since > LINGER_S:
             self._drop(client)  # it has its replies; a peer that keeps sending gets no more of our time
         if client in self._clients and now - client.last_active > self.idle_timeout_s:
-            log.info("control client timed out", peer_uid=client.peer.uid, peer_pid=client.peer.pid,
-                     idle_s=round(now - client.last_active, 1), waiting_for=client.pending_cmd or None)
+            # A silent client timing out is routine (and comes by the hundred in a flood); one that
+            # gave up waiting for a reply is worth a line.
+            waiting_for = client.pending_cmd if client.pending is not None else None
+            note = log.info if waiting_for else log.debug
+            note("control client timed out", peer_uid=client.peer.uid, peer_pid=client.peer.pid,
+                 idle_s=round(now - client.last_active, 1), waiting_for=waiting_for)
             self._drop(client)
 
     def _linger(self, client: _Client, now: float) -> None:

@@ -118,8 +118,9 @@ def test_quiet_continuous_run_under_random_kills_strands_nothing_and_never_resta
         w.wait(lambda b: b["event"] == "phase" and b["phase"] == "intake" and b["file"] == "f3.jsonl")
         killed(kill_around_the_flush(w, rng))
 
-        # Whatever that kill left is trained again and flushed; then the last file comes.
+        # Whatever that kill left is trained again and flushed; then the last file comes, to a running worker.
         w = start()
+        w.wait(lambda b: b["event"] == "phase" and b["phase"] == "idle")
         deadline = time.monotonic() + WAIT_S
         while leftovers(run) or names_in(run, Stage.DONE) != ["f1.jsonl", "f2.jsonl", "f3.jsonl"]:
             assert time.monotonic() < deadline and w.proc.poll() is None, (leftovers(run), story)

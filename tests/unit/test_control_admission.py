@@ -6,6 +6,7 @@ sockets, polled from the test's own thread on a fake clock (fixtures.control_pee
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,7 +16,7 @@ import structlog
 
 from fixtures.control_peers import Deferred, Peer, raw
 from fixtures.polled_server import PolledServer
-from hangwatch.supervisor.client import Client
+from hangwatch.supervisor.client import Client, DaemonUnavailable
 from hangwatch.supervisor.control import PeerCred, PeerPolicy
 from hangwatch.supervisor.control.admission import Limits, admit, eviction_key, oldest_idle
 from hangwatch.supervisor.control.conversation import EMPTY_REQUEST
@@ -244,6 +245,48 @@ def test_the_client_reads_the_refusal_of_a_request_too_large_to_send_whole(tmp_p
         assert server.requests == []
     finally:
         server.close()
+
+
+def test_the_client_waits_for_room_in_a_full_accept_queue(tmp_path):
+    path = tmp_path / "queue.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    fillers = []
+    while True:  # fill the queue of connections nobody has accepted yet
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    try:
+        # Nobody accepts: a bounded wait and a clear error, not an instant "Resource temporarily unavailable".
+        with pytest.raises(DaemonUnavailable, match=r"did not accept the connection within 0.3s$"):
+            Client(path, timeout=0.3).call("status")
+        # Someone accepts: the waiting client gets through.
+        got: list = []
+        asker = threading.Thread(target=lambda: got.append(Client(path, timeout=10).call("status")))
+        asker.start()
+        listener.settimeout(10)
+        served = False
+        while not served:
+            conn, _ = listener.accept()
+            fillers.append(conn)
+            conn.settimeout(0.05)
+            try:
+                served = bool(conn.recv(100))
+            except socket.timeout:
+                continue  # a filler: it never asks
+            conn.sendall(b'{"ok":true,"result":"served"}\n')
+        asker.join(10)
+        assert got == ["served"]
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
 
 
 def test_an_empty_line_gets_an_error_and_the_connection_stays(tight):
