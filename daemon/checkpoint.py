@@ -81,13 +81,18 @@ def fsync_tree(root: Path) -> None:
 # ---- commit ------------------------------------------------------------------------------
 
 
-def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> Path:
-    """Write checkpoint `step` under `root` with the commit protocol; `fill(tmpdir)` writes its files."""
+def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None],
+           markers: Optional[Callable[[Path], dict]] = None) -> Path:
+    """Write checkpoint `step` under `root` with the commit protocol; `fill(tmpdir)` writes its files.
+
+    `markers(tmpdir)` (after the files and the manifest are written) names marker files to create
+    with it, e.g. {PROVISIONAL: {...}}: they appear together with the checkpoint, so no kill can see the
+    checkpoint without its mark.  Markers stay outside the manifest, so one can be withdrawn later."""
     root = Path(root)
     name = step_name(step)
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     try:
-        return _commit(root, name, step, tmp, fill)
+        return _commit(root, name, step, tmp, fill, markers)
     except OSError as exc:
         # Nothing half-written is left behind (a full disk must not also be a littered one), and
         # nothing under a checkpoint's name was touched: the last good checkpoint is intact.
@@ -98,7 +103,8 @@ def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None]) -> 
         raise
 
 
-def _commit(root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], None]) -> Path:
+def _commit(root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], None],
+            markers: Optional[Callable[[Path], dict]]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -111,6 +117,8 @@ def _commit(root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], 
     manifest = {"version": MANIFEST_VERSION, "step": step, "created": time.time(), "files": files}
     # Not yet visible under its final name: a plain write, made durable with the rest of the tree.
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    for marker, info in (markers(tmp) if markers else {}).items():
+        (tmp / marker).write_text(json.dumps({"t": time.time(), **info}, sort_keys=True) + "\n")
     fsync_tree(tmp)
     final = root / name
     old = None
@@ -230,11 +238,12 @@ class ResumeChoice:
     skipped: list[dict] = field(default_factory=list)
 
 
-def choose_resume(run_dir: os.PathLike | str) -> ResumeChoice:
+def choose_resume(run_dir: os.PathLike | str, *, clean: bool = True) -> ResumeChoice:
     """The newest good (or provisional) checkpoint; newer ones that are invalid or unconfirmed are
-    listed as skipped."""
+    listed as skipped.  `clean`: remove what interrupted saves left behind first (rank 0 of a
+    multi-rank run does it; the other ranks only look, and take rank 0's choice)."""
     root = checkpoints_root(run_dir)
-    choice = ResumeChoice(skipped=clean_temporaries(root))
+    choice = ResumeChoice(skipped=clean_temporaries(root) if clean else [])
     for p in list_checkpoints(root):
         reason = validate(p)
         if reason is None and not is_good(p) and not is_provisional(p):

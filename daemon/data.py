@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
+# One definition of an example's shape, shared with `validate-config` (which may not import the worker).
+from hangwatch.common.example_shape import ROLES, ExampleRejected, messages_of  # noqa: F401
+
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -52,50 +54,7 @@ class Problem:
         return f"{self.path}:{self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
 
 
-class ExampleRejected(ValueError):
-    """An example that cannot train; the message says why."""
-
-
 # ---- rendering -------------------------------------------------------------------------------
-
-
-def _check_text(obj: dict, key: str) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise ExampleRejected(f"missing key '{key}'")
-    if not isinstance(value, str):
-        raise ExampleRejected(f"'{key}' must be a string, got {type(value).__name__}")
-    return value
-
-
-def messages_of(obj: Any) -> list[dict]:
-    """The conversation a JSONL object describes (prompt/completion becomes user/assistant)."""
-    if not isinstance(obj, dict):
-        raise ExampleRejected(f"expected a JSON object, got {type(obj).__name__}")
-    if "messages" in obj:
-        extra = set(obj) & {"prompt", "completion"}
-        if extra:
-            raise ExampleRejected(f"has both 'messages' and {sorted(extra)}: use one format per line")
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ExampleRejected("'messages' must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise ExampleRejected(f"messages[{i}] must be an object with 'role' and 'content'")
-            role = m.get("role")
-            if role not in ROLES:
-                raise ExampleRejected(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-            _check_text(m, "content")
-        if msgs[-1]["role"] != "assistant":
-            raise ExampleRejected("the last message must be the assistant's (it is what is learned)")
-        if len(msgs) < 2:
-            raise ExampleRejected("'messages' needs at least one turn before the assistant's")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
-    if "prompt" in obj or "completion" in obj:
-        prompt = _check_text(obj, "prompt")
-        completion = _check_text(obj, "completion")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    raise ExampleRejected("expected keys 'prompt' and 'completion', or 'messages'")
 
 
 def render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:

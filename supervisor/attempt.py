@@ -6,23 +6,30 @@ worker learns where they go from its environment (`HANGWATCH_RUN_DIR`, `HANGWATC
 process group, the pids the ranks announced in their `start` lines, descendants seen by the tree
 scan, and — with the supervisor as subreaper — orphans re-parented to it, which is the only way to
 find a child that left the group (setsid) once the worker itself has exited.
+
+Every worker also gets torch's NCCL flight recorder switched on (`flight_recorder.flight_env`: a
+dump pipe and dump files per rank in the attempt directory, unless the user configured them), and
+each attempt watches its ranks for stragglers (`stragglers.StragglerWatch`).
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from hangwatch.common.durable import FsOps
-from hangwatch.common.config import Config
+from hangwatch.common.config import Config, WatchdogCfg
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.escalation import DumpTarget
+from hangwatch.supervisor.flight_recorder import FlightPaths, flight_env
 from hangwatch.supervisor.heartbeats import HeartbeatTail
 from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
+from hangwatch.supervisor.stragglers import StragglerWatch
 
 Spawn = Callable[..., Worker]
 
@@ -48,6 +55,10 @@ class Attempt:
     last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
     last_tree_scan: float = float("-inf")
     oom_kills_at_start: Optional[int] = None  # the memory cgroup's OOM-kill count when it started (evidence)
+    flight: FlightPaths = field(default_factory=lambda: FlightPaths(None, ""))  # where its ranks' NCCL dumps go
+    stragglers: StragglerWatch = field(default_factory=lambda: StragglerWatch.from_config(WatchdogCfg()))
+    cwd: Optional[str] = None  # the worker's working directory (its relative source paths)
+    started_wall: float = field(default_factory=time.time)  # wall clock: only to tell this attempt's files from older ones
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
         """A `start` line: remember the rank's process (by identity) and where its dumps go."""
@@ -115,6 +126,7 @@ def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = 
     env[ENV_ATTEMPT] = str(number)
     env[ENV_HEARTBEAT_DIR] = str(attempt_dir(cfg.run_dir, number))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(flight_env(attempt_dir(cfg.run_dir, number), env))
     return env
 
 
@@ -122,6 +134,7 @@ def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float,
     """Create the attempt's directory and spawn the worker; OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
     (fs or FsOps()).mkdir(adir)
-    worker = spawn(worker_argv(cfg, config_path), env=worker_env(cfg, number), cwd=cfg.worker.cwd,
-                   log_path=adir / WORKER_LOG_NAME, now=now)
-    return Attempt(number, adir, worker, HeartbeatTail(adir))
+    env = worker_env(cfg, number)
+    worker = spawn(worker_argv(cfg, config_path), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
+    return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
+                   stragglers=StragglerWatch.from_config(cfg.watchdog))

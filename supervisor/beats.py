@@ -2,8 +2,9 @@
 
     start       the rank's process (by identity) and dump file are remembered: only announced
                 processes ever get SIGUSR1; the first start moves STARTING → RUNNING
-    step        the metrics `status` shows; a new highest step clears the crash-loop count
-    phase       systemd's status line follows the phase
+    step        the metrics `status` shows; a new highest step clears the crash-loop count; the rank's
+                step time feeds the straggler watch (a `straggler` warning, never a kill)
+    phase       systemd's status line follows the phase; leaving `train` pauses the straggler clock
     checkpoint  a *good* one becomes the run's last good checkpoint (state.json records it at once)
     warn        logged
     stop        its reason decides finished-or-not when the worker exits; once every rank said `stop`,
@@ -20,6 +21,7 @@ import structlog
 from hangwatch.supervisor.states import State
 
 if TYPE_CHECKING:
+    from hangwatch.supervisor.attempt import Attempt
     from hangwatch.supervisor.runner import Supervisor
 
 log = structlog.get_logger("hangwatch")
@@ -45,7 +47,10 @@ def read(sup: "Supervisor", now: float) -> None:
         elif ev == "step":
             sup.facts.last_step = rec
             sup.policy.observed_step(int(rec["step"]), now)
+            _straggler(cur, tr.rank, int(rec["step"]), now, rec.get("step_time_s"))
         elif ev == "phase":
+            if tr.phase != "train":
+                cur.stragglers.left_train(tr.rank)
             log.debug("phase", rank=tr.rank, phase=tr.phase, budget_s=tr.phase_budget, step=tr.step)
             sup.status_note(now, force=True)
         elif ev == "checkpoint" and rec.get("good"):
@@ -67,3 +72,11 @@ def read(sup: "Supervisor", now: float) -> None:
         log.warning("torn_heartbeat_lines", count=cur.tail.torn - torn_before, total=sup.facts.torn_lines,
                     example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None)
     sup.save_calibration(only_if_changed=True)
+
+
+def _straggler(cur: "Attempt", rank: int, step: int, now: float, reported) -> None:
+    what, rec = cur.stragglers.step(rank, step, now, reported)
+    if what == "straggler":
+        log.warning("straggler", attempt=cur.number, **rec.as_dict())
+    elif what == "recovered":
+        log.info("straggler_recovered", attempt=cur.number, rank=rank, step=step, slow_since_step=rec.since_step)

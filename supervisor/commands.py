@@ -220,6 +220,8 @@ def status_view(sup: "Supervisor", now: float) -> dict:
         "incidents": sup.incidents.count(),
         "last_incident": facts.last_incident,
         "deadlines": dl.active(now) if watching else [],
+        "ranks": rank_rows(sup, now, watching),
+        "stragglers": {str(r): rec for r, rec in cur.stragglers.status().items()} if cur else {},
         "backoff_remaining_s": round(max(0.0, sup.backoff_until - now), 3)
         if sup.backoff_until is not None and st is State.BACKOFF else None,
         "intent": sup.after_teardown.value,
@@ -232,3 +234,16 @@ def status_view(sup: "Supervisor", now: float) -> dict:
         "calibration": {"step_budget_s": budget, "source": source, "samples": len(sup.calibration.step_samples)},
         "queue": queue_status(sup.run_dir) if sup.cfg.data.inbox else None,
     }
+
+
+def rank_rows(sup: "Supervisor", now: float, watching: bool) -> list[dict]:
+    """Every rank that spoke in this attempt: its pid, phase, step, last beat age, deadlines, straggling."""
+    dl, cur = sup.deadlines, sup.current
+    active = dl.active(now) if watching else []
+    pids = cur.announced_refs() if cur else {}
+    stragglers = cur.stragglers.status() if cur else {}
+    return [{"rank": r, "pid": pids[r].pid if r in pids else tr.pid, "phase": tr.phase,
+             "phase_age_s": round(now - tr.phase_since, 3), "phase_budget_s": tr.phase_budget, "step": tr.step,
+             "last_beat_age_s": round(now - tr.last_line_at, 3), "stopped": tr.stopped,
+             "deadlines": [d for d in active if d["rank"] == r], "straggler": stragglers.get(r)}
+            for r, tr in sorted(dl.ranks.items())]

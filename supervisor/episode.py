@@ -2,8 +2,10 @@
 
 A stall (a deadline fired, or `restart now`):
     incident "in progress" → process snapshot (CPU sampled over `cpu_sample_s` while the loop keeps
-    running) → SIGUSR1 to the announced pids and wait for the dumps (`DumpCollector`) → the stuck
-    frame and classification into the incident → SIGTERM/SIGKILL to the tree (`TreeKiller`).
+    running) → SIGUSR1 to the announced pids, a poke into each rank's NCCL flight-recorder pipe, and
+    wait for the dumps (`StallDumps`) → the stuck frame and classification into the incident — with
+    several ranks, each rank read on its own and the verdict (`incidents.verdict`): which rank is the
+    culprit, which only wait for it → SIGTERM/SIGKILL to the tree (`TreeKiller`).
 A worker exit (crash, signal, do-not-restart code, or the end of the run):
     classify the exit (last words, the fatal-signal dump, the log tail) → incident unless it was a
     clean end → `TreeKiller` for whatever is left of its tree.
@@ -11,6 +13,7 @@ Either way, once the tree is gone `finish` completes the incident (timings, the 
 heartbeat tails and the worker log tail) and writes it.
 
 An episode never reaps: the loop observes exits in one place and records them on the `Worker`.
+The incidents of an exit, of a worker that cannot start and of a crash loop are `exit_incidents`.
 """
 from __future__ import annotations
 
@@ -20,15 +23,18 @@ from typing import Any, Callable, Optional
 
 import structlog
 
-from hangwatch.common.config import RestartCfg, WatchdogCfg
+from hangwatch.common.config import WatchdogCfg
 from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
+from hangwatch.supervisor import rank_evidence
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines, Expired
-from hangwatch.supervisor.escalation import DumpCollector, TreeKiller
-from hangwatch.supervisor.evidence import KernelEvidence, sigkill_cause, torchrun_root_cause
-from hangwatch.supervisor.incidents import (Incident, IncidentStore, call_chain, classify_exit, classify_stall, fatal_error,
-                                            frame_str, signal_name, stuck_frame)
-from hangwatch.supervisor.policy import Decision, RestartPolicy
+from hangwatch.supervisor.escalation import TreeKiller
+from hangwatch.supervisor.evidence import KernelEvidence
+from hangwatch.supervisor.exit_incidents import classify, exit_incident, exit_info, stragglers_field
+from hangwatch.supervisor.flight_recorder import FlightDumps, StallDumps, into_incident
+from hangwatch.supervisor.incidents import Incident, IncidentStore, call_chain, classify_stall, frame_str, signal_name, stuck_frame
+from hangwatch.supervisor.incidents.verdict import decide
+from hangwatch.supervisor.policy import Decision
 from hangwatch.supervisor.process import ProcessTable, ProcRef
 from hangwatch.supervisor.snapshot import GpuCache
 from hangwatch.supervisor.statefile import RunFacts
@@ -62,9 +68,10 @@ class Episode:
     sample: Any = None  # the process snapshot being taken
     sampled_at: Optional[float] = None
     procs: list = field(default_factory=list)
-    dumps: Optional[DumpCollector] = None
+    dumps: Optional[StallDumps] = None
     killer: Optional[TreeKiller] = None
     timings: dict = field(default_factory=dict)
+    deadlines: Optional[Deadlines] = None  # the attempt's, for each rank's step and phase (a stall's verdict)
 
     # ---- a stall ---------------------------------------------------------------------------
 
@@ -78,16 +85,17 @@ class Episode:
             deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
                         "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank,
                         "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
-        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s"
+        on_rank = f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
+        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
                f" in phase {phase!r} at step {step}" if expired else "restart now requested")
         inc = tools.incidents.create(kind, attempt=attempt.number, phase=phase, step=step, deadline=deadline,
                                      summary=why, status="in progress", worker_pid=attempt.worker.pid,
-                                     last_good_checkpoint=facts.last_good_checkpoint)
+                                     last_good_checkpoint=facts.last_good_checkpoint, **stragglers_field(attempt))
         log.warning("stall_detected" if kind != "manual" else "restart_now", kind=kind, incident=inc.id,
                     deadline=expired.name if expired else None, budget_s=deadline and deadline["budget_s"],
                     elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
                     phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
-        return cls(kind, inc, now, expired=expired, reason=why)
+        return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines)
 
     def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
         """Start the snapshot; once its CPU interval has passed, record it and send the dump signals.
@@ -106,8 +114,9 @@ class Episode:
         self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
         self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
         wd = tools.watchdog_cfg
-        self.dumps = DumpCollector(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
-                                   py_spy_timeout_s=wd.py_spy_timeout_s, out_dir=self.incident.dir)
+        self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
+                                py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path, out_dir=self.incident.dir,
+                                flight=FlightDumps(attempt.flight, sorted(attempt.announced)))
         self.dumps.begin(now)
         self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
         return True
@@ -115,25 +124,43 @@ class Episode:
     def collect_dumps(self, attempt: Attempt, now: float) -> None:
         inc = self.incident
         texts = self.dumps.texts()
+        spy = self.dumps.py_spy_texts()
         for rank, text in texts.items():
             inc.add_file(f"stack-rank{rank}.txt", text)
-        for rank, text in self.dumps.py_spy_texts().items():
+        for rank, text in spy.items():
             inc.add_file(f"py-spy-rank{rank}.txt", text)
+        flight = self.dumps.flight.collect() if self.dumps.flight is not None else {}
+        inc.data["flight_recorder"] = into_incident(inc, flight)
         rank = self.expired.rank if self.expired and self.expired.rank in texts else (min(texts) if texts else None)
+        verdict = None
+        if len(attempt.announced) > 1:
+            # Each rank from its own process and stack: the deadline that fired first says nothing (they tie).
+            verdict = decide(rank_evidence.gather(attempt, self.deadlines, self.procs, texts, spy, flight, now))
+            rank = verdict.culprit_rank if verdict.culprit_rank is not None else rank
         frame, stack, user = stuck_frame(texts.get(rank, "")) if rank is not None else (None, [], None)
-        announced = {ref.pid for ref in attempt.announced_refs().values()}
-        own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
-        classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
         chain = call_chain(stack)
+        if verdict is None:
+            announced = {ref.pid for ref in attempt.announced_refs().values()}
+            own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
+            classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
+            summary = f"{self.reason}; {classification}" + (f"; called from {chain}" if chain else "")
+        else:
+            culprit = verdict.finding(verdict.culprit_rank)
+            classification = culprit.classification if culprit else verdict.summary
+            summary = f"{verdict.summary}; {self.reason}" + (f"; rank {rank} called from {chain}" if culprit and chain else "")
+            inc.data.update(culprit_rank=verdict.culprit_rank, verdict={"culprit_rank": verdict.culprit_rank,
+                                                                        "reason": verdict.reason, "summary": verdict.summary},
+                            ranks=[{**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
+                                   for f in verdict.ranks])
         inc.data.update(
             stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, call_chain=chain,
             dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
-            py_spy=self.dumps.py_spy_note or "not run", classification=classification,
-            summary=f"{self.reason}; {classification}" + (f"; called from {chain}" if chain else ""),
+            py_spy=self.dumps.py_spy_note or "not run", classification=classification, summary=summary,
         )
         self.timings["dump_s"] = round(now - self.dumps.started_at, 3)
         inc.write()
-        log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts))
+        log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts),
+                    **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}))
 
     # ---- a worker exit ---------------------------------------------------------------------
 
@@ -148,13 +175,14 @@ class Episode:
             if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or read_json(attempt.dir / EXIT_NAME) is None:
                 how = "" if w.exit_code == 0 else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
                 return cls(None, None, now, reason=stopping + how)
-            kind, classification = _classify(tools, attempt)
+            kind, classification, failed = classify(tools, attempt)
             summary = f"worker exited during a graceful stop: {classification}"
-            return cls(kind, _exit_incident(tools, attempt, deadlines, facts, kind, classification, summary), now, reason=stopping)
+            return cls(kind, exit_incident(tools, attempt, deadlines, facts, kind, classification, summary, failed_rank=failed),
+                       now, reason=stopping)
         if decision.action == "finish":
             return cls(None, None, now, decision=decision, reason=decision.reason)
-        kind, classification = _classify(tools, attempt)
-        inc = _exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision)
+        kind, classification, failed = classify(tools, attempt)
+        inc = exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision, failed)
         return cls(kind, inc, now, decision=decision, reason=classification)
 
     # ---- the tree ----------------------------------------------------------------------------
@@ -164,7 +192,14 @@ class Episode:
         self.killer = TreeKiller(attempt.worker, attempt.known_refs(tools.table, tools.subreaper), table=tools.table,
                                  term_grace_s=wd.term_grace_s, gpu_release_timeout_s=wd.gpu_release_timeout_s,
                                  kill_wait_s=wd.kill_wait_s, gpu_pids=tools.gpu_pids, send_term=send_term)
+        # Ranks a launcher (torchrun) started in sessions of their own are outside the group SIGTERM goes to:
+        # each gets its own, so none depends on the launcher forwarding it (SIGKILL after the grace reaches them too).
+        group = {r.pid for r in tools.table.group_members(attempt.worker.pgid)} | {attempt.worker.pid}
+        outside = [ref for ref in attempt.announced_refs().values() if ref.pid not in group]
         self.killer.begin(now)
+        if send_term:
+            for ref in outside:
+                tools.table.signal(ref, signal.SIGTERM)
 
     def finish(self, attempt: Optional[Attempt], facts: RunFacts, now: float, next_state: str, why: str,
                main_rank: int = 0) -> None:
@@ -191,76 +226,3 @@ class Episode:
             inc.add_file("worker-log-tail.txt", tail_text(attempt.worker.log_path))
         inc.write()
         facts.note_incident(inc)
-
-
-def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
-    w = attempt.worker
-    return {"code": w.exit_code, "signal": w.exit_signal, "signal_name": signal_name(w.exit_signal),
-            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.last_stop.get(main_rank)}
-
-
-def _classify(tools: Tools, attempt: Attempt) -> tuple[str, str]:
-    w = attempt.worker
-    last_words = read_json(attempt.dir / EXIT_NAME)
-    cause = launcher = None
-    if w.exit_signal == signal.SIGKILL:
-        pids = {w.pid} | {a.ref.pid for a in attempt.announced.values() if a.ref}
-        cause = sigkill_cause(pids, attempt.oom_kills_at_start, tools.kernel.oom_kills(), tools.kernel.log())
-    elif last_words is None:
-        launcher = torchrun_root_cause(tail_text(w.log_path, 400))
-        if launcher and launcher.get("signal") == "SIGKILL":
-            rank_cause = sigkill_cause({launcher["pid"]}, attempt.oom_kills_at_start, tools.kernel.oom_kills(),
-                                       tools.kernel.log())
-            launcher = {**launcher, "signal": f"SIGKILL: {rank_cause}"}
-    return classify_exit(w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause,
-                         launcher=launcher)
-
-
-def _exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, kind: str, classification: str,
-                   summary: str, decision: Optional[Decision] = None) -> Incident:
-    w = attempt.worker
-    tr = deadlines.ranks.get(deadlines.main_rank())
-    info = exit_info(attempt, deadlines.main_rank())
-    frame = stack = user = None
-    for a in attempt.announced.values():  # a fatal signal makes faulthandler write the stack too
-        if a.dump_path is not None and a.dump_path.exists():
-            text = a.dump_path.read_text(errors="replace")
-            if fatal_error(text):
-                frame, stack, user = stuck_frame(text[text.rfind("Fatal Python error"):])
-                info["fatal_error"] = fatal_error(text)
-                break
-    inc = tools.incidents.create(
-        kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
-        exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
-        user_frame=user, status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
-        decision=decision.as_dict() if decision else None,
-    )
-    if info.get("last_words"):
-        inc.add_file(EXIT_NAME, (attempt.dir / EXIT_NAME).read_text(errors="replace"))
-    log.warning("worker_failed", kind=kind, incident=inc.id, classification=classification, attempt=attempt.number,
-                code=w.exit_code, signal=signal_name(w.exit_signal))
-    return inc
-
-
-def spawn_failed_incident(incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError,
-                          facts: RunFacts) -> Incident:
-    """The worker command cannot be executed: a configuration error, recorded before the run fails."""
-    inc = incidents.create("config_error", attempt=attempt, phase=None, step=None,
-                           classification=f"cannot start the worker: {exc}",
-                           summary=f"cannot start {argv[0]!r}: {exc.strerror or exc}", argv=argv, cwd=cwd)
-    facts.note_incident(inc)
-    log.error("spawn_failed", argv=argv, error=str(exc))
-    return inc
-
-
-def crash_loop_incident(incidents: IncidentStore, attempt: int, decision: Decision, policy: RestartPolicy,
-                        restart_cfg: RestartCfg, facts: RunFacts) -> Incident:
-    """The final incident of a run the restart policy gave up on."""
-    inc = incidents.create(
-        "crash_loop", attempt=attempt, phase=None, step=policy.best_step, classification="crash loop",
-        summary=decision.reason, status="final", restarts_in_window=len(policy.recent), window_s=restart_cfg.window_s,
-        max_restarts=restart_cfg.max_restarts, last_incident=facts.last_incident,
-        last_good_checkpoint=facts.last_good_checkpoint)
-    facts.note_incident(inc)
-    log.error("crash_loop", incident=inc.id, reason=decision.reason)
-    return inc

@@ -48,6 +48,7 @@ class DumpCollector:
     table: ProcessTable
     py_spy: bool = True
     py_spy_timeout_s: float = 20.0
+    py_spy_path: Optional[str] = None  # None: find_py_spy()
     out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
     started_at: float = 0.0
     signalled: dict[int, bool] = field(default_factory=dict)
@@ -69,7 +70,7 @@ class DumpCollector:
         self._start_py_spy()
 
     def _start_py_spy(self) -> None:
-        exe = find_py_spy() if self.py_spy else None
+        exe = (self.py_spy_path or find_py_spy()) if self.py_spy else None
         if not self.py_spy:
             self.py_spy_note = "disabled (watchdog.py_spy: false)"
             return

@@ -22,7 +22,8 @@ from hangwatch.common.durable import disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_IOERR
 from hangwatch.common.rundir import attempt_dir
 from hangwatch.supervisor import attempt as attempts
-from hangwatch.supervisor.episode import Episode, crash_loop_incident, spawn_failed_incident
+from hangwatch.supervisor.episode import Episode
+from hangwatch.supervisor.exit_incidents import crash_loop_incident, spawn_failed_incident
 from hangwatch.supervisor.outcome import Intent, Outcome, resolve
 from hangwatch.supervisor.states import State
 

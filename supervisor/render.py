@@ -128,7 +128,10 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     grid.add_row("heartbeat", beat)
 
     deadlines = st.get("deadlines") or []
-    if deadlines:
+    ranks = [r for r in st.get("ranks") or [] if isinstance(r, dict)]
+    if len(ranks) > 1:  # one line per rank; the deadlines are on them
+        grid.add_row("ranks", ranks_text(ranks))
+    elif deadlines:
         grid.add_row("deadlines", deadline_text(deadlines))
     good = st.get("last_good_checkpoint")
     grid.add_row("checkpoint", f"{good} (last good)" if good else "no good checkpoint yet")
@@ -149,6 +152,30 @@ def pids_text(pids: Any) -> str:
     if isinstance(pids, list):
         return ", ".join(str(p) for p in pids)
     return ""
+
+
+def ranks_text(ranks: list[dict]) -> Text:
+    """One line per rank: pid, phase and for how long, step, last beat, its deadlines, a straggler mark."""
+    out = Text()
+    for i, r in enumerate(ranks):
+        if i:
+            out.append("\n")
+        out.append(f"rank {number(r.get('rank'))}", style="bold")
+        out.append(f"  pid {number(r.get('pid'))}  {r.get('phase') or '-'} for {duration(r.get('phase_age_s'))}"
+                   f"  step {number(r.get('step'))}  beat {duration(r.get('last_beat_age_s'))} ago")
+        if r.get("stopped"):
+            out.append("  stopped", style="dim")
+        dls = [d for d in r.get("deadlines") or [] if isinstance(d, dict)]
+        if dls:
+            out.append("  ")
+            out.append_text(deadline_text([{**d, "rank": None} for d in dls]))  # the rank is the line's
+        s = r.get("straggler")
+        if isinstance(s, dict):
+            took, median = s.get("step_time_s"), s.get("others_median_s")
+            ratio = took / median if isinstance(took, (int, float)) and isinstance(median, (int, float)) and median > 0 else None
+            out.append(f"  straggler: {duration(s.get('step_time_s'))} a step"
+                       + (f", {ratio:.1f}× the others' median" if ratio else ""), style="yellow")
+    return out
 
 
 def deadline_text(deadlines: Iterable[dict]) -> Text:
@@ -239,7 +266,8 @@ def incident_view(inc: dict) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold", no_wrap=True)
     head.add_column()
-    for key in ("id", "kind", "time", "attempt", "phase", "step", "deadline", "classification", "summary", "stuck_frame"):
+    for key in ("id", "kind", "time", "attempt", "phase", "step", "deadline", "culprit_rank", "classification", "summary",
+                "stuck_frame"):
         if inc.get(key) not in (None, "", [], {}):
             value = inc[key]
             head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))

@@ -4,7 +4,7 @@
     yamldoc.py        YAML → data and the line of every key; duplicate keys refused
     rules.py          rules across settings (errors) and likely mistakes (advice), pure
     deep.py           checks against this machine: data files, model, command, directories
-    example_shape.py  the shape of one training example (a JSONL line), standard library only
+    (the shape of one training example lives in `hangwatch.common.example_shape`)
     errors.py         ConfigError and `FILE:LINE: dotted.key: message`
     load.py           YAML → Config with line-numbered, did-you-mean errors; path resolution; dump;
                       `load_checked` = load + deep checks (validate-config, run)

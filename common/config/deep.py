@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from hangwatch.common.config.example_shape import ExampleRejected, messages_of
+from hangwatch.common.example_shape import ExampleRejected, messages_of
 from hangwatch.common.config.rules import Finding, builtin_worker
 from hangwatch.common.config.schema import Config
 

@@ -82,7 +82,14 @@ class WatchdogCfg(Section):
     gpu_release_timeout_s: float = Field(30, ge=0, description="Most time to wait for a dead worker's GPU memory to be freed.")
     py_spy: bool = Field(True, description="Run `py-spy dump --native --locals` on a stall when py-spy is installed.")
     py_spy_timeout_s: float = Field(20, gt=0, description="Time box for one py-spy dump.")
+    py_spy_path: Optional[str] = Field(
+        None, description="The py-spy executable; null: the one next to the supervisor's Python (a venv's bin/), else PATH.")
     poll_interval_s: float = Field(0.25, gt=0, le=5, description="Supervisor loop period (deadline checks between file events).")
+    straggler_factor: float = Field(
+        2.0, gt=1.0, description="A rank whose step time stays above this multiple of the other ranks' median is a straggler "
+        "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a step line "
+        "carries, else the time between the rank's step lines.")
+    straggler_steps: int = Field(20, ge=1, description="Consecutive slow steps before a rank is recorded as a straggler.")
 
     @field_validator("phase_budgets_s", mode="before")
     @classmethod

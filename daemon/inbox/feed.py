@@ -16,7 +16,8 @@ records file names; it never beats, so a hung training thread is still caught.
 
 Waiting for data.  When no new example is available the worker is in phase `idle`: it beats
 `progress` at least once a second (the supervisor applies no step deadline there, the silence
-deadline still holds), takes arrivals as they come, each intake in phase `intake` (budget
+deadline still holds; the beat that ends the wait on a quiet spell carries its `decision`, flush or
+idle), takes arrivals as they come, each intake in phase `intake` (budget
 `watchdog.phase_budgets_s.intake`), and is back in `train` as soon as a file is
 queued.
 
@@ -191,8 +192,9 @@ class InboxFeed:
                 if self.inbox.intakes != intakes or self.inbox.arriving():
                     intakes, last_activity = self.inbox.intakes, now
                 quiet = now - last_activity
-                self.hb.progress(idle_s=round(now - since, 1), waiting_examples=have, arriving=self.inbox.arriving())
                 decision = self.policy.decide(quiet, self._flushed)
+                self.hb.progress(idle_s=round(now - since, 1), waiting_examples=have, arriving=self.inbox.arriving(),
+                                 **({"decision": decision} if decision else {}))
                 if decision == IDLE:
                     self.log(f"idle for {quiet:.1f}s (data.idle_exit_s = {self.policy.idle_exit_s:g}): "
                              f"finishing with {have} example(s) in the last step")

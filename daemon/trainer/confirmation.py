@@ -62,16 +62,16 @@ class Confirmation:
         """`p` counts once the steps after it confirm it (a resumed provisional checkpoint, or a new one)."""
         self.pending.append(p)
 
-    def provisional_at_commit(self, p: Pending) -> bool:
-        """Continuous mode, right after `p` is committed (before it is announced or its data recorded as
-        done): provisional when its weights and its step were finite.  Returns whether it was marked."""
+    def commit_markers(self, tmp: Path) -> dict:
+        """Continuous mode: the marks a checkpoint is committed with (`checkpoint.commit(markers=…)`):
+        provisional when its weights and its step were finite — written inside the checkpoint before
+        it is renamed into place, so no kill can find it committed but unmarked."""
         if not self.provisional_on_commit or self.confirm_steps == 0:
-            return False  # confirm_steps 0: `committed` makes it good at once
-        state = ckpt.read_state(p.path)
+            return {}  # confirm_steps 0: `committed` makes it good at once
+        state = ckpt.read_state(tmp)
         if not (state.get("weights_finite") is True and state.get("nonfinite_streak") == 0):
-            return False
-        ckpt.mark_provisional(p.path, reason="continuous mode: resumable until confirmed good or withdrawn")
-        return True
+            return {}
+        return {ckpt.PROVISIONAL: {"reason": "continuous mode: resumable until confirmed good or withdrawn"}}
 
     def committed(self, p: Pending, step: int) -> None:
         """Checkpoint `p` was just committed at `step`: good at once when no confirmation is asked for."""

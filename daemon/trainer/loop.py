@@ -241,10 +241,11 @@ class Trainer:
         with self.hb.phase("checkpoint", budget_s=self.cfg.watchdog.phase_budgets_s.get("checkpoint")):
             started = time.perf_counter()
             position = self.boundary_position
-            path = ckpt.commit(root, self.step, self.fill_checkpoint)
+            # Continuous mode: resumable (provisional) from the instant it exists, before it is announced
+            # and before its data is recorded as done.
+            path = ckpt.commit(root, self.step, self.fill_checkpoint, markers=self.confirmation.commit_markers)
             self.last_saved_step = self.step
-            # Resumable before it is announced and before its data is recorded as done.
-            provisional = self.confirmation.provisional_at_commit(Pending(path, self.step))
+            provisional = (path / ckpt.PROVISIONAL).exists()
             self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4),
                                provisional=provisional)
             self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)"

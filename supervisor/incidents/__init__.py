@@ -2,6 +2,8 @@
 
     dumps.py     faulthandler dumps: threads, the stuck frame, the call chain
     classify.py  the classification of a stall (CPU, state) and of an exit (last words, code, signal, log)
+    collectives.py  whether a rank waits for its peers, and in which collective (its stack, py-spy's native frames)
+    verdict.py   a multi-rank stall: each rank on its own evidence → the culprit rank, the victims, or "cannot tell"
     store.py     Incident, IncidentStore: `incidents/NNNN-<kind>/incident.json` and the evidence files
 
 Kinds: stall, livelock, startup_timeout, manual, crash, oom, nan, signal, config_error, data_error,

@@ -16,27 +16,36 @@ OOM_PATTERNS = ("OutOfMemoryError", "out of memory", "MemoryError", "CUBLAS_STAT
 BUSY_CPU = 40.0  # % of one core: a hot loop (generous, CPUs are shared)
 IDLE_CPU = 10.0
 
-def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame: Optional[dict]) -> str:
-    """What the evidence shows about a stalled worker: CPU and state of its announced processes."""
+
+def process_condition(procs: list[dict]) -> tuple[str, str]:
+    """(condition, words) of processes from their CPU and state; condition is one of `stopped`, `io`, `busy`,
+    `blocked`, `partly` or `gone` (no process left).  Several processes (one rank's tree) count together:
+    the busiest CPU and every state seen."""
     if not procs:
-        return "no worker process left to inspect"
+        return "gone", "no worker process left to inspect"
     states = {p.get("state") for p in procs}
     cpu = max(p.get("cpu_percent", 0.0) for p in procs)
-    where = f" at {frame_str(frame)}" if frame else ""
     if states & {"T", "t"} and not states & {"R", "D"}:
         # Checked before CPU: a stopped process shows 0% CPU, which is not "blocked in C".
-        what = "stopped by a debugger (state t)" if "t" in states else "stopped (SIGSTOP or a debugger; state T)"
-        text = f"{what}{where}"
-    elif "D" in states:
-        text = f"uninterruptible I/O (state D, CPU {cpu:.0f}%){where}"
-    elif cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
+        return "stopped", "stopped by a debugger (state t)" if "t" in states else "stopped (SIGSTOP or a debugger; state T)"
+    if "D" in states:
+        return "io", f"uninterruptible I/O (state D, CPU {cpu:.0f}%)"
+    if cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
         # a spinning loop never sleeps: always runnable (R), though it gets less than a core when CPUs are contended
-        text = f"busy loop in Python (CPU {cpu:.0f}%){where}"
-    elif cpu <= IDLE_CPU:
+        return "busy", f"busy loop in Python (CPU {cpu:.0f}%)"
+    if cpu <= IDLE_CPU:
         state = "/".join(sorted(s for s in states if s)) or "?"
-        text = f"blocked in C (CPU {cpu:.0f}%, state {state}){where}"
-    else:
-        text = f"partly busy (CPU {cpu:.0f}%){where}"
+        return "blocked", f"blocked in C (CPU {cpu:.0f}%, state {state})"
+    return "partly", f"partly busy (CPU {cpu:.0f}%)"
+
+
+def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame: Optional[dict]) -> str:
+    """What the evidence shows about a stalled worker: CPU and state of its announced processes."""
+    condition, text = process_condition(procs)
+    if condition == "gone":
+        return text
+    if frame:
+        text += f" at {frame_str(frame)}"
     if kind == "livelock" and deadline:
         text = (f"livelock: {deadline.get('progress_lines', 0)} progress beat(s) but no "
                 f"{'step' if deadline.get('name') == 'step' else 'end of phase ' + repr(deadline.get('phase'))} "

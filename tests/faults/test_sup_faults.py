@@ -177,16 +177,15 @@ def test_unusable_config_exits_78_with_the_problem_on_stderr(tmp_path):
 
 
 def test_py_spy_runs_time_boxed_and_its_output_lands_in_the_incident(tmp_path):
-    # a stand-in py-spy on PATH that answers, then hangs: the supervisor must cut it off
+    # a stand-in py-spy that answers, then hangs: the supervisor must cut it off
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "py-spy"
     fake.write_text("#!/bin/sh\necho \"fake py-spy $*\"\nexec sleep 60\n")
     fake.chmod(0o755)
-    cfg_path, run_dir = write_config(tmp_path, "block_c", watchdog={"py_spy": True, "py_spy_timeout_s": 1})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-        inc, run_dir, _ = _run_prepared(cfg_path, run_dir)
+    cfg_path, run_dir = write_config(tmp_path, "block_c",
+                                     watchdog={"py_spy": True, "py_spy_timeout_s": 1, "py_spy_path": str(fake)})
+    inc, run_dir, _ = _run_prepared(cfg_path, run_dir)
     text = (run_dir / "incidents" / f"{inc['id']}-stall" / "py-spy-rank0.txt").read_text()
     assert f"fake py-spy dump --native --locals --pid {inc['worker_pid']}" in text
     assert "killed after 1s time box" in text

@@ -135,11 +135,13 @@ def test_a_quiet_run_trains_a_partial_step_checkpoints_it_and_the_file_is_done(t
 # ---- the settling rules, on checkpoint directories without a model --------------------------------
 
 
-def committed(run, step: int, *, weights_finite=True, streak=0) -> Pending:
+def committed(run, step: int, *, weights_finite=True, streak=0, c: "Confirmation | None" = None) -> Pending:
+    """A checkpoint committed as the trainer commits one (with `c`'s marks, when given)."""
     def fill(tmp):
         (tmp / ckpt.STATE).write_text(json.dumps({"step": step, "weights_finite": weights_finite,
                                                   "nonfinite_streak": streak}))
-    return Pending(ckpt.commit(ckpt.checkpoints_root(run), step, fill), step)
+    markers = c.commit_markers if c is not None else None
+    return Pending(ckpt.commit(ckpt.checkpoints_root(run), step, fill, markers=markers), step)
 
 
 def confirmation(run, *, continuous=True, confirm_steps=1) -> Confirmation:
@@ -156,8 +158,8 @@ def confirmation(run, *, continuous=True, confirm_steps=1) -> Confirmation:
 def test_which_checkpoints_are_provisional_at_commit(tmp_path, continuous, confirm_steps, weights_finite, streak,
                                                      provisional):
     c = confirmation(tmp_path, continuous=continuous, confirm_steps=confirm_steps)
-    p = committed(tmp_path, 4, weights_finite=weights_finite, streak=streak)
-    assert c.provisional_at_commit(p) is provisional
+    p = committed(tmp_path, 4, weights_finite=weights_finite, streak=streak, c=c)
+    assert ckpt.is_provisional(p.path) is provisional  # marked as it appeared, not a moment after
     c.committed(p, 4)
     resumable = ckpt.choose_resume(tmp_path).path == p.path
     assert resumable is (provisional or (confirm_steps == 0 and weights_finite))
@@ -165,8 +167,7 @@ def test_which_checkpoints_are_provisional_at_commit(tmp_path, continuous, confi
 
 def test_an_idle_checkpoint_is_confirmed_on_a_finite_held_out_loss_else_stays_provisional(tmp_path):
     c = confirmation(tmp_path)
-    p = committed(tmp_path, 2)
-    c.provisional_at_commit(p)
+    p = committed(tmp_path, 2, c=c)
     c.committed(p, 2)
     c.settle_idle(2, None)
     assert ckpt.is_provisional(p.path) and c.waiting_at(2) == p  # later steps may still confirm it
@@ -182,8 +183,7 @@ def test_a_non_finite_held_out_loss_withdraws_provisional_checkpoints_and_rolls_
     c.confirm(3)
     assert ckpt.is_good(good.path)
     for step in (4, 6):
-        p = committed(tmp_path, step)
-        c.provisional_at_commit(p)
+        p = committed(tmp_path, step, c=c)
         c.committed(p, step)
     assert ckpt.choose_resume(tmp_path).step == 6
     with pytest.raises(NonFiniteHeldOut) as err:

@@ -76,6 +76,7 @@ def test_examples_in_hand_are_flushed_after_flush_after_s_of_quiet_and_only_once
     beats = [b["at"] for b in hb.of("progress")]
     assert beats and all(b2 - b1 <= 1.0 for b1, b2 in zip([0.0] + beats, beats))  # beating all along
     assert hb.current_phase != "idle"  # the partial step trains in the phase it came from
+    assert [(b["at"], b.get("decision")) for b in hb.of("progress")][-1] == (pytest.approx(2.3), FLUSH)
 
     # Nothing new: the quiet spell was flushed already, so the next wait only beats, until the end.
     examples, end = feed.take_step(STEP)

@@ -1,0 +1,137 @@
+"""Incidents of a worker that ended by itself, of a worker that could not start, and of a crash loop.
+
+A worker's end is classified from the evidence in order of trust (`incidents.classify_exit`): its last
+words (exit.json), its exit code or signal — a SIGKILL hangwatch did not send is put to the kernel's
+records (`evidence.sigkill_cause`) — torchrun's root-cause report of the rank that failed first, the
+log tail.  A fatal signal makes faulthandler write the stack into the rank's dump file: its frame is
+the stuck frame.  With several ranks the incident names the culprit rank (the one whose dump holds the
+fatal error, else the one torchrun says failed first) and keeps every rank's dump; dumps the NCCL
+flight recorder wrote by itself during the attempt (on its own timeout) are kept too.
+"""
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Optional
+
+import structlog
+
+from hangwatch.common.config import RestartCfg
+from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
+from hangwatch.supervisor.attempt import Attempt
+from hangwatch.supervisor.deadlines import Deadlines
+from hangwatch.supervisor.evidence import sigkill_cause, torchrun_root_cause
+from hangwatch.supervisor.flight_recorder import FlightDumps, into_incident
+from hangwatch.supervisor.incidents import Incident, IncidentStore, classify_exit, fatal_error, signal_name, stuck_frame
+from hangwatch.supervisor.policy import Decision, RestartPolicy
+from hangwatch.supervisor.statefile import RunFacts
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.episode import Tools
+
+log = structlog.get_logger("hangwatch")
+MAX_DUMP_BYTES = 4 << 20
+
+
+def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
+    w = attempt.worker
+    return {"code": w.exit_code, "signal": w.exit_signal, "signal_name": signal_name(w.exit_signal),
+            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.last_stop.get(main_rank)}
+
+
+def stragglers_field(attempt: Attempt) -> dict:
+    """The straggler warnings of this attempt, for the incident record (nothing when there were none)."""
+    recorded = attempt.stragglers.recorded
+    return {"stragglers": [s.as_dict() for s in recorded]} if recorded else {}
+
+
+def classify(tools: "Tools", attempt: Attempt) -> tuple[str, str, Optional[int]]:
+    """(kind, classification, the rank torchrun says failed first or None)."""
+    w = attempt.worker
+    last_words = read_json(attempt.dir / EXIT_NAME)
+    cause = launcher = None
+    if w.exit_signal == signal.SIGKILL:
+        pids = {w.pid} | {a.ref.pid for a in attempt.announced.values() if a.ref}
+        cause = sigkill_cause(pids, attempt.oom_kills_at_start, tools.kernel.oom_kills(), tools.kernel.log())
+    elif last_words is None:
+        launcher = torchrun_root_cause(tail_text(w.log_path, 400))
+        if launcher and launcher.get("signal") == "SIGKILL":
+            rank_cause = sigkill_cause({launcher["pid"]}, attempt.oom_kills_at_start, tools.kernel.oom_kills(),
+                                       tools.kernel.log())
+            launcher = {**launcher, "signal": f"SIGKILL: {rank_cause}"}
+    kind, text = classify_exit(w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause,
+                               launcher=launcher)
+    return kind, text, launcher.get("rank") if launcher else None
+
+
+def _rank_dumps(attempt: Attempt) -> dict[int, str]:
+    """Each announced rank's dump file as it stands (a fatal signal's stack, earlier SIGUSR1 dumps)."""
+    out = {}
+    for rank, a in sorted(attempt.announced.items()):
+        try:
+            with open(a.dump_path, "rb") as f:
+                text = f.read(MAX_DUMP_BYTES).decode("utf-8", "replace")
+        except (OSError, TypeError):  # no file, or the rank announced none
+            continue
+        if text.strip():
+            out[rank] = text
+    return out
+
+
+def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts: RunFacts, kind: str, classification: str,
+                  summary: str, decision: Optional[Decision] = None, failed_rank: Optional[int] = None) -> Incident:
+    w = attempt.worker
+    tr = deadlines.ranks.get(deadlines.main_rank())
+    info = exit_info(attempt, deadlines.main_rank())
+    frame = stack = user = fatal_rank = None
+    dumps = _rank_dumps(attempt)
+    for rank, text in dumps.items():  # a fatal signal makes faulthandler write the stack too
+        if fatal_error(text):
+            frame, stack, user = stuck_frame(text[text.rfind("Fatal Python error"):])
+            info["fatal_error"] = fatal_error(text)
+            fatal_rank = rank
+            break
+    several = len(attempt.announced) > 1
+    culprit = (fatal_rank if fatal_rank is not None else failed_rank) if several else None
+    inc = tools.incidents.create(
+        kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
+        exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
+        user_frame=user, status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
+        decision=decision.as_dict() if decision else None, **stragglers_field(attempt),
+        **({"culprit_rank": culprit} if several else {}),
+    )
+    if info.get("last_words"):
+        inc.add_file(EXIT_NAME, (attempt.dir / EXIT_NAME).read_text(errors="replace"))
+    if several:
+        for rank, text in dumps.items():
+            inc.add_file(f"stack-rank{rank}.txt", text)
+        inc.data["dumps"] = {r: f"stack-rank{r}.txt" for r in dumps}
+    flight = FlightDumps(attempt.flight, sorted(attempt.announced)).collect(since_wall=attempt.started_wall)
+    if any(r["data"] is not None for r in flight.values()):  # written by the ranks themselves (dump on timeout)
+        inc.data["flight_recorder"] = into_incident(inc, flight)
+    log.warning("worker_failed", kind=kind, incident=inc.id, classification=classification, attempt=attempt.number,
+                code=w.exit_code, signal=signal_name(w.exit_signal), **({"culprit_rank": culprit} if several else {}))
+    return inc
+
+
+def spawn_failed_incident(incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError,
+                          facts: RunFacts) -> Incident:
+    """The worker command cannot be executed: a configuration error, recorded before the run fails."""
+    inc = incidents.create("config_error", attempt=attempt, phase=None, step=None,
+                           classification=f"cannot start the worker: {exc}",
+                           summary=f"cannot start {argv[0]!r}: {exc.strerror or exc}", argv=argv, cwd=cwd)
+    facts.note_incident(inc)
+    log.error("spawn_failed", argv=argv, error=str(exc))
+    return inc
+
+
+def crash_loop_incident(incidents: IncidentStore, attempt: int, decision: Decision, policy: RestartPolicy,
+                        restart_cfg: RestartCfg, facts: RunFacts) -> Incident:
+    """The final incident of a run the restart policy gave up on."""
+    inc = incidents.create(
+        "crash_loop", attempt=attempt, phase=None, step=policy.best_step, classification="crash loop",
+        summary=decision.reason, status="final", restarts_in_window=len(policy.recent), window_s=restart_cfg.window_s,
+        max_restarts=restart_cfg.max_restarts, last_incident=facts.last_incident,
+        last_good_checkpoint=facts.last_good_checkpoint)
+    facts.note_incident(inc)
+    log.error("crash_loop", incident=inc.id, reason=decision.reason)
+    return inc

@@ -1,0 +1,117 @@
+"""A foreign 2-rank torchrun job (gloo, CPU) under `hangwatch run`: rank 1 spins in pure Python, rank 0 therefore
+blocks in C inside `dist.all_reduce`.  Ten stalls in one run (the fault repeats on attempts 1–10, attempt 11
+finishes): every incident names rank 1 as the culprit with its own classification and frame, rank 0 as a victim
+waiting in all_reduce, keeps both ranks' dumps, never signals torchrun with SIGUSR1, and torchrun and both ranks
+are gone before the next attempt starts."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from fixtures.sup_harness import FAST_WATCHDOG, PY, ROOT, incidents, start_supervisor, wait_no_strays
+
+FIXTURE = ROOT / "tests" / "fixtures" / "ddp_spin.py"
+STALLS = 10
+
+def config(tmp_path: Path) -> tuple[Path, Path]:
+    run_dir = tmp_path / "run"
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FIXTURE),
+                               "--spin-at", "3", "--bad-attempts", str(STALLS), "--steps", "6", "--tag", str(run_dir)],
+                   "env": {"OMP_NUM_THREADS": "1"}},
+        # torchrun and two ranks importing torch on a shared 2-core machine: a generous start, a short step deadline
+        "watchdog": {**FAST_WATCHDOG, "startup_timeout_s": 120, "silence_timeout_s": 60, "step_timeout_s": 2,
+                     "dump_grace_s": 3},
+        "restart": {"backoff_initial_s": 0, "max_restarts": STALLS + 2},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, run_dir
+
+
+def attempt_pids(run_dir: Path, n: int) -> set[int]:
+    """The rank pids attempt n announced (its heartbeat `start` lines)."""
+    pids = set()
+    for f in (run_dir / "attempts" / f"{n:04d}").glob("heartbeat-rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "start":
+                pids.add(rec["pid"])
+    return pids
+
+
+def spawned_pids(run_dir: Path) -> dict[int, int]:
+    """attempt → the worker (torchrun) pid, from the supervisor's log."""
+    out = {}
+    log = run_dir / "supervisor.log"
+    for line in (log.read_text().splitlines() if log.exists() else ()):
+        rec = json.loads(line)
+        if rec.get("event") == "worker_spawned":
+            out[rec["attempt"]] = rec["pid"]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_ten_stalls_all_name_the_spinning_rank(tmp_path):
+    cfg, run_dir = config(tmp_path)
+    sup = start_supervisor(cfg)
+    left_over: list[str] = []
+    checked = 1
+    deadline = time.monotonic() + 400
+    try:
+        # Watch the run: once attempt n+1 is spawned, nothing of attempts ≤ n may be alive.
+        while sup.poll() is None:
+            assert time.monotonic() < deadline, "the run did not finish in time"
+            spawned = spawned_pids(run_dir)
+            while checked + 1 in spawned:
+                for n in range(1, checked + 1):
+                    for pid in {spawned[n]} | attempt_pids(run_dir, n):
+                        if alive(pid):
+                            left_over.append(f"attempt {n}: pid {pid} alive when attempt {checked + 1} started")
+                checked += 1
+            time.sleep(0.05)
+        out = sup.stdout.read()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    assert sup.returncode == 0, out[-4000:]
+    assert left_over == []
+    assert wait_no_strays(str(run_dir)) == []
+
+    stalls = incidents(run_dir)
+    assert len(stalls) == STALLS, [i.get("summary") for i in stalls]
+    for inc in stalls:
+        where = f"incident {inc['id']}: {inc['summary']}"
+        assert inc["kind"] == "stall" and inc["culprit_rank"] == 1, where
+        assert inc["summary"].startswith("rank 1: busy loop in Python"), where
+        assert "at _poll_shard_ready (" in inc["summary"].split(";")[0], where
+        assert "; rank 0 waiting in all_reduce;" in inc["summary"], where
+        ranks = {r["rank"]: r for r in inc["ranks"]}
+        assert ranks[1]["role"] == "culprit" and ranks[1]["stuck_frame"]["function"] == "_poll_shard_ready", where
+        assert ranks[1]["classification"].startswith("busy loop in Python"), where
+        assert ranks[0]["role"] == "victim" and ranks[0]["collective"] == "all_reduce", where
+        assert ranks[0]["classification"].startswith("blocked in C"), where  # its own CPU, not rank 1's
+        assert ranks[0]["pid"] != ranks[1]["pid"] and inc["worker_pid"] not in (ranks[0]["pid"], ranks[1]["pid"])
+        # both ranks' dumps, and SIGUSR1 went to the two ranks only: torchrun, for which it is fatal, was never sent it
+        d = run_dir / "incidents" / f"{inc['id']}-stall"
+        assert "in _poll_shard_ready" in (d / "stack-rank1.txt").read_text(), where
+        assert "in all_reduce" in (d / "stack-rank0.txt").read_text(), where
+        assert inc["dump_signalled"] == {"0": True, "1": True}, where
+        assert inc["exit"]["signal"] != signal.SIGUSR1, where
+        assert inc["timings"]["survivors"] == [], where

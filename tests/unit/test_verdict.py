@@ -1,0 +1,202 @@
+"""The verdict of a multi-rank stall: each rank read on its own evidence, the culprit named, the victims grouped —
+or "cannot tell" when the evidence cannot."""
+from __future__ import annotations
+
+import pytest
+
+from hangwatch.supervisor.incidents import stuck_frame
+from hangwatch.supervisor.incidents.collectives import py_spy_main_thread, waits_in
+from hangwatch.supervisor.incidents.verdict import RankEvidence, decide
+from hangwatch.supervisor.rank_evidence import source_line
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+
+# What faulthandler wrote for rank 0 of tests/fixtures/ddp_spin.py under torchrun (gloo, torch 2.13), and for rank 1.
+RANK0_ALL_REDUCE = f"""\
+Current thread 0x00007ff92aff3b80 (most recent call first):
+  File "{TORCH}/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "{TORCH}/distributed/c10d_logger.py", line 83 in wrapper
+  File "/srv/job/train.py", line 53 in main
+  File "/srv/job/train.py", line 61 in <module>
+"""
+RANK1_SPIN = """\
+Current thread 0x00007fe10e460b80 (most recent call first):
+  File "/srv/job/train.py", line 88 in _poll_shard_ready
+  File "/srv/job/train.py", line 52 in main
+  File "/srv/job/train.py", line 61 in <module>
+"""
+# py-spy --native --locals of the same rank 0 (abridged: one long pybind11 frame shortened, the locals kept).
+PY_SPY_RANK0 = """\
+Process 5381: /venv/bin/python -u /srv/job/train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 5390 (idle): "gloo-worker"
+    0x7ff92a8a3f16 (libc.so.6)
+    gloo::transport::tcp::Loop::run (libtorch_cpu.so)
+
+Thread 5381 (idle): "MainThread"
+    0x7ff92a8a3f16 (libc.so.6)
+    pthread_cond_wait (libc.so.6)
+    std::condition_variable::wait (libstdc++.so.6.0.30)
+    c10d::Work::wait (libtorch_cpu.so)
+    pybind11::cpp_function::dispatcher (libtorch_python.so)
+    all_reduce (torch/distributed/distributed_c10d.py:3252)
+        Arguments:
+            tensor: <Tensor at 0x7ff90bebdd60>
+            async_op: False
+        Locals:
+            work: <torch._C._distributed_c10d.Work at 0x7ff90bd35c30>
+    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
+    main (train.py:53)
+        Locals:
+            step: 3
+    <module> (train.py:61)
+    0x7ff92a84524a (libc.so.6)
+"""
+# DDP waiting for its buckets at the end of backward: faulthandler sees only autograd's frames.
+BACKWARD = [{"file": f"{TORCH}/autograd/graph.py", "line": 829, "function": "_engine_run_backward"},
+            {"file": f"{TORCH}/autograd/__init__.py", "line": 353, "function": "backward"},
+            {"file": "/srv/job/train.py", "line": 70, "function": "step"}]
+DDP_BUFFERS = [{"file": f"{TORCH}/nn/parallel/distributed.py", "line": 1900, "function": "_sync_buffers"},
+               {"file": f"{TORCH}/nn/parallel/distributed.py", "line": 1500, "function": "_pre_forward"},
+               {"file": "/srv/job/train.py", "line": 60, "function": "step"}]
+USER = [{"file": "/srv/job/train.py", "line": 88, "function": "_poll_shard_ready"},
+        {"file": "/srv/job/train.py", "line": 52, "function": "main"}]
+ASYNC_WAIT = [{"file": "/srv/job/train.py", "line": 57, "function": "main"}]
+
+
+def stack(text: str) -> list[dict]:
+    return stuck_frame(text)[1]
+
+
+BUSY = {"state": "R", "cpu_percent": 99.0}
+IDLE = {"state": "S", "cpu_percent": 0.0}
+D_STATE = {"state": "D", "cpu_percent": 1.0}
+
+
+def ev(rank, proc=IDLE, st=(), step=2, **kw) -> RankEvidence:
+    return RankEvidence(rank=rank, pid=100 + rank, proc=proc, stack=list(st), step=step, phase="train", **kw)
+
+
+@pytest.mark.parametrize("frames, native, line, expected", [
+    (stack(RANK0_ALL_REDUCE), [], None, "all_reduce"),
+    (stack(RANK1_SPIN), [], None, None),
+    (DDP_BUFFERS, [], None, "DDP _sync_buffers"),
+    (BACKWARD, [], None, None),  # faulthandler alone cannot see DDP's reducer ...
+    (BACKWARD, ["c10d::Reducer::finalize_backward (libtorch_cpu.so)"], None, "DDP reducer"),  # ... py-spy can
+    (ASYNC_WAIT, [], "work.wait()", "wait"),  # Work.wait() is C, called straight from the user's line
+    (ASYNC_WAIT, [], "os.wait()", None),
+    (ASYNC_WAIT, ["c10d::Work::wait (libtorch_cpu.so)"], None, "wait (c10d work)"),
+    ([{"file": f"{TORCH}/distributed/_functional_collectives.py", "line": 1, "function": "wait_tensor"}], [], None,
+     "wait_tensor"),
+    ([{"file": f"{TORCH}/distributed/distributed_c10d.py", "line": 1, "function": "_store_based_barrier"}], [], None,
+     "torch.distributed _store_based_barrier"),
+])
+def test_what_a_rank_waits_in(frames, native, line, expected):
+    assert waits_in(frames, native, line) == expected
+
+
+def test_py_spys_main_thread_is_found_and_split_into_python_and_native_frames():
+    python, native = py_spy_main_thread(PY_SPY_RANK0)
+    assert [f["function"] for f in python] == ["all_reduce", "_exception_logger.<locals>.wrapper", "main", "<module>"]
+    assert python[0] == {"file": "torch/distributed/distributed_c10d.py", "line": 3252, "function": "all_reduce"}
+    assert "c10d::Work::wait (libtorch_cpu.so)" in native and not any("gloo::transport" in n for n in native)
+    assert waits_in(python, native) == "all_reduce"
+    assert py_spy_main_thread("") == ([], [])
+
+
+CASES = [
+    # name, evidence, culprit, roles, summary start
+    ("the issue's job: rank 1 spins, rank 0 waits in all_reduce",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))], 1, ["victim", "culprit"],
+     "rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); rank 0 waiting in all_reduce"),
+    ("the culprit blocked in C, not spinning",
+     [ev(0, IDLE, USER), ev(1, IDLE, stack(RANK0_ALL_REDUCE)), ev(2, IDLE, stack(RANK0_ALL_REDUCE))], 0,
+     ["culprit", "victim", "victim"],
+     "rank 0: blocked in C (CPU 0%, state S) at _poll_shard_ready (/srv/job/train.py:88); ranks 1, 2 waiting in all_reduce"),
+    ("victims in different collectives are grouped by collective",
+     [ev(0, BUSY, USER), ev(1, IDLE, stack(RANK0_ALL_REDUCE)), ev(2, IDLE, DDP_BUFFERS)], 0,
+     ["culprit", "victim", "victim"], "rank 0: busy loop in Python (CPU 99%) at _poll_shard_ready"),
+    ("every rank in the same collective at the same step: cannot tell",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, IDLE, stack(RANK0_ALL_REDUCE))], None, ["victim", "victim"],
+     "cannot tell which rank is the culprit: every rank waits in a collective at step 2; ranks 0, 1 waiting in all_reduce"),
+    ("every rank waits, one is behind in step count",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE), step=5), ev(1, IDLE, stack(RANK0_ALL_REDUCE), step=4)], 1,
+     ["victim", "culprit"], "rank 1, behind the others in step (4 against 5): blocked in C"),
+    ("every rank waits, the flight recorder shows one behind",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE), collective_seq=58), ev(1, IDLE, stack(RANK0_ALL_REDUCE), collective_seq=57)],
+     1, ["victim", "culprit"], "rank 1, behind the others in collective sequence (57 against 58)"),
+    ("no stacks at all: cannot tell",
+     [ev(0, IDLE), ev(1, IDLE)], None, ["unknown", "unknown"],
+     "cannot tell which rank is the culprit: rank(s) 0, 1 gave no stack"),
+    ("a rank in state D needs no stack to be outside any collective",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, D_STATE)], 1, ["victim", "culprit"],
+     "rank 1: uninterruptible I/O (state D, CPU 1%); rank 0 waiting in all_reduce"),
+    ("a rank whose process is gone while the others wait",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, None)], 1, ["victim", "culprit"],
+     "rank 1: no worker process left to inspect; rank 0 waiting in all_reduce"),
+    ("an idle rank without a stack could be waiting too: cannot tell",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, IDLE)], None, ["victim", "unknown"],
+     "cannot tell which rank is the culprit: rank(s) 1 gave no stack; rank 0 waiting in all_reduce; "
+     "rank 1: blocked in C (CPU 0%, state S) (no stack)"),
+    ("two ranks outside: the one behind in steps",
+     [ev(0, BUSY, USER, step=7), ev(1, IDLE, ASYNC_WAIT, step=6), ev(2, IDLE, stack(RANK0_ALL_REDUCE), step=7)], 1,
+     ["unknown", "culprit", "victim"], "rank 1, behind the others in step (6 against 7)"),
+    ("two ranks outside at the same step: the only one spinning",
+     [ev(0, BUSY, USER), ev(1, IDLE, [{"file": "/srv/job/io.py", "line": 3, "function": "read_shard"}]),
+      ev(2, IDLE, stack(RANK0_ALL_REDUCE))], 0, ["culprit", "unknown", "victim"],
+     "rank 0: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); rank 2 waiting in all_reduce; "
+     "rank 1: blocked in C (CPU 0%, state S) at read_shard (/srv/job/io.py:3)"),
+    ("NCCL: both outside a collective frame and spinning (a CUDA sync spins), the flight recorder tells",
+     [ev(0, BUSY, [{"file": "/srv/job/train.py", "line": 54, "function": "main"}], collective_seq=58),
+      ev(1, BUSY, USER, collective_seq=57)], 1, ["unknown", "culprit"],
+     "rank 1, behind the others in collective sequence (57 against 58): busy loop in Python"),
+    ("two ranks outside, both spinning, same step: cannot tell",
+     [ev(0, BUSY, USER), ev(1, BUSY, USER), ev(2, IDLE, stack(RANK0_ALL_REDUCE))], None,
+     ["unknown", "unknown", "victim"], "cannot tell which rank is the culprit: ranks 0, 1 are all outside any collective"),
+    ("a rank in the worker's own `wait` phase is a victim without a recognisable stack",
+     [RankEvidence(0, 100, BUSY, USER, step=40, phase="generate"),
+      RankEvidence(1, 101, IDLE, [{"file": "/srv/w.py", "line": 9, "function": "poll"}], step=40, phase="wait")], 0,
+     ["culprit", "victim"], "rank 0: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); "
+     "rank 1 waiting in phase 'wait'"),
+    ("the culprit's livelock is said",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, IDLE, USER, progress_lines=14, livelock=True)], 1,
+     ["victim", "culprit"], "rank 1: livelock: 14 progress beat(s) but no step; blocked in C (CPU 0%, state S) at "
+     "_poll_shard_ready"),
+]
+
+
+@pytest.mark.parametrize("name, evidence, culprit, roles, summary", CASES, ids=[c[0] for c in CASES])
+def test_verdict(name, evidence, culprit, roles, summary):
+    v = decide(evidence)
+    assert v.culprit_rank == culprit
+    assert [f.role for f in v.ranks] == roles
+    assert v.summary.startswith(summary), v.summary
+
+
+def test_the_deadline_that_fired_first_plays_no_part():
+    """The same evidence in any order gives the same verdict: nothing but each rank's own evidence counts."""
+    evidence = [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))]
+    assert decide(evidence) == decide(list(reversed(evidence)))
+
+
+def test_each_rank_is_classified_from_its_own_process_and_frame():
+    v = decide([ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))])
+    r0, r1 = (f.as_dict() for f in v.ranks)
+    assert r0["classification"].startswith("blocked in C (CPU 0%, state S) at all_reduce")  # never rank 1's CPU
+    assert r0["collective"] == "all_reduce" and r0["stuck_frame"]["function"] == "all_reduce"
+    assert r1["classification"].startswith("busy loop in Python (CPU 99%) at _poll_shard_ready")
+    assert (r1["pid"], r1["state"], r1["cpu_percent"], r1["step"], r1["role"]) == (101, "R", 99.0, 2, "culprit")
+
+
+def test_one_rank_is_its_own_culprit_and_no_ranks_cannot_tell():
+    v = decide([ev(0, BUSY, USER)])
+    assert v.culprit_rank == 0 and [f.role for f in v.ranks] == ["culprit"]
+    none = decide([])
+    assert none.culprit_rank is None and none.summary.startswith("cannot tell")
+
+
+def test_the_source_line_of_a_frame_relative_to_the_workers_directory(tmp_path):
+    (tmp_path / "train.py").write_text("import x\n    work.wait()\n")
+    assert source_line("train.py", 2, str(tmp_path)) == "work.wait()"
+    assert source_line(str(tmp_path / "train.py"), 9) is None and source_line("/nonexistent.py", 1) is None
