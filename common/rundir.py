@@ -39,6 +39,18 @@ def exit_path(run_dir: os.PathLike | str, attempt: int) -> Path:
     return attempt_dir(run_dir, attempt) / EXIT_NAME
 
 
+def rank_exit_name(rank: int = 0) -> str:
+    """Rank `rank`'s last words: exit.json for rank 0 (and a single process), exit-rank<R>.json otherwise."""
+    if rank == 0:
+        return EXIT_NAME
+    stem, dot, ext = EXIT_NAME.rpartition(".")
+    return f"{stem}-rank{rank}{dot}{ext}"
+
+
+def rank_exit_path(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Path:
+    return attempt_dir(run_dir, attempt) / rank_exit_name(rank)
+
+
 def worker_log_path(run_dir: os.PathLike | str, attempt: int) -> Path:
     return attempt_dir(run_dir, attempt) / WORKER_LOG_NAME
 

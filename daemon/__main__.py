@@ -9,9 +9,16 @@ With `data.inbox: true` the worker trains continuously on files dropped into `<r
 partial step and checkpoints it, and with `data.idle_exit_s` set it ends, reason `idle`, once no file
 came for that long.
 
+Under torchrun (`worker.nproc_per_node` > 1: `python -m torch.distributed.run --standalone
+--nproc-per-node N -m hangwatch.daemon …`, WORLD_SIZE > 1) each rank is one of these processes: it
+beats into its own heartbeat file, joins the process group after `load` begins and trains its share
+of every step under DDP (`hangwatch.daemon.distributed`, `trainer.ranks`).  Every rank resumes from
+the checkpoint rank 0 chose; one written by another world size is refused (exit 78).  Continuous
+mode runs on one rank only.
+
 Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
-attempts/NNNN/exit.json.
+attempts/NNNN/exit.json (rank R > 0 of a multi-rank run: exit-rank<R>.json).
 """
 from __future__ import annotations
 
@@ -26,15 +33,17 @@ from typing import Optional
 from hangwatch.common.config import ConfigError, dump_config, load_config
 from hangwatch.common.durable import write_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_OK
-from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR, rank_from_env
 from hangwatch.common.rundir import CONFIG_NAME, next_attempt
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource
+from hangwatch.daemon.distributed import world_size_from_env
 from hangwatch.daemon.errors import DataError
 from hangwatch.daemon.heartbeat import Heartbeat
 from hangwatch.daemon.lastwords import last_words_for, write_last_words
 from hangwatch.daemon.resume_compat import check_resume_compatible
 from hangwatch.daemon.signals import StopRequest
+from hangwatch.daemon.trainer.ranks import effective_batch
 
 MAX_PROBLEMS_IN_BEAT = 10
 
@@ -82,6 +91,8 @@ def load_data(cfg, tokenizer, hb, stop):
 
 
 def _report(hb, what, path, examples, problems) -> None:
+    if hb.rank != 0:
+        return  # every rank reads the same file: rank 0 speaks for all
     truncated = sum(1 for e in examples if e.truncated)
     print(f"{what}: {path}: {len(examples)} usable example(s), {truncated} truncated, {len(problems)} problem(s)", flush=True)
     for p in problems:
@@ -91,20 +102,54 @@ def _report(hb, what, path, examples, problems) -> None:
                 problems=[str(p) for p in problems[:MAX_PROBLEMS_IN_BEAT]])
 
 
+def check_world(cfg, world_size: int) -> None:
+    """What a multi-rank run cannot do, refused before anything starts (exit 78)."""
+    if world_size > 1 and cfg.data.inbox:
+        raise ConfigError([f"data.inbox: continuous mode trains on one rank only, and this worker is one of {world_size} "
+                           "(set worker.nproc_per_node: 1)"])
+
+
+def agree_on_resume(cfg, world, choice):
+    """Every rank resumes from the checkpoint rank 0 chose (a rank's own look may differ by a race)."""
+    chosen = world.broadcast(None if choice.path is None else (str(choice.path), choice.step))
+    mine = None if choice.path is None else (str(choice.path), choice.step)
+    if chosen == mine:
+        return choice
+    if chosen is not None:
+        check_resume_compatible(cfg, chosen[0], world.size)
+    return ckpt.ResumeChoice(path=None if chosen is None else Path(chosen[0]), step=0 if chosen is None else chosen[1])
+
+
+def _warn_faults(cfg, hb, faults, world) -> None:
+    if not world.is_main:
+        return  # said once, by rank 0
+    for f in faults:
+        if (f.at_eval is not None or f.kind == "hang_generate") and not cfg.eval.every_steps:
+            hb.warn(f"fault {f.kind} waits for an eval, but eval.every_steps is 0: it will never fire", fault=f.kind)
+        if f.rank >= world.size:
+            hb.warn(f"fault {f.kind} is for rank {f.rank}, but the run has {world.size} rank(s): it will never fire",
+                    fault=f.kind)
+        elif f.kind == "hang_generate" and f.rank != 0:
+            hb.warn(f"fault hang_generate is for rank {f.rank}, but only rank 0 generates: it will never fire",
+                    fault=f.kind)
+
+
 def run(cfg, hb, choice, stop, faults) -> str:
     """Load everything, then train; returns the stop reason."""
     hb.enter_phase("load")
     _quiet_libraries()
     import torch
 
+    from hangwatch.daemon.distributed import open_world
     from hangwatch.daemon.faults import FaultPlan
-    from hangwatch.daemon.model import load_model
+    from hangwatch.daemon.model import load_model, pick_device
     from hangwatch.daemon.trainer.loop import Trainer
 
-    plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt)
-    for f in faults:
-        if (f.at_eval is not None or f.kind == "hang_generate") and not cfg.eval.every_steps:
-            hb.warn(f"fault {f.kind} waits for an eval, but eval.every_steps is 0: it will never fire", fault=f.kind)
+    world = open_world(pick_device(cfg)[0])
+    choice = agree_on_resume(cfg, world, choice)
+    hb.current_step = choice.step
+    plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt, rank=world.rank, shared=world.size > 1)
+    _warn_faults(cfg, hb, faults, world)
     if cfg.model.device != "cpu" and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -115,15 +160,22 @@ def run(cfg, hb, choice, stop, faults) -> str:
     bundle = load_model(cfg)
     source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop)
     try:
-        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt)
+        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt, world=world)
+        if world.size > 1:
+            b = effective_batch(cfg.train.micro_batch_size, cfg.train.grad_accum, world.size)
+            trainer.log(f"{world.size} ranks ({world.backend}): effective batch {b['effective_batch']} examples per "
+                        f"optimizer step = micro_batch_size {b['micro_batch_size']} × grad_accum {b['grad_accum']} "
+                        f"× {world.size} ranks")
         if choice.path is not None:
             trainer.restore(choice.path)
-            print(f"resumed from {choice.path} at step {trainer.step}", flush=True)
+            trainer.log(f"resumed from {choice.path} at step {trainer.step}")
         else:
             trainer.seed_fresh()
         for s in choice.skipped:
-            print(f"skipped checkpoint {s['path']}: {s['reason']}", flush=True)
-        return trainer.run()
+            trainer.log(f"skipped checkpoint {s['path']}: {s['reason']}")
+        reason = trainer.run()
+        world.close()
+        return reason
     finally:
         if isinstance(source, ContinuousDataSource):
             source.close()  # the inbox's watcher thread
@@ -143,22 +195,25 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
     if not (run_dir / CONFIG_NAME).exists():
         write_atomic(run_dir / CONFIG_NAME, dump_config(cfg))
     hb = Heartbeat.from_env(run_dir, environ=env)
-    stop = StopRequest().install()
+    stop = StopRequest(repeat_kills=not _under_torchrun(env)).install()
     try:
         from hangwatch.daemon.faults import faults_from
 
         faults = faults_from(cfg, env)  # a bad HANGWATCH_FAULTS is a config error, reported before anything starts
-        choice = ckpt.choose_resume(run_dir)
+        world_size = world_size_from_env(env)
+        check_world(cfg, world_size)
+        choice = ckpt.choose_resume(run_dir, clean=hb.rank == 0)
         if choice.path is not None:
-            check_resume_compatible(cfg, choice.path)
+            check_resume_compatible(cfg, choice.path, world_size)
         hb.current_step = choice.step
         hb.start(resumed_from=str(choice.path) if choice.path else None, skipped_checkpoints=choice.skipped,
-                 resumed_step=choice.step)
+                 resumed_step=choice.step, **effective_batch(cfg.train.micro_batch_size, cfg.train.grad_accum, world_size))
         reason = run(cfg, hb, choice, stop, faults)
         hb.stop(reason)
         return EXIT_OK
     except Exception as exc:  # last words for everything; signals and os._exit never get here
-        kind, code, path = last_words_for(exc, run_dir, hb.attempt, step=hb.current_step, phase=hb.current_phase)
+        kind, code, path = last_words_for(exc, run_dir, hb.attempt, rank=hb.rank, step=hb.current_step,
+                                          phase=hb.current_phase)
         if isinstance(exc, ConfigError):
             _print_problems(exc)
         else:
@@ -169,6 +224,11 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         stop.uninstall()
         hb.release_dump_handler()
         hb.close()
+
+
+def _under_torchrun(env) -> bool:
+    """Started by torchrun's agent (which sets TORCHELASTIC_RUN_ID for every rank it starts)."""
+    return bool(env.get("TORCHELASTIC_RUN_ID"))
 
 
 def _print_problems(exc: ConfigError) -> None:
@@ -182,7 +242,8 @@ def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:
     _print_problems(exc)
     if run_dir:
         attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(run_dir)
-        write_last_words(run_dir, attempt, "config_error", str(exc), None, problems=exc.problems, exit_code=EXIT_CONFIG)
+        write_last_words(run_dir, attempt, "config_error", str(exc), None, rank=rank_from_env(env), problems=exc.problems,
+                         exit_code=EXIT_CONFIG)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ Generation is its own heartbeat phase (`generate`, with the configured budget) a
 `progress` every few tokens from a stopping criterion — that is, from the thread that generates:
 a generate() that stops producing tokens also stops beating.  The training RNG is set aside for
 the whole eval, so evaluating (or not) never changes the training trajectory.
+
+In a multi-rank run every rank scores its share of the held-out examples and the sums are added
+across ranks (`World.sum`); generation runs on rank 0 alone, and the other ranks wait for it in phase
+`wait` (`World.on_main`), so a hung generate() names rank 0 and shows the others as waiting.
 """
 from __future__ import annotations
 
@@ -19,18 +23,24 @@ import torch
 
 from hangwatch.common.durable import append_durable
 from hangwatch.daemon.data import Example, collate, prompt_ids_for
+from hangwatch.daemon.distributed import World
+from hangwatch.daemon.trainer.ranks import eval_shard
 
 EVOLUTION = "evolution.jsonl"
 
 
-def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Optional[Callable[[], None]] = None) -> Optional[float]:
-    """Mean cross-entropy per completion token over `examples` (None without examples)."""
+def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Optional[Callable[[], None]] = None,
+              world: Optional[World] = None) -> Optional[float]:
+    """Mean cross-entropy per completion token over `examples` (None without examples); in a
+    multi-rank run each rank scores its share and the sums are added across ranks."""
     if not examples:
         return None
+    world = world or World()
+    mine = eval_shard(examples, world.rank, world.size)
     total, count = 0.0, 0
     pad = bundle.tokenizer.pad_token_id
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
         batch = collate(chunk, pad)
         n = sum(e.n_label_tokens for e in chunk)
         _, ce_sum, _ = bundle.compute_loss(batch, n)
@@ -38,6 +48,7 @@ def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Option
         count += n
         if on_batch is not None:
             on_batch()
+    total, count = world.sum([total, count])
     return total / count
 
 
@@ -107,11 +118,12 @@ def heldout_loss(bundle, cfg, hb, eval_examples: list[Example]) -> Optional[floa
 
 
 def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,
-             processors=(), should_stop: Callable[[], bool] = lambda: False) -> dict:
-    """One evaluation at `step`: loss, generations, evolution.jsonl; returns a summary."""
+             processors=(), should_stop: Callable[[], bool] = lambda: False, world: Optional[World] = None) -> dict:
+    """One evaluation at `step`: loss, generations (rank 0), evolution.jsonl; returns a summary."""
     budgets = cfg.watchdog.phase_budgets_s
-    with set_aside(bundle):
-        loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
+    world = world or World()
+
+    def generate_all() -> list[dict]:
         records = []
         with hb.phase("generate", budget_s=budgets.get("generate")):
             for item in cfg.eval.prompts:
@@ -122,6 +134,12 @@ def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], 
                 output = generate_one(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop)
                 records.append({"step": step, "prompt": prompt, "reference": reference, "output": output,
                                 "loss": loss, "attempt": attempt, "t": time.time()})
+        return records
+
+    with set_aside(bundle):
+        loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"),
+                         world=world)
+        records = world.on_main(hb, "generate", generate_all) or []
     if records:
         append_evolution(run_dir, records)
     return {"loss": loss, "generations": len(records)}

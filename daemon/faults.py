@@ -10,13 +10,18 @@ Trigger points (the first opportunity at or after the given moment):
     eval at or after step N and hangs its generate();
   - `at_eval: K` — at the K-th eval of the run (eval number = step // eval.every_steps).
 
+`rank: R` (default 0) fires a fault on that rank of a multi-rank run only; every rank keeps the
+one `faults-fired.json` (updated under a lock, as several ranks may record at once).
+
 What each kind does is written so that the evidence looks like the real thing: a pure-Python loop
 inside the model's forward (`busy_loop`), a read on a pipe nobody writes (`block_c`), a loop that
 keeps beating `progress` (`livelock`), a wait inside a generate() logits processor (`hang_generate`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import itertools
 import json
 import os
@@ -32,6 +37,7 @@ from hangwatch.common.rundir import read_json
 
 ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"
+FIRED_LOCK = ".faults-fired.lock"
 TRAIN_KINDS = ("busy_loop", "block_c", "livelock", "crash", "segfault", "oom", "nan", "exit")
 CHILD_MARK = "hangwatch-fault-child"
 
@@ -66,8 +72,15 @@ def faults_from(cfg, environ: Optional[dict] = None) -> list:
     return faults
 
 
+def _identity(fault) -> str:
+    d = fault.model_dump(mode="json")
+    if d.get("rank") == 0:
+        del d["rank"]  # the default: a record made before faults had a rank still names the same fault
+    return json.dumps(d, sort_keys=True)
+
+
 def _key(fault, occurrence: int) -> str:
-    return json.dumps(fault.model_dump(mode="json"), sort_keys=True) + f"#{occurrence}"
+    return _identity(fault) + f"#{occurrence}"
 
 
 def spawn_fault_children(spawn: Callable = subprocess.Popen) -> list[int]:
@@ -130,17 +143,22 @@ class FaultPlan:
     every optimizer step and `before_eval(step, eval_number, ...)` at every eval."""
 
     def __init__(self, faults: list, run_dir: os.PathLike | str, hb, *, attempt: int = 1,
-                 spawn: Callable = subprocess.Popen):
+                 spawn: Callable = subprocess.Popen, rank: int = 0, shared: bool = False):
+        """`rank`: this process's rank (only its faults fire here); `shared`: other ranks record
+        into the same file, so records are made under a lock."""
         self.run_dir = Path(run_dir)
         self.hb = hb
         self.attempt = attempt
+        self.rank = rank
+        self.shared = shared
         self._spawn = spawn
         seen: dict[str, int] = {}
         self.entries = []
         for f in faults:
-            base = json.dumps(f.model_dump(mode="json"), sort_keys=True)
+            base = _identity(f)
             seen[base] = seen.get(base, 0) + 1
-            self.entries.append((f, _key(f, seen[base])))
+            if f.rank == rank:
+                self.entries.append((f, _key(f, seen[base])))
         self._fired_this_attempt: set[str] = set()
         self.nan_remaining = 0
         self._pipes: list = []  # keeps block_c's writer open so its read never sees EOF
@@ -163,10 +181,22 @@ class FaultPlan:
 
     def _record(self, fault, key, step: int) -> None:
         self._fired_this_attempt.add(key)
-        fired = self.fired_record()
-        fired.append({"key": key, "kind": fault.kind, "step": step, "attempt": self.attempt, "t": time.time()})
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self._fired_file(), {"fired": fired})
+        with self._locked():
+            fired = self.fired_record()
+            fired.append({"key": key, "kind": fault.kind, "step": step, "attempt": self.attempt, "t": time.time(),
+                          **({"rank": self.rank} if self.shared else {})})
+            write_json_atomic(self._fired_file(), {"fired": fired})
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Read-modify-write of the record, exclusive among the ranks that share it."""
+        if not self.shared:
+            yield
+            return
+        with open(self.run_dir / FIRED_LOCK, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
 
     def _announce(self, fault, step: int, where: str) -> None:
         if fault.spawn_child:

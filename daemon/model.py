@@ -196,17 +196,19 @@ class ModelBundle:
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for _, p in self.trainable_parameters())
 
-    def compute_loss(self, batch: dict, n_label_total: int) -> tuple[torch.Tensor, float, float]:
+    def compute_loss(self, batch: dict, n_label_total: int, module=None) -> tuple[torch.Tensor, float, float]:
         """(loss to backpropagate, LM cross-entropy sum, auxiliary loss sum) for one micro-batch,
-        normalised by the label tokens of the whole optimizer step."""
+        normalised by the label tokens of the whole optimizer step.  `module`: what the forward goes
+        through (the DDP wrapper of `model` while a multi-rank run trains; default `model`)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         labels = batch["labels"]
         head = self.extra.get("causal_projection")
         if head is None:
             head = _peft_module(self.base, "causal_projection")
+        forward = self.model if module is None else module
         with self.autocast():
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=head is not None, use_cache=False)
+            out = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          output_hidden_states=head is not None, use_cache=False)
         logits = out.logits[:, :-1].float()
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),

@@ -115,7 +115,11 @@ def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int
 def worker_argv(cfg: Config, config_path: Path) -> list[str]:
     if cfg.worker.command:
         return list(cfg.worker.command)
-    return [sys.executable, "-m", "hangwatch.daemon", "--config", str(config_path), "--run-dir", str(cfg.run_dir)]
+    daemon = ["-m", "hangwatch.daemon", "--config", str(config_path), "--run-dir", str(cfg.run_dir)]
+    n = cfg.worker.nproc_per_node
+    if n > 1:  # torch's own launcher, never a home-made one (it is only named here: no torch import)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *daemon]
+    return [sys.executable, *daemon]
 
 
 def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None) -> dict:

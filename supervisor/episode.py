@@ -24,13 +24,14 @@ from typing import Any, Callable, Optional
 import structlog
 
 from hangwatch.common.config import WatchdogCfg
-from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
+from hangwatch.common.rundir import tail_text
 from hangwatch.supervisor import rank_evidence
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines, Expired
 from hangwatch.supervisor.escalation import TreeKiller
 from hangwatch.supervisor.evidence import KernelEvidence
-from hangwatch.supervisor.exit_incidents import classify, exit_incident, exit_info, stragglers_field
+from hangwatch.supervisor.exit_incidents import (classify, exit_incident, exit_info, own_failure, rank_last_words,
+                                                 stragglers_field)
 from hangwatch.supervisor.flight_recorder import FlightDumps, StallDumps, into_incident
 from hangwatch.supervisor.incidents import Incident, IncidentStore, call_chain, classify_stall, frame_str, signal_name, stuck_frame
 from hangwatch.supervisor.incidents.verdict import decide
@@ -135,8 +136,16 @@ class Episode:
         verdict = None
         if len(attempt.announced) > 1:
             # Each rank from its own process and stack: the deadline that fired first says nothing (they tie).
-            verdict = decide(rank_evidence.gather(attempt, self.deadlines, self.procs, texts, spy, flight, now))
+            evidence = rank_evidence.gather(attempt, self.deadlines, self.procs, texts, spy, flight, now)
+            verdict = decide(evidence)
             rank = verdict.culprit_rank if verdict.culprit_rank is not None else rank
+            culprit_ev = next((e for e in evidence if e.rank == verdict.culprit_rank), None)
+            want = ("livelock" if culprit_ev.livelock else "stall") if culprit_ev is not None else self.kind
+            if self.kind in ("stall", "livelock") and want != self.kind:
+                # Which rank's deadline fired first is a tie (a victim waiting in phase `wait` beats progress
+                # too): the culprit's own state names the kind.
+                self.kind = want
+                inc.rekind(want)
         frame, stack, user = stuck_frame(texts.get(rank, "")) if rank is not None else (None, [], None)
         chain = call_chain(stack)
         if verdict is None:
@@ -172,7 +181,7 @@ class Episode:
         if stopping is not None:
             # A stop hangwatch asked for is a stop, whatever exit code a launcher turns it into (torchrun
             # exits 1 after forwarding SIGTERM); only the worker's own last words make it a failure.
-            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or read_json(attempt.dir / EXIT_NAME) is None:
+            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or own_failure(rank_last_words(attempt)) is None:
                 how = "" if w.exit_code == 0 else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
                 return cls(None, None, now, reason=stopping + how)
             kind, classification, failed = classify(tools, attempt)

@@ -162,5 +162,7 @@ def torchrun_root_cause(text: str) -> Optional[dict]:
     body = lines[:launcher]
     own = max((i for i, l in enumerate(body) if l.startswith("Traceback (most recent call last):")
                and any("torch/distributed/run.py" in x for x in body[i:i + 6])), default=None)
-    out["exception"] = last_exception_line(body[:own] if own is not None else body)
+    # A rank that died by a signal raised nothing: the last traceback in the log is a victim's (its
+    # collective broke when the culprit died), so none is attached to it.
+    out["exception"] = None if out["signal"] else last_exception_line(body[:own] if own is not None else body)
     return out

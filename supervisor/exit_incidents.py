@@ -10,18 +10,20 @@ flight recorder wrote by itself during the attempt (on its own timeout) are kept
 """
 from __future__ import annotations
 
+import re
 import signal
 from typing import TYPE_CHECKING, Optional
 
 import structlog
 
 from hangwatch.common.config import RestartCfg
-from hangwatch.common.rundir import EXIT_NAME, read_json, tail_text
+from hangwatch.common.rundir import EXIT_NAME, rank_exit_name, read_json, tail_text
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines
 from hangwatch.supervisor.evidence import sigkill_cause, torchrun_root_cause
 from hangwatch.supervisor.flight_recorder import FlightDumps, into_incident
-from hangwatch.supervisor.incidents import Incident, IncidentStore, classify_exit, fatal_error, signal_name, stuck_frame
+from hangwatch.supervisor.incidents import (Incident, IncidentStore, classify_exit, fatal_error, frame_str, signal_name,
+                                            stuck_frame)
 from hangwatch.supervisor.policy import Decision, RestartPolicy
 from hangwatch.supervisor.statefile import RunFacts
 
@@ -44,9 +46,33 @@ def stragglers_field(attempt: Attempt) -> dict:
     return {"stragglers": [s.as_dict() for s in recorded]} if recorded else {}
 
 
+def rank_last_words(attempt: Attempt) -> dict[int, dict]:
+    """Each rank's last words (exit.json for rank 0, exit-rank<R>.json for the others), where written."""
+    out = {}
+    for rank in sorted(set(attempt.announced) | {0}):
+        words = read_json(attempt.dir / rank_exit_name(rank))
+        if words is not None:
+            out[rank] = words
+    return out
+
+
+def own_failure(words: dict[int, dict]) -> Optional[int]:
+    """The rank whose last words are its own failure — not a collective that broke because a peer died
+    (`collective_error: true`, which makes a victim); the lowest such rank, or None."""
+    return next((r for r, w in sorted(words.items()) if not w.get("collective_error")), None)
+
+
 def classify(tools: "Tools", attempt: Attempt) -> tuple[str, str, Optional[int]]:
-    """(kind, classification, the rank torchrun says failed first or None)."""
+    """(kind, classification, the culprit rank or None).
+
+    With several ranks the culprit comes first from its own evidence: the rank whose dump holds a fatal
+    signal's stack (a segfault has no last words), else the rank whose last words are its own failure,
+    else the rank torchrun reports as failing first; victims' collective errors never name the failure."""
     w = attempt.worker
+    if len(attempt.announced) > 1:
+        found = _classify_ranks(tools, attempt)
+        if found is not None:
+            return found
     last_words = read_json(attempt.dir / EXIT_NAME)
     cause = launcher = None
     if w.exit_signal == signal.SIGKILL:
@@ -61,6 +87,37 @@ def classify(tools: "Tools", attempt: Attempt) -> tuple[str, str, Optional[int]]
     kind, text = classify_exit(w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause,
                                launcher=launcher)
     return kind, text, launcher.get("rank") if launcher else None
+
+
+def _classify_ranks(tools: "Tools", attempt: Attempt) -> Optional[tuple[str, str, Optional[int]]]:
+    w = attempt.worker
+    log_tail = tail_text(w.log_path, 400)
+    launcher = torchrun_root_cause(log_tail)
+    for rank, text in _rank_dumps(attempt).items():
+        fatal = fatal_error(text)
+        if fatal:
+            sig = launcher.get("signal") if launcher and launcher.get("rank") == rank else None
+            what = f"killed by {sig}" if sig else "died of a fatal signal"
+            return "signal", f"{what} (Fatal Python error: {fatal})", rank
+    words = rank_last_words(attempt)
+    rank = own_failure(words)
+    if rank is not None:
+        lw = words[rank]
+        kind, text = classify_exit(lw.get("exit_code"), None, lw, "")
+        return kind, text, rank
+    if launcher and launcher.get("rank") is not None:
+        kind, text = classify_exit(w.exit_code, w.exit_signal, None, log_tail, launcher=launcher)
+        return kind, text, launcher["rank"]
+    return None
+
+
+def raising_frame(traceback_text: str) -> Optional[dict]:
+    """The innermost `File "…", line N, in F` of a traceback: where the exception was raised."""
+    found = re.findall(r'^\s*File "(.+?)", line (\d+), in (.+?)\s*$', traceback_text or "", re.M)
+    if not found:
+        return None
+    file, line, function = found[-1]
+    return {"file": file, "line": int(line), "function": function}
 
 
 def _rank_dumps(attempt: Attempt) -> dict[int, str]:
@@ -92,6 +149,15 @@ def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts:
             break
     several = len(attempt.announced) > 1
     culprit = (fatal_rank if fatal_rank is not None else failed_rank) if several else None
+    words = rank_last_words(attempt) if several else {}
+    if several and culprit is not None:
+        # The culprit first, with its own frame: the fatal signal's stack, else where its exception was raised.
+        where = frame or raising_frame((words.get(culprit) or {}).get("traceback") or "")
+        if frame is None and where is not None:
+            frame = where
+        victims = sorted(r for r, lw in words.items() if r != culprit and lw.get("collective_error"))
+        summary = (f"rank {culprit}: {classification}" + (f" at {frame_str(where)}" if where else "")
+                   + "".join(f"; rank {r}: its collective broke when rank {culprit} failed (victim)" for r in victims))
     inc = tools.incidents.create(
         kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
         exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
@@ -101,6 +167,13 @@ def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts:
     )
     if info.get("last_words"):
         inc.add_file(EXIT_NAME, (attempt.dir / EXIT_NAME).read_text(errors="replace"))
+    for rank in words:
+        if rank != 0:
+            name = rank_exit_name(rank)
+            inc.add_file(name, (attempt.dir / name).read_text(errors="replace"))
+    if several:
+        inc.data["last_words_by_rank"] = {r: {k: lw.get(k) for k in ("kind", "message", "collective_error")}
+                                          for r, lw in words.items()}
     if several:
         for rank, text in dumps.items():
             inc.add_file(f"stack-rank{rank}.txt", text)

@@ -73,7 +73,25 @@ def faults_can_fire(cfg: Config) -> Iterator[Finding]:
                    f"({cfg.train.max_steps}): it would never fire")
 
 
-ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire)
+def ranks_fit(cfg: Config) -> Iterator[Finding]:
+    # Several ranks of the built-in worker: a fault aimed at a rank that does not exist never fires;
+    # generate() runs on rank 0 only; continuous mode trains on one process.
+    if not builtin_worker(cfg):
+        return
+    n = cfg.worker.nproc_per_node
+    for i, f in enumerate(cfg.faults):
+        if f.rank >= n:
+            yield (("faults", i, "rank"), f"{f.rank} is not a rank of this run (worker.nproc_per_node {n}: ranks 0-{n - 1}): "
+                   "it would never fire")
+        elif f.kind == "hang_generate" and f.rank != 0:
+            yield (("faults", i, "rank"), f"{f.rank}: hang_generate hangs generate(), which runs on rank 0 only: "
+                   "it would never fire")
+    if n > 1 and cfg.data.inbox:
+        yield (("worker", "nproc_per_node"), f"{n}: continuous mode (data.inbox: true) trains on one process; "
+               "use worker.nproc_per_node: 1")
+
+
+ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire, ranks_fit)
 
 
 # ---- advice ----------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class WorkerCfg(Section):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
     cwd: Optional[str] = Field(None, description="Working directory of the worker (default: the config file's directory).")
+    nproc_per_node: int = Field(
+        1, ge=1, le=1024, description="Ranks of the built-in worker on this box: > 1 runs it under torchrun "
+        "(`python -m torch.distributed.run --standalone --nproc-per-node N -m hangwatch.daemon …`), DDP over the "
+        "trainable parameters, gloo on CPU, NCCL on CUDA. `train.micro_batch_size` is per rank.")
 
     @field_validator("command")
     @classmethod
@@ -223,6 +227,9 @@ class FaultCfg(Section):
     steps: int = Field(3, ge=1, description="nan: how many steps the loss stays non-finite.")
     code: int = Field(1, ge=0, le=255, description="exit: the exit code.")
     spawn_child: bool = Field(False, description="Spawn a grandchild process first (it must die with the tree).")
+    rank: int = Field(
+        0, ge=0, description="The rank it fires on (only that one) in a multi-rank run (`worker.nproc_per_node` > 1); "
+        "`hang_generate` needs rank 0, the only rank that generates.")
 
     @model_validator(mode="after")
     def _when(self):

@@ -160,3 +160,44 @@ class Confirmation:
         """Retention; checkpoints still waiting for confirmation are kept too, or with a small keep_last
         none would ever live long enough to become good."""
         ckpt.apply_retention(self.root, self.keep_last, protect=tuple(p.path for p in self.pending))
+
+
+class RankConfirmation:
+    """`Confirmation`'s stand-in on the ranks other than 0 of a multi-rank run: rank 0 alone writes,
+    confirms, marks and retains checkpoints, so the other ranks keep none of that bookkeeping."""
+
+    def __init__(self, hb=None):
+        self.hb = hb
+
+    def wait_for(self, p: Pending) -> None:
+        pass
+
+    def commit_markers(self, tmp: Path) -> dict:
+        return {}
+
+    def committed(self, p: Pending, step: int) -> None:
+        pass
+
+    def confirm(self, step: int) -> None:
+        pass
+
+    def unconfirm(self) -> list[str]:
+        return []
+
+    def withdraw_provisional(self) -> None:
+        pass
+
+    def waiting_at(self, step: int) -> Optional[Pending]:
+        return None
+
+    def settle_idle(self, step: int, heldout_loss: Optional[float]) -> None:
+        pass
+
+    def provisional_on_stop(self, path: Path, finite: bool, why: str) -> None:
+        pass
+
+    def finish(self, step: int, why: str) -> None:
+        pass
+
+    def retain(self) -> None:
+        pass

@@ -15,6 +15,14 @@ source (`ContinuousDataSource`) may have handed out part of the next step's exam
 request ends its wait for more, and those are simply taken again after the resume.  Once a
 checkpoint is committed, the continuous source's `commit` records what it covers.
 
+Under torchrun (a `TorchWorld`) every rank runs this loop over its share of each step
+(`trainer.ranks`): the forward and backward go through DDP, gradients are exchanged on the last
+micro-step only (`no_sync` before), the step's loss and finiteness are the world's (summed across
+ranks, so every rank decides alike), a stop request that reached some ranks stops all of them at the
+same step boundary, and rank 0 alone writes checkpoints (holding every rank's RNG states and data
+position), generations and `final/` while the others wait for it.  A world of one is the
+single-process worker, unchanged.
+
 A continuous source that goes quiet (end "flush", after `data.flush_after_s`) gets the examples in
 hand trained as a partial step (its loss normalised over the label tokens actually present, the step
 beat marked `partial`), then the checkpoint covering them is written (their file reaches done/) and
@@ -24,6 +32,7 @@ reason "idle".
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -34,23 +43,28 @@ import torch
 
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource, DataSource, Example, collate
+from hangwatch.daemon.distributed import World
 from hangwatch.daemon.errors import NonFiniteStreak
 from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
-from hangwatch.daemon.trainer import state
-from hangwatch.daemon.trainer.confirmation import Confirmation, Pending
+from hangwatch.daemon.trainer import ranks, state
+from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankConfirmation
 from hangwatch.daemon.trainer.schedule import WarmupCosine
 
 
 class Trainer:
     def __init__(self, cfg, hb, run_dir, bundle: ModelBundle, source: DataSource, eval_examples: list[Example],
-                 faults, stop, *, attempt: int = 1, out: TextIO = sys.stdout):
+                 faults, stop, *, attempt: int = 1, out: TextIO = sys.stdout, world: Optional[World] = None):
         self.cfg = cfg
+        self.world = world or World()
         self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
-        self.confirmation = Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log,
-                                         provisional_on_commit=self.continuous is not None)
+        if self.continuous is not None and self.world.size > 1:
+            raise ValueError("continuous mode (data.inbox) trains on one rank only")
+        self.confirmation = (Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log,
+                                          provisional_on_commit=self.continuous is not None)
+                             if self.world.is_main else RankConfirmation(hb))
         self.hb = hb
         self.run_dir = Path(run_dir)
         self.bundle = bundle
@@ -62,6 +76,7 @@ class Trainer:
         self.out = out
         t = cfg.train
         self.params = [p for _, p in bundle.trainable_parameters()]
+        self.train_module = self.world.wrap(bundle.model)  # what forward and backward go through (DDP)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(t.warmup_steps, t.max_steps))
         self.step = 0
@@ -92,12 +107,15 @@ class Trainer:
     def seed_fresh(self) -> None:
         self.source.restore(None, 0)
         self.boundary_position = self.source.position()
-        state.seed_everything(self.cfg.train.seed)
+        state.seed_everything(ranks.rank_seed(self.cfg.train.seed, self.world.rank))
 
-    def trainer_state(self) -> dict:
+    def trainer_state(self, rank_states: Optional[list] = None) -> dict:
+        """What trainer_state.json holds; `rank_states`: every rank's (`ranks.rank_state`), in rank order."""
         return {
             "step": self.step,
             "data_position": self.boundary_position,
+            "world_size": self.world.size,
+            "ranks": ranks.ranks_record(rank_states or [self.rank_state()]),
             "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum},
             "samples": self.samples,
             "tokens": self.tokens,
@@ -106,19 +124,26 @@ class Trainer:
             "partial_steps": self.partial_steps,
             "last_step": {"examples": self.last_step_examples, "partial": self.last_step_examples < self.step_size},
             "weights_finite": self.bundle.weights_finite(),
-            "fingerprint": fingerprint(self.cfg),
+            "fingerprint": fingerprint(self.cfg, self.world.size),
             "attempt": self.attempt,
             "t": time.time(),
         }
 
-    def fill_checkpoint(self, tmp: Path) -> None:
+    def rank_state(self) -> dict:
+        """What a checkpoint keeps of this rank: its RNG states and data position at the step boundary."""
+        return ranks.rank_state(self.world.rank, state.rng_state(own_device_only=self.world.size > 1),
+                                self.boundary_position)
+
+    def fill_checkpoint(self, tmp: Path, rank_states: Optional[list] = None) -> None:
         """Write this step's checkpoint files into `tmp` (for `checkpoint.commit`)."""
-        state.fill(tmp, self.bundle, self.optimizer, self.scheduler, self.trainer_state())
+        rank_states = rank_states or [self.rank_state()]
+        state.fill(tmp, self.bundle, self.optimizer, self.scheduler, self.trainer_state(rank_states),
+                   [s["rng"] for s in rank_states])
 
     def restore(self, path: Path) -> None:
         """Continue from checkpoint `path` exactly where it left off."""
         saved = state.load_weights(path, self.bundle, self.optimizer, self.scheduler)
-        self.source.restore(saved["data_position"], int(saved["step"]))
+        self.source.restore(ranks.position_for(saved, self.world.rank), int(saved["step"]))
         self.boundary_position = self.source.position()
         self.step = int(saved["step"])
         self.hb.current_step = self.step
@@ -132,14 +157,14 @@ class Trainer:
         self.resumed_from = path
         if not ckpt.is_good(path):
             self.confirmation.wait_for(Pending(path, self.step))  # provisional: the steps after it confirm it
-        state.load_rng(path)  # last: nothing after this may draw random numbers before training does
+        state.load_rng(path, self.world.rank)  # last: nothing after this may draw random numbers before training does
 
     # ---- one optimizer step ---------------------------------------------------------------
 
     @property
     def step_size(self) -> int:
-        """Examples in a full optimizer step."""
-        return self.cfg.train.micro_batch_size * self.cfg.train.grad_accum
+        """Examples in a full optimizer step (of the whole world: every rank takes its share of them)."""
+        return self.cfg.train.micro_batch_size * self.cfg.train.grad_accum * self.world.size
 
     def next_examples(self) -> tuple[list[Example], Optional[str]]:
         """The next optimizer step's examples, and why there are fewer than a full step (None: there are not)."""
@@ -160,20 +185,25 @@ class Trainer:
         number = self.step + 1
         self.faults.before_step(number, self.bundle)
         started = time.perf_counter()
-        size = t.micro_batch_size
-        micro = [examples[i:i + size] for i in range(0, len(examples), size)]
-        n_labels = sum(e.n_label_tokens for e in examples)
+        micro = ranks.rank_micro_batches(examples, self.world.rank, self.world.size, t.micro_batch_size)
+        n_labels = sum(e.n_label_tokens for e in examples)  # the world's step: every rank holds all of it
         n_tokens = sum(len(e.input_ids) for e in examples)
         poison = self.faults.take_nan()
         ce_total = aux_total = 0.0
         self.accum = 0
         pause = t.sleep_per_step_s / t.grad_accum
         for batch in micro:
-            loss, ce, aux = self.bundle.compute_loss(collate(batch, self.bundle.tokenizer.pad_token_id), n_labels)
-            if poison:
-                loss = loss * float("nan")
-                ce = float("nan")
-            loss.backward()
+            # Gradients are exchanged once per optimizer step, on its last micro-step.
+            last = self.accum == len(micro) - 1
+            with contextlib.nullcontext() if last else self.world.no_sync(self.train_module):
+                loss, ce, aux = self.bundle.compute_loss(collate(batch, self.bundle.tokenizer.pad_token_id), n_labels,
+                                                         self.train_module)
+                if poison:
+                    loss = loss * float("nan")
+                    ce = float("nan")
+                if last:  # the last backward waits for the other ranks: what came before is this rank's own time
+                    own_s = time.perf_counter() - started
+                loss.backward()
             self.accum += 1
             ce_total += ce
             aux_total += aux
@@ -182,9 +212,11 @@ class Trainer:
             if self.accum < len(micro):
                 self.hb.progress(micro_step=self.accum, grad_accum=t.grad_accum)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm))
+        # The world's sums, so that every rank reports the same loss and takes (or skips) the step alike.
+        ce_total, aux_total, bad_norms = self.world.sum([ce_total, aux_total, 0.0 if math.isfinite(grad_norm) else 1.0])
         loss_value = ce_total / n_labels
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm) and math.isfinite(aux_total)
+        finite = math.isfinite(loss_value) and bad_norms == 0 and math.isfinite(aux_total)
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -203,11 +235,12 @@ class Trainer:
             self.last_step_examples = len(examples)
         elapsed = time.perf_counter() - started
         self.boundary_position = self.source.position()
+        own = {"step_time_s": round(own_s, 4)} if self.world.size > 1 else {}  # for the supervisor's straggler check
         return {
             "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
             "samples": self.samples, "tokens": self.tokens, "examples": len(examples), "partial": partial,
-            **self.source.progress(),
+            **own, **self.source.progress(),
         }
 
     def after_step(self, m: dict) -> None:
@@ -237,13 +270,21 @@ class Trainer:
     # ---- checkpoints and evals ----------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
+        """This step's checkpoint, written once (by rank 0, with every rank's state gathered)."""
+        rank_states = self.world.gather(self.rank_state())
+        self.world.on_main(self.hb, "checkpoint", lambda: self._commit(rank_states))
+        self.last_saved_step = self.step
+        return ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step)
+
+    def _commit(self, rank_states: list) -> Path:
         root = ckpt.checkpoints_root(self.run_dir)
         with self.hb.phase("checkpoint", budget_s=self.cfg.watchdog.phase_budgets_s.get("checkpoint")):
             started = time.perf_counter()
             position = self.boundary_position
             # Continuous mode: resumable (provisional) from the instant it exists, before it is announced
             # and before its data is recorded as done.
-            path = ckpt.commit(root, self.step, self.fill_checkpoint, markers=self.confirmation.commit_markers)
+            path = ckpt.commit(root, self.step, lambda tmp: self.fill_checkpoint(tmp, rank_states),
+                               markers=self.confirmation.commit_markers)
             self.last_saved_step = self.step
             provisional = (path / ckpt.PROVISIONAL).exists()
             self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4),
@@ -261,7 +302,8 @@ class Trainer:
         with self.hb.phase("eval", budget_s=self.cfg.watchdog.phase_budgets_s.get("eval")):
             processors = self.faults.before_eval(self.step, number, self.bundle)
             summary = run_eval(self.bundle, self.cfg, self.hb, self.run_dir, self.step, self.eval_examples,
-                               attempt=self.attempt, processors=processors, should_stop=lambda: bool(self.stop))
+                               attempt=self.attempt, processors=processors, should_stop=lambda: bool(self.stop),
+                               world=self.world)
         loss = summary["loss"]
         self.log(f"eval {number} at step {self.step}: loss {'-' if loss is None else f'{loss:.4f}'}, "
                  f"{summary['generations']} generations")
@@ -273,7 +315,7 @@ class Trainer:
         self.hb.enter_phase("train")
         self.bundle.model.train()
         while True:
-            if self.stop:
+            if self.world.any(bool(self.stop)):  # a stop request may have reached some ranks only
                 self.stop_gracefully()
                 return "terminated"
             if self.step >= cfg.train.max_steps:
@@ -325,8 +367,12 @@ class Trainer:
             path = (self.save_checkpoint() if self.last_saved_step != self.step
                     else ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step))
             finite = self.nonfinite_streak == 0 and self.bundle.weights_finite()
-            self.confirmation.provisional_on_stop(path, finite, f"graceful stop on {self.stop.requested}")
-        self.log(f"stopping on {self.stop.requested} at step {self.step}")
+            self.confirmation.provisional_on_stop(path, finite, f"graceful stop on {self.stop_reason}")
+        self.log(f"stopping on {self.stop_reason} at step {self.step}")
+
+    @property
+    def stop_reason(self) -> str:
+        return self.stop.requested or "another rank's stop request"
 
     def finish(self, why: str = "finished") -> None:
         """At the end (max_steps, or idle): the last checkpoint counts as confirmed (nothing follows it),
@@ -334,8 +380,11 @@ class Trainer:
         if self.last_saved_step != self.step:
             self.save_checkpoint()
         self.confirmation.finish(self.step, why)
-        final = export_final(self.bundle, self.cfg, self.run_dir / FINAL_DIR, self.step)
+        final = self.run_dir / FINAL_DIR
+        self.world.on_main(self.hb, "export", lambda: export_final(self.bundle, self.cfg, final, self.step))
         self.log(f"finished at step {self.step}{'' if why == 'finished' else f' ({why})'}; adapter exported to {final}")
 
     def log(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        """The worker log: rank 0's lines only (every rank's beats carry its own numbers)."""
+        if self.world.is_main:
+            print(line, file=self.out, flush=True)

@@ -4,12 +4,16 @@ Everything that decides the next step's numbers: adapter and extra-module weight
 scheduler state, the RNG states (python, numpy, torch, cuda: dropout) and the trainer's counters
 and data position (`trainer_state.json`, written by the trainer).  A checkpoint is always taken on
 an optimizer-step boundary; one saved mid-accumulation is refused.
+
+A multi-rank run's checkpoint is written once, by rank 0, with every rank's RNG states: rank 0's in
+`rng.pt` (the single-process file), rank R's in `rng-rank<R>.pt` (`trainer.ranks`).
 """
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,13 +27,20 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 
 
+def rng_file(rank: int) -> str:
+    """The file holding rank `rank`'s RNG states in a checkpoint."""
+    return RNG_FILE if rank == 0 else f"rng-rank{rank}.pt"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
+def rng_state(*, own_device_only: bool = False) -> dict:
+    """This process's RNG states.  `own_device_only` (a rank of a multi-GPU run): the current CUDA
+    device's alone, as touching every device would make each rank open a context on every GPU."""
     py = random.getstate()
     npst = np.random.get_state()
     state = {
@@ -37,7 +48,9 @@ def rng_state() -> dict:
         "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and own_device_only:
+        state["cuda_current"] = torch.cuda.get_rng_state()
+    elif torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -50,10 +63,13 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda_current" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_current"])
 
 
-def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: dict) -> None:
-    """Write a checkpoint's files into `tmp` (the directory `checkpoint.commit` then makes durable)."""
+def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: dict, rngs: Optional[list] = None) -> None:
+    """Write a checkpoint's files into `tmp` (the directory `checkpoint.commit` then makes durable);
+    `rngs` are every rank's RNG states in rank order (default: this process's)."""
     from safetensors.torch import save_file
 
     save_file(bundle.adapter_state(), str(tmp / ADAPTER_FILE))
@@ -63,7 +79,8 @@ def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: di
         save_file(extra, str(tmp / EXTRA_FILE))
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
-    torch.save(rng_state(), tmp / RNG_FILE)
+    for rank, rng in enumerate(rngs if rngs is not None else [rng_state()]):
+        torch.save(rng, tmp / rng_file(rank))
     (tmp / ckpt.STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
 
 
@@ -90,5 +107,9 @@ def load_weights(path: Path, bundle: ModelBundle, optimizer, scheduler) -> dict:
     return state
 
 
-def load_rng(path: Path) -> None:
-    set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+def load_rng(path: Path, rank: int = 0) -> None:
+    """Put rank `rank`'s RNG states of checkpoint `path` back."""
+    f = path / rng_file(rank)
+    if not f.is_file():
+        raise RuntimeError(f"{path}: no RNG states for rank {rank} ({f.name} is missing)")
+    set_rng_state(torch.load(f, weights_only=True))

@@ -13,9 +13,11 @@ Sections (all by default, in this order; `--only` picks some), one module each:
                 (`hangwatch run`) and a light stdlib worker (scripts/baselines/stall_worker.py) that breaks
                 that deadline; the latency beyond the budget, read from the incident (the supervisor's own
                 clock), and from the worker's last line (wall clock); `--jobs` trials at once.
-  recovery      (recovery.py) the built-in worker on the demo model hangs in C (block_c); detection →
-                process tree gone, detection → first step of the next attempt, steps lost; then a graceful
-                `restart` over the control socket and the steps that loses.
+  recovery      (recovery.py) the built-in worker on the demo model hangs in C (block_c), as one process
+                and as 2 ranks under torchrun (`worker.nproc_per_node: 2`, the hang on rank 1), side by
+                side: the step deadline's latency beyond its budget, whether the verdict names the hung
+                rank, detection → process tree gone, detection → first step of the next attempt, steps
+                lost; then a graceful `restart` over the control socket and the steps that loses.
   footprint     (footprint.py) supervisor RSS and CPU% while watching 8 synthetic ranks beating at 20 Hz
                 (scripts/baselines/synthetic_ranks.py), run alone; supervisor start time.
   side_by_side  (side_by_side.py) the same hung worker (busy_loop, hang_generate) under hangwatch, plain

@@ -1,18 +1,36 @@
-"""Section 3, recovery: the built-in worker on the demo model hangs in C (block_c); detection → process
-tree gone, detection → first step of the next attempt, steps lost; then a graceful `restart` over the
-control socket and the steps that one loses."""
+"""Section 3, detection and recovery of the built-in worker, one rank and two: the demo model hangs in C
+(block_c); the step deadline's latency beyond its budget, detection → process tree gone, detection → first
+step of the next attempt, steps lost; then a graceful `restart` over the control socket and the steps that
+one loses.  With two ranks the worker runs under torchrun (`worker.nproc_per_node: 2`, gloo) and the hang is
+on rank 1, so the incident's verdict has a culprit to name that the tie-break of equal deadlines (rank 0)
+would not; the tree is torchrun and both ranks."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 from typing import Optional
 
+from .detection import anchor_time
 from .harness import (attempts_of, control, demo_worker_config, finished_at, first, hangwatch_run, last_step,
-                      read_beats, stall_incidents, summary, wait_exit, write_yaml)
+                      read_beats, stall_incidents, summary, supervisor_log_time, wait_exit, write_yaml)
 
 HANG_AT = 16
 RESTART_AT = 26
+STEP_TIMEOUT_S = 3.0
 RUN_LIMIT_S = 300.0
+WORLDS = (1, 2)  # ranks of the built-in worker; the table has one column each
+FIGURES = ("overdue_s", "beyond_budget_from_last_line_s", "detection_to_gone_s", "detection_to_next_step_s",
+           "spawn_to_first_step_s", "steps_lost_hang", "steps_lost_graceful", "request_to_next_step_s")
+
+
+def hang_rank(nproc: int) -> int:
+    """The rank the hang is injected on: the last one (rank 0 alone in a single process)."""
+    return nproc - 1
+
+
+def newest_step(run_dir: Path, attempt: int, nproc: int) -> int:
+    """The furthest step any rank of `attempt` reported (a hung rank stops a step before its peers can finish it)."""
+    return max(last_step(read_beats(run_dir, attempt, rank)) for rank in range(nproc))
 
 
 def request_restart_when_due(run_dir: Path) -> Optional[tuple[float, dict]]:
@@ -24,27 +42,42 @@ def request_restart_when_due(run_dir: Path) -> Optional[tuple[float, dict]]:
     return requested, result if error is None else {"error": error}
 
 
-def resumed(run_dir: Path, before: int, after: int) -> tuple[int, Optional[dict], Optional[float]]:
-    """Attempt `before`'s last step, attempt `after`'s start line and the wall time of its first step."""
+def resumed(run_dir: Path, before: int, after: int, nproc: int) -> tuple[int, Optional[dict], Optional[float]]:
+    """Attempt `before`'s last step, attempt `after`'s start line (rank 0) and the wall time of its first step."""
     beats = read_beats(run_dir, after)
     step = first(beats, "step")
-    return last_step(read_beats(run_dir, before)), first(beats, "start"), None if step is None else step["t"]
+    return newest_step(run_dir, before, nproc), first(beats, "start"), None if step is None else step["t"]
 
 
-def recovery_trial(tmp: Path) -> dict:
-    """One run: hang (block_c) at step 16 → supervisor recovers → graceful `restart` at step ≥ 26 → finish."""
-    run_dir = tmp / "run"
-    cfg = demo_worker_config(
+def trial_config(run_dir: Path, nproc: int) -> dict:
+    return demo_worker_config(
         run_dir,
+        worker={"nproc_per_node": nproc},
         train={"max_steps": 32, "sleep_per_step_s": 0.05},
         eval={"every_steps": 0},
         checkpoint={"every_steps": 10, "confirm_steps": 2},
-        watchdog={"step_timeout_s": 3},
+        watchdog={"step_timeout_s": STEP_TIMEOUT_S},
         restart={"backoff_initial_s": 0},
-        faults=[{"kind": "block_c", "at_step": HANG_AT}],
+        faults=[{"kind": "block_c", "at_step": HANG_AT, "rank": hang_rank(nproc)}],
     )
+
+
+def detection_figures(run_dir: Path, inc: dict) -> dict:
+    """The step deadline's latency beyond its budget: the supervisor's clock, and from the anchoring step line
+    of the rank whose deadline fired (wall clock), as in the detection section."""
+    d = inc["deadline"] or {}
+    rank = d.get("rank") or 0
+    beats = [b for b in read_beats(run_dir, inc["attempt"], rank) if b["t"] <= inc["time_unix"]]
+    anchor = anchor_time("step", run_dir, beats) if d.get("name") == "step" else None
+    return {"deadline_fired": d.get("name"), "deadline_rank": rank, "overdue_s": d.get("overdue_s"),
+            "beyond_budget_from_last_line_s": None if anchor is None else inc["time_unix"] - (anchor + d["budget_s"])}
+
+
+def recovery_trial(tmp: Path, nproc: int) -> dict:
+    """One run: hang (block_c) at step 16 → supervisor recovers → graceful `restart` at step ≥ 26 → finish."""
+    run_dir = tmp / "run"
+    proc = hangwatch_run(write_yaml(tmp / "cfg.yaml", trial_config(run_dir, nproc)), tmp / "supervisor.out")
     t_spawn = time.time()
-    proc = hangwatch_run(write_yaml(tmp / "cfg.yaml", cfg), tmp / "supervisor.out")
     restart = None
     deadline = time.monotonic() + RUN_LIMIT_S
     try:
@@ -55,15 +88,21 @@ def recovery_trial(tmp: Path) -> dict:
         code = wait_exit(proc, max(1.0, deadline - time.monotonic()))
     requested, reply = restart or (None, None)
     incs = stall_incidents(run_dir)
-    row: dict = {"supervisor_exit": code, "restart_reply": reply, "dir": str(tmp)}
+    row: dict = {"ranks": nproc, "hang_rank": hang_rank(nproc), "supervisor_exit": code, "restart_reply": reply,
+                 "dir": str(tmp)}
+    spawned, step_1 = supervisor_log_time(run_dir, "worker_spawned"), first(read_beats(run_dir, 1), "step")
+    row["spawn_to_first_step_s"] = None if spawned is None or step_1 is None else step_1["t"] - spawned
     if not incs:
         row["error"] = "no stall incident"
         return row
     inc = incs[0]
     a = inc["attempt"]
-    hang_last, start_2, first_step_2 = resumed(run_dir, a, a + 1)
+    hang_last, start_2, first_step_2 = resumed(run_dir, a, a + 1, nproc)
     row.update(
         classification=inc.get("classification"),
+        summary=inc.get("summary"),
+        culprit_rank=inc.get("culprit_rank"),
+        **detection_figures(run_dir, inc),
         detection_to_gone_s=(inc.get("timings") or {}).get("detection_to_gone_s"),
         detection_to_next_step_s=None if first_step_2 is None else first_step_2 - inc["time_unix"],
         hang_last_step=hang_last,
@@ -71,7 +110,7 @@ def recovery_trial(tmp: Path) -> dict:
         hang_resumed_from=start_2.get("resumed_from") if start_2 else None,
     )
     row["steps_lost_hang"] = None if start_2 is None else hang_last - start_2["step"]
-    last_2, start_3, first_step_3 = resumed(run_dir, a + 1, a + 2)
+    last_2, start_3, first_step_3 = resumed(run_dir, a + 1, a + 2, nproc)
     if requested is not None and start_3 is not None:
         row.update(graceful_last_step=last_2, graceful_resumed_step=start_3["step"],
                    graceful_resumed_from=start_3.get("resumed_from"), steps_lost_graceful=last_2 - start_3["step"],
@@ -81,24 +120,39 @@ def recovery_trial(tmp: Path) -> dict:
     return row
 
 
+def world_summary(rows: list[dict], nproc: int) -> dict:
+    """The trials of one world size summed up; with several ranks, how many verdicts named the hung rank."""
+    ok = [r for r in rows if "error" not in r]
+    out: dict = {"raw": rows, "trials": len(rows), "errors": [r["error"] for r in rows if "error" in r],
+                 **{key: summary([r.get(key) for r in ok]) for key in FIGURES}}
+    if nproc > 1:
+        out["culprit_named"] = sum(1 for r in ok if r.get("culprit_rank") == r["hang_rank"])
+    return out
+
+
 def section(work: Path, quick: bool, cold: Optional[dict]) -> dict:
     """`cold`: the heartbeat section's cold-start summary, shown beside recovery when that section ran."""
     trials = 1 if quick else 3
-    rows = [recovery_trial(work / f"trial-{i}") for i in range(trials)]
-    ok = [r for r in rows if "error" not in r]
+    rows: dict[int, list] = {n: [] for n in WORLDS}
+    for i in range(trials):  # interleaved, so that a busier stretch of the machine falls on both alike
+        for n in WORLDS:
+            rows[n].append(recovery_trial(work / f"ranks{n}-trial-{i}", n))
     out = {
-        "method": f"{trials} sequential runs of `hangwatch run` on the demo model (configs/demo.yaml watchdog: "
-                  f"dump_grace_s 3, term_grace_s 5; step_timeout_s 3; checkpoint every 10 steps, confirmed after 2; "
-                  f"0.05 s sleep per step): a block_c fault (read on a pipe nobody writes) at step {HANG_AT}, "
-                  f"then a graceful `restart` over the control socket once the next attempt passed step "
-                  f"{RESTART_AT}. Detection → gone: incident timings (supervisor clock). Detection → next "
-                  "step: the next attempt's first step line − incident time (wall clock). Steps lost: last step "
-                  "line of the stopped attempt − step the next attempt resumed at (its start line).",
+        "method": f"{trials} sequential runs of `hangwatch run` per world size, alternating, on the demo model "
+                  f"(configs/demo.yaml watchdog: dump_grace_s 3, term_grace_s 5; step_timeout_s {STEP_TIMEOUT_S:g}; "
+                  f"checkpoint every 10 steps, confirmed after 2; 0.05 s sleep per step): a block_c fault (read on a "
+                  f"pipe nobody writes) at step {HANG_AT} — with 2 ranks (`worker.nproc_per_node: 2`, torchrun, "
+                  f"gloo, micro-batch per rank) on rank 1, whose peer then waits in DDP's all-reduce — then a "
+                  f"graceful `restart` over the control socket once the next attempt passed step {RESTART_AT}. "
+                  "Beyond the budget: incident.json deadline.overdue_s (supervisor clock), and incident time − "
+                  "(wall time of the last step line of the rank whose deadline fired + budget). Detection → gone: "
+                  "incident timings (supervisor clock; torchrun and every rank). Detection → next step: the next "
+                  "attempt's first step line − incident time (wall clock). Spawn → first step: the first attempt's "
+                  "`worker_spawned` log line → its first step line. Steps lost: furthest step line of any rank "
+                  "of the stopped attempt − step the next attempt resumed at (its start line). Verdict: the "
+                  "incident's culprit_rank is the hung rank.",
         "trials": trials,
-        "raw": rows,
-        **{key: summary([r.get(key) for r in ok]) for key in ("detection_to_gone_s", "detection_to_next_step_s",
-                                                             "steps_lost_hang", "steps_lost_graceful",
-                                                             "request_to_next_step_s")},
+        "worlds": {str(n): world_summary(rows[n], n) for n in WORLDS},
     }
     if cold is not None:
         out["cold_start_to_first_step_s"] = cold

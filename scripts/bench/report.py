@@ -102,15 +102,32 @@ def detection(d: dict) -> tuple:
 
 
 def recovery(r: dict) -> tuple:
+    """One column per world size (the ranks of the built-in worker), one row per figure."""
+    worlds = r["worlds"]
     cold = r.get("cold_start_to_first_step_s")
-    return ("3. Recovery (demo model, hang in C)", FIGURE_STATS, [
-        ["detection → process tree gone", stats_cell(r["detection_to_gone_s"], "s", 1, 2)],
-        ["detection → first step of the next attempt", stats_cell(r["detection_to_next_step_s"], "s", 1, 2)],
-        ["worker's own cold start → first step (for comparison)",
-         stats_cell(cold, "s", 1, 2) if cold else "not measured (run the heartbeat section)"],
-        ["steps lost per fault: hang (resume from the last good checkpoint)", stats_cell(r["steps_lost_hang"], "steps", 1, 0)],
-        ["steps lost per fault: graceful `restart`", stats_cell(r["steps_lost_graceful"], "steps", 1, 0)],
-        ["graceful `restart` request → first step of the next attempt", stats_cell(r["request_to_next_step_s"], "s", 1, 2)],
+
+    def row(label: str, key: str, unit: str = "s", digits: int = 2) -> list[str]:
+        return [label] + [stats_cell(w[key], unit, 1, digits) for w in worlds.values()]
+
+    def verdict(n: str, w: dict) -> str:
+        done = w["trials"] - len(w["errors"])
+        return "– (one process)" if n == "1" else f"{w['culprit_named']} of {done}"
+
+    return ("3. Detection and recovery of the built-in worker, 1 and 2 ranks (demo model, hang in C)",
+            ["figure"] + [f"{n} rank" if n == "1" else f"{n} ranks (torchrun, gloo)" for n in worlds], [
+        row("step deadline: beyond the budget, supervisor clock", "overdue_s", digits=3),
+        row("step deadline: beyond the budget, from the last step line", "beyond_budget_from_last_line_s", digits=3),
+        ["verdict names the hung rank as the culprit"] + [verdict(n, w) for n, w in worlds.items()],
+        row("detection → process tree gone", "detection_to_gone_s"),
+        row("detection → first step of the next attempt", "detection_to_next_step_s"),
+        row("first attempt: worker spawned → first step", "spawn_to_first_step_s"),
+        ["worker's own cold start → first step (for comparison)"]
+        + [stats_cell(cold, "s", 1, 2) if cold else "not measured (run the heartbeat section)"] + ["–"] * (len(worlds) - 1),
+        row("steps lost per fault: hang (resume from the last good checkpoint)", "steps_lost_hang", "steps", 0),
+        row("steps lost per fault: graceful `restart`", "steps_lost_graceful", "steps", 0),
+        row("graceful `restart` request → first step of the next attempt", "request_to_next_step_s"),
+        ["trials that could not be measured"] + [
+            "; ".join(w["errors"]) if w["errors"] else "none" for w in worlds.values()],
     ], r["method"])
 
 

@@ -106,6 +106,9 @@ def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[
         how = (f"killed by {launcher['signal']}" if launcher.get("signal")
                else f"exit code {launcher.get('exitcode')}")
         text = f"rank {launcher['rank']} failed first ({how}, pid {launcher.get('pid')}, per torchrun)"
+        if launcher.get("signal") and not exc:
+            kind = "oom" if "OOM killer" in launcher["signal"] and "not the OOM" not in launcher["signal"] else "signal"
+            return kind, text
         if exc and any(p in exc for p in OOM_PATTERNS):
             return "oom", f"{text}: out of memory: {exc}"
         return "crash", f"{text}: {exc}" if exc else f"{text}; no exception in the log"

@@ -39,8 +39,15 @@ PY_SPY_PROCESS = re.compile(r"^Process (\d+):")
 
 
 def _in_torch_distributed(path: str) -> bool:
-    p = path.replace("\\", "/")
-    return "torch/distributed/" in p or p.endswith("torch/nn/parallel/distributed.py")
+    return "torch/distributed/" in path.replace("\\", "/")
+
+
+def _in_ddp(path: str) -> bool:
+    return path.replace("\\", "/").endswith("torch/nn/parallel/distributed.py")
+
+
+def _in_torch(path: str) -> bool:
+    return "/torch/" in path.replace("\\", "/")
 
 
 def _short(function: str) -> str:
@@ -48,17 +55,27 @@ def _short(function: str) -> str:
 
 
 def python_wait(stack: list[dict]) -> Optional[str]:
-    """The collective named by the innermost torch.distributed frame of `stack`, or None."""
+    """The collective a rank waits in, named by the torch.distributed frames at the INNER end of `stack`
+    (innermost first), or None.  Only the frames from the innermost one outward up to the first frame
+    of other code count: a rank spinning in its own code inside DDP's `forward` has `_run_ddp_forward`
+    further out in its stack, and that is not a wait.  Other torch internals between the collective and
+    the innermost frame (dispatch, autograd) are passed over; DDP's file counts only for its own
+    collectives (`DDP_WAITS`)."""
     generic = None
     for f in stack:
-        if not _in_torch_distributed(f.get("file") or ""):
+        path, name = f.get("file") or "", _short(f.get("function") or "")
+        if _in_ddp(path):
+            if name in DDP_WAITS:
+                return f"DDP {name}"
+            break  # DDP's forward/backward wrapper around the rank's own code: not a wait by itself
+        if _in_torch_distributed(path):
+            if name in COLLECTIVES:
+                return name
+            generic = generic or f"torch.distributed {name}"
             continue
-        name = _short(f.get("function") or "")
-        if name in COLLECTIVES:
-            return name
-        if name in DDP_WAITS:
-            return f"DDP {name}"
-        generic = generic or f"torch.distributed {name}"
+        if _in_torch(path) and generic is None:
+            continue  # torch internals inside a collective's call (ops dispatch, autograd)
+        break  # the rank's own code (or another library): whatever is further out is not what it waits in
     return generic
 
 

@@ -63,6 +63,21 @@ class Incident:
             return False
         return True
 
+    def rekind(self, kind: str) -> None:
+        """What the evidence showed once the dumps were in differs from the kind opened at detection
+        (a multi-rank livelock whose victim's deadline fired first): rename `NNNN-<kind>/` to match."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown incident kind {kind!r}")
+        new_dir = self.dir.with_name(f"{self.id}-{kind}")
+        if self.dir.is_dir():
+            try:
+                os.rename(self.dir, new_dir)
+            except OSError as exc:
+                self._on_write_error(exc, new_dir)
+                return
+        self.dir, self.kind = new_dir, kind
+        self.data["kind"] = kind
+
     def summary(self) -> dict:
         return summary_of(self.data)
 

@@ -67,7 +67,7 @@ def test_a_config_is_installed_resolved_and_readable_by_the_service_user(tmp_pat
     r = install("--root", root, "--bin", HANGWATCH, "--user", "hwsvc", "--config", config, check=True)
     installed = root / "etc/hangwatch/night.yaml"
     assert stat.S_IMODE(installed.stat().st_mode) == 0o640
-    assert f"make it root:hwsvc" in r.stdout  # under --root the owner is left to the packager, and said so
+    assert "make it root:hwsvc" in r.stdout  # under --root the owner is left to the packager, and said so
     data = yaml.safe_load(installed.read_text())
     # Relative paths pointed next to the user's file; installed under /etc they must still point there.
     assert data["data"]["train"] == str(config.parent / "data" / "train.jsonl")

@@ -107,3 +107,41 @@ def test_a_section_that_raises_is_reported_and_fails_the_run(tmp_path, monkeypat
     assert "### detection: not measured" in md
     assert "| CPU, whole window | 1.50 % of one core |" in md  # the other section still reported
     assert "section(s) failed: detection" in capsys.readouterr().err
+
+
+def test_recovery_table_has_a_column_per_world_size(tmp_path, monkeypatch):
+    """The recovery section's figures for one rank and for two, side by side, each cell from its own world."""
+    from bench.recovery import FIGURES
+
+    def world(base: float, nproc: int) -> dict:
+        out = {"raw": [], "trials": 3, "errors": [] if nproc == 1 else ["no stall incident"],
+               **{key: summary([base + i, base + 2 * i]) for i, key in enumerate(FIGURES)}}
+        return out if nproc == 1 else {**out, "culprit_named": 2}
+
+    def run_section(name, work, args, res):
+        return {"method": "m", "trials": 3, "worlds": {"1": world(1.0, 1), "2": world(100.0, 2)}}
+
+    monkeypatch.setattr(cli, "run_section", run_section)
+    assert cli.main(["--only", "recovery", "--out", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+    md = (tmp_path / "bench-results.md").read_text()
+    assert "| figure | 1 rank | 2 ranks (torchrun, gloo) |" in md
+    one, two = world(1.0, 1), world(100.0, 2)
+    gone = one["detection_to_gone_s"], two["detection_to_gone_s"]
+    assert (f"| detection → process tree gone | {gone[0]['median']:.2f} s (n=2; min {gone[0]['min']:.2f}, "
+            f"p95 {gone[0]['p95']:.2f}, max {gone[0]['max']:.2f}) | {gone[1]['median']:.2f} s (n=2; ") in md
+    assert "| verdict names the hung rank as the culprit | – (one process) | 2 of 2 |" in md
+    assert "| trials that could not be measured | none | no stall incident |" in md
+    assert "not measured (run the heartbeat section) | – |" in md
+
+
+def test_world_summary_counts_the_verdicts_that_named_the_hung_rank():
+    from bench.recovery import world_summary
+
+    rows = [{"hang_rank": 1, "culprit_rank": 1, "detection_to_gone_s": 6.0},
+            {"hang_rank": 1, "culprit_rank": 0, "detection_to_gone_s": 8.0},
+            {"hang_rank": 1, "culprit_rank": None, "detection_to_gone_s": 7.0},
+            {"hang_rank": 1, "error": "no stall incident"}]
+    w = world_summary(rows, 2)
+    assert (w["trials"], w["errors"], w["culprit_named"]) == (4, ["no stall incident"], 1)
+    assert w["detection_to_gone_s"] == summary([6.0, 8.0, 7.0])
+    assert "culprit_named" not in world_summary(rows[:1], 1)  # one process: no verdict to count

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

@@ -4,7 +4,6 @@ as a checkpoint; and once space returns, `hangwatch run` resumes from that check
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time

@@ -5,15 +5,14 @@ waiting in all_reduce, keeps both ranks' dumps, never signals torchrun with SIGU
 are gone before the next attempt starts."""
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
 
-import psutil
 import yaml
 
-from fixtures.sup_harness import FAST_WATCHDOG, PY, ROOT, incidents, start_supervisor, wait_no_strays
+from fixtures.sup_harness import (FAST_WATCHDOG, PY, ROOT, alive, attempt_pids, incidents, spawned_pids, start_supervisor,
+                                  wait_no_strays)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "ddp_spin.py"
 STALLS = 10
@@ -33,38 +32,6 @@ def config(tmp_path: Path) -> tuple[Path, Path]:
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, run_dir
-
-
-def attempt_pids(run_dir: Path, n: int) -> set[int]:
-    """The rank pids attempt n announced (its heartbeat `start` lines)."""
-    pids = set()
-    for f in (run_dir / "attempts" / f"{n:04d}").glob("heartbeat-rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == "start":
-                pids.add(rec["pid"])
-    return pids
-
-
-def spawned_pids(run_dir: Path) -> dict[int, int]:
-    """attempt → the worker (torchrun) pid, from the supervisor's log."""
-    out = {}
-    log = run_dir / "supervisor.log"
-    for line in (log.read_text().splitlines() if log.exists() else ()):
-        rec = json.loads(line)
-        if rec.get("event") == "worker_spawned":
-            out[rec["attempt"]] = rec["pid"]
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def test_ten_stalls_all_name_the_spinning_rank(tmp_path):

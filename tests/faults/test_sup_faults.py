@@ -7,7 +7,6 @@ finished after the restart.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -40,6 +40,14 @@ ERRORS = [
      ["{p}:11: faults.1.at_step: 21 is past train.max_steps (20): it would never fire"]),
     (EVAL_ON + "train:\n  max_steps: 20\nfaults:\n  - kind: crash\n    at_eval: 5\n",
      ["{p}:10: faults.0.at_eval: eval 5 would come at step 25, past train.max_steps (20): it would never fire"]),
+    # several ranks of the built-in worker
+    (BUILTIN + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: crash, at_step: 3, rank: 2}\n",
+     ["{p}:6: faults.0.rank: 2 is not a rank of this run (worker.nproc_per_node 2: ranks 0-1): it would never fire"]),
+    (EVAL_ON + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: hang_generate, at_step: 3, rank: 1}\n",
+     ["{p}:9: faults.0.rank: 1: hang_generate hangs generate(), which runs on rank 0 only: it would never fire"]),
+    ("worker:\n  nproc_per_node: 4\ndata:\n  inbox: true\n",
+     ["{p}:2: worker.nproc_per_node: 4: continuous mode (data.inbox: true) trains on one process; use "
+      "worker.nproc_per_node: 1"]),
     # several at once, each on its own line
     (OWN + "restart: {backoff_initial_s: 9, backoff_max_s: 2}\nwatchdog: {step_timeout_min_s: 9, step_timeout_max_s: 2}\n",
      ["{p}:3: restart.backoff_initial_s: 9 exceeds restart.backoff_max_s (2): the first restart delay cannot be larger "
@@ -57,6 +65,7 @@ ACCEPTED = [
     OWN + "eval:\n  every_steps: 10\nfaults:\n  - {kind: hang_generate, at_step: 3}\n",  # eval/faults: the worker's business
     BUILTIN + "  eval: e.jsonl\neval:\n  every_steps: 10\n",  # held-out loss only: an eval with work to do
     EVAL_ON + "faults:\n  - {kind: hang_generate, at_step: 3}\n  - {kind: crash, at_eval: 2, at_step: 12}\n",
+    BUILTIN + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: busy_loop, at_step: 3, rank: 1}\n",
 ]
 
 

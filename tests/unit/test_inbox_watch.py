@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from pathlib import Path
 
 from hangwatch.common.inbox_layout import Stage, data_files
 from hangwatch.daemon.inbox.intake import Inbox

@@ -281,3 +281,17 @@ def test_dump_collector_is_bounded_when_a_rank_never_writes(tmp_path):
     dc.begin(0.0)
     assert not dc.advance(1.9) and dc.advance(2.0)
     assert dc.texts() == {0: ""} and dc.py_spy_note == "disabled (watchdog.py_spy: false)"
+
+
+def test_an_incident_can_change_kind_once_the_evidence_is_in(tmp_path):
+    from hangwatch.supervisor.incidents import IncidentStore
+
+    store = IncidentStore(tmp_path)
+    inc = store.create("stall", summary="x")
+    inc.add_file("stack-rank0.txt", "stack")
+    inc.rekind("livelock")
+    inc.write()
+    assert [d.name for d in store.dirs()] == [f"{inc.id}-livelock"]
+    assert store.get(inc.id)["kind"] == "livelock" and (inc.dir / "stack-rank0.txt").read_text() == "stack"
+    with pytest.raises(ValueError):
+        inc.rekind("bogus")

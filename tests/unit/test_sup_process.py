@@ -129,3 +129,17 @@ def test_py_spy_is_found_next_to_the_interpreter_before_path(tmp_path):
     (venv_bin / "py-spy").unlink()
     assert find_py_spy(str(venv_bin / "python"), path=str(other)) == str(other / "py-spy")
     assert find_py_spy(str(venv_bin / "python"), path=str(tmp_path)) is None
+
+
+def test_the_built_in_worker_runs_under_torchrun_with_more_than_one_rank(tmp_path):
+    import sys as _sys
+
+    from hangwatch.common.config import Config
+    from hangwatch.supervisor.attempt import worker_argv
+
+    base = {"run_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path / "t.jsonl")}}
+    one = worker_argv(Config.model_validate(base), tmp_path / "run" / "config.yaml")
+    assert one[:3] == [_sys.executable, "-m", "hangwatch.daemon"]
+    two = worker_argv(Config.model_validate({**base, "worker": {"nproc_per_node": 2}}), tmp_path / "run" / "config.yaml")
+    assert two[:7] == [_sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert two[7:] == one[2:]

@@ -200,3 +200,26 @@ def test_the_source_line_of_a_frame_relative_to_the_workers_directory(tmp_path):
     (tmp_path / "train.py").write_text("import x\n    work.wait()\n")
     assert source_line("train.py", 2, str(tmp_path)) == "work.wait()"
     assert source_line(str(tmp_path / "train.py"), 9) is None and source_line("/nonexistent.py", 1) is None
+
+
+DDP_FILE = "/v/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"
+C10D = "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+@pytest.mark.parametrize("frames,expect", [
+    # spinning in its own code inside DDP's forward: DDP's wrapper further out is not a wait
+    ([("/job/attn.py", "_select_ranges"), ("/job/attn.py", "forward"), (DDP_FILE, "_run_ddp_forward"),
+      (DDP_FILE, "forward"), ("/job/train.py", "main")], None),
+    ([(C10D, "all_reduce"), ("/v/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", "wrapper"),
+      ("/job/train.py", "step")], "all_reduce"),
+    ([(DDP_FILE, "_sync_buffers"), (DDP_FILE, "_pre_forward"), (DDP_FILE, "forward"), ("/job/train.py", "main")],
+     "DDP _sync_buffers"),
+    # a collective called from the rank's own code, which DDP's forward called: still the collective
+    ([(C10D, "barrier"), ("/job/model.py", "forward"), (DDP_FILE, "_run_ddp_forward")], "barrier"),
+    # the user's frame is innermost: a collective further out is not what it is doing now
+    ([("/job/train.py", "spin"), (C10D, "all_reduce")], None),
+])
+def test_only_the_inner_end_of_the_stack_names_a_wait(frames, expect):
+    from hangwatch.supervisor.incidents.collectives import python_wait
+
+    assert python_wait([{"file": f, "line": 1, "function": fn} for f, fn in frames]) == expect
