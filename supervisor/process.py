@@ -13,6 +13,7 @@ single process.  The identity-checked helpers (`matches`, `ref_of`, `signal`, `s
 """
 from __future__ import annotations
 
+import abc
 import ctypes
 import ctypes.util
 import os
@@ -103,46 +104,51 @@ class Worker:
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal}
 
 
-class ProcessTable:
+class ProcessTable(abc.ABC):
     """The operating system's processes, as the supervisor sees them.
 
     Subclasses provide the primitives (`create_time`, `reap`, `descendants`, `group_members`,
-    `own_children`, `is_gone`, `session_id`, `describe`, `send`); the identity checks are shared.
+    `own_children`, `is_gone`, `session_id`, `describe`, `send`): abstract, so a table missing one cannot
+    be built; the identity checks are shared.
     """
 
     # ---- primitives -----------------------------------------------------------------------
 
+    @abc.abstractmethod
     def create_time(self, pid: int) -> Optional[float]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def reap(self, pid: int) -> Optional[ExitStatus]:
         """Non-blocking: how `pid` ended once it exited, None while it runs or is not our child."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def descendants(self, pid: int) -> list[ProcRef]:
         """Every live descendant of `pid` (including those that left its process group)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def group_members(self, pgid: int) -> list[ProcRef]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def is_gone(self, ref: ProcRef) -> bool:
         """Dead, reaped, a zombie, or the pid now belongs to someone else."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def session_id(self, pid: int) -> Optional[int]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def describe(self, ref: ProcRef) -> dict:
         """pid, name and state of a process that would not die, for the incident."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def send(self, pid: int, sig: int) -> None:
         """kill(2): raises ProcessLookupError / PermissionError like os.kill."""
-        raise NotImplementedError
 
     # ---- identity-checked helpers ---------------------------------------------------------
 
