@@ -1,6 +1,6 @@
 """The run directory's layout (DESIGN.md, "Run directory") and the small readers both sides use.
 
-    <run_dir>/config.yaml state.json calibration.json supervisor.log
+    <run_dir>/config.yaml state.json calibration.json checkpoints.json supervisor.log
               attempts/NNNN/{worker.log, heartbeat-rank<R>.jsonl, stack-rank<R>.txt, exit.json}
               checkpoints/step-NNNNNNNN/   incidents/NNNN-<kind>/
 """
@@ -14,6 +14,7 @@ from typing import Optional
 CONFIG_NAME = "config.yaml"
 STATE_NAME = "state.json"
 CALIBRATION_NAME = "calibration.json"
+CHECKPOINT_LEDGER_NAME = "checkpoints.json"  # the supervisor's record of announced checkpoints (supervisor.checkpoint_ledger)
 SUPERVISOR_LOG_NAME = "supervisor.log"
 WORKER_LOG_NAME = "worker.log"
 EXIT_NAME = "exit.json"
@@ -33,6 +34,14 @@ def heartbeat_path(directory: os.PathLike | str, rank: int) -> Path:
 
 def dump_path_for(directory: os.PathLike | str, rank: int) -> Path:
     return Path(directory) / f"stack-rank{rank}.txt"
+
+
+def forked_dump_path(dump_path: os.PathLike | str, pid: int) -> Path:
+    """Where a process forked from a rank (a DataLoader worker) dumps: `stack-rank<R>-pid<PID>.txt` next to the
+    rank's `stack-rank<R>.txt`.  The heartbeat's at-fork hook writes it; the supervisor signals a fork only when
+    this file exists for its pid."""
+    p = Path(dump_path)
+    return p.with_name(f"{p.stem}-pid{pid}{p.suffix}")
 
 
 def exit_path(run_dir: os.PathLike | str, attempt: int) -> Path:

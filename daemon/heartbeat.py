@@ -11,6 +11,9 @@
         ...
     hb.stop("finished")
 
+`Heartbeat.resume_from()` is the last good checkpoint the supervisor hands each attempt
+(HANGWATCH_RESUME_FROM), None when there is none.
+
 `NullHeartbeat` is the null object: the same interface, nothing written (a baseline for benchmarks,
 in-process tools that need a heartbeat nobody reads).
 
@@ -32,18 +35,50 @@ from typing import Any, Callable, Iterator, Optional
 
 from hangwatch.common.protocol import (DUMP_SIGNAL, ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM,  # noqa: F401
                                        ENV_RUN_DIR, EVENTS, REQUIRED, VERSION, decode_line, encode, rank_from_env)
-from hangwatch.common.rundir import attempt_dir, dump_path_for, heartbeat_path, next_attempt  # noqa: F401
+from hangwatch.common.rundir import attempt_dir, dump_path_for, forked_dump_path, heartbeat_path, next_attempt  # noqa: F401
 
 
 def install_dump_handler(dump_path: os.PathLike | str):
     """SIGUSR1 → faulthandler dump of every thread; fatal signals dump to the same file.
 
+    Every process forked from this one afterwards (a DataLoader's workers) registers the same in itself,
+    to a file of its own next to this one (`forked_dump_path`): a fork inherits the handler, which would
+    otherwise write the child's stack into the parent's file.
+
     Returns the open file, which must stay referenced for as long as the handler is installed.
     """
+    global _fork_hook_registered
     f = open(dump_path, "a", buffering=1)
     faulthandler.enable(file=f, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    _forked_dumps["base"] = Path(dump_path)
+    if not _fork_hook_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_dump_handler_in_forked_child)
+        _fork_hook_registered = True
     return f
+
+
+
+
+_fork_hook_registered = False
+# The rank's dump file a forked child derives its own from (None: no handler to carry over), and the child's
+# open file: faulthandler writes to its descriptor, so the file object must stay referenced.
+_forked_dumps: dict[str, Any] = {"base": None, "file": None}
+
+
+def _dump_handler_in_forked_child() -> None:
+    """os.register_at_fork(after_in_child=…): runs in every child forked from a rank (DataLoader workers, a
+    multiprocessing pool, a subprocess before its exec — whose file closes on exec, O_CLOEXEC)."""
+    base = _forked_dumps["base"]
+    if base is None:
+        return
+    try:
+        f = open(forked_dump_path(base, os.getpid()), "a", buffering=1)
+    except OSError:
+        return  # the inherited handler stays: a dump into the parent's file beats none
+    faulthandler.enable(file=f, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    _forked_dumps["file"] = f
 
 
 class Heartbeat:
@@ -69,6 +104,7 @@ class Heartbeat:
         self._dump_file = None
         self.current_step = 0
         self.current_phase = "init"
+        self.current_budget_s: Optional[float] = None  # the current phase's own budget (restored after a nested phase)
 
     @classmethod
     def from_env(cls, run_dir: os.PathLike | str | None = None, environ: Optional[dict] = None, **kw) -> "Heartbeat":
@@ -82,6 +118,15 @@ class Heartbeat:
             attempt = next_attempt(rd)
         directory = env.get(ENV_HEARTBEAT_DIR) or str(attempt_dir(rd, attempt))
         return cls(heartbeat_path(directory, rank), rank=rank, attempt=attempt, **kw)
+
+    @staticmethod
+    def resume_from(environ: Optional[dict] = None) -> Optional[str]:
+        """The checkpoint this attempt should resume from: the supervisor's last *good* checkpoint
+        (announced by a `checkpoint` beat, confirmed by finite steps after it), or None — outside
+        hangwatch, on a first attempt, or when no checkpoint is good yet.  HF Trainer:
+        `trainer.train(resume_from_checkpoint=Heartbeat.resume_from())`; Lightning: `ckpt_path=`."""
+        env = os.environ if environ is None else environ
+        return env.get(ENV_RESUME_FROM) or None
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -121,6 +166,7 @@ class Heartbeat:
 
     def enter_phase(self, name: str, budget_s: Optional[float] = None, **extra: Any) -> dict:
         self.current_phase = name
+        self.current_budget_s = budget_s
         if budget_s is not None:
             extra["budget_s"] = budget_s
         return self.emit("phase", **extra)
@@ -128,13 +174,13 @@ class Heartbeat:
     @contextlib.contextmanager
     def phase(self, name: str, budget_s: Optional[float] = None, **extra: Any) -> Iterator[None]:
         """Enter `name`; on leaving, announce a return to the phase that was current before."""
-        previous = self.current_phase
+        previous, previous_budget = self.current_phase, self.current_budget_s
         self.enter_phase(name, budget_s, **extra)
         try:
             yield
         finally:
             if not self.closed and self.current_phase == name:
-                self.enter_phase(previous)
+                self.enter_phase(previous, previous_budget)  # an eval's own budget survives a nested generate
 
     def step(self, step: int, **metrics: Any) -> dict:
         self.current_step = int(step)
@@ -159,6 +205,7 @@ class Heartbeat:
         if self._dump_file is None:
             return
         faulthandler.unregister(signal.SIGUSR1)
+        _forked_dumps["base"] = None  # children forked from now on keep no handler either
         if sys.__stderr__ is not None:
             faulthandler.enable(file=sys.__stderr__, all_threads=True)
         self._dump_file.close()
@@ -193,6 +240,7 @@ class NullHeartbeat(Heartbeat):
         self._dump_file = None
         self.current_step = 0
         self.current_phase = "init"
+        self.current_budget_s = None
 
     @property
     def closed(self) -> bool:

@@ -31,6 +31,6 @@ fi
 stamp=.venv/.hangwatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing hangwatch and its dependencies" >&2
-  pip_install -e ".[dev,profiling]"
+  pip_install -e ".[dev,profiling,lightning]"
   touch "$stamp"
 fi

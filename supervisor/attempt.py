@@ -2,10 +2,11 @@
 
 `attempts/NNNN/` holds the attempt's heartbeat files, worker log, stack dumps and last words.  The
 worker learns where they go from its environment (`HANGWATCH_RUN_DIR`, `HANGWATCH_ATTEMPT`,
-`HANGWATCH_HEARTBEAT_DIR`).  Its tree is tracked by (pid, create time): the direct child and its
-process group, the pids the ranks announced in their `start` lines, descendants seen by the tree
-scan, and — with the supervisor as subreaper — orphans re-parented to it, which is the only way to
-find a child that left the group (setsid) once the worker itself has exited.
+`HANGWATCH_HEARTBEAT_DIR`), and what to resume from (`HANGWATCH_RESUME_FROM`, the last good
+checkpoint).  Its tree is tracked by (pid, create time): the direct child and its process group,
+the pids the ranks announced in their `start` lines, descendants seen by the tree scan, and — with
+the supervisor as subreaper — orphans re-parented to it, which is the only way to find a child that
+left the group (setsid) once the worker itself has exited.
 
 Every worker also gets torch's NCCL flight recorder switched on (`flight_recorder.flight_env`: a
 dump pipe and dump files per rank in the attempt directory, unless the user configured them), and
@@ -23,7 +24,7 @@ from typing import Callable, Mapping, Optional
 
 from hangwatch.common.durable import FsOps
 from hangwatch.common.config import Config, WatchdogCfg
-from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RUN_DIR
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.escalation import DumpTarget
 from hangwatch.supervisor.flight_recorder import FlightPaths, flight_env
@@ -58,6 +59,8 @@ class Attempt:
     flight: FlightPaths = field(default_factory=lambda: FlightPaths(None, ""))  # where its ranks' NCCL dumps go
     stragglers: StragglerWatch = field(default_factory=lambda: StragglerWatch.from_config(WatchdogCfg()))
     cwd: Optional[str] = None  # the worker's working directory (its relative source paths)
+    resume_from: str = ""  # the checkpoint handed in HANGWATCH_RESUME_FROM ("" for none)
+    resume_checked: bool = False  # its `start` beat's `resumed_from` was compared with it
     started_wall: float = field(default_factory=time.time)  # wall clock: only to tell this attempt's files from older ones
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
@@ -112,9 +115,22 @@ def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int
     return found
 
 
+BARE_PYTHONS = ("python", "python3")
+
+
 def worker_argv(cfg: Config, config_path: Path) -> list[str]:
+    """The worker's command line: `worker.command` as configured, or the built-in daemon (under torchrun
+    when `worker.nproc_per_node` > 1).
+
+    A bare `python` or `python3` as the first word of `worker.command` means the supervisor's own
+    interpreter (`sys.executable`): configs and examples say `python train.py`, and under systemd PATH
+    holds no virtual environment, so PATH's python would lack hangwatch and the user's packages.  Any
+    other first word — `python3.11`, `/usr/bin/python`, `torchrun`, `accelerate` — is used as given."""
     if cfg.worker.command:
-        return list(cfg.worker.command)
+        argv = list(cfg.worker.command)
+        if argv[0] in BARE_PYTHONS:
+            argv[0] = sys.executable
+        return argv
     daemon = ["-m", "hangwatch.daemon", "--config", str(config_path), "--run-dir", str(cfg.run_dir)]
     n = cfg.worker.nproc_per_node
     if n > 1:  # torch's own launcher, never a home-made one (it is only named here: no torch import)
@@ -122,23 +138,29 @@ def worker_argv(cfg: Config, config_path: Path) -> list[str]:
     return [sys.executable, *daemon]
 
 
-def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None) -> dict:
-    """The supervisor's environment, the configured additions, and where this attempt writes."""
+def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None, resume_from: str = "") -> dict:
+    """The supervisor's environment, the configured additions, where this attempt writes, and what it
+    resumes from: `HANGWATCH_RESUME_FROM` is the last good checkpoint (`checkpoint_ledger`), or empty
+    when there is none — set for every attempt, over any value inherited or configured, so a worker
+    never resumes from a checkpoint the supervisor did not choose."""
     env = dict(os.environ if environ is None else environ)
     env.update(cfg.worker.env)
     env[ENV_RUN_DIR] = str(cfg.run_dir)
     env[ENV_ATTEMPT] = str(number)
     env[ENV_HEARTBEAT_DIR] = str(attempt_dir(cfg.run_dir, number))
+    env[ENV_RESUME_FROM] = resume_from
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(flight_env(attempt_dir(cfg.run_dir, number), env))
     return env
 
 
-def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None) -> Attempt:
-    """Create the attempt's directory and spawn the worker; OSError when it cannot be executed."""
+def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None,
+          resume_from: str = "") -> Attempt:
+    """Create the attempt's directory and spawn the worker, handing it `resume_from` (the last good
+    checkpoint, "" for none); OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
     (fs or FsOps()).mkdir(adir)
-    env = worker_env(cfg, number)
+    env = worker_env(cfg, number, resume_from=resume_from)
     worker = spawn(worker_argv(cfg, config_path), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
     return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
-                   stragglers=StragglerWatch.from_config(cfg.watchdog))
+                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from)

@@ -1,12 +1,16 @@
 """What the supervisor makes of each heartbeat line, besides the deadlines (`Deadlines.observe`).
 
     start       the rank's process (by identity) and dump file are remembered: only announced
-                processes ever get SIGUSR1; the first start moves STARTING → RUNNING
+                processes ever get SIGUSR1; the first start moves STARTING → RUNNING; a `resumed_from`
+                other than the checkpoint handed in HANGWATCH_RESUME_FROM is logged (a warning when
+                the ledger holds it bad)
     step        the metrics `status` shows; a new highest step clears the crash-loop count; the rank's
-                step time feeds the straggler watch (a `straggler` warning, never a kill)
+                step time feeds the straggler watch (a `straggler` warning, never a kill); its loss
+                confirms or spoils the checkpoints that wait for confirmation (`checkpoint_ledger`)
     phase       systemd's status line follows the phase; leaving `train` pauses the straggler clock
-    checkpoint  a *good* one becomes the run's last good checkpoint (state.json records it at once)
-    warn        logged
+    checkpoint  recorded in the checkpoint ledger (`checkpoint_ledger`: pending until confirmed, good at
+                once when the worker says so); state.json records the last good one at once
+    warn        logged; a non-finite loss in it spoils waiting checkpoints, like a step's
     stop        its reason decides finished-or-not when the worker exits; once every rank said `stop`,
                 the exit itself gets a deadline (a process that hangs on its way out is still caught)
 
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from hangwatch.supervisor.checkpoint_ledger import BAD, CheckpointLedger, resolve
 from hangwatch.supervisor.states import State
 
 if TYPE_CHECKING:
@@ -41,10 +46,15 @@ def read(sup: "Supervisor", now: float) -> None:
             log.info("worker_started", attempt=cur.number, rank=a.rank, pid=rec.get("pid"),
                      resumed_from=rec.get("resumed_from"), skipped_checkpoints=rec.get("skipped_checkpoints") or None,
                      startup_s=round(now - cur.worker.started_at, 3))
+            if not cur.resume_checked:
+                cur.resume_checked = True
+                _resumed(cur, rec, sup.ledger.ledger)
             if sup.lifecycle.state is State.STARTING:
                 sup.transition(State.RUNNING, f"start beat from rank {a.rank}", now)
             sup.write_state(now, force=True)
-        elif ev == "step":
+        if ev in ("step", "checkpoint", "warn") and sup.ledger.observe(rec, cur.number):
+            sup.write_state(now, force=True)  # a checkpoint announced, confirmed or spoiled: state.json says so at once
+        if ev == "step":
             sup.facts.last_step = rec
             sup.policy.observed_step(int(rec["step"]), now)
             _straggler(cur, tr.rank, int(rec["step"]), now, rec.get("step_time_s"))
@@ -53,10 +63,6 @@ def read(sup: "Supervisor", now: float) -> None:
                 cur.stragglers.left_train(tr.rank)
             log.debug("phase", rank=tr.rank, phase=tr.phase, budget_s=tr.phase_budget, step=tr.step)
             sup.status_note(now, force=True)
-        elif ev == "checkpoint" and rec.get("good"):
-            sup.facts.last_good_checkpoint, sup.facts.last_good_step = str(rec.get("path")), rec.get("step")
-            log.info("good_checkpoint", path=sup.facts.last_good_checkpoint, step=sup.facts.last_good_step)
-            sup.write_state(now, force=True)
         elif ev == "warn":
             log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
         elif ev == "stop":
@@ -72,6 +78,26 @@ def read(sup: "Supervisor", now: float) -> None:
         log.warning("torn_heartbeat_lines", count=cur.tail.torn - torn_before, total=sup.facts.torn_lines,
                     example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None)
     sup.save_calibration(only_if_changed=True)
+
+
+def _resumed(cur: "Attempt", rec: dict, ledger: "CheckpointLedger") -> None:
+    """Compare the worker's `resumed_from` (its first `start` beat) with what it was handed.  Resuming
+    from a checkpoint the ledger holds bad is a warning; another choice (the built-in worker resumes
+    from its own provisional checkpoint after a graceful stop) is only noted."""
+    reported, handed = rec.get("resumed_from"), cur.resume_from
+    if not reported:
+        if handed:
+            log.info("resume_not_reported", attempt=cur.number, handed=handed,
+                     note="the start beat names no checkpoint; Heartbeat.start(resumed_from=...) lets it be checked")
+        return
+    where = resolve(str(reported), cur.cwd)
+    if handed and where == resolve(handed, cur.cwd):
+        return
+    known = next((e for e in ledger.entries.values() if resolve(e.path, cur.cwd) == where), None)
+    status = known.status if known else "unknown to the supervisor"
+    (log.warning if status == BAD else log.info)(
+        "resumed_from_differs", attempt=cur.number, handed=handed or None, reported=str(reported), status=status,
+        why=known.why if known else None)
 
 
 def _straggler(cur: "Attempt", rank: int, step: int, now: float, reported) -> None:

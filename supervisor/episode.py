@@ -3,7 +3,8 @@
 A stall (a deadline fired, or `restart now`):
     incident "in progress" → process snapshot (CPU sampled over `cpu_sample_s` while the loop keeps
     running) → SIGUSR1 to the announced pids, a poke into each rank's NCCL flight-recorder pipe, and
-    wait for the dumps (`StallDumps`) → the stuck frame and classification into the incident — with
+    wait for the dumps (`StallDumps`; when a rank waits on its DataLoader, then its workers' stacks) → the
+    call it hung in (`incidents.landmarks`), the stuck frame and classification into the incident — with
     several ranks, each rank read on its own and the verdict (`incidents.verdict`): which rank is the
     culprit, which only wait for it → SIGTERM/SIGKILL to the tree (`TreeKiller`).
 A worker exit (crash, signal, do-not-restart code, or the end of the run):
@@ -29,11 +30,15 @@ from hangwatch.supervisor import rank_evidence
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines, Expired
 from hangwatch.supervisor.escalation import TreeKiller
+from hangwatch.supervisor.loader_dumps import WorkerDumps
 from hangwatch.supervisor.evidence import KernelEvidence
 from hangwatch.supervisor.exit_incidents import (classify, exit_incident, exit_info, own_failure, rank_last_words,
                                                  stragglers_field)
 from hangwatch.supervisor.flight_recorder import FlightDumps, StallDumps, into_incident
-from hangwatch.supervisor.incidents import Incident, IncidentStore, call_chain, classify_stall, frame_str, signal_name, stuck_frame
+from hangwatch.supervisor.incidents import Incident, IncidentStore, classify_stall, frame_str, main_stack, signal_name, stuck_frame
+from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
+from hangwatch.supervisor.incidents.landmarks import Reading, read_stack, user_landmarks
+from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
 from hangwatch.supervisor.policy import Decision
 from hangwatch.supervisor.process import ProcessTable, ProcRef
@@ -73,6 +78,7 @@ class Episode:
     killer: Optional[TreeKiller] = None
     timings: dict = field(default_factory=dict)
     deadlines: Optional[Deadlines] = None  # the attempt's, for each rank's step and phase (a stall's verdict)
+    landmarks: tuple = ()  # the user's (watchdog.landmarks), as `landmarks.Landmark` entries
 
     # ---- a stall ---------------------------------------------------------------------------
 
@@ -84,7 +90,7 @@ class Episode:
         deadline = None
         if expired is not None:
             deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
-                        "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank,
+                        "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank, "phase": expired.phase,
                         "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
         on_rank = f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
         why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
@@ -115,9 +121,11 @@ class Episode:
         self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
         self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
         wd = tools.watchdog_cfg
+        self.landmarks = user_landmarks(wd.landmarks)
         self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
                                 py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path, out_dir=self.incident.dir,
-                                flight=FlightDumps(attempt.flight, sorted(attempt.announced)))
+                                flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
+                                loader_workers=WorkerDumps(self.procs, self.landmarks))
         self.dumps.begin(now)
         self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
         return True
@@ -137,7 +145,7 @@ class Episode:
         if len(attempt.announced) > 1:
             # Each rank from its own process and stack: the deadline that fired first says nothing (they tie).
             evidence = rank_evidence.gather(attempt, self.deadlines, self.procs, texts, spy, flight, now)
-            verdict = decide(evidence)
+            verdict = decide(evidence, self.landmarks)
             rank = verdict.culprit_rank if verdict.culprit_rank is not None else rank
             culprit_ev = next((e for e in evidence if e.rank == verdict.culprit_rank), None)
             want = ("livelock" if culprit_ev.livelock else "stall") if culprit_ev is not None else self.kind
@@ -147,22 +155,29 @@ class Episode:
                 self.kind = want
                 inc.rekind(want)
         frame, stack, user = stuck_frame(texts.get(rank, "")) if rank is not None else (None, [], None)
-        chain = call_chain(stack)
+        reading, read = self._reading(attempt, rank, texts, spy)
+        if not stack and read:  # no faulthandler dump: py-spy's frames stand in
+            frame, stack = read[0], read
         if verdict is None:
             announced = {ref.pid for ref in attempt.announced_refs().values()}
             own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
             classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
-            summary = f"{self.reason}; {classification}" + (f"; called from {chain}" if chain else "")
+            # The call it hung in first; without a landmark, what fired and what the process does lead.  The
+            # reading names the innermost frame: the classification joins it without its own "at <frame>".
+            condition = classify_stall(self.kind, inc.data.get("deadline"), own, None)
+            summary = (f"{reading.summary()}; {self.reason}; {condition}" if reading.landmark
+                       else f"{self.reason}; {condition}; {reading.summary()}")
         else:
             culprit = verdict.finding(verdict.culprit_rank)
             classification = culprit.classification if culprit else verdict.summary
-            summary = f"{verdict.summary}; {self.reason}" + (f"; rank {rank} called from {chain}" if culprit and chain else "")
+            summary = f"{verdict.summary}; {self.reason}"  # the culprit's words name its landmark
             inc.data.update(culprit_rank=verdict.culprit_rank, verdict={"culprit_rank": verdict.culprit_rank,
                                                                         "reason": verdict.reason, "summary": verdict.summary},
                             ranks=[{**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
                                    for f in verdict.ranks])
+        summary += self._loader_workers(inc, rank)
         inc.data.update(
-            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, call_chain=chain,
+            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, **reading.fields(),
             dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
             py_spy=self.dumps.py_spy_note or "not run", classification=classification, summary=summary,
         )
@@ -170,6 +185,37 @@ class Episode:
         inc.write()
         log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts),
                     **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}))
+
+    def _reading(self, attempt: Attempt, rank: Optional[int], texts: dict, spy: dict) -> tuple[Reading, list]:
+        """The call the dump rank's main thread is in, and the stack it was read from: its faulthandler stack —
+        py-spy's Python frames when there is none, or when faulthandler cut it at 100 frames — with py-spy's
+        native frames and the source line of the innermost frame."""
+        if rank is None:
+            return read_stack([]), []
+        stack, truncated = main_stack(texts.get(rank, ""))
+        spy_stack, native = py_spy_main_thread(spy.get(rank, ""))
+        if spy_stack and (not stack or truncated):
+            stack, truncated = spy_stack, False
+        line = None
+        if stack and isinstance(stack[0].get("line"), int):
+            line = rank_evidence.source_line(stack[0]["file"], stack[0]["line"], attempt.cwd)
+        return read_stack(stack, native=native, source_line=line, extra=self.landmarks, truncated=truncated), stack
+
+    def _loader_workers(self, inc: Incident, rank: Optional[int]) -> str:
+        """The DataLoader workers of the dump rank, when it waits on them: into the incident, and the summary's words."""
+        w = self.dumps.loader_workers
+        if w is None or not w.begun:
+            return ""
+        found = w.stacks()
+        for workers in found.values():
+            for ws, text in workers:
+                if ws.dump and text:
+                    inc.add_file(ws.dump, text)
+        if rank not in found:
+            return ""
+        verdict = judge([ws for ws, _ in found[rank]])
+        inc.data.update(verdict.fields(), dataloader_workers_dumped=w.note)
+        return f"; {verdict.words()}"
 
     # ---- a worker exit ---------------------------------------------------------------------
 

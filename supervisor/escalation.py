@@ -2,7 +2,8 @@
 
     DumpCollector: SIGUSR1 to the processes that announced a dump signal (never to a launcher),
                    `py-spy dump --native --locals` per pid when installed (time-boxed), then
-                   wait until the dump files stop growing, bounded by `dump_grace_s`.
+                   wait until the dump files stop growing, bounded by `dump_grace_s`; then, for
+                   a rank whose main thread waits on its DataLoader, the workers' stacks (`loader_dumps.WorkerDumps`).
     TreeKiller:    SIGTERM to the process group → `term_grace_s` → SIGKILL to the group and to
                    every descendant that left it → the tree gone (or, after `kill_wait_s`, its
                    survivors recorded) → wait (bounded) until NVML no longer lists the dead pids
@@ -22,11 +23,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import structlog
 
 from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.loader_dumps import WorkerDumps
 
 log = structlog.get_logger("hangwatch")
 
@@ -50,12 +54,14 @@ class DumpCollector:
     py_spy_timeout_s: float = 20.0
     py_spy_path: Optional[str] = None  # None: find_py_spy()
     out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
+    loader_workers: Optional["WorkerDumps"] = None  # then: the DataLoader workers of a rank that waits on them
     started_at: float = 0.0
     signalled: dict[int, bool] = field(default_factory=dict)
     py_spy_procs: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
     py_spy_note: str = ""
     _sizes: dict[int, int] = field(default_factory=dict)
     _changed_at: float = 0.0
+    _stacks_done: bool = False
     done: bool = False
 
     def begin(self, now: float) -> None:
@@ -69,8 +75,11 @@ class DumpCollector:
             self.signalled[t.rank] = self.table.signal(t.ref, signal.SIGUSR1)
         self._start_py_spy()
 
+    def py_spy_exe(self) -> Optional[str]:
+        return (self.py_spy_path or find_py_spy()) if self.py_spy else None
+
     def _start_py_spy(self) -> None:
-        exe = (self.py_spy_path or find_py_spy()) if self.py_spy else None
+        exe = self.py_spy_exe()
         if not self.py_spy:
             self.py_spy_note = "disabled (watchdog.py_spy: false)"
             return
@@ -88,33 +97,29 @@ class DumpCollector:
             except OSError as exc:  # the incident directory could not be made (a full disk): no py-spy output
                 self.py_spy_note = f"not run: cannot write {out} ({exc.strerror})"
                 return
-            try:
-                p = subprocess.Popen([exe, "dump", "--native", "--locals", "--pid", str(t.ref.pid)], stdout=f,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            except OSError as exc:
-                f.write(f"py-spy could not start: {exc}\n".encode())
-                f.close()
-                continue
             f.close()
-            self.py_spy_procs[t.rank] = (p, out)
+            # --full-filenames: the user's own frames are told from libraries by their paths (landmarks)
+            p = start_py_spy(exe, t.ref.pid, out, ["--native", "--locals"])
+            if p is not None:
+                self.py_spy_procs[t.rank] = (p, out)
         self.py_spy_note = f"ran {exe}"
 
     def _py_spy_running(self, now: float) -> bool:
-        running = False
-        for rank, (p, out) in list(self.py_spy_procs.items()):
-            if p.poll() is None:
-                if now - self.started_at >= self.py_spy_timeout_s:
-                    p.kill()
-                    p.wait(timeout=5)
-                    with open(out, "ab") as f:
-                        f.write(f"\n[py-spy killed after {self.py_spy_timeout_s:g}s time box]\n".encode())
-                else:
-                    running = True
-        return running
+        return py_spy_running(self.py_spy_procs.values(), now - self.started_at, self.py_spy_timeout_s)
 
     def advance(self, now: float) -> bool:
         if self.done:
             return True
+        if not self._stacks_done:
+            self._stacks_done = self._stacks_settled(now)
+        if self._stacks_done:
+            w = self.loader_workers
+            if w is not None and not w.begun:
+                w.begin(now, self)
+            self.done = w is None or w.advance(now)
+        return self.done
+
+    def _stacks_settled(self, now: float) -> bool:
         grew_all = True
         for t in self.targets:
             try:
@@ -128,9 +133,7 @@ class DumpCollector:
                 grew_all = False
         settled = grew_all and now - self._changed_at >= SETTLE_S
         bounded = now - self.started_at >= self.grace_s
-        if (settled or bounded) and not self._py_spy_running(now):
-            self.done = True
-        return self.done
+        return (settled or bounded) and not self._py_spy_running(now)
 
     def texts(self) -> dict[int, str]:
         """Only what was appended after the signal, per rank."""
@@ -152,6 +155,44 @@ class DumpCollector:
             except OSError:
                 pass
         return out
+
+
+def start_py_spy(exe: str, pid: int, out: Path, options: list[str]) -> Optional[subprocess.Popen]:
+    """`py-spy dump … --pid PID --full-filenames` into `out` (its own error when it cannot start)."""
+    try:
+        with open(out, "wb") as f:
+            try:
+                return subprocess.Popen([exe, "dump", *options, "--pid", str(pid), "--full-filenames"], stdout=f,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                f.write(f"py-spy could not start: {exc}\n".encode())
+    except OSError:
+        pass
+    return None
+
+
+def py_spy_running(procs, elapsed_s: float, timeout_s: float) -> bool:
+    """Whether any of the (Popen, output path) pairs still runs; one past its time box is killed (and says so)."""
+    running = False
+    for p, out in procs:
+        if p.poll() is None:
+            if elapsed_s >= timeout_s:
+                p.kill()
+                p.wait(timeout=5)
+                with open(out, "ab") as f:
+                    f.write(f"\n[py-spy killed after {timeout_s:g}s time box]\n".encode())
+            else:
+                running = True
+    return running
+
+
+def _read(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(4 << 20).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 @dataclass

@@ -4,7 +4,7 @@ A worker's end is classified from the evidence in order of trust (`incidents.cla
 words (exit.json), its exit code or signal — a SIGKILL hangwatch did not send is put to the kernel's
 records (`evidence.sigkill_cause`) — torchrun's root-cause report of the rank that failed first, the
 log tail.  A fatal signal makes faulthandler write the stack into the rank's dump file: its frame is
-the stuck frame.  With several ranks the incident names the culprit rank (the one whose dump holds the
+the stuck frame, and the call it died in (`landmarks.read_stack`) is named in the summary.  With several ranks the incident names the culprit rank (the one whose dump holds the
 fatal error, else the one torchrun says failed first) and keeps every rank's dump; dumps the NCCL
 flight recorder wrote by itself during the attempt (on its own timeout) are kept too.
 """
@@ -22,8 +22,9 @@ from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines
 from hangwatch.supervisor.evidence import sigkill_cause, torchrun_root_cause
 from hangwatch.supervisor.flight_recorder import FlightDumps, into_incident
-from hangwatch.supervisor.incidents import (Incident, IncidentStore, classify_exit, fatal_error, frame_str, signal_name,
-                                            stuck_frame)
+from hangwatch.supervisor.incidents import (Incident, IncidentStore, classify_exit, fatal_error, frame_str, main_stack,
+                                            signal_name, stuck_frame)
+from hangwatch.supervisor.incidents.landmarks import read_stack, user_landmarks
 from hangwatch.supervisor.policy import Decision, RestartPolicy
 from hangwatch.supervisor.statefile import RunFacts
 
@@ -139,14 +140,18 @@ def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts:
     w = attempt.worker
     tr = deadlines.ranks.get(deadlines.main_rank())
     info = exit_info(attempt, deadlines.main_rank())
-    frame = stack = user = fatal_rank = None
+    frame = stack = user = fatal_rank = reading = None
     dumps = _rank_dumps(attempt)
     for rank, text in dumps.items():  # a fatal signal makes faulthandler write the stack too
         if fatal_error(text):
-            frame, stack, user = stuck_frame(text[text.rfind("Fatal Python error"):])
+            fatal = text[text.rfind("Fatal Python error"):]
+            frame, stack, user = stuck_frame(fatal)
+            reading = read_stack(stack, extra=user_landmarks(tools.watchdog_cfg.landmarks), truncated=main_stack(fatal)[1])
             info["fatal_error"] = fatal_error(text)
             fatal_rank = rank
             break
+    if reading is not None and reading.innermost_frame is not None:
+        summary = f"{summary}; {reading.summary()}"
     several = len(attempt.announced) > 1
     culprit = (fatal_rank if fatal_rank is not None else failed_rank) if several else None
     words = rank_last_words(attempt) if several else {}
@@ -157,11 +162,13 @@ def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts:
             frame = where
         victims = sorted(r for r, lw in words.items() if r != culprit and lw.get("collective_error"))
         summary = (f"rank {culprit}: {classification}" + (f" at {frame_str(where)}" if where else "")
+                   + (f", {reading.words()}" if reading is not None and fatal_rank == culprit and reading.landmark else "")
                    + "".join(f"; rank {r}: its collective broke when rank {culprit} failed (victim)" for r in victims))
     inc = tools.incidents.create(
         kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
         exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
-        user_frame=user, status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
+        user_frame=user, **(reading.fields() if reading is not None else {}),
+        status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
         decision=decision.as_dict() if decision else None, **stragglers_field(attempt),
         **({"culprit_rank": culprit} if several else {}),
     )

@@ -1,7 +1,8 @@
 """The evidence of each rank of a stalled attempt, gathered for the verdict (`incidents.verdict.decide`).
 
 Per announced rank, from its own process and files only: its snapshot record (state, CPU), the main
-thread of its faulthandler dump (else of its py-spy dump), py-spy's native frames, the source line
+thread of its faulthandler dump (else of its py-spy dump, which is also preferred when faulthandler cut
+the stack at its 100-frame limit: the landmark reading wants the whole stack), py-spy's native frames, the source line
 of its innermost frame, its step, phase and progress beats as the deadlines saw them, and the last
 collective its NCCL flight recorder enqueued.  Never another rank's figures.
 """
@@ -13,7 +14,7 @@ from typing import Callable, Optional
 
 from hangwatch.supervisor.attempt import Attempt
 from hangwatch.supervisor.deadlines import Deadlines
-from hangwatch.supervisor.incidents import stuck_frame
+from hangwatch.supervisor.incidents import main_stack
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.verdict import RankEvidence
 
@@ -46,16 +47,17 @@ def gather(attempt: Attempt, deadlines: Deadlines, procs: list[dict], texts: dic
     out = []
     for rank, a in sorted(attempt.announced.items()):
         pid = a.ref.pid if a.ref else None
-        _, stack, _ = stuck_frame(texts.get(rank, ""))
+        stack, truncated = main_stack(texts.get(rank, ""))
         spy_python, native = py_spy_main_thread(py_spy.get(rank, ""))
-        stack = stack or spy_python  # no faulthandler dump (it never handled SIGUSR1): py-spy's Python frames
+        if spy_python and (not stack or truncated):  # no faulthandler dump (it never handled SIGUSR1), or a cut one
+            stack, truncated = spy_python, False
         line = read(stack[0]["file"], stack[0]["line"]) if stack and isinstance(stack[0].get("line"), int) else None
         tr = deadlines.ranks.get(rank)
         out.append(RankEvidence(
             rank=rank, pid=pid, proc=by_pid.get(pid), stack=stack, native=native, source_line=line,
             step=tr.step if tr else None, phase=tr.phase if tr else None,
             progress_lines=tr.progress_since_step if tr else 0, livelock=_livelocked(deadlines, tr, now),
-            collective_seq=(flight.get(rank) or {}).get("last_enqueued")))
+            collective_seq=(flight.get(rank) or {}).get("last_enqueued"), truncated=truncated))
     return out
 
 

@@ -124,7 +124,8 @@ class Reconciler:
             sup.transition(State.STARTING, f"attempt {sup.attempt}", now)
         sup.episode, sup.backoff_until, sup.expired, sup.escalate_now = None, None, None, False
         try:
-            sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now, fs=sup.fs)
+            sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now, fs=sup.fs,
+                                         resume_from=sup.resume_point())
             sup.current.oom_kills_at_start = sup.tools.kernel.oom_kills()
         except OSError as exc:
             sup.current = None
@@ -176,6 +177,7 @@ class Reconciler:
         sup = self.sup
         ep, cur = sup.episode, sup.current
         cur.tail.finish()
+        sup.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
         sup.save_calibration()
         if ep.decision is None and sup.after_teardown is Intent.NONE:
             ep.decision = sup.policy.on_failure(now, ep.reason)

@@ -271,12 +271,52 @@ def incident_view(inc: dict) -> Group:
         if inc.get(key) not in (None, "", [], {}):
             value = inc[key]
             head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))
+    if "landmark" in inc:  # incidents older than the landmark reading have no such key: no line
+        head.add_row("landmark", Text(landmark_text(inc)))  # Text: "[kind]" is not rich markup
+    if inc.get("dataloader_workers"):
+        head.add_row("dataloader", Text(loader_workers_text(inc)))
     texts: list[tuple[str, str]] = []
     record = _lift_texts(inc, "", texts)
     parts = [head, Text(""), Text(json.dumps(record, indent=2, default=str))]
     for path, text in texts:
         parts += [Text(""), Text(f"{path}:", style="bold"), Text(text.rstrip("\n"))]
     return Group(*parts)
+
+
+def _frame(f: Any) -> str:
+    """"on_evaluate (train.py:46)"."""
+    if not isinstance(f, dict):
+        return "-"
+    return f"{f.get('function', '?')} ({str(f.get('file') or '?').rsplit('/', 1)[-1]}:{f.get('line', '?')})"
+
+
+def landmark_text(inc: dict) -> str:
+    """The call the stack is in, who called it, the outermost frame of the user's code: one line each."""
+    lm = inc.get("landmark")
+    if isinstance(lm, dict):
+        lines = [f"{lm.get('name', '?')} [{lm.get('kind', '?')}] at {_frame(lm.get('frame'))}"]
+    else:
+        lines = ["none: no landmark call on the stack"]
+    lines.append(f"called from {_frame(inc.get('caller_frame'))}" if inc.get("caller_frame")
+                 else "called from: no frame of your own code")
+    if inc.get("user_outermost_frame"):
+        lines.append(f"outermost own frame {_frame(inc['user_outermost_frame'])}")
+    if inc.get("stack_truncated"):
+        lines.append("stack truncated: faulthandler printed only its innermost 100 frames")
+    return "\n".join(lines)
+
+
+def loader_workers_text(inc: dict) -> str:
+    """One line per DataLoader worker, the stuck one marked."""
+    lines = []
+    for w in inc.get("dataloader_workers") or []:
+        if not isinstance(w, dict):
+            continue
+        mark = "STUCK " if w.get("pid") == inc.get("stuck_worker_pid") else ""
+        lines.append(f"{mark}pid {w.get('pid')}: {w.get('activity', '?')}, {w.get('doing') or w.get('classification')}")
+    if inc.get("stuck_worker_pid") is None and inc.get("dataloader_verdict"):
+        lines.append(str(inc["dataloader_verdict"]))
+    return "\n".join(lines)
 
 
 def _lift_texts(value: Any, path: str, out: list) -> Any:

@@ -32,6 +32,7 @@ from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK
 from hangwatch.common.rundir import ATTEMPTS, CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
 from hangwatch.supervisor import attempt as attempts, beats, leftovers, logsetup, process, snapshot as snapshots, statefile
 from hangwatch.supervisor.calibration import Calibration
+from hangwatch.supervisor.checkpoint_ledger import PersistedLedger, resolve
 from hangwatch.supervisor.commands import Commands, DumpRequest, status_line
 from hangwatch.supervisor.control import socket_path_for
 from hangwatch.supervisor.deadlines import Deadlines, Expired, SuspensionDetector
@@ -85,7 +86,8 @@ class Supervisor:
         self.gpu = snapshots.GpuCache(gpu)
         self.tools = Tools(self.table, self.incidents, wd, snapshot, self.gpu, gpu_pids, cpu_sample_s, subreaper)
         self.commands = Commands(self)
-        self.facts = statefile.RunFacts()
+        self.ledger = PersistedLedger(self.run_dir, cfg.checkpoint.confirm_steps, fs=self.fs)  # announced checkpoints
+        self.facts = statefile.RunFacts(checkpoints=self.ledger.ledger)
 
         self.attempt = 0  # the number of the current (or last) attempt
         self.current: Optional[attempts.Attempt] = None
@@ -113,7 +115,14 @@ class Supervisor:
         previous, problem = statefile.read(self.state_path)
         if problem:
             log.warning("state_unreadable", problem=problem)
-        self.facts = statefile.RunFacts.from_previous(previous)
+        problem = self.ledger.load()
+        if problem:  # the run goes on without its record: every checkpoint must earn its place again
+            print(f"hangwatch: warning: {problem}", file=sys.stderr, flush=True)
+            log.warning("checkpoint_ledger_unreadable", problem=problem)
+        known = bool(self.ledger.ledger.entries)
+        self.facts = statefile.RunFacts.from_previous(previous, self.ledger.ledger)
+        if self.ledger.ledger.entries and not known:  # seeded from an older supervisor's state.json
+            self.ledger.save()
         problem = leftovers.clear(previous or {}, self.table, state_path=self.state_path,
                                   grace_s=self.watchdog_cfg.term_grace_s, end_leftovers=self._end_leftovers)
         if problem:
@@ -156,6 +165,8 @@ class Supervisor:
                 self.current.kill_all(self.table)
             raise
         finally:
+            if self.ledger.dirty:
+                self.ledger.save()
             self.write_state(self.clock(), force=True)
             self._teardown()
         log.info("supervisor_exit", state=self.lifecycle.state.value, exit_code=self.exit_code)
@@ -262,6 +273,24 @@ class Supervisor:
             self._ready_sent = True
             self.notify("ready")
         self.write_state(now, force=True)
+
+    def resume_point(self) -> str:
+        """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): the newest good
+        checkpoint still on disk, as an absolute path (relative ones are the worker's: its cwd); ""
+        for none.  Good ones that were deleted since are skipped, and said so."""
+        cwd = self.cfg.worker.cwd
+        book = self.ledger.ledger
+        chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
+        for e in skipped:
+            log.warning("good_checkpoint_missing", path=e.path, step=e.step, resolved=resolve(e.path, cwd),
+                        note="no longer on disk: skipped")
+        if chosen is None:
+            log.info("resume_from", attempt=self.attempt, path=None, checkpoints=book.counts(),
+                     note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
+            return ""
+        path = resolve(chosen.path, cwd)
+        log.info("resume_from", attempt=self.attempt, path=path, step=chosen.step, why=chosen.why)
+        return path
 
     def transition(self, dst: State, why: str, now: float) -> None:
         src = self.lifecycle.state

@@ -10,32 +10,50 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
 from hangwatch.common.durable import FsOps
+from hangwatch.supervisor.checkpoint_ledger import CheckpointLedger
 from hangwatch.supervisor.process import ProcRef, Worker
 
 FORMAT_VERSION = 1
 
 
-@dataclass
 class RunFacts:
-    """What the run has established so far, kept across attempts (and, via state.json, across supervisors)."""
+    """What the run has established so far, kept across attempts (and, via state.json and the checkpoint
+    ledger, across supervisors).  `last_good_checkpoint`/`last_good_step` are the ledger's answer
+    (`checkpoint_ledger`); state.json keeps showing them for `status` and `report`."""
 
-    restarts: int = 0
-    last_good_checkpoint: Optional[str] = None
-    last_good_step: Optional[int] = None
-    torn_lines: int = 0
-    last_incident: Optional[dict] = None  # {"id", "kind", "summary"}
-    last_step: dict = field(default_factory=dict)  # the last `step` line (metrics for `status`)
+    def __init__(self, restarts: int = 0, last_good_checkpoint: Optional[str] = None,
+                 last_good_step: Optional[int] = None, torn_lines: int = 0, last_incident: Optional[dict] = None,
+                 last_step: Optional[dict] = None, checkpoints: Optional[CheckpointLedger] = None):
+        self.restarts = restarts
+        self.torn_lines = torn_lines
+        self.last_incident = last_incident  # {"id", "kind", "summary"}
+        self.last_step = last_step if last_step is not None else {}  # the last `step` line (metrics for `status`)
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointLedger()
+        if last_good_checkpoint and not self.checkpoints.entries:
+            # A run dir from a supervisor that kept no ledger (or whose ledger was unreadable): its
+            # state.json is the only record there is.
+            self.checkpoints.adopt(str(last_good_checkpoint), last_good_step if isinstance(last_good_step, int) else None,
+                                   "recorded in state.json by an earlier supervisor")
+
+    @property
+    def last_good_checkpoint(self) -> Optional[str]:
+        e = self.checkpoints.last_good()
+        return e.path if e else None
+
+    @property
+    def last_good_step(self) -> Optional[int]:
+        e = self.checkpoints.last_good()
+        return e.step if e else None
 
     @classmethod
-    def from_previous(cls, data: Optional[dict]) -> "RunFacts":
+    def from_previous(cls, data: Optional[dict], checkpoints: Optional[CheckpointLedger] = None) -> "RunFacts":
         data = data or {}
         return cls(restarts=int(data.get("restarts") or 0), last_good_checkpoint=data.get("last_good_checkpoint"),
-                   last_good_step=data.get("last_good_step"))
+                   last_good_step=data.get("last_good_step"), checkpoints=checkpoints)
 
     def note_incident(self, inc) -> None:
         self.last_incident = {"id": inc.id, "kind": inc.kind, "summary": inc.data.get("summary")}

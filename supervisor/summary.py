@@ -12,13 +12,15 @@ from typing import Optional
 
 from hangwatch.common.config import Config
 from hangwatch.common.rundir import STATE_NAME, read_json
+from hangwatch.supervisor.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.incidents import IncidentStore
 
 
 def run_summary(run_dir: str, code: int) -> list[str]:
     """What a person wants to know when `hangwatch run` returns: how it ended, what went wrong on the
-    way (each incident and where its evidence is), and where the result is."""
+    way (each incident and where its evidence is), which checkpoint a new run would resume from and
+    which newer ones are not good (and why), and where the result is."""
     rd = Path(run_dir)
     state = read_json(rd / STATE_NAME) or {}
     lines = [f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
@@ -26,10 +28,32 @@ def run_summary(run_dir: str, code: int) -> list[str]:
     store = IncidentStore(rd)
     for inc, d in zip(store.list(), store.dirs()):
         lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+    lines += checkpoint_lines(rd)
     final = rd / "final"
     if final.is_dir():
         lines.append(f"  final adapter: {final}  (PeftModel.from_pretrained(base, '{final}'))")
     return lines
+
+
+SHOWN_BAD = 3  # the newest not-good checkpoints a summary names
+
+
+def checkpoint_lines(run_dir: Path) -> list[str]:
+    """The checkpoint ledger's word (checkpoints.json): the last good checkpoint, and the newest bad
+    ones with why — "not good: loss nan at step 5"; nothing when the run dir has no record."""
+    rec = read_record(run_dir)
+    if not rec:
+        return []
+    entries = [e for e in rec.get("checkpoints") or [] if isinstance(e, dict)]
+    out = []
+    good = next((e for e in entries if e.get("path") == rec.get("last_good")), None)
+    if good is not None:
+        out.append(f"  last good checkpoint: {good['path']} (step {good.get('step')})")
+    elif entries:
+        out.append("  no good checkpoint")
+    for e in [e for e in entries if e.get("status") == BAD][-SHOWN_BAD:]:
+        out.append(f"  checkpoint {e.get('path')} (step {e.get('step')}) is not good: {e.get('why')}")
+    return out
 
 
 def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
@@ -54,6 +78,16 @@ def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
         lines.append(f"  its final adapter: {final}")
     lines.append(f"  to start fresh: rm -r {shown}   or   hangwatch run {config_arg} --run-dir NEW_DIR")
     return lines
+
+
+def checkpoint_text(cfg: Config) -> str:
+    """The `checkpoint` row: the built-in worker's schedule, or what the supervisor does with the
+    checkpoints a script announces."""
+    c = cfg.checkpoint
+    if cfg.worker.command is None:
+        return f"every {c.every_steps} steps, keep {c.keep_last}, good after {c.confirm_steps} finite steps"
+    return (f"the worker's own (Heartbeat.checkpoint), good after {c.confirm_steps} later steps with a finite loss; "
+            "every attempt gets the last good one in HANGWATCH_RESUME_FROM")
 
 
 def _shown(path: str) -> str:
@@ -94,7 +128,7 @@ def config_summary(cfg: Config) -> list[tuple[str, str]]:
         ("deadlines", f"startup {w.startup_timeout_s:g}s, silence {w.silence_timeout_s:g}s, {step}"),
         ("phases", phases),
         ("restarts", f"up to {r.max_restarts} in {r.window_s:g}s without progress, backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s"),
-        ("checkpoint", f"every {cfg.checkpoint.every_steps} steps, keep {cfg.checkpoint.keep_last}, good after {cfg.checkpoint.confirm_steps} finite steps"),
+        ("checkpoint", checkpoint_text(cfg)),
         ("socket", f"{socket_path_for(cfg, cfg.run_dir)} (mode {mode})"),
         ("faults", faults),
     ]

@@ -168,6 +168,8 @@ def _model(name: str, base: Path, env: Mapping[str, str]) -> list[Finding]:
 
 def _command(program: str, cwd: Path, env: Mapping[str, str]) -> list[Finding]:
     loc = ("worker", "command", 0)
+    if program in ("python", "python3"):
+        return []  # the supervisor's own interpreter (supervisor.attempt.worker_argv)
     if os.sep in program:  # a path: relative ones are taken from worker.cwd, as the supervisor runs it
         path = Path(program).expanduser()
         path = path if path.is_absolute() else cwd / path

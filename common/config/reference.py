@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel
 
-from hangwatch.common.config.schema import Config, EvalPrompt, FaultCfg
+from hangwatch.common.config.schema import Config, EvalPrompt, FaultCfg, LandmarkCfg
 
 Row = tuple[str, str, str, str]  # key, type, default, doc
 
@@ -34,8 +34,8 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
 
 
 def reference_markdown() -> str:
-    """The README's table: every key, then the keys of one `faults[]` entry."""
-    rows = reference_rows() + reference_rows(FaultCfg, "faults[].")
+    """The README's table: every key, then the keys of one `watchdog.landmarks[]` and one `faults[]` entry."""
+    rows = reference_rows() + reference_rows(LandmarkCfg, "watchdog.landmarks[].") + reference_rows(FaultCfg, "faults[].")
     out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     out += [f"| `{key}` | {typ} | `{default}` | {doc} |" for key, typ, default, doc in rows]
     return "\n".join(out) + "\n"

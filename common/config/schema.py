@@ -35,8 +35,9 @@ class Section(BaseModel):
 class WorkerCfg(Section):
     command: Optional[list[str]] = Field(
         None,
-        description="null: the built-in training daemon; else an argv list, e.g. "
-        "[torchrun, --nproc-per-node=8, train.py]. Relative paths are used as given.",
+        description="null: the built-in training daemon; else an argv list, e.g. [python, train.py] or "
+        "[torchrun, --nproc-per-node=8, train.py]. A bare `python`/`python3` first is the supervisor's own interpreter "
+        "(the environment hangwatch is installed in; under systemd PATH has no venv). Relative paths are used as given.",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
     cwd: Optional[str] = Field(None, description="Working directory of the worker (default: the config file's directory).")
@@ -54,7 +55,16 @@ class WorkerCfg(Section):
 
 
 Budget = Annotated[float, Field(gt=0)]  # a phase budget of 0 s would fire at once: name it null to drop it
-DEFAULT_PHASE_BUDGETS_S = {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600}
+DEFAULT_PHASE_BUDGETS_S = {"eval": 900, "predict": 900, "generate": 300, "checkpoint": 600, "intake": 600}
+LANDMARK_KINDS = ("generate", "collective", "dataloader", "checkpoint", "backward", "optimizer", "tokenizer", "other")
+
+
+class LandmarkCfg(Section):
+    function: str = Field(..., min_length=1, description="Function name as a stack dump shows it (e.g. `fetch_batch`; a `Class.method` form matches the method name).")
+    file: Optional[str] = Field(None, description="Only frames whose file path contains this text (e.g. `mylib/io.py`); null: any file.")
+    name: Optional[str] = Field(None, description="What incidents call it (default: the function name).")
+    kind: Literal[LANDMARK_KINDS] = Field("other", description="Its family: " + ", ".join(LANDMARK_KINDS) + ".")  # type: ignore[valid-type]
+
 
 
 class WatchdogCfg(Section):
@@ -94,6 +104,10 @@ class WatchdogCfg(Section):
         "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a step line "
         "carries, else the time between the rank's step lines.")
     straggler_steps: int = Field(20, ge=1, description="Consecutive slow steps before a rank is recorded as a straggler.")
+    landmarks: list[LandmarkCfg] = Field(
+        default_factory=list, description="Your own landmark frames, added to the built-in registry (generate, collectives, "
+        "DataLoader, checkpoint saving, backward, optimizer.step, tokenizer calls): an incident names the deepest landmark "
+        "of the stuck stack first.")
 
     @field_validator("phase_budgets_s", mode="before")
     @classmethod
@@ -216,7 +230,10 @@ class EvalCfg(Section):
 class CheckpointCfg(Section):
     every_steps: int = Field(10, ge=1, description="Checkpoint every N optimizer steps.")
     keep_last: int = Field(3, ge=1, description="Valid checkpoints kept (the newest good one is never deleted).")
-    confirm_steps: int = Field(2, ge=0, description="Finite steps after a checkpoint before it counts as good.")
+    confirm_steps: int = Field(
+        2, ge=0, description="Steps after a checkpoint, each with a finite loss, before it counts as good — for the built-in "
+        "worker's checkpoints and for those any script announces (`Heartbeat.checkpoint`); the last good one is handed to "
+        "every attempt in HANGWATCH_RESUME_FROM.")
 
 
 class FaultCfg(Section):

@@ -83,11 +83,13 @@ class Confirmation:
 
     def mark_good(self, p: Pending, step: int, **why) -> None:
         if ckpt.validate(p.path, verify_hashes=False) is not None:
-            self.hb.warn(f"checkpoint {p.path.name} is gone or damaged before it could be confirmed", path=str(p.path))
+            self.hb.warn(f"checkpoint {p.path.name} is gone or damaged before it could be confirmed", path=str(p.path),
+                         unconfirmed_checkpoints=[str(p.path)])  # the supervisor's ledger marks it bad
             return
         state = ckpt.read_state(p.path)
         if not state.get("weights_finite", False):
-            self.hb.warn(f"checkpoint {p.path.name} has non-finite weights: never good", path=str(p.path))
+            self.hb.warn(f"checkpoint {p.path.name} has non-finite weights: never good", path=str(p.path),
+                         unconfirmed_checkpoints=[str(p.path)])
             return
         ckpt.mark_good(p.path, confirmed_at_step=step, **why)
         self.hb.checkpoint(p.path, p.step, True)
@@ -135,7 +137,8 @@ class Confirmation:
         if not math.isfinite(heldout_loss):
             self.withdraw_provisional()
             self.hb.warn(f"checkpoint {p.path.name}: non-finite held-out loss while idle: never good; "
-                         "provisional checkpoints withdrawn", path=str(p.path), heldout_loss=heldout_loss)
+                         "provisional checkpoints withdrawn", path=str(p.path), heldout_loss=heldout_loss,
+                         unconfirmed_checkpoints=[str(p.path)])
             self.retain()
             raise NonFiniteHeldOut(step, heldout_loss)
         self.mark_good(p, step, reason="idle: finite held-out loss", heldout_loss=heldout_loss)

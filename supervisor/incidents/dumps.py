@@ -1,9 +1,11 @@
-"""Reading faulthandler dumps: the threads, the main thread's stuck frame, the call chain above it.
+"""Reading faulthandler dumps: the threads, the main thread's stack and its stuck (innermost) frame.
 
 Blocks start with "Current thread 0x… (most recent call first):" or "Thread 0x… (most recent call
 first):" and list `  File "x.py", line N in func`, innermost first.  The main thread is the one whose
 outermost frame (below runpy's, for `python -m`) is a `<module>`; its innermost frame is the stuck
-frame.  A dump file may hold several dumps (one per SIGUSR1): the last one wins.
+frame.  A dump file may hold several dumps (one per SIGUSR1): the last one wins.  faulthandler prints
+at most 100 frames of a thread and then "  ...": such a thread is `truncated` (its innermost frames are
+the ones kept).  What the whole stack says — the call it is in — is `landmarks.read_stack`'s.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+TRUNCATED = re.compile(r"^\s+\.\.\.\s*$")
 THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)(?: \[[^\]]*\])? \(most recent call first\):\s*$")
 STACK_HEADER = re.compile(r"^Stack \(most recent call first\):\s*$")
 FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.+?)\s*$')
@@ -22,6 +25,7 @@ class ThreadStack:
     thread: str
     current: bool
     frames: list[dict] = field(default_factory=list)  # innermost first
+    truncated: bool = False  # faulthandler stopped at its frame limit: the outer frames are missing
 
     def is_main(self) -> bool:
         outer = [f for f in self.frames if not _is_runpy(f["file"])]
@@ -51,6 +55,8 @@ def parse_faulthandler(text: str) -> list[ThreadStack]:
             ln = m.group("line")
             cur.frames.append({"file": m.group("file"), "line": int(ln) if ln.isdigit() else None,
                                "function": m.group("function")})
+        elif cur is not None and TRUNCATED.match(line):
+            cur.truncated = True
         elif not line.strip():
             cur = None
     return [t for t in threads if t.frames]
@@ -76,6 +82,12 @@ def stuck_frame(text: str) -> tuple[Optional[dict], list[dict], Optional[dict]]:
     return t.frames[0], t.frames, user
 
 
+def main_stack(text: str) -> tuple[list[dict], bool]:
+    """(the main thread's frames, innermost first; whether faulthandler truncated them) — ([], False) without one."""
+    t = main_thread(parse_faulthandler(text))
+    return (t.frames, t.truncated) if t is not None else ([], False)
+
+
 def _is_library(path: str) -> bool:
     return path.startswith("<") or "/lib/python3" in path or "site-packages" in path
 
@@ -91,15 +103,3 @@ def fatal_error(text: str) -> Optional[str]:
 
 def frame_str(f: Optional[dict]) -> str:
     return f"{f['function']} ({f['file']}:{f['line']})" if f else "unknown"
-
-
-def call_chain(stack: list[dict], depth: int = 8) -> str:
-    """The functions a stuck frame was called from, innermost first ("__call__ ← generate ← …"):
-    the innermost frame alone is often a library's (a logits processor, a lock), the chain names
-    the user-level call that never returned."""
-    names: list[str] = []
-    for f in stack[1 : depth + 1]:
-        fn = f.get("function")
-        if fn and (not names or names[-1] != fn) and not fn.startswith("<"):
-            names.append(fn)
-    return " ← ".join(f"{n}()" for n in names)

@@ -11,6 +11,9 @@ from its own process (state, CPU) and its own stack (the stuck frame, the collec
   count or in the NCCL collective sequence (flight recorder) is;
 * anything else is **unknown**, and the verdict says it cannot tell, and why, instead of guessing.
 
+The words of a rank that is not a victim name the call it is in (`landmarks.read_stack`): "rank 1: busy loop
+in Python (CPU 99%) at sdpa_attention_forward (…), in generate(), called from on_evaluate (train.py:46)".
+
 Pure: evidence in, verdict out.  The episode gathers the evidence (`RankEvidence`).
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Optional
 from hangwatch.supervisor.incidents.classify import process_condition
 from hangwatch.supervisor.incidents.collectives import waits_in
 from hangwatch.supervisor.incidents.dumps import frame_str
+from hangwatch.supervisor.incidents.landmarks import read_stack
 
 WAIT_PHASES = frozenset({"wait"})  # a phase a rank enters to wait for its peers (the built-in worker's barrier)
 DEFINITE = frozenset({"gone", "io", "stopped", "busy"})  # conditions that say, without a stack, a rank is not waiting
@@ -41,6 +45,7 @@ class RankEvidence:
     progress_lines: int = 0  # `progress` beats since its last step
     livelock: bool = False  # still beating progress late in the window, no step
     collective_seq: Optional[int] = None  # last collective it enqueued (NCCL flight recorder), when known
+    truncated: bool = False  # its stack is faulthandler's innermost 100 frames only
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,20 @@ class RankFinding:
     phase: Optional[str]
     has_stack: bool
     role: str = UNKNOWN
+    landmark: Optional[dict] = None  # the call its main thread is in (landmarks.read_stack)
+    caller_frame: Optional[dict] = None  # the frame of the user's own code that called it
+    landmark_words: str = ""  # "in generate(), called from on_evaluate (train.py:46)"
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "pid": self.pid, "state": self.state, "cpu_percent": self.cpu_percent,
                 "classification": self.classification, "stuck_frame": self.stuck_frame, "collective": self.collective,
-                "step": self.step, "phase": self.phase, "role": self.role}
+                "step": self.step, "phase": self.phase, "role": self.role, "landmark": self.landmark,
+                "caller_frame": self.caller_frame}
+
+    @property
+    def words(self) -> str:
+        """Its classification and the call it is in, for a rank that is not only waiting for its peers."""
+        return f"{self.classification}, {self.landmark_words}" if self.landmark_words else self.classification
 
 
 @dataclass(frozen=True)
@@ -75,8 +89,9 @@ class Verdict:
         return next((f for f in self.ranks if f.rank == rank), None)
 
 
-def read_rank(ev: RankEvidence) -> RankFinding:
-    """One rank on its own evidence: its process condition, stuck frame and the collective it waits in."""
+def read_rank(ev: RankEvidence, landmarks: tuple = ()) -> RankFinding:
+    """One rank on its own evidence: its process condition, stuck frame, the collective it waits in and the call
+    it is in; `landmarks`: the user's (`landmarks.user_landmarks`)."""
     procs = [ev.proc] if ev.proc else []
     condition, words = process_condition(procs)
     frame = ev.stack[0] if ev.stack else None
@@ -87,14 +102,17 @@ def read_rank(ev: RankEvidence) -> RankFinding:
     collective = waits_in(ev.stack, ev.native, ev.source_line)
     if collective is None and ev.phase in WAIT_PHASES:
         collective = f"phase {ev.phase!r}"
+    reading = read_stack(ev.stack, native=ev.native, source_line=ev.source_line, extra=landmarks, truncated=ev.truncated)
     return RankFinding(ev.rank, ev.pid, ev.proc.get("state") if ev.proc else None,
                        ev.proc.get("cpu_percent") if ev.proc else None, condition, words, frame, collective, ev.step,
-                       ev.phase, bool(ev.stack))
+                       ev.phase, bool(ev.stack), landmark=reading.landmark, caller_frame=reading.caller_frame,
+                       landmark_words=reading.words())
 
 
-def decide(evidence: list[RankEvidence]) -> Verdict:
-    """The verdict over every rank that announced itself (one rank: it is the culprit, nothing to weigh)."""
-    found = {ev.rank: read_rank(ev) for ev in sorted(evidence, key=lambda e: e.rank)}
+def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
+    """The verdict over every rank that announced itself (one rank: it is the culprit, nothing to weigh);
+    `landmarks`: the user's own (`landmarks.user_landmarks`), besides the built-in ones."""
+    found = {ev.rank: read_rank(ev, landmarks) for ev in sorted(evidence, key=lambda e: e.rank)}
     seqs = {ev.rank: ev.collective_seq for ev in evidence if ev.collective_seq is not None}
     if not found:
         return Verdict(None, [], "cannot tell which rank is the culprit: no rank announced itself", "no ranks")
@@ -157,7 +175,7 @@ def _verdict(found: dict, culprit: int, reason: str) -> Verdict:
     c = found[culprit]
     # Being behind is the reason worth saying: the culprit may itself sit in a collective (a later one's peers wait).
     head = f"rank {culprit}, {reason}" if reason.startswith("behind") else f"rank {culprit}"
-    parts = [f"{head}: {c.classification}"] + _others(ranks, culprit)
+    parts = [f"{head}: {c.words}"] + _others(ranks, culprit)
     return Verdict(culprit, ranks, "; ".join(parts), reason)
 
 
@@ -174,7 +192,7 @@ def _others(ranks: list[RankFinding], culprit: Optional[int]) -> list[str]:
         if f.role == VICTIM:
             groups.setdefault(f.collective, []).append(f.rank)
     out = [f"{'ranks' if len(rs) > 1 else 'rank'} {_list(rs)} waiting in {what}" for what, rs in groups.items()]
-    out += [f"rank {f.rank}: {f.classification}" + ("" if f.has_stack else " (no stack)")
+    out += [f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)")
             for f in ranks if f.role == UNKNOWN and f.rank != culprit]
     return out
 

@@ -78,13 +78,13 @@ def test_an_empty_file_is_the_defaults_and_those_need_data():
 def test_the_formerly_hidden_defaults_are_records():
     w = parse_config(OWN).watchdog
     assert (w.kill_wait_s, w.exit_after_stop_s) == (30, 30)
-    assert w.phase_budgets_s == {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600}
+    assert w.phase_budgets_s == {"eval": 900, "predict": 900, "generate": 300, "checkpoint": 600, "intake": 600}
     # Setting one replaces the map: a user's budgets are the budgets.
     w = parse_config(OWN + "watchdog:\n  phase_budgets_s: {load: 50}\n  kill_wait_s: 5\n").watchdog
-    assert w.phase_budgets_s == {"eval": 900, "generate": 300, "checkpoint": 600, "intake": 600, "load": 50}
+    assert w.phase_budgets_s == {"eval": 900, "predict": 900, "generate": 300, "checkpoint": 600, "intake": 600, "load": 50}
     assert w.kill_wait_s == 5
     w = parse_config(OWN + "watchdog:\n  phase_budgets_s: {eval: 60, intake: null}\n").watchdog
-    assert w.phase_budgets_s == {"eval": 60, "generate": 300, "checkpoint": 600}  # null removes a default
+    assert w.phase_budgets_s == {"eval": 60, "predict": 900, "generate": 300, "checkpoint": 600}  # null removes a default
     docs = {key: doc for key, _, _, doc in reference_rows()}
     assert "startup_timeout_s" in docs["watchdog.phase_budgets_s"] and "intake" in docs["watchdog.phase_budgets_s"]
     assert "SIGKILL" in docs["watchdog.kill_wait_s"] and "stop" in docs["watchdog.exit_after_stop_s"]
@@ -109,7 +109,7 @@ def test_reference_lists_every_key_in_both_forms():
         assert f"  {key} = {default}  ({typ})" in text
     assert "| `faults[].kind` | one of hang_generate, busy_loop" in md
     assert "| `watchdog.step_timeout_s` | float or null | `null` |" in md
-    assert "| `watchdog.phase_budgets_s` | map of str to float | `{checkpoint: 600, eval: 900, generate: 300, intake: 600}` |" in md
+    assert "| `watchdog.phase_budgets_s` | map of str to float | `{checkpoint: 600, eval: 900, generate: 300, intake: 600, predict: 900}` |" in md
     assert "| `eval.prompts` | list of str or {prompt, reference} | `[]` |" in md
     assert len(text.splitlines()) == 2 * len(reference_rows())
 

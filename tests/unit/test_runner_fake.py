@@ -410,3 +410,43 @@ def test_a_pause_outlives_the_supervisor(tmp_path, when):
     second.worker.start()
     second.until(lambda: second.state == "running")
     assert json.loads((tmp_path / "run" / "state.json").read_text())["intent"] is None
+
+
+def test_the_next_attempt_resumes_from_the_last_good_checkpoint_and_a_new_supervisor_keeps_the_record(tmp_path):
+    """Attempt 1 announces two checkpoints; the newer one is spoiled by a NaN before its confirmation.
+    Attempt 2 is handed the older one, as is the first attempt of a supervisor restarted on the run dir."""
+    from structlog.testing import capture_logs
+
+    from hangwatch.common.protocol import ENV_RESUME_FROM
+
+    good, spoiled = tmp_path / "ck" / "step-2", tmp_path / "ck" / "step-4"
+    good.mkdir(parents=True)
+    spoiled.mkdir()
+    h = Harness(tmp_path)
+    w = h.running(steps=2, checkpoint=False)
+    w.beat("checkpoint", path=str(good), good=False)
+    w.step(2)  # steps 3 and 4, loss 1.0: confirmed
+    w.beat("checkpoint", path=str(spoiled), good=False)
+    w.step_no = 5
+    w.beat("step", loss=float("nan"))
+    w.exit(1)
+    h.until(lambda: h.sup.attempt == 2)
+    assert h.spawn.envs[0][ENV_RESUME_FROM] == "" and h.spawn.envs[1][ENV_RESUME_FROM] == str(good)
+    st = json.loads(h.sup.state_path.read_text())
+    assert (st["last_good_checkpoint"], st["last_good_step"]) == (str(good), 2)
+    record = {c["path"]: c for c in json.loads((tmp_path / "run" / "checkpoints.json").read_text())["checkpoints"]}
+    assert record[str(spoiled)]["status"] == "bad" and record[str(spoiled)]["why"] == "loss nan at step 5"
+    with capture_logs() as logs:  # the worker says it resumed from another one than it was handed
+        h.worker.beat("start", resumed_from=str(spoiled), dump_signal=None, dump_path=None)
+        h.until(lambda: h.state == "running")
+    assert [(r["log_level"], r["status"], r["why"]) for r in logs if r["event"] == "resumed_from_differs"] == [
+        ("warning", "bad", "loss nan at step 5")]
+
+    second = Harness(tmp_path)  # a new supervisor on the same run dir keeps the record
+    assert second.sup.facts.last_good_checkpoint == str(good)
+    import shutil
+    shutil.rmtree(good)  # ... and skips a good checkpoint deleted meanwhile
+    with capture_logs() as logs:
+        second.until(lambda: second.spawn.workers)
+    assert second.spawn.envs[0][ENV_RESUME_FROM] == ""
+    assert any(r["event"] == "good_checkpoint_missing" and r["path"] == str(good) for r in logs)

@@ -10,8 +10,8 @@ from fixtures.fake_supervisor import FakeProcessTable
 from hangwatch.common.rundir import tail_text
 from hangwatch.supervisor import process
 from hangwatch.supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
-from hangwatch.supervisor.incidents import (IncidentStore, call_chain, classify_exit, classify_stall, fatal_error, frame_str,
-                                            parse_faulthandler, stuck_frame)
+from hangwatch.supervisor.incidents import (IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
+                                            main_stack, parse_faulthandler, stuck_frame)
 
 DUMP_M = """\
 Thread 0x00007f0000000001 (most recent call first):
@@ -64,17 +64,12 @@ def test_a_dump_without_frames_gives_no_frame():
     assert stuck_frame("garbage\nmore garbage\n") == (None, [], None)
 
 
-@pytest.mark.parametrize(
-    "functions, chain",
-    [
-        (["__call__", "generate", "generate", "eval_step", "run", "<module>"], "generate() ← eval_step() ← run()"),
-        (["inner"], ""),
-        (["inner", "<listcomp>", "f"], "f()"),
-    ],
-)
-def test_call_chain_names_the_callers_innermost_first(functions, chain):
-    stack = [{"file": "x.py", "line": i, "function": fn} for i, fn in enumerate(functions)]
-    assert call_chain(stack) == chain
+def test_a_thread_cut_at_faulthandlers_frame_limit_is_marked_truncated():
+    frames = "".join(f'  File "/srv/app/deep.py", line {i} in f\n' for i in range(100))
+    dump = f"Current thread 0x1 (most recent call first):\n{frames}  ...\n"
+    stack, truncated = main_stack(dump)
+    assert len(stack) == 100 and truncated
+    assert main_stack(DUMP_M) == (stuck_frame(DUMP_M)[1], False) and main_stack("") == ([], False)
 
 
 def test_fatal_error_and_frame_str():
@@ -295,3 +290,41 @@ def test_an_incident_can_change_kind_once_the_evidence_is_in(tmp_path):
     assert store.get(inc.id)["kind"] == "livelock" and (inc.dir / "stack-rank0.txt").read_text() == "stack"
     with pytest.raises(ValueError):
         inc.rekind("bogus")
+
+
+def test_a_stall_without_a_landmark_says_so_and_names_the_users_frame(tmp_path):
+    from fixtures.fake_supervisor import Harness
+
+    h = Harness(tmp_path, proc={"term": "die", "stuck_in": "_poll_shard_ready"})
+    h.running()
+    h.until(lambda: h.state == "backoff")
+    inc = h.incident()
+    assert inc["summary"].startswith("step deadline 2.0s exceeded by ")
+    assert inc["summary"].endswith("; blocked in C (CPU 0%, state S); no landmark call on the stack; "
+                                   "innermost _poll_shard_ready (worker.py:12), your own code"), inc["summary"]
+    assert inc["landmark"] is None and inc["caller_frame"]["function"] == "_poll_shard_ready"
+    assert inc["user_outermost_frame"]["function"] == "<module>" and inc["stack_truncated"] is False
+    assert "call_chain" not in inc  # the old 8-frame chain is gone: the landmark reading replaces it
+
+
+def test_a_fatal_signals_dump_names_the_call_it_died_in(tmp_path):
+    from fixtures.fake_supervisor import Harness
+
+    h = Harness(tmp_path, proc={"term": "die"})
+    w = h.running()
+    torch = "/venv/lib/python3.11/site-packages/torch"
+    w.proc.dump_path.write_text(f"""Fatal Python error: Segmentation fault
+
+Current thread 0x1 (most recent call first):
+  File "{torch}/autograd/graph.py", line 829 in _engine_run_backward
+  File "{torch}/_tensor.py", line 625 in backward
+  File "/srv/job/train.py", line 40 in train_step
+  File "/srv/job/train.py", line 61 in <module>
+""")
+    w.exit(sig=signal.SIGSEGV)
+    h.until(lambda: h.state == "backoff")
+    inc = h.incident()
+    assert inc["kind"] == "signal" and inc["landmark"]["name"] == "backward"
+    assert inc["summary"] == ("killed by SIGSEGV (signal 11); in backward(), called from train_step (train.py:40); "
+                              "innermost _engine_run_backward")
+    assert inc["caller_frame"]["line"] == 40 and inc["stuck_frame"]["function"] == "_engine_run_backward"

@@ -63,6 +63,13 @@ DDP_BUFFERS = [{"file": f"{TORCH}/nn/parallel/distributed.py", "line": 1900, "fu
 USER = [{"file": "/srv/job/train.py", "line": 88, "function": "_poll_shard_ready"},
         {"file": "/srv/job/train.py", "line": 52, "function": "main"}]
 ASYNC_WAIT = [{"file": "/srv/job/train.py", "line": 57, "function": "main"}]
+SP = "/venv/lib/python3.11/site-packages"
+GENERATING = [{"file": f"{SP}/transformers/integrations/sdpa_attention.py", "line": 193, "function": "sdpa_attention_forward"},
+              {"file": f"{SP}/torch/nn/modules/module.py", "line": 1789, "function": "_call_impl"},
+              {"file": f"{SP}/transformers/generation/utils.py", "line": 3235, "function": "_sample"},
+              {"file": f"{SP}/transformers/generation/utils.py", "line": 3007, "function": "generate"},
+              {"file": "/srv/job/train.py", "line": 46, "function": "on_evaluate"},
+              {"file": "/srv/job/train.py", "line": 61, "function": "<module>"}]
 
 
 def stack(text: str) -> list[dict]:
@@ -159,6 +166,10 @@ CASES = [
       RankEvidence(1, 101, IDLE, [{"file": "/srv/w.py", "line": 9, "function": "poll"}], step=40, phase="wait")], 0,
      ["culprit", "victim"], "rank 0: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); "
      "rank 1 waiting in phase 'wait'"),
+    ("the culprit's words name the call it is in",
+     [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, GENERATING)], 1, ["victim", "culprit"],
+     f"rank 1: busy loop in Python (CPU 99%) at sdpa_attention_forward ({SP}/transformers/integrations/sdpa_attention.py:193), "
+     "in generate(), called from on_evaluate (train.py:46); rank 0 waiting in all_reduce"),
     ("the culprit's livelock is said",
      [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, IDLE, USER, progress_lines=14, livelock=True)], 1,
      ["victim", "culprit"], "rank 1: livelock: 14 progress beat(s) but no step; blocked in C (CPU 0%, state S) at "
@@ -223,3 +234,17 @@ def test_only_the_inner_end_of_the_stack_names_a_wait(frames, expect):
     from hangwatch.supervisor.incidents.collectives import python_wait
 
     assert python_wait([{"file": f, "line": 1, "function": fn} for f, fn in frames]) == expect
+
+
+def test_each_rank_carries_its_landmark_and_the_users_own_landmarks_count():
+    from hangwatch.supervisor.incidents.landmarks import user_landmarks
+
+    v = decide([ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))])
+    r0, r1 = (f.as_dict() for f in v.ranks)
+    assert r0["landmark"]["name"] == "all_reduce" and r0["caller_frame"]["function"] == "main"
+    assert r1["landmark"] is None and r1["caller_frame"]["function"] == "_poll_shard_ready"
+    mine = decide([ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))],
+                  user_landmarks([{"function": "_poll_shard_ready", "name": "shard poll", "kind": "dataloader"}]))
+    assert mine.finding(1).landmark["name"] == "shard poll"
+    assert mine.summary.startswith("rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88), "
+                                   "in shard poll, called from main (train.py:52); rank 0 waiting in all_reduce")

@@ -1,0 +1,61 @@
+"""A DataLoader worker that blocks for ever, under `hangwatch run`: the incident says the main process waits in its
+DataLoader and names the stuck worker process and its frame — through py-spy, and through the faulthandler the
+heartbeat registers in every fork of the rank (watchdog.py_spy: false).
+
+The fixture (tests/fixtures/dataloader_stuck.py, a plain PyTorch loop with `DataLoader(num_workers=2)`) writes
+the pid of the worker that blocks to a file: the truth the incident is compared with.  One attempt per row:
+`max_restarts: 0` ends the run at the first incident instead of paying for a second torch import."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fixtures.sup_harness import FAST_WATCHDOG, PY, ROOT, incidents, run_supervisor, wait_no_strays
+
+FIXTURE = ROOT / "tests" / "fixtures" / "dataloader_stuck.py"
+
+pytestmark = pytest.mark.slow
+
+
+def config(tmp_path: Path, py_spy: bool) -> tuple[Path, Path, Path]:
+    run_dir, pid_file = tmp_path / "run", tmp_path / "stuck-worker.pid"
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": [PY, str(FIXTURE), "--pid-file", str(pid_file), "--stuck-index", "5", "--tag", str(run_dir)],
+                   "env": {"OMP_NUM_THREADS": "1"}},
+        # importing torch on a shared machine: a generous start; the step deadline is what fires
+        "watchdog": {**FAST_WATCHDOG, "startup_timeout_s": 120, "silence_timeout_s": 60, "step_timeout_s": 2,
+                     "dump_grace_s": 3, "py_spy": py_spy, "py_spy_timeout_s": 20},
+        "restart": {"backoff_initial_s": 0, "max_restarts": 0},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, run_dir, pid_file
+
+
+@pytest.mark.parametrize("py_spy, source", [(True, "py-spy"), (False, "faulthandler")], ids=["py-spy", "faulthandler"])
+def test_the_incident_names_the_stuck_dataloader_worker_and_its_frame(tmp_path, py_spy, source):
+    cfg, run_dir, pid_file = config(tmp_path, py_spy)
+    rc, out = run_supervisor(cfg, timeout=180)
+    assert pid_file.exists(), out[-4000:]
+    truth = int(pid_file.read_text())
+    stalls = [i for i in incidents(run_dir) if i["kind"] == "stall"]
+    assert len(stalls) == 1, [(i["kind"], i.get("summary")) for i in incidents(run_dir)]
+    inc = stalls[0]
+    where = f"incident {inc['id']}: {inc['summary']} / {inc.get('dataloader_verdict')} / {inc.get('dataloader_workers_dumped')}"
+    assert inc["landmark"]["kind"] == "dataloader" and inc["caller_frame"]["function"] == "main", where
+    assert inc["summary"].startswith("in DataLoader.__next__(), called from main (dataloader_stuck.py:"), where
+    assert inc["stuck_worker_pid"] == truth, where
+    workers = {w["pid"]: w for w in inc["dataloader_workers"]}
+    assert len(workers) == 2 and truth in workers, where
+    stuck = workers.pop(truth)
+    assert stuck["stuck_frame"]["function"].rsplit(".", 1)[-1] == "__getitem__", where  # py-spy: Rows.__getitem__
+    assert stuck["stuck_frame"]["file"].endswith("dataloader_stuck.py") and stuck["stack_source"] == source, where
+    (other,) = workers.values()
+    assert other["idle"] and other["doing"] == "waiting on its index queue", where
+    assert inc["summary"].endswith(f"; stuck DataLoader worker pid {truth} at {stuck['stuck_frame']['function']} "
+                                   f"(dataloader_stuck.py:{stuck['stuck_frame']['line']})"), where
+    assert stuck["dump"] in inc["files"], where
+    assert wait_no_strays(str(run_dir)) == [], "the worker tree outlived the run"
