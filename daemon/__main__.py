@@ -16,6 +16,16 @@ of every step under DDP (`hangwatch.daemon.distributed`, `trainer.ranks`).  Ever
 the checkpoint rank 0 chose; one written by another world size is refused (exit 78).  Continuous
 mode runs on one rank only.
 
+With `--standby` (`restart.prewarm`, spawned by the supervisor at a stall) the worker first loads its
+model and data on the CPU and waits on stdin for the supervisor's release, which says where to resume
+(`hangwatch.daemon.prewarm`); from its `start` beat on it is the worker described here.
+
+Self-healing: after an out-of-memory failure the supervisor writes `<run_dir>/remediation.json` and the
+worker trains with its setting (a smaller micro-batch, more accumulation, then gradient checkpointing:
+`trainer.remediation`), said in the start beat and the start line; the config file stays as written.
+Examples quarantined after a non-finite streak (`<run_dir>/quarantine.jsonl`, `trainer.quarantine`) are
+skipped by the data order.
+
 Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
 attempts/NNNN/exit.json (rank R > 0 of a multi-rank run: exit-rank<R>.json).
@@ -26,7 +36,6 @@ import argparse
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -41,8 +50,10 @@ from hangwatch.daemon.distributed import world_size_from_env
 from hangwatch.daemon.errors import DataError
 from hangwatch.daemon.heartbeat import Heartbeat
 from hangwatch.daemon.lastwords import last_words_for, write_last_words
+from hangwatch.daemon.prewarm import STANDBY_FLAG, FileData, Preloaded, hold, prepare_torch, quiet_libraries, read_files
 from hangwatch.daemon.resume_compat import check_resume_compatible
 from hangwatch.daemon.signals import StopRequest
+from hangwatch.daemon.trainer import remediation
 from hangwatch.daemon.trainer.ranks import effective_batch
 
 MAX_PROBLEMS_IN_BEAT = 10
@@ -52,42 +63,41 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m hangwatch.daemon", description="hangwatch training worker (LoRA fine-tuning).")
     p.add_argument("--config", required=True, help="YAML config (see `hangwatch --help` for every key)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir in the config)")
+    p.add_argument(STANDBY_FLAG, action="store_true",
+                   help="started by the supervisor as the next attempt's standby (restart.prewarm): load, then wait "
+                        "on stdin for the release that says where to resume")
     return p.parse_args(argv)
 
 
-def _quiet_libraries() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: local files or the hub cache only
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
-
-
-def load_data(cfg, tokenizer, hb, stop):
+def load_data(cfg, tokenizer, hb, stop, files: Optional[FileData] = None):
     """(train source, eval examples); problems are reported, no usable training data raises DataError.
+    `files`: the data files as a standby read them before its release (read here otherwise).
 
     Continuous mode: the source is the inbox (`daemon.inbox.feed.InboxFeed`, to be closed after use)."""
-    from hangwatch.daemon.data import ShuffledEpochs, validate_file
+    from hangwatch.daemon.data import ShuffledEpochs
 
+    if not cfg.data.inbox and cfg.data.train is None:
+        raise DataError("data.train is not set: this worker trains from a file (or set data.inbox: true)")
+    files = files if files is not None else read_files(cfg, tokenizer)
     if cfg.data.inbox:
         from hangwatch.daemon.inbox.feed import open_feed
 
         source = open_feed(cfg, tokenizer, hb, stop)
-    elif cfg.data.train is None:
-        raise DataError("data.train is not set: this worker trains from a file (or set data.inbox: true)")
     else:
-        examples, problems = validate_file(cfg.data.train, tokenizer, cfg)
-        _report(hb, "training data", cfg.data.train, examples, problems)
-        if not examples:
-            raise DataError(f"{cfg.data.train}: no usable training example ({len(problems)} problem(s))", problems)
-        source = ShuffledEpochs(examples, cfg.train.seed)
-    eval_examples = []
+        _report(hb, "training data", cfg.data.train, files.train, files.train_problems)
+        if not files.train:
+            raise DataError(f"{cfg.data.train}: no usable training example ({len(files.train_problems)} problem(s))",
+                            files.train_problems)
+        from hangwatch.daemon.trainer.quarantine import quarantined_ids
+
+        skip = quarantined_ids(cfg.run_dir) & {e.id for e in files.train}
+        if skip and hb.rank == 0:
+            print(f"quarantine: {len(skip)} training example(s) skipped after non-finite losses: {', '.join(sorted(skip))}",
+                  flush=True)
+        source = ShuffledEpochs(files.train, cfg.train.seed, skip=frozenset(skip))
     if cfg.data.eval:
-        eval_examples, eval_problems = validate_file(cfg.data.eval, tokenizer, cfg)
-        _report(hb, "eval data", cfg.data.eval, eval_examples, eval_problems)
-    return source, eval_examples
+        _report(hb, "eval data", cfg.data.eval, files.eval, files.eval_problems)
+    return source, files.eval
 
 
 def _report(hb, what, path, examples, problems) -> None:
@@ -134,15 +144,20 @@ def _warn_faults(cfg, hb, faults, world) -> None:
                     fault=f.kind)
 
 
-def run(cfg, hb, choice, stop, faults) -> str:
-    """Load everything, then train; returns the stop reason."""
+def run(cfg, hb, choice, stop, faults, pre: Optional[Preloaded] = None, configured=None,
+        remedy: Optional[dict] = None) -> str:
+    """Load everything (what a standby preloaded, `pre`, is only moved to the device), then train;
+    returns the stop reason.  `cfg`: the setting to train with; `configured`: the config as written, when
+    OOM remediation (`remedy`) changed it."""
     hb.enter_phase("load")
-    _quiet_libraries()
+    if pre is not None:  # a released standby: what it has not loaded yet, it loads now, in this phase
+        hb.progress(**pre.wait().load_fields())
+    quiet_libraries()
     import torch
 
     from hangwatch.daemon.distributed import open_world
     from hangwatch.daemon.faults import FaultPlan
-    from hangwatch.daemon.model import load_model, pick_device
+    from hangwatch.daemon.model import load_model, pick_device, prepare_for_training
     from hangwatch.daemon.trainer.loop import Trainer
 
     world = open_world(pick_device(cfg)[0])
@@ -152,15 +167,15 @@ def run(cfg, hb, choice, stop, faults) -> str:
     _warn_faults(cfg, hb, faults, world)
     if cfg.model.device != "cpu" and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if cfg.model.name_or_path is None and cfg.model.device != "cuda" and not torch.cuda.is_available():
-        # The tiny model's ops are too small to gain from threads, and a fixed thread count keeps
-        # CPU reductions bit-identical between attempts even if the machine's core count changes.
-        torch.set_num_threads(1)
-    bundle = load_model(cfg)
-    source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop)
+    prepare_torch(cfg)
+    preloaded = pre is not None and pre.bundle is not None
+    bundle = prepare_for_training(pre.on_device(cfg), cfg) if preloaded else load_model(cfg)
+    source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop, pre.files if preloaded else None)
     try:
-        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt, world=world)
+        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt, world=world,
+                          configured=configured)
+        if remedy is not None:
+            trainer.log(remediation.words(remedy))
         if world.size > 1:
             b = effective_batch(cfg.train.micro_batch_size, cfg.train.grad_accum, world.size)
             trainer.log(f"{world.size} ranks ({world.backend}): effective batch {b['effective_batch']} examples per "
@@ -188,8 +203,17 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
     try:
         cfg = load_config(args.config, run_dir=run_dir_arg)
     except ConfigError as exc:
+        if args.standby:  # not an attempt yet: no last words; the supervisor spawns cold, which reports it
+            _print_problems(exc)
+            return EXIT_CONFIG
         _config_failure(exc, run_dir_arg, env)
         return EXIT_CONFIG
+    pre = None
+    if args.standby:  # nothing below may happen before the release: it writes in the run dir
+        pre = hold(cfg, env, sys.stdin.buffer)
+        if pre is None:  # discarded: leave at once, whatever the preload thread is in the middle of
+            sys.stdout.flush()
+            os._exit(EXIT_OK)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / CONFIG_NAME).exists():
@@ -205,10 +229,16 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         choice = ckpt.choose_resume(run_dir, clean=hb.rank == 0)
         if choice.path is not None:
             check_resume_compatible(cfg, choice.path, world_size)
+        remedy, stale = remediation.read(run_dir, cfg)
+        train_cfg = remediation.apply(cfg, remedy)
         hb.current_step = choice.step
         hb.start(resumed_from=str(choice.path) if choice.path else None, skipped_checkpoints=choice.skipped,
-                 resumed_step=choice.step, **effective_batch(cfg.train.micro_batch_size, cfg.train.grad_accum, world_size))
-        reason = run(cfg, hb, choice, stop, faults)
+                 resumed_step=choice.step,
+                 **effective_batch(train_cfg.train.micro_batch_size, train_cfg.train.grad_accum, world_size),
+                 **remediation.beat_fields(remedy), **(pre.beat_fields() if pre is not None else {}))
+        if stale and hb.rank == 0:
+            hb.warn(stale)
+        reason = run(train_cfg, hb, choice, stop, faults, pre, configured=cfg, remedy=remedy)
         hb.stop(reason)
         return EXIT_OK
     except Exception as exc:  # last words for everything; signals and os._exit never get here

@@ -198,17 +198,25 @@ class ShuffledEpochs:
     """Examples in a fresh seeded permutation per epoch; position = (epoch, index into that epoch).
 
     The permutation depends only on (seed, epoch), so a resumed run sees exactly the order an
-    uninterrupted one would have."""
+    uninterrupted one would have.  `skip`: ids of quarantined examples (`trainer.quarantine`), passed
+    over where they come in the permutation; the position still counts them, so every other example
+    keeps its place and a checkpoint's position means the same with or without them."""
 
     examples: list[Example]
     seed: int
     epoch: int = 0
     index: int = 0
     _order: Optional[list[int]] = field(default=None, repr=False)
+    skip: frozenset = field(default_factory=frozenset)
 
     def __post_init__(self):
         if not self.examples:
             raise ValueError("ShuffledEpochs needs at least one example")
+        if self.skip and all(e.id in self.skip for e in self.examples):
+            from hangwatch.daemon.errors import DataError
+
+            raise DataError(f"every training example ({len(self.examples)}) is quarantined after non-finite losses "
+                            "(quarantine.jsonl in the run dir): nothing is left to train on")
 
     def order(self, epoch: int) -> list[int]:
         import numpy as np
@@ -218,15 +226,17 @@ class ShuffledEpochs:
 
     def take(self, n: int) -> list[Example]:
         out = []
-        for _ in range(n):
+        while len(out) < n:
             if self._order is None:
                 self._order = self.order(self.epoch)
             if self.index >= len(self._order):
                 self.epoch += 1
                 self.index = 0
                 self._order = self.order(self.epoch)
-            out.append(self.examples[self._order[self.index]])
+            example = self.examples[self._order[self.index]]
             self.index += 1
+            if example.id not in self.skip:
+                out.append(example)
         return out
 
     def position(self) -> dict:
@@ -252,14 +262,39 @@ class ShuffledEpochs:
 
 
 def load_tokenizer(cfg):
-    """The run's tokenizer without its model, for checking files before they are submitted."""
-    if cfg.model.name_or_path:
-        from transformers import AutoTokenizer
+    """The run's tokenizer without its model, for checking files before they are submitted: one that gives
+    exactly the worker's token ids.  A light one (the `tokenizers` library and jinja2, no torch:
+    daemon/light_tokenizer.py) where it is known to be the same: always for the tiny model, and for a model
+    directory once transformers' tokenizer for it was checked and recorded (daemon/tokenizer_cache.py);
+    transformers' own otherwise, recorded then for the next time.  A debug log on `hangwatch` says which."""
+    import logging
 
-        return AutoTokenizer.from_pretrained(cfg.model.name_or_path, local_files_only=True)
-    from hangwatch.daemon.model import build_tiny_tokenizer  # imports torch: the tiny tokenizer lives beside the tiny model
+    log = logging.getLogger(__name__)
+    name = cfg.model.name_or_path
+    if not name:
+        try:
+            from hangwatch.daemon.light_tokenizer import tiny
 
-    return build_tiny_tokenizer(cfg.model.tiny.vocab_size)
+            tok = tiny(cfg.model.tiny.vocab_size)
+            log.debug("tokenizer: light (%s)", tok.source)
+            return tok
+        except ImportError as exc:
+            log.debug("tokenizer: no light tokenizer without %s: building the tiny one through transformers", exc.name)
+        from hangwatch.daemon.model import build_tiny_tokenizer  # imports torch
+
+        return build_tiny_tokenizer(cfg.model.tiny.vocab_size)
+    from hangwatch.daemon import tokenizer_cache
+
+    light = tokenizer_cache.cached(name)
+    if light is not None:
+        return light
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    if tok.pad_token_id is None:  # as model.load_base does for the worker: its special tokens are the template's
+        tok.pad_token = tok.eos_token
+    tokenizer_cache.remember(tok, name)
+    return tok
 
 
 def collate(examples: list[Example], pad_id: int):

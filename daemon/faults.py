@@ -10,6 +10,11 @@ Trigger points (the first opportunity at or after the given moment):
     eval at or after step N and hangs its generate();
   - `at_eval: K` — at the K-th eval of the run (eval number = step // eval.every_steps).
 
+`poison` is not an event but bad data: the training examples it names (`example_ids`) have a non-finite loss
+every time they are trained (from `at_step` on, if given), on every attempt — what a corrupt example does
+— so that the trainer's quarantine of the examples of non-finite steps (`trainer.quarantine`) can be
+tested.  It is announced once per attempt, the first time it strikes.
+
 `rank: R` (default 0) fires a fault on that rank of a multi-rank run only; every rank keeps the
 one `faults-fired.json` (updated under a lock, as several ranks may record at once).
 
@@ -154,7 +159,11 @@ class FaultPlan:
         self._spawn = spawn
         seen: dict[str, int] = {}
         self.entries = []
+        self.poisons = [f for f in faults if f.kind == "poison" and f.rank == rank]
+        self._poison_announced = False
         for f in faults:
+            if f.kind == "poison":
+                continue  # bad data, not an event: never recorded as fired (`poisoned`)
             base = _identity(f)
             seen[base] = seen.get(base, 0) + 1
             if f.rank == rank:
@@ -236,6 +245,17 @@ class FaultPlan:
             else:
                 self._fire(fault, step, bundle)
         return processors
+
+    def poisoned(self, step: int, ids: list[str]) -> list[bool]:
+        """For the examples `ids` of optimizer step `step`: whether each one's loss is to be made non-finite."""
+        bad = {i for f in self.poisons if f.at_step is None or step >= f.at_step for i in f.example_ids}
+        hits = [i in bad for i in ids]
+        if any(hits) and not self._poison_announced:
+            self._poison_announced = True
+            named = sorted({i for i, h in zip(ids, hits) if h})
+            self.hb.warn(f"injecting fault poison at step {step}: examples {named}", fault="poison", example_ids=named)
+            print(f"fault: injecting poison at step {step} (examples {', '.join(named)})", flush=True)
+        return hits
 
     def take_nan(self) -> bool:
         """Whether this step's loss is to be made non-finite (consumes one of the nan fault's steps)."""

@@ -5,6 +5,15 @@ Nothing is ever downloaded: a named model is loaded with `local_files_only=True`
 directory or the hub cache), and the tiny model's tokenizer is built here, character by character,
 with bos/eos/pad and a chat template.
 
+Memory (`prepare_for_training`, the one place every attempt's bundle passes, cold or prewarmed): with
+`model.dtype: auto` the base weights are bf16 on a GPU that supports it (`base_dtype`; float32 on the CPU)
+and the forward runs under bf16 autocast, while every trainable parameter (LoRA, `modules_to_save`, extra
+modules) is kept float32, so the optimizer's updates are not rounded to bf16; `model.gradient_checkpointing`
+recomputes the decoder layers' activations in the backward pass (non-reentrant checkpointing, which
+replays the RNG state, so dropout — and therefore every number — is the same as without it);
+`model.load_in_4bit` loads a pretrained model quantised to NF4 through bitsandbytes (QLoRA, CUDA only,
+refused elsewhere as a config error).
+
 Extra trainable modules (the tiny model's `causal_projection` head, or anything a caller attaches
 and lists in `EXTRA_MODULES_ATTR`) are what PEFT silently freezes or drops: `wrap_lora` turns them
 back on and `ModelBundle.trainable_state` saves them with the adapter, and it refuses to run when
@@ -13,6 +22,7 @@ some trainable parameter would be saved by neither.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -21,16 +31,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
-ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
-# Characters in the order they claim vocabulary slots when vocab_size is small.
-CHARSET = (" " + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789"
-           + ".,:;!?'\"-_()[]{}<>/\\|@#$%^&*+=~`" + "\n\t")
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+# The tiny tokenizer's definition lives with its light twin, which has no torch (`hangwatch submit` uses it).
+from hangwatch.daemon.light_tokenizer import CHAT_TEMPLATE, ROLE_TOKENS, tiny_backend
+
 EXTRA_MODULES_ATTR = "hangwatch_extra_modules"
 AUX_LOSS_WEIGHT = 0.1
 EXTRA_FILE = "extra_modules.safetensors"
@@ -40,20 +43,14 @@ EXTRA_FILE = "extra_modules.safetensors"
 
 
 def build_tiny_tokenizer(vocab_size: int):
-    """A character-level tokenizer with special and role tokens; characters that do not fit map to <unk>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer with special and role tokens; characters that do not fit map to <unk>.
+
+    Its backend is light_tokenizer.tiny_backend, which `hangwatch submit` uses without transformers."""
     from transformers import PreTrainedTokenizerFast
 
-    specials = SPECIAL_TOKENS + ROLE_TOKENS
-    room = max(0, vocab_size - len(specials))
-    tokens = specials + list(CHARSET[:room])
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.FixedLength(length=1)
-    backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=ROLE_TOKENS, model_max_length=1 << 30,
+        tokenizer_object=tiny_backend(vocab_size), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=ROLE_TOKENS, model_max_length=1 << 30,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -111,20 +108,84 @@ def attach_extra(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model, EXTRA_MODULES_ATTR, names)
 
 
-def load_base(cfg, seed: int):
-    """(base model, tokenizer) from `model.name_or_path` (local only) or the tiny config."""
+def _remember_tokenizer(tok, name_or_path: str) -> None:
+    """Let `hangwatch submit` validate files for this run with a light tokenizer (no torch import) from its
+    first use on: the record is kept only when a light rebuild matches `tok` exactly.  A cache that cannot be
+    written costs the submit speed, never the run."""
+    from hangwatch.daemon import tokenizer_cache
+
+    try:
+        tokenizer_cache.remember(tok, name_or_path)
+    except Exception as exc:  # noqa: BLE001 - a cache: never the worker's failure
+        warnings.warn(f"tokenizer cache not written: {exc}")
+
+
+def base_dtype(dtype: str, device_type: str, bf16_supported: bool) -> torch.dtype:
+    """The dtype of the base (frozen) weights: `model.dtype`, with `auto` meaning bf16 on a GPU that supports it
+    and float32 anywhere else."""
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if dtype == "auto" and device_type == "cuda" and bf16_supported:
+        return torch.bfloat16
+    return torch.float32
+
+
+def bf16_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def check_4bit(cfg, device: torch.device) -> None:
+    """`model.load_in_4bit` needs a CUDA device and bitsandbytes: refused as a config error (exit 78) otherwise."""
+    if not getattr(cfg.model, "load_in_4bit", False):
+        return
+    from hangwatch.common.config import ConfigError
+
+    if device.type != "cuda":
+        raise ConfigError([f"model.load_in_4bit: 4-bit (QLoRA) loading needs a CUDA GPU and this worker runs on "
+                           f"{device.type} (torch sees no CUDA device); drop load_in_4bit or run on a GPU"])
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(["model.load_in_4bit: bitsandbytes is not installed: pip install 'hangwatch[qlora]'"]) from None
+
+
+def quantization_config(compute_dtype: torch.dtype):
+    """NF4 with double quantisation, computing in `compute_dtype`: the QLoRA recipe."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_base(cfg, seed: int, device: Optional[torch.device] = None):
+    """(base model, tokenizer) from `model.name_or_path` (local only) or the tiny config, its weights in the
+    dtype that `device` (default: the configured one) calls for."""
     mcfg = cfg.model
+    device = device if device is not None else pick_device(cfg)[0]
+    dtype = base_dtype(mcfg.dtype, device.type, bf16_supported(device))
     if mcfg.name_or_path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(mcfg.name_or_path, local_files_only=True)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
-        dtype = torch.bfloat16 if mcfg.dtype == "bfloat16" else torch.float32
+        _remember_tokenizer(tok, mcfg.name_or_path)
+        if getattr(mcfg, "load_in_4bit", False):
+            check_4bit(cfg, device)
+            compute = torch.bfloat16 if bf16_supported(device) else torch.float16
+            model = AutoModelForCausalLM.from_pretrained(
+                mcfg.name_or_path, local_files_only=True, dtype=compute, quantization_config=quantization_config(compute),
+                device_map={"": device.index if device.index is not None else torch.cuda.current_device()})
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=mcfg.gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model, tok
         model = AutoModelForCausalLM.from_pretrained(mcfg.name_or_path, local_files_only=True, dtype=dtype)
         return model, tok
     tok = build_tiny_tokenizer(mcfg.tiny.vocab_size)
-    return build_tiny_model(mcfg.tiny, tok, seed), tok
+    model = build_tiny_model(mcfg.tiny, tok, seed)
+    return (model if dtype == torch.float32 else model.to(dtype)), tok
 
 
 # ---- LoRA and the bundle ----------------------------------------------------------------------
@@ -200,6 +261,14 @@ class ModelBundle:
         """(loss to backpropagate, LM cross-entropy sum, auxiliary loss sum) for one micro-batch,
         normalised by the label tokens of the whole optimizer step.  `module`: what the forward goes
         through (the DDP wrapper of `model` while a multi-rank run trains; default `model`)."""
+        loss, ce, aux, _ = self.compute_loss_rows(batch, n_label_total, module)
+        return loss, ce, aux
+
+    def compute_loss_rows(self, batch: dict, n_label_total: int, module=None,
+                          poison: Optional[list[bool]] = None) -> tuple[torch.Tensor, float, float, list[int]]:
+        """`compute_loss`, plus the rows (examples) of the micro-batch whose own loss is non-finite — looked for
+        only when the micro-batch's loss is (the culprits of a non-finite step, for the quarantine).
+        `poison`: rows whose logits are made non-finite (the `poison` fault: what a corrupt example does)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         labels = batch["labels"]
         head = self.extra.get("causal_projection")
@@ -210,6 +279,9 @@ class ModelBundle:
             out = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           output_hidden_states=head is not None, use_cache=False)
         logits = out.logits[:, :-1].float()
+        if poison is not None and any(poison):
+            scale = torch.tensor([float("nan") if p else 1.0 for p in poison], device=logits.device)
+            logits = logits * scale[:, None, None]
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
                                          ignore_index=-100, reduction="sum")
@@ -218,7 +290,15 @@ class ModelBundle:
         if head is not None:
             aux = projection_loss_sum(head, out.hidden_states[-1], labels != -100)
             total = ce + AUX_LOSS_WEIGHT * aux
-        return total / n_label_total, float(ce.detach()), float(aux.detach())
+        ce_value, aux_value = float(ce.detach()), float(aux.detach())
+        bad_rows: list[int] = []
+        if not (math.isfinite(ce_value) and math.isfinite(aux_value)):
+            with torch.no_grad():
+                per_token = nn.functional.cross_entropy(logits.detach().reshape(-1, logits.size(-1)), target.reshape(-1),
+                                                        ignore_index=-100, reduction="none").view(target.shape)
+                per_row = per_token.sum(dim=1)
+                bad_rows = [i for i, v in enumerate(per_row.tolist()) if not math.isfinite(v)]
+        return total / n_label_total, ce_value, aux_value, bad_rows
 
 
 def _peft_module(base, name):
@@ -263,16 +343,63 @@ def check_everything_saved(bundle: ModelBundle) -> None:
 
 
 def load_model(cfg) -> ModelBundle:
-    """Base + tokenizer + LoRA wrapping on the configured device."""
+    """Base + tokenizer + LoRA wrapping on the configured device, ready to train (`prepare_for_training`)."""
     device, autocast = pick_device(cfg)
-    base, tok = load_base(cfg, cfg.train.seed)
+    check_4bit(cfg, device)
+    base, tok = load_base(cfg, cfg.train.seed, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)
         model, extras = wrap_lora(base, cfg.lora)
-    model.to(device)
+    if not getattr(base, "is_loaded_in_4bit", False):  # a quantised model is placed by its device_map, and cannot move
+        model.to(device)
     bundle = ModelBundle(model=model, tokenizer=tok, extra=extras, device=device, autocast_dtype=autocast)
     check_everything_saved(bundle)
+    prepare_for_training(bundle, cfg)
     return bundle
+
+
+def prepare_for_training(bundle: ModelBundle, cfg, gradient_checkpointing: Optional[bool] = None) -> ModelBundle:
+    """Weights in their dtypes and gradient checkpointing as configured; idempotent, so a bundle a standby
+    preloaded on the CPU passes here too once it is on its device.  `gradient_checkpointing`: the setting in
+    force (OOM remediation may turn it on; default `model.gradient_checkpointing`)."""
+    base = bundle.base
+    if not getattr(base, "is_loaded_in_4bit", False):
+        want = base_dtype(cfg.model.dtype, bundle.device.type, bf16_supported(bundle.device))
+        frozen = [p for p in bundle.model.parameters() if not p.requires_grad and p.is_floating_point()]
+        if any(p.dtype != want for p in frozen):
+            with torch.no_grad():
+                for p in frozen:
+                    p.data = p.data.to(want)
+    keep_trainable_float32(bundle)
+    on = cfg.model.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
+    if on and not checkpointing_on(base):
+        enable_gradient_checkpointing(base)
+    return bundle
+
+
+def checkpointing_on(base) -> bool:
+    """Whether activation checkpointing is on (transformers 5's name first, 4.x's after)."""
+    on = getattr(type(base), "is_activation_checkpointing", None)
+    return bool(base.is_activation_checkpointing if on is not None else getattr(base, "is_gradient_checkpointing", False))
+
+
+def keep_trainable_float32(bundle: ModelBundle) -> None:
+    """Every trainable parameter in float32 (the optimizer's master weights), whatever the base's dtype."""
+    with torch.no_grad():
+        for _, p in bundle.trainable_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+
+def enable_gradient_checkpointing(base) -> None:
+    """Non-reentrant activation checkpointing on every decoder layer (transformers 5's name first, 4.x's after)."""
+    kwargs = {"use_reentrant": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(base, "activation_checkpointing_enable"):
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def memory_metrics(device: torch.device) -> dict:

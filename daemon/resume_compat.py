@@ -23,7 +23,10 @@ from hangwatch.daemon import checkpoint as ckpt
 FINGERPRINT_SECTIONS = ("model", "lora", "train")
 FINGERPRINT_DATA = ("max_length", "truncation")
 # Settings inside those that change nothing a checkpoint holds, so they may differ on resume.
-FINGERPRINT_FREE = {("train", "sleep_per_step_s"), ("train", "max_nonfinite_streak")}
+FINGERPRINT_FREE = {("train", "sleep_per_step_s"), ("train", "max_nonfinite_streak"),
+                    ("model", "gradient_checkpointing")}  # recomputes activations: the same numbers, bit for bit
+# Settings added after checkpoints were already written: absent from an older fingerprint means the default.
+FINGERPRINT_DEFAULTS = {("model", "gradient_checkpointing"): False, ("model", "load_in_4bit"): False}
 
 
 def fingerprint(cfg: Any, world_size: int = 1) -> dict[str, Any]:
@@ -40,7 +43,7 @@ def fingerprint_differences(saved: dict, current: dict, prefix: tuple = ()) -> l
     out = []
     for key in sorted(set(saved) | set(current)):
         path = prefix + (key,)
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, FINGERPRINT_DEFAULTS.get(path)), current.get(key, FINGERPRINT_DEFAULTS.get(path))
         if isinstance(a, dict) and isinstance(b, dict):
             out += fingerprint_differences(a, b, path)
         elif a != b and path not in FINGERPRINT_FREE:

@@ -1,29 +1,52 @@
-"""The one wiring of a supervisor: logging into the run dir, the control socket, systemd notify, the loop.
+"""The one wiring of a supervisor: logging into the run dir, the control socket, systemd notify, the ops side, the loop.
 
 `hangwatch run` and the tests (`python -m hangwatch.supervisor run …`) go through here, so what is
 tested is what users run.  Seams (clock, spawn, kill, process table, …) pass through to `Supervisor`.
+
+The ops side (`Ops`: alerts, the dead-man's ping, Prometheus metrics, the no-progress incident) listens
+to the loop like systemd does — through the notifier, whose `watchdog(now)` the loop calls at the end of
+every pass — and to the log (a `logsetup` tap).  It only decides on the loop; everything slow (HTTP,
+a command, the textfile, scrapes) runs on threads of its own, so it never delays detection or recovery.
 """
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any, Callable, Optional
 
+import structlog
+
 from hangwatch.common.config import Config
+from hangwatch.common.config.ops_schema import host_port
 from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
 from hangwatch.supervisor import logsetup
+from hangwatch.supervisor.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
 from hangwatch.supervisor.control import make_control
-from hangwatch.supervisor.notify import Notifier
+from hangwatch.supervisor.deadman import DeadMan, Pinger
+from hangwatch.supervisor.metrics import Metrics, Recovery
+from hangwatch.supervisor.notify import Fanout, Notifier, Outbox, Stats
+from hangwatch.supervisor.outcome import ProgressPolicy
 from hangwatch.supervisor.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.runner import Supervisor
 
+log = structlog.get_logger("hangwatch")
+
+CLOSE_WAIT_S = 10.0  # the longest a supervisor on its way out waits for queued alerts
+METRIC_EVENTS = frozenset({"stall_detected", "worker_failed"})
+
+
+def no_progress_limit(cfg: Config) -> int:
+    """`restart.no_progress_restarts` (0: off)."""
+    return cfg.restart.no_progress_restarts
+
 
 def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = make_control,
-        notifier: Any = None, configure_logging: bool = True, **seams) -> int:
+        notifier: Any = None, configure_logging: bool = True, ops: Optional["Ops"] = None, **seams) -> int:
     """Supervise `cfg` until done; return the exit code.
 
     Exit codes: 0 finished or stopped; the worker's 65/78 when it reported a do-not-restart error;
-    1 for a crash loop or another failure (also when the control socket cannot be opened); 73 when
-    another supervisor holds the run dir (then nothing in it was touched).
+    1 for a crash loop, no progress or another failure (also when the control socket or the metrics
+    port cannot be opened); 73 when another supervisor holds the run dir (then nothing in it was touched).
     """
     # The run-dir lock comes first: a second supervisor must not write one byte (log, socket-path
     # record, state.json) into a run dir another one is supervising.
@@ -35,13 +58,196 @@ def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = mak
     with lock:
         if configure_logging:
             logsetup.configure(cfg.run_dir, cfg.logging.level)
+        ops = ops if ops is not None else Ops(cfg)
+        try:
+            ops.start()
+        except OSError as exc:
+            print(f"hangwatch: cannot serve metrics on {cfg.metrics.listen}: {exc}", file=sys.stderr)
+            ops.close()
+            return EXIT_FAILED
         control = None
         if control_factory is not None:
             try:
                 control = control_factory(cfg)
             except OSError as exc:
                 print(f"hangwatch: cannot open the control socket: {exc}", file=sys.stderr)
+                ops.close()
                 return EXIT_FAILED
         seams.setdefault("subreaper", True)
-        sup = Supervisor(cfg, control=control, notifier=notifier if notifier is not None else Notifier.from_env(), **seams)
-        return sup.run()
+        systemd = notifier if notifier is not None else Notifier.from_env()
+        # The no-progress stop rides on the restart policy; the step it judges by is the run's last good one.
+        seams.setdefault("policy", ProgressPolicy(cfg.restart, no_progress_limit(cfg), lambda: sup.facts.last_good_step))
+        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), **seams)
+        ops.bind(sup)
+        try:
+            return sup.run()
+        finally:
+            ops.close()
+
+
+class Ops:
+    """Alerts, the dead-man's ping, metrics and the no-progress incident of one supervisor.
+
+    A listener of the loop's notifications: `watchdog(now)` arrives once a pass, at its end (`pass_done`).
+    Seams: `sinks` replaces the alert sinks (apprise URLs, the command), `ping_get` the ping's HTTP GET."""
+
+    def __init__(self, cfg: Config, *, sinks: Optional[list] = None, ping_get: Optional[Callable[[str, float], int]] = None):
+        a, m = cfg.alerts, cfg.metrics
+        self.cfg = cfg
+        self.stats = Stats()
+        self.events: deque = deque(maxlen=10_000)  # the tap's: appended on any thread, read on the loop's
+        self.sup: Optional[Supervisor] = None
+        self.desk: Optional[AlertDesk] = None
+        self.outbox: Optional[Outbox] = None
+        self._sinks = sinks
+        if a.urls or a.command or sinks is not None:
+            self.courier: Optional[Courier] = None
+            self.outbox = Outbox("alerts", self._deliver, setup=self._setup_sinks, stats=self.stats)
+            self.desk = AlertDesk(set(a.on), a.min_interval_s, self.outbox.put)
+        self.deadman = None
+        if a.ping_url:
+            pinger = Pinger(a.ping_url, a.timeout_s, self.stats, get=ping_get)
+            self.deadman = DeadMan(a.ping_every_s, Outbox("deadman", pinger, maxsize=1, stats=self.stats))
+        self.metrics = Metrics(host_port(m.listen) if m.listen else None, m.textfile, m.textfile_every_s, self.stats) \
+            if (m.listen or m.textfile) else None
+        self.recovery = Recovery()
+        self.no_progress_recorded = False
+        self._tapped = False
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _setup_sinks(self) -> None:
+        """On the alerts thread: apprise's import and plugin scan take most of a second."""
+        a = self.cfg.alerts
+        sinks = self._sinks
+        if sinks is None:
+            sinks = []
+            for url in a.urls:
+                try:
+                    sinks.append(AppriseSink(url, a.timeout_s))
+                except ValueError as exc:  # the other URLs still work
+                    log.error("alert_url_invalid", error=str(exc))
+            if a.command:
+                sinks.append(CommandSink(a.command, a.timeout_s))
+        self.courier = Courier(self.cfg.run_dir, sinks, a.retries, self.stats)
+
+    def _deliver(self, notice) -> None:
+        self.courier.deliver(notice)
+
+    def _tap(self, ev: dict) -> None:
+        if ev.get("event") in EVENTS:
+            self.events.append(dict(ev))
+
+    def start(self) -> None:
+        if self.desk is not None or self.metrics is not None:
+            logsetup.add_tap(self._tap)
+            self._tapped = True
+        if self.outbox is not None:
+            self.outbox.start()
+        if self.deadman is not None:
+            self.deadman.outbox.start()
+        if self.metrics is not None:
+            self.metrics.start()
+
+    def bind(self, sup: Supervisor) -> None:
+        self.sup = sup
+
+    # ---- the notifier interface (the loop's notifications) -------------------------------------
+
+    def ready(self, status: Optional[str] = None) -> bool:
+        return False
+
+    def status(self, text: str) -> bool:
+        return False
+
+    def stopping(self, status: Optional[str] = None) -> bool:
+        return False
+
+    def next_due_s(self, now: float) -> Optional[float]:
+        """When the next pass must come for the ops layer: a dead-man's ping, a metrics snapshot, an alert
+        event waiting to be handled (at once); None when nothing is configured."""
+        due = [0.0] if self.events else []
+        if self.deadman is not None:
+            due.append(self.deadman.next_due_s(now))
+        if self.metrics is not None:
+            due.append(self.metrics.next_due_s(now))
+        return min(due) if due else None
+
+    def watchdog(self, now: Optional[float] = None) -> bool:
+        if self.sup is not None and now is not None:
+            self.pass_done(now)
+        return False
+
+    # ---- once a pass, on the loop --------------------------------------------------------------
+
+    def pass_done(self, now: float) -> None:
+        sup = self.sup
+        self._record_no_progress()
+        while self.events:
+            self._event(self.events.popleft(), now)
+        dl = sup.deadlines
+        tr = dl.ranks.get(dl.main_rank()) if sup.current is not None else None
+        stepped = tr.step if tr is not None and tr.last_step_at is not None else None
+        if self.desk is not None:
+            self.desk.observe(sup.attempt, stepped, now)
+            self.desk.tick(now)
+        if self.metrics is not None:
+            if stepped is not None:
+                took = self.recovery.stepped(sup.attempt, now)
+                if took is not None:
+                    self.metrics.recovery.observe(took)
+            if self.desk is not None:
+                self.metrics.held = self.desk.throttle.suppressed
+            if self.metrics.due(now):
+                self.metrics.take(sup, now)
+        if self.deadman is not None:
+            self.deadman.pass_done(sup.lifecycle.state, tr, now)
+
+    def _event(self, ev: dict, now: float) -> None:
+        if self.desk is not None:
+            self.desk.feed(ev, now)
+        if self.metrics is not None and ev.get("event") in METRIC_EVENTS and ev.get("incident"):
+            self.recovery.detected_at(now, ev.get("attempt") or self.sup.attempt)
+            if isinstance(ev.get("elapsed_s"), (int, float)):
+                self.metrics.detection.observe(ev["elapsed_s"])
+
+    def _record_no_progress(self) -> None:
+        """The policy gave up for lack of progress: the run's final incident (after the failure's own)."""
+        gave_up = getattr(self.sup.policy, "gave_up", None)
+        if gave_up is None or self.no_progress_recorded:
+            return
+        self.no_progress_recorded = True
+        sup = self.sup
+        inc = sup.incidents.create("no_progress", attempt=sup.attempt, phase=None, step=gave_up["attempt_top_step"],
+                                   classification="no progress", summary=gave_up["reason"], status="final",
+                                   last_incident=sup.facts.last_incident, last_good_checkpoint=sup.facts.last_good_checkpoint,
+                                   **gave_up)
+        sup.facts.note_incident(inc)
+        log.error("no_progress", incident=inc.id, reason=gave_up["reason"])
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """After the loop: the last events, the final snapshot, then what is queued goes out (bounded)."""
+        if self.sup is not None:
+            now = self.sup.clock()
+            self._record_no_progress()
+            while self.events:
+                self._event(self.events.popleft(), now)
+            if self.desk is not None:
+                self.desk.tick(now)
+            if self.metrics is not None:
+                self.metrics.take(self.sup, now)
+        if self._tapped:
+            logsetup.remove_tap(self._tap)
+            self._tapped = False
+        a = self.cfg.alerts
+        if self.outbox is not None:
+            # At most one delivery's worth of waiting, capped: a dead endpoint must not hold the exit for long.
+            wait_s = min(a.timeout_s, CLOSE_WAIT_S)
+            if not self.outbox.close(wait_s):
+                log.warning("alerts_not_all_sent", note=f"gave up waiting for the alert endpoints after {wait_s:g}s")
+        if self.deadman is not None:
+            self.deadman.outbox.close(1.0)
+        if self.metrics is not None:
+            self.metrics.close()

@@ -8,6 +8,11 @@ the pids the ranks announced in their `start` lines, descendants seen by the tre
 the supervisor as subreaper — orphans re-parented to it, which is the only way to find a child that
 left the group (setsid) once the worker itself has exited.
 
+With `restart.prewarm` the worker of an attempt may be a standby spawned while the previous attempt
+was being torn down (`supervisor.prewarm`): `start` then hands the attempt that process, released,
+instead of spawning one (`prewarmed`).  Until then the standby is one of our children that is not the
+failed attempt's: `foreign` keeps the tree scan from adopting it as an orphan of that tree.
+
 Every worker also gets torch's NCCL flight recorder switched on (`flight_recorder.flight_env`: a
 dump pipe and dump files per rank in the attempt directory, unless the user configured them), and
 each attempt watches its ranks for stragglers (`stragglers.StragglerWatch`).
@@ -61,6 +66,8 @@ class Attempt:
     cwd: Optional[str] = None  # the worker's working directory (its relative source paths)
     resume_from: str = ""  # the checkpoint handed in HANGWATCH_RESUME_FROM ("" for none)
     resume_checked: bool = False  # its `start` beat's `resumed_from` was compared with it
+    prewarmed: bool = False  # its worker was a standby, released (restart.prewarm), not spawned cold
+    foreign: set[int] = field(default_factory=set)  # our children that are not this attempt's (a standby for the next)
     started_wall: float = field(default_factory=time.time)  # wall clock: only to tell this attempt's files from older ones
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
@@ -83,7 +90,7 @@ class Attempt:
     def known_refs(self, table: ProcessTable, subreaper: bool) -> list[ProcRef]:
         """Every process known to belong to this attempt besides the worker's group."""
         refs = list(self.tree.values()) + list(self.announced_refs().values())
-        return refs + list(adopted(table, subreaper, exclude={self.worker.pid}).values())
+        return refs + list(adopted(table, subreaper, exclude={self.worker.pid, *self.foreign}).values())
 
     def kill_all(self, table: ProcessTable) -> None:
         """SIGKILL to the group and every known member at once (the supervisor itself is failing)."""
@@ -95,7 +102,7 @@ class Attempt:
         """Remember the worker's descendants (with start times) to find those that leave the group.
         True when a new one was found."""
         seen = {r.pid: r for r in table.descendants(self.worker.pid)}
-        for pid, r in adopted(table, subreaper, exclude={self.worker.pid}).items():
+        for pid, r in adopted(table, subreaper, exclude={self.worker.pid, *self.foreign}).items():
             seen.setdefault(pid, r)
         changed = bool(set(seen) - set(self.tree))
         self.tree = {**{p: r for p, r in self.tree.items() if not table.is_gone(r)}, **seen}
@@ -154,13 +161,20 @@ def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = 
     return env
 
 
+TakeStandby = Callable[[int, Path, str, float], Optional[Worker]]  # (number, its dir, resume_from, now) → released worker
+
+
 def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None,
-          resume_from: str = "") -> Attempt:
-    """Create the attempt's directory and spawn the worker, handing it `resume_from` (the last good
-    checkpoint, "" for none); OSError when it cannot be executed."""
+          resume_from: str = "", take_standby: Optional[TakeStandby] = None) -> Attempt:
+    """Create the attempt's directory and give it a worker, handing it `resume_from` (the last good
+    checkpoint, "" for none): the standby `take_standby` releases (`prewarm.Prewarm.take`), or a worker
+    spawned now when there is none.  OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
     (fs or FsOps()).mkdir(adir)
-    env = worker_env(cfg, number, resume_from=resume_from)
-    worker = spawn(worker_argv(cfg, config_path), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
+    env = worker_env(cfg, number, resume_from=resume_from)  # the standby got the same, less HANGWATCH_RESUME_FROM
+    worker = take_standby(number, adir, resume_from, now) if take_standby is not None else None
+    prewarmed = worker is not None
+    if worker is None:
+        worker = spawn(worker_argv(cfg, config_path), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
     return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
-                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from)
+                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from, prewarmed=prewarmed)

@@ -4,7 +4,9 @@
 
 Each finds the daemon by --run-dir DIR ($HANGWATCH_RUN_DIR) or --socket PATH ($HANGWATCH_SOCKET).
 `cli.py` registers them on the `hangwatch` group; a `ClientError` raised here becomes one line on
-stderr and its exit code there.
+stderr and its exit code there.  Importing this module loads click and the socket client only: what
+shows an answer (render.py, rich) is imported while the request is in flight, and `--json` never
+needs it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,14 @@ def _console():
     return Console(highlight=False, soft_wrap=False)
 
 
+def _load_renderer() -> None:
+    """Import what shows the answer (render.py and rich: a few tens of ms) as a request's `meanwhile`, so
+    that it costs nothing while the supervisor's loop gets round to answering."""
+    import rich.console  # noqa: F401
+
+    import hangwatch.supervisor.render  # noqa: F401
+
+
 @click.command(short_help="Show where the run is (--json, --watch).")
 @daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
@@ -65,10 +75,10 @@ def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> No
     if watch:
         _live(client, interval, count, as_json)
         return
-    st = client.call("status")
     if as_json:
-        click.echo(json.dumps(st, default=str))
+        click.echo(json.dumps(client.call("status"), default=str))
         return
+    st = client.call("status", meanwhile=_load_renderer)  # rich loads while the supervisor answers
     from hangwatch.supervisor.render import status_view
 
     _console().print(status_view(st))
@@ -123,9 +133,10 @@ def _live(client: Client, interval: float, count: Optional[int], as_json: bool) 
 @click.option("--now", is_flag=True, help="Do not wait for a checkpoint: dump stacks and kill the worker.")
 def restart(run_dir, socket_path, timeout, now) -> None:
     """Restart the worker: by default it checkpoints first, so no step is lost."""
+    result = client_for(run_dir, socket_path, timeout).call("restart", mode="now" if now else "graceful",
+                                                           meanwhile=_load_renderer)
     from hangwatch.supervisor.render import result_message
 
-    result = client_for(run_dir, socket_path, timeout).call("restart", mode="now" if now else "graceful")
     click.echo(result_message("restart", result))
 
 
@@ -133,9 +144,10 @@ def _simple(cmd: str, short_help: str, help_text: str) -> click.Command:
     """A command that sends `cmd` with no arguments and prints the answer as one line."""
 
     def command(run_dir, socket_path, timeout):
+        result = client_for(run_dir, socket_path, timeout).call(cmd, meanwhile=_load_renderer)
         from hangwatch.supervisor.render import result_message
 
-        click.echo(result_message(cmd, client_for(run_dir, socket_path, timeout).call(cmd)))
+        click.echo(result_message(cmd, result))
 
     return click.command(name=cmd, short_help=short_help, help=help_text)(daemon_options(command))
 
@@ -151,9 +163,9 @@ resume = _simple("resume", "Start the worker again after pause.", "Start the wor
 @daemon_options
 def dump(run_dir, socket_path, timeout) -> None:
     """Print fresh stack dumps of every rank (SIGUSR1 → faulthandler), without stopping anything."""
+    result = client_for(run_dir, socket_path, timeout).call("dump", meanwhile=_load_renderer) or {}
     from hangwatch.supervisor.render import dump_text
 
-    result = client_for(run_dir, socket_path, timeout).call("dump") or {}
     click.echo(dump_text(result.get("dumps") or {}), nl=False)
 
 
@@ -166,7 +178,9 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
     supervisor is running there (after the run ended)."""
     try:
         client = client_for(run_dir, socket_path, timeout)
-        result = client.call("incidents", id=incident_id) if incident_id else client.call("incidents")
+        meanwhile = None if as_json else _load_renderer
+        result = (client.call("incidents", id=incident_id, meanwhile=meanwhile) if incident_id
+                  else client.call("incidents", meanwhile=meanwhile))
     except DaemonUnavailable:
         if not run_dir:
             raise
@@ -197,23 +211,26 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
 @click.option("-n", "--lines", type=int, default=None, help="Start with the last N lines (default: all).")
 def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> None:
     """Print the current attempt's worker log (or the supervisor log); -f follows it across restarts."""
-    from hangwatch.supervisor.logfollow import follow_log
+    from hangwatch.supervisor.logfollow import NoLogYet, follow_log
 
     if run_dir is None:
         run_dir = daemon_run_dir(socket_path, timeout)
     out = sys.stdout.buffer
     base = Path(run_dir)
-    for item in follow_log(run_dir, supervisor=supervisor, attempt=attempt, follow=follow, last_lines=lines):
-        if isinstance(item, Path):
-            if follow:
-                try:
-                    shown = item.relative_to(base)
-                except ValueError:
-                    shown = item
-                click.echo(f"hangwatch: following {shown}", err=True)
-            continue
-        out.write(item)
-        out.flush()
+    try:
+        for item in follow_log(run_dir, supervisor=supervisor, attempt=attempt, follow=follow, last_lines=lines):
+            if isinstance(item, Path):
+                if follow:
+                    try:
+                        shown = item.relative_to(base)
+                    except ValueError:
+                        shown = item
+                    click.echo(f"hangwatch: following {shown}", err=True)
+                continue
+            out.write(item)
+            out.flush()
+    except NoLogYet as exc:
+        fail(str(exc), EXIT_FAILED)
 
 
 COMMANDS = (status, top, restart, stop, pause, resume, dump, incidents, logs)

@@ -11,7 +11,7 @@ import pwd
 import socket
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hangwatch.common.exitcodes import EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE, EXIT_FAILED
 from hangwatch.supervisor.control.paths import socket_path_in, unix_address
@@ -58,8 +58,10 @@ class Client:
         self.path = Path(path)
         self.timeout = timeout
 
-    def request(self, req: dict, *, timeout: Optional[float] = None) -> dict:
-        """Send one request, return the raw reply object."""
+    def request(self, req: dict, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None) -> dict:
+        """Send one request, return the raw reply object.  `meanwhile()`, when given, runs once the request
+        is sent and before the reply is read: work the caller needs anyway (importing what will show the
+        answer) then overlaps with the daemon's time to answer."""
         timeout = self.timeout if timeout is None else timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -70,6 +72,8 @@ class Client:
                     sock.sendall(json.dumps(req).encode() + b"\n")
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it hung up mid-request (one too large): its reply, still readable, says why
+                if meanwhile is not None:
+                    meanwhile()
                 raw = self._read_line(sock)
             except socket.timeout:
                 raise DaemonUnavailable(f"hangwatch at {self.path} did not answer within {timeout:g}s") from None
@@ -87,9 +91,11 @@ class Client:
             raise BadReply(f"hangwatch at {self.path} sent a reply without \"ok\": {raw[:80]!r}")
         return reply
 
-    def call(self, cmd: str, *, timeout: Optional[float] = None, **fields: Any) -> Any:
-        """Send `{"cmd": cmd, **fields}`; return the result or raise RequestFailed with the daemon's error."""
-        reply = self.request({"cmd": cmd, **fields}, timeout=timeout)
+    def call(self, cmd: str, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None,
+             **fields: Any) -> Any:
+        """Send `{"cmd": cmd, **fields}`; return the result or raise RequestFailed with the daemon's error.
+        `meanwhile` as for `request`."""
+        reply = self.request({"cmd": cmd, **fields}, timeout=timeout, meanwhile=meanwhile)
         if not reply["ok"]:
             raise RequestFailed(f"{cmd}: {reply.get('error', 'failed (no reason given)')}")
         return reply.get("result")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import structlog
 
 from hangwatch.common.inbox_layout import queue_status
+from hangwatch.supervisor import remediation
 from hangwatch.supervisor.escalation import DumpCollector, DumpTarget
 from hangwatch.supervisor.outcome import Intent
 from hangwatch.supervisor.process import ProcessTable
@@ -233,6 +234,7 @@ def status_view(sup: "Supervisor", now: float) -> dict:
         "torn_lines": facts.torn_lines,
         "calibration": {"step_budget_s": budget, "source": source, "samples": len(sup.calibration.step_samples)},
         "queue": queue_status(sup.run_dir) if sup.cfg.data.inbox else None,
+        **remediation.state_fields(sup.run_dir),  # self-healing: the micro-batch after OOMs, quarantined examples
     }
 
 

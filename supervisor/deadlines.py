@@ -19,6 +19,15 @@ A `progress` line resets only silence, so a loop that keeps saying "alive" witho
 step still runs into the step or phase deadline (and is reported as a livelock).  A rank that
 sent `stop` has no deadlines left.  `shift(gap)` moves every anchor forward by a stretch in which
 the supervisor itself was not running (SIGSTOP, a suspended laptop), so such a gap never fires.
+
+The loop asks two things many times a second: when the earliest deadline falls due (its sleep) and
+whether one is due (each pass).  Both come from `_due_at`, plain arithmetic over the anchors, kept
+until an input changes the anchors (every method that moves one bumps a version); the `Expired`
+records are built only once something is due.  The calibrated step budget (a p99 over up
+to 1000 samples, a sort) is recomputed after every new sample while there are fewer than 40, then
+after every `len/20` new ones (a 5% turnover of the window: at 640 steps a second, 13 sorts instead of
+640), and at once when calibration begins or the number of samples changed behind this object's back
+(a reload).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from hangwatch.common.config import WatchdogCfg
 
 UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
 QUIET_PHASES = frozenset({"load"})  # one long call that cannot beat: bounded by its phase budget instead
+DUE_SLACK_S = 1e-6  # `check` takes the fast "nothing due" answer only this clearly before the earliest due time
 
 
 @dataclass
@@ -100,19 +110,27 @@ class Deadlines:
         self.spawned_at: Optional[float] = None
         self.started = False
         self.extra: dict[str, tuple[float, float, str]] = {}  # name → (anchor, budget, source): e.g. the stop bound
+        self._version = 0  # bumped by every input that can move an anchor (the `_due_at` cache's key)
+        self._due_cache: tuple = (None, None)  # ((version, step budget), due time)
+        self._new_samples = 0  # step samples added here since the budget was last computed
+        self._samples_seen: Optional[int] = None  # how many samples there were as this object left them
+        self._step_cached: tuple[float, str] = (0.0, "")
 
     # ---- inputs ---------------------------------------------------------------------------
 
     def arm_startup(self, now: float) -> None:
+        self._version += 1
         self.spawned_at = now
         self.started = False
         self.ranks.clear()
         self.extra.clear()
 
     def arm_extra(self, name: str, now: float, budget_s: float, source: str = "") -> None:
+        self._version += 1
         self.extra[name] = (now, budget_s, source)
 
     def disarm_extra(self, name: str) -> None:
+        self._version += 1
         self.extra.pop(name, None)
 
     def phase_budget(self, name: str, line_budget=None) -> tuple[Optional[float], str]:
@@ -134,10 +152,24 @@ class Deadlines:
     def step_budget(self) -> tuple[float, str]:
         if self.wd.step_timeout_s is not None:
             return float(self.wd.step_timeout_s), "config"
-        calibrated = self.calibration.step_budget()
-        if calibrated is not None:
-            return calibrated, "calibrated"
-        return float(self.wd.first_steps_timeout_s), "first_steps"
+        n = len(self.calibration.step_samples)
+        due = self._new_samples >= max(1, n // 20) or (self._step_cached[1] != "calibrated" and n >= self.wd.calibrate_after)
+        if n != self._samples_seen or due:
+            calibrated = self.calibration.step_budget()
+            self._step_cached = (calibrated, "calibrated") if calibrated is not None else (
+                float(self.wd.first_steps_timeout_s), "first_steps")
+            self._samples_seen, self._new_samples = n, 0
+        return self._step_cached
+
+    def _added_step(self, duration_s: float) -> None:
+        """A step sample into the calibration, counted for the budget cache (which tells the samples
+        added here from a change made elsewhere by their number: a reload, a test)."""
+        samples = self.calibration.step_samples
+        known = len(samples) == self._samples_seen
+        self.calibration.add_step(duration_s)
+        if known:  # (one the calibration refused counts too: at worst an early recompute)
+            self._samples_seen = len(samples)
+            self._new_samples += 1
 
     def _enter_phase(self, tr: RankTrack, name: str, now: float, line_budget=None) -> None:
         if tr.started and tr.phase not in UNTIMED_PHASES and tr.phase != "init":
@@ -151,6 +183,7 @@ class Deadlines:
 
     def observe(self, rec: dict, now: float) -> RankTrack:
         """Apply one decoded heartbeat line read at `now`."""
+        self._version += 1
         rank = rec.get("rank") if isinstance(rec.get("rank"), int) else 0
         tr = self.ranks.get(rank)
         if tr is None:
@@ -183,7 +216,7 @@ class Deadlines:
                         if tr.skip_next_sample:
                             tr.skip_next_sample = False
                         else:
-                            self.calibration.add_step(now - tr.last_step_at)
+                            self._added_step(now - tr.last_step_at)
                 tr.last_step_at = now
                 tr.progress_since_step = 0
             elif event == "progress":
@@ -197,6 +230,7 @@ class Deadlines:
         """The supervisor was not running for `gap` seconds: that time counts for no deadline."""
         if gap <= 0:
             return
+        self._version += 1
         if self.spawned_at is not None:
             self.spawned_at += gap
         self.extra = {k: (a + gap, b, s) for k, (a, b, s) in self.extra.items()}
@@ -250,12 +284,47 @@ class Deadlines:
         """The rank whose phase and step stand for the run (the lowest that spoke; 0 before any)."""
         return min(self.ranks) if self.ranks else 0
 
+    def _due_at(self) -> Optional[float]:
+        """When the earliest armed deadline falls due (the anchors' clock), None when none is armed;
+        the same deadlines as `_candidates`, without building them."""
+        step = self.step_budget()[0]
+        key = (self._version, step)
+        if self._due_cache[0] == key:
+            return self._due_cache[1]
+        silence = self.wd.silence_timeout_s
+        times: list[float] = []
+        if not self.started and self.spawned_at is not None:
+            times.append(self.spawned_at + self.wd.startup_timeout_s)
+        for anchor, budget, _source in self.extra.values():
+            times.append(anchor + budget)
+        for tr in self.ranks.values():
+            if not tr.started or tr.stopped:
+                continue
+            if tr.phase not in QUIET_PHASES:
+                times.append(tr.last_line_at + silence)
+            if tr.phase_budget is not None:
+                times.append(tr.phase_since + tr.phase_budget)
+            if tr.phase == "train":
+                anchor = tr.phase_since
+                if tr.train_since is not None and tr.train_since > anchor:
+                    anchor = tr.train_since
+                if tr.last_step_at is not None and tr.last_step_at > anchor:
+                    anchor = tr.last_step_at
+                times.append(anchor + step)
+        due = min(times) if times else None
+        self._due_cache = (key, due)
+        return due
+
     def next_due_s(self, now: float) -> Optional[float]:
         """Seconds until the earliest armed deadline falls due (≤ 0: due now); None when none is armed."""
-        return min((e.budget_s - e.elapsed_s for e in self._candidates(now)), default=None)
+        due = self._due_at()
+        return None if due is None else due - now
 
     def check(self, now: float) -> Optional[Expired]:
         """The most overdue deadline that is due (elapsed ≥ budget), or None."""
+        first = self._due_at()
+        if first is None or now < first - DUE_SLACK_S:
+            return None
         due = [e for e in self._candidates(now) if e.elapsed_s >= e.budget_s]
         if not due:
             return None
@@ -265,24 +334,40 @@ class Deadlines:
 class SuspensionDetector:
     """Notices that the supervisor's own loop did not run for a while and says for how long.
 
-    The loop wakes at least every `period` seconds; a pass that comes more than `threshold`
-    after the previous one means this process was stopped (SIGSTOP) or the machine slept, and
-    the excess is handed to `Deadlines.shift`.  Known blocking work of the loop itself (a
-    snapshot, a dump request) calls `touch` so that it is not mistaken for a suspension.
+    Before it sleeps the loop says when it plans to wake (`expect`: the earliest deadline, or
+    sooner); without a plan a pass is expected `period` after the previous one.  A pass that comes
+    more than `threshold − period` after its planned time means this process was not running —
+    stopped, the machine overloaded or a virtual machine paused — and the lateness is handed to
+    `Deadlines.shift`.  A stop that ends before the planned wake-up is not late at all, so SIGCONT
+    says it instead (`observe(continued=True)`): then the whole time since the previous pass counts.
+    Known blocking work of the loop itself (a snapshot, a dump request) calls `touch` so that it is
+    not mistaken for a suspension.
     """
 
     def __init__(self, period: float, threshold: Optional[float] = None):
         self.period = period
         self.threshold = threshold if threshold is not None else max(2.0, 8 * period)
         self.last: Optional[float] = None
+        self.planned: Optional[float] = None
         self.total_s = 0.0
 
-    def observe(self, now: float) -> float:
+    def expect(self, wake_at: float) -> None:
+        """The loop plans its next pass at `wake_at` (it sleeps until then unless woken)."""
+        self.planned = wake_at
+
+    def observe(self, now: float, continued: bool = False) -> float:
         gap = 0.0
-        if self.last is not None and now - self.last > self.threshold:
-            gap = now - self.last - self.period
-            self.total_s += gap
+        if self.last is not None:
+            if continued:
+                gap = max(0.0, now - self.last)
+            else:
+                planned = self.planned if self.planned is not None else self.last + self.period
+                late = now - planned
+                if late > self.threshold - self.period:
+                    gap = late
+        self.total_s += gap
         self.last = now
+        self.planned = None
         return gap
 
     def touch(self, now: float) -> None:

@@ -1,12 +1,18 @@
 """One failure (or end) of a worker, from detection until its process tree is gone.
 
 A stall (a deadline fired, or `restart now`):
-    incident "in progress" → process snapshot (CPU sampled over `cpu_sample_s` while the loop keeps
-    running) → SIGUSR1 to the announced pids, a poke into each rank's NCCL flight-recorder pipe, and
-    wait for the dumps (`StallDumps`; when a rank waits on its DataLoader, then its workers' stacks) → the
-    call it hung in (`incidents.landmarks`), the stuck frame and classification into the incident — with
-    several ranks, each rank read on its own and the verdict (`incidents.verdict`): which rank is the
-    culprit, which only wait for it → SIGTERM/SIGKILL to the tree (`TreeKiller`).
+    incident "in progress" → at once, together: the process snapshot begins (CPU sampled over
+    `cpu_sample_s` while the loop keeps running), SIGUSR1 to the announced pids, py-spy on each, a poke
+    into each rank's NCCL flight-recorder pipe → in parallel, the snapshot is taken once its interval has
+    passed and no py-spy holds a process stopped (the state letters are the processes' own; a busy
+    loop's CPU may read lower by py-spy's pause), and the dumps come in (`StallDumps`: a whole
+    faulthandler dump at once, one that is not whole once it stopped growing, py-spy when it ends) →
+    when a rank waits on its DataLoader, its workers' stacks → the call it hung in
+    (`incidents.landmarks`), the stuck frame and classification into the incident — with several
+    ranks, each rank read on its own and the verdict (`incidents.verdict`): which rank is the culprit,
+    which only wait for it → SIGTERM to the tree, SIGKILL after the grace: a worker a deadline found
+    stuck gets `stuck_term_grace_s` (its main thread cannot run a graceful stop; children still get
+    SIGTERM first), any other end the full `term_grace_s` (`TreeKiller`).
 A worker exit (crash, signal, do-not-restart code, or the end of the run):
     classify the exit (last words, the fatal-signal dump, the log tail) → incident unless it was a
     clean end → `TreeKiller` for whatever is left of its tree.
@@ -105,29 +111,37 @@ class Episode:
         return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines)
 
     def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
-        """Start the snapshot; once its CPU interval has passed, record it and send the dump signals.
-        True when the dumps have begun."""
-        w = attempt.worker
-        if self.sample is None:
+        """At the first call begin the snapshot and the dumps together; True once the snapshot is taken (the
+        dumps' gate, `_take_snapshot`), the dumps going on from there."""
+        if self.dumps is None:
+            w = attempt.worker
             extra = [ref.pid for ref in attempt.announced_refs().values()]
             self.sample = tools.snapshot([w.pid] if not w.exited else [], extra)
             self.sampled_at = now
+            wd = tools.watchdog_cfg
+            self.landmarks = user_landmarks(wd.landmarks)
+            self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
+                                    py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path,
+                                    out_dir=self.incident.dir, flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
+                                    gate=lambda t: self._take_snapshot(tools, attempt, t))
+            self.dumps.begin(now)
+            self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
+        self.dumps.advance(now)
+        return self.dumps.gate_at is not None
+
+    def _take_snapshot(self, tools: Tools, attempt: Attempt, now: float) -> bool:
+        """The dumps' gate: once the CPU interval has passed, record the snapshot (no py-spy runs by then: a
+        process py-spy holds stopped would read as state `t`) and from it the DataLoader workers' step."""
         if now - self.sampled_at < tools.cpu_sample_s:
             return False
+        w = attempt.worker
         self.procs = self.sample.take()
         for p in self.procs:
             if p.get("create_time") and p["pid"] != w.pid:
                 attempt.tree.setdefault(p["pid"], ProcRef(p["pid"], p["create_time"]))
         self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
         self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
-        wd = tools.watchdog_cfg
-        self.landmarks = user_landmarks(wd.landmarks)
-        self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
-                                py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path, out_dir=self.incident.dir,
-                                flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
-                                loader_workers=WorkerDumps(self.procs, self.landmarks))
-        self.dumps.begin(now)
-        self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
+        self.dumps.loader_workers = WorkerDumps(self.procs, self.landmarks)
         return True
 
     def collect_dumps(self, attempt: Attempt, now: float) -> None:
@@ -182,6 +196,7 @@ class Episode:
             py_spy=self.dumps.py_spy_note or "not run", classification=classification, summary=summary,
         )
         self.timings["dump_s"] = round(now - self.dumps.started_at, 3)
+        self.timings.update(self.dumps.timings())
         inc.write()
         log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts),
                     **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}))
@@ -240,13 +255,38 @@ class Episode:
         inc = exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision, failed)
         return cls(kind, inc, now, decision=decision, reason=classification)
 
+    def next_due_s(self, now: float, cpu_sample_s: float) -> Optional[float]:
+        """Seconds from `now` until this episode has something to do on its own clock (the snapshot's interval
+        ends, a dump's quiet period or grace ends, SIGKILL is due, …), or None: for the loop's wait, so that
+        nothing waits for the next fixed-period pass.  Never negative."""
+        due = []
+        if self.killer is not None:
+            due.append(self.killer.next_due())
+        elif self.dumps is not None:
+            due.append(self.dumps.next_due())
+            if self.dumps.gate_at is None and self.sampled_at is not None:
+                due.append(self.sampled_at + cpu_sample_s)
+        due = [d for d in due if d is not None]
+        return max(0.0, min(due) - now) if due else None
+
     # ---- the tree ----------------------------------------------------------------------------
+
+    @property
+    def stuck(self) -> bool:
+        """A deadline fired: the worker is known to be stuck.  (`restart now`, an exit, a stop: not known.)"""
+        return self.expired is not None
+
+    def term_grace_s(self, wd: WatchdogCfg) -> float:
+        """SIGTERM → SIGKILL: a stuck worker's main thread cannot run its graceful stop, so it is not given the
+        graceful grace — its children, which may still clean up, get SIGTERM first all the same."""
+        return wd.stuck_term_grace_s if self.stuck else wd.term_grace_s
 
     def begin_kill(self, tools: Tools, attempt: Attempt, now: float, send_term: bool = True) -> None:
         wd = tools.watchdog_cfg
         self.killer = TreeKiller(attempt.worker, attempt.known_refs(tools.table, tools.subreaper), table=tools.table,
-                                 term_grace_s=wd.term_grace_s, gpu_release_timeout_s=wd.gpu_release_timeout_s,
+                                 term_grace_s=self.term_grace_s(wd), gpu_release_timeout_s=wd.gpu_release_timeout_s,
                                  kill_wait_s=wd.kill_wait_s, gpu_pids=tools.gpu_pids, send_term=send_term)
+        self.timings["sigterm_at_s" if send_term else "sigkill_at_s"] = round(now - self.detected_at, 3)
         # Ranks a launcher (torchrun) started in sessions of their own are outside the group SIGTERM goes to:
         # each gets its own, so none depends on the launcher forwarding it (SIGKILL after the grace reaches them too).
         group = {r.pid for r in tools.table.group_members(attempt.worker.pgid)} | {attempt.worker.pid}

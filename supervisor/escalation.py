@@ -1,13 +1,18 @@
 """The escalation ladder, as steps the main loop advances without blocking it.
 
-    DumpCollector: SIGUSR1 to the processes that announced a dump signal (never to a launcher),
-                   `py-spy dump --native --locals` per pid when installed (time-boxed), then
-                   wait until the dump files stop growing, bounded by `dump_grace_s`; then, for
-                   a rank whose main thread waits on its DataLoader, the workers' stacks (`loader_dumps.WorkerDumps`).
-    TreeKiller:    SIGTERM to the process group → `term_grace_s` → SIGKILL to the group and to
-                   every descendant that left it → the tree gone (or, after `kill_wait_s`, its
-                   survivors recorded) → wait (bounded) until NVML no longer lists the dead pids
-                   as holding GPU memory.
+    DumpCollector: SIGUSR1 to the processes that announced a dump signal (never to a launcher) and, at
+                   the same moment, `py-spy dump --native --locals` per pid when installed (time-boxed
+                   by `py_spy_timeout_s`); a rank's dump is in as soon as it is whole (`dump_complete`:
+                   faulthandler writes synchronously and lists the main thread last), else once its
+                   file stopped growing for SETTLE_S, bounded by `dump_grace_s`; py-spy holds the step
+                   only while it runs.  The `gate` (the stall's process snapshot, taken while the
+                   dumps are written) must be passed too; then, for a rank whose main thread waits on
+                   its DataLoader, the workers' stacks (`loader_dumps.WorkerDumps`).
+    TreeKiller:    SIGTERM to the process group → the grace it was given (`term_grace_s` for a
+                   graceful stop, `stuck_term_grace_s` for a worker a deadline found stuck: its main
+                   thread cannot run the handler) → SIGKILL to the group and to every descendant
+                   that left it → the tree gone (or, after `kill_wait_s`, its survivors recorded) →
+                   wait (bounded) until NVML no longer lists the dead pids as holding GPU memory.
 
 Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control
 socket and draining events while a stall is being handled.  Both see processes only through the
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import structlog
 
+from hangwatch.supervisor.incidents.dumps import parse_faulthandler
 from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
 
 if TYPE_CHECKING:
@@ -34,7 +40,20 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hangwatch")
 
-SETTLE_S = 0.3  # a dump file unchanged this long after growing is complete
+SETTLE_S = 0.3  # a dump that does not read as whole is complete once unchanged this long after growing
+
+
+def dump_complete(text: str) -> bool:
+    """Whether the text a process appended to its dump file is a whole faulthandler dump.  faulthandler
+    writes the dump from its signal handler in one go, thread after thread, and CPython lists the main
+    thread last (the oldest thread state): a text whose last block is the main thread's, down to its
+    outermost `<module>` frame, and that ends with a newline has nothing more to come.  Anything else
+    (a main thread cut at faulthandler's 100 frames, a process whose main thread is not last, a write
+    caught half-way) is not whole: the caller waits for the file to stop growing instead."""
+    if not text.endswith("\n"):
+        return False
+    threads = parse_faulthandler(text)
+    return bool(threads) and threads[-1].is_main() and not threads[-1].truncated
 
 
 @dataclass
@@ -55,17 +74,25 @@ class DumpCollector:
     py_spy_path: Optional[str] = None  # None: find_py_spy()
     out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
     loader_workers: Optional["WorkerDumps"] = None  # then: the DataLoader workers of a rank that waits on them
+    # Evidence taken beside the dumps that must be in before the second step (the stall's process snapshot,
+    # which also names the DataLoader workers): asked each pass once no py-spy holds a process stopped
+    # (whether or not the dump files are in yet); True when done.
+    gate: Optional[Callable[[float], bool]] = None
     started_at: float = 0.0
     signalled: dict[int, bool] = field(default_factory=dict)
     py_spy_procs: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
     py_spy_note: str = ""
+    files_at: Optional[float] = None  # every rank's dump file in (whole, settled, or the grace ran out)
+    py_spy_done_at: Optional[float] = None
+    stacks_at: Optional[float] = None  # both: the ranks' own stacks are in
+    gate_at: Optional[float] = None
     _sizes: dict[int, int] = field(default_factory=dict)
-    _changed_at: float = 0.0
-    _stacks_done: bool = False
+    _changed_at: dict[int, float] = field(default_factory=dict)
+    _complete: dict[int, bool] = field(default_factory=dict)
     done: bool = False
 
     def begin(self, now: float) -> None:
-        self.started_at = self._changed_at = now
+        self.started_at = now
         for t in self.targets:
             try:
                 t.offset = t.dump_path.stat().st_size
@@ -108,19 +135,32 @@ class DumpCollector:
         return py_spy_running(self.py_spy_procs.values(), now - self.started_at, self.py_spy_timeout_s)
 
     def advance(self, now: float) -> bool:
+        """One loop pass; True once every step is done: the ranks' stacks and the gate, then the DataLoader workers."""
         if self.done:
             return True
-        if not self._stacks_done:
-            self._stacks_done = self._stacks_settled(now)
-        if self._stacks_done:
-            w = self.loader_workers
-            if w is not None and not w.begun:
-                w.begin(now, self)
-            self.done = w is None or w.advance(now)
+        if self.stacks_at is None and self._stacks_in(now):
+            self.stacks_at = now
+        # the gate does not wait for the files, only for py-spy to have let go of the processes
+        if self.gate is not None and self.gate_at is None and self.py_spy_done_at is not None and self.gate(now):
+            self.gate_at = now
+        if self.stacks_at is None or (self.gate is not None and self.gate_at is None):
+            return False
+        w = self.loader_workers
+        if w is not None and not w.begun:
+            w.begin(now, self)
+        self.done = w is None or w.advance(now)
         return self.done
 
-    def _stacks_settled(self, now: float) -> bool:
-        grew_all = True
+    def _stacks_in(self, now: float) -> bool:
+        """Every rank's dump file is in, and no py-spy still runs (each is time-boxed)."""
+        if self.files_at is None and (self._files_in(now) or now - self.started_at >= self.grace_s):
+            self.files_at = now
+        if self.py_spy_done_at is None and not self._py_spy_running(now):
+            self.py_spy_done_at = now
+        return self.files_at is not None and self.py_spy_done_at is not None
+
+    def _files_in(self, now: float) -> bool:
+        waiting = False
         for t in self.targets:
             try:
                 size = t.dump_path.stat().st_size
@@ -128,12 +168,34 @@ class DumpCollector:
                 size = t.offset
             if size != self._sizes.get(t.rank):
                 self._sizes[t.rank] = size
-                self._changed_at = now
-            if self.signalled.get(t.rank) and size <= t.offset and not self.table.is_gone(t.ref):
-                grew_all = False
-        settled = grew_all and now - self._changed_at >= SETTLE_S
-        bounded = now - self.started_at >= self.grace_s
-        return (settled or bounded) and not self._py_spy_running(now)
+                self._changed_at[t.rank] = now
+                self._complete[t.rank] = size > t.offset and dump_complete(_read(t.dump_path, t.offset))
+            if not self.signalled.get(t.rank) or self._complete.get(t.rank) or self.table.is_gone(t.ref):
+                continue  # nothing to wait for: never signalled, whole already, or gone
+            if size <= t.offset or now - self._changed_at[t.rank] < SETTLE_S:
+                waiting = True  # not written yet, or still growing
+        return not waiting
+
+    def next_due(self) -> Optional[float]:
+        """The earliest time this step has something to decide on its own clock — a dump's quiet period ends,
+        the grace runs out, py-spy reaches its time box — or None.  (Growth and py-spy ending are seen by
+        polling; a whole dump needs no timer.)"""
+        if self.stacks_at is not None:
+            return None
+        due = []
+        if self.files_at is None:
+            due.append(self.started_at + self.grace_s)
+            due += [self._changed_at[t.rank] + SETTLE_S for t in self.targets
+                    if t.rank in self._changed_at and not self._complete.get(t.rank)]
+        if self.py_spy_done_at is None and self.py_spy_procs:
+            due.append(self.started_at + self.py_spy_timeout_s)
+        return min(due) if due else None
+
+    def timings(self) -> dict:
+        """When each part was in, in seconds after the signals (None: not reached)."""
+        rel = lambda x: None if x is None else round(x - self.started_at, 3)  # noqa: E731
+        return {"dump_files_s": rel(self.files_at), "py_spy_s": rel(self.py_spy_done_at) if self.py_spy_procs else None,
+                "stacks_s": rel(self.stacks_at)}
 
     def texts(self) -> dict[int, str]:
         """Only what was appended after the signal, per rank."""
@@ -280,10 +342,20 @@ class TreeKiller:
             return True
         return False
 
+    def next_due(self) -> Optional[float]:
+        """The earliest time this killer acts on its own clock — SIGKILL when the grace runs out, the survivors
+        recorded, the GPU wait ended — or None.  (Exits are events: SIGCHLD wakes the loop.)"""
+        if self.done_at is not None or self.term_at is None:
+            return None
+        if self.gone_at is None:
+            return self.term_at + self.term_grace_s if self.kill_at is None else self.kill_at + self.kill_wait_s
+        return self.gone_at + self.gpu_release_timeout_s
+
     def timings(self) -> dict:
         t0 = self.term_at
         rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
-        return {"sigkill_after_s": rel(self.kill_at), "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
+        return {"term_grace_s": self.term_grace_s if self.send_term else None, "sigkill_after_s": rel(self.kill_at),
+                "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
                 "sigterm_sent": self.send_term, "sigkilled_pids": self.killed, "survivors": self.survivors}
 
 

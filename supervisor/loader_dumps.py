@@ -1,7 +1,9 @@
 """The second step of a stall's dumps: the stacks of a rank's DataLoader workers, when its main thread waits on them.
 
 Collected like the ranks' own dumps (`escalation.DumpCollector`): py-spy per worker, time-boxed, or faulthandler
-through the heartbeat's at-fork hook; advanced by the loop, never blocking it.  What the stacks say (which worker
+through the heartbeat's at-fork hook, a worker's dump in as soon as it is whole (`escalation.dump_complete`: a fork
+keeps the stack of the thread that forked it, down to `<module>` when that was the main thread) or once its file
+stopped growing; advanced by the loop, never blocking it.  What the stacks say (which worker
 is stuck) is `incidents/loader_workers.py`.
 """
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.rundir import forked_dump_path
-from hangwatch.supervisor.escalation import SETTLE_S, DumpCollector, DumpTarget, _read, py_spy_running, start_py_spy
+from hangwatch.supervisor.escalation import (SETTLE_S, DumpCollector, DumpTarget, _read, dump_complete, py_spy_running,
+                                               start_py_spy)
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack
 from hangwatch.supervisor.incidents.landmarks import read_stack
@@ -56,11 +59,12 @@ class WorkerDumps:
     _grace_s: float = 0.0
     _py_spy_timeout_s: float = 0.0
     _sizes: dict[int, int] = field(default_factory=dict)
-    _changed_at: float = 0.0
+    _changed_at: dict[int, float] = field(default_factory=dict)
+    _complete: dict[int, bool] = field(default_factory=dict)
 
     def begin(self, now: float, dc: DumpCollector) -> None:
         self.begun = True
-        self.started_at = self._changed_at = now
+        self.started_at = now
         self._table, self._grace_s, self._py_spy_timeout_s = dc.table, dc.grace_s, dc.py_spy_timeout_s
         texts, spy = dc.texts(), dc.py_spy_texts()
         exe = dc.py_spy_exe()
@@ -119,8 +123,8 @@ class WorkerDumps:
                 t.via, t.spy = "none", None
                 t.add_note("py-spy gave no Python stack")  # e.g. no ptrace permission: faulthandler instead
                 self._faulthandler(t)
-                self.started_at = self._changed_at = now  # its grace starts with its signal
-        grew_all = True
+                self.started_at = now  # its grace starts with its signal
+        waiting = False
         for pid, t in self.targets.items():
             if t.via != "faulthandler":
                 continue
@@ -130,11 +134,13 @@ class WorkerDumps:
                 size = t.offset
             if size != self._sizes.get(pid):
                 self._sizes[pid] = size
-                self._changed_at = now
-            if size <= t.offset and not self._table.is_gone(t.ref):
-                grew_all = False
-        settled = grew_all and now - self._changed_at >= SETTLE_S
-        return (settled or now - self.started_at >= self._grace_s) and not spying
+                self._changed_at[pid] = now
+                self._complete[pid] = size > t.offset and dump_complete(_read(t.dump_path, t.offset))
+            if self._complete.get(pid) or self._table.is_gone(t.ref):
+                continue
+            if size <= t.offset or now - self._changed_at[pid] < SETTLE_S:
+                waiting = True  # not written yet, or still growing
+        return (not waiting or now - self.started_at >= self._grace_s) and not spying
 
     def stacks(self) -> dict[int, list[tuple[WorkerStack, str]]]:
         """Per rank: each worker's evidence and the raw text of its dump (to keep in the incident)."""

@@ -16,6 +16,11 @@ This module installs no signal handler and keeps no state but the handlers it ma
 
 stderr gets coloured console lines when it is a terminal and plain `key=value` lines otherwise (the
 journal, a pipe).
+
+Taps (`add_tap`): functions that see every event dict the supervisor logs (after the timestamp, before
+rendering) — how alerts and metrics learn what happened without a hook in the loop.  A tap must be
+cheap and must not block (append to a deque; the ops layer reads it at the end of the loop's pass); one
+that raises is ignored, never a reason to lose a log line.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import logging.handlers
 import os
 import sys
 from pathlib import Path
-from typing import Mapping, Optional, TextIO
+from typing import Callable, Mapping, Optional, TextIO
 
 import structlog
 
@@ -34,6 +39,27 @@ LOG_NAME = SUPERVISOR_LOG_NAME
 ROOT_LOGGER = "hangwatch"
 
 _handlers: list[logging.Handler] = []
+_taps: list[Callable[[dict], None]] = []
+
+
+def add_tap(fn: Callable[[dict], None]) -> None:
+    """Hand every logged event dict to `fn` (cheap, non-blocking; it must not change the dict)."""
+    if fn not in _taps:
+        _taps.append(fn)
+
+
+def remove_tap(fn: Callable[[dict], None]) -> None:
+    if fn in _taps:
+        _taps.remove(fn)
+
+
+def _run_taps(logger, name, event_dict: dict) -> dict:
+    for fn in tuple(_taps):
+        try:
+            fn(event_dict)
+        except Exception:  # a broken tap must never cost a log line
+            pass
+    return event_dict
 
 
 def log_path(run_dir: os.PathLike | str, environ: Optional[Mapping[str, str]] = None) -> Path:
@@ -105,7 +131,7 @@ def configure(
     root.propagate = False
 
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[*shared, _run_taps, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,

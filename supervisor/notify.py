@@ -1,4 +1,9 @@
-"""systemd notification protocol (sd_notify) with the standard library only.
+"""Telling the outside from the supervisor's loop: systemd (sd_notify), the ops listeners, the off-loop outbox.
+
+`Notifier` speaks systemd's notification protocol with the standard library only; `Fanout` hands the
+loop's notifications (ready, status, the once-a-pass `watchdog`, stopping) to several listeners — systemd's
+and the operations side's (alerts, dead-man's ping, metrics: `supervisor.app.Ops`); `Outbox` does slow
+deliveries (HTTP, a command) on a thread of its own so that the loop never waits for them.
 
 Under a `Type=notify` unit systemd sets `NOTIFY_SOCKET` (a datagram socket path, or an abstract
 name written with a leading '@') and, with `WatchdogSec=`, `WATCHDOG_USEC`.  The supervisor says
@@ -12,9 +17,16 @@ starts with its own environment) never inherits them and cannot speak for the se
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 import time
-from typing import Callable, MutableMapping, Optional
+from collections import Counter
+from typing import Any, Callable, MutableMapping, Optional
+
+import structlog
+
+log = structlog.get_logger("hangwatch")
 
 NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -139,3 +151,136 @@ def _int_or_none(value: Optional[str]) -> Optional[int]:
     except ValueError:
         return None
 
+
+
+class Fanout:
+    """Several notifiers as one: each call reaches every listener, one failing listener never stops the others."""
+
+    def __init__(self, *listeners: Any):
+        self.listeners = [x for x in listeners if x is not None]
+
+    def _each(self, what: str, *args) -> bool:
+        sent = False
+        for x in self.listeners:
+            try:
+                sent = bool(getattr(x, what)(*args)) or sent
+            except Exception:  # a listener is a courtesy: the loop goes on
+                log.exception("notify_failed", what=what, listener=type(x).__name__)
+        return sent
+
+    def ready(self, status: Optional[str] = None) -> bool:
+        return self._each("ready", status)
+
+    def status(self, text: str) -> bool:
+        return self._each("status", text)
+
+    def watchdog(self, now: Optional[float] = None) -> bool:
+        return self._each("watchdog", now)
+
+    def next_due_s(self, now: float) -> Optional[float]:
+        """The soonest a listener wants its next `watchdog` call (a ping, systemd's WatchdogSec), or None."""
+        due = []
+        for x in self.listeners:
+            ask = getattr(x, "next_due_s", None)
+            value = ask(now) if callable(ask) else getattr(x, "watchdog_interval_s", None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                due.append(float(value))
+        return min(due) if due else None
+
+    def stopping(self, status: Optional[str] = None) -> bool:
+        return self._each("stopping", status)
+
+
+class Stats:
+    """Counters several threads add to (alerts sent/failed per sink, pings, dropped deliveries); read by metrics."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+
+    def add(self, name: str, label: str = "", n: int = 1) -> None:
+        with self._lock:
+            self._counts[(name, label)] += n
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+_STOP = object()
+
+
+class Outbox:
+    """Slow deliveries off the loop: a daemon thread works through a bounded queue.
+
+    `put` never blocks — a full queue drops the item and counts it (`<name>_dropped`): a dead endpoint
+    must cost the loop nothing, not even memory.  `setup` runs first on the thread (a slow import, a
+    plugin scan); when it fails, every item is dropped and counted.  `close` lets the thread finish
+    what is queued, for at most `timeout_s`: a supervisor never waits longer than that on its way out.
+    """
+
+    def __init__(self, name: str, deliver: Callable[[Any], None], *, maxsize: int = 64, stats: Optional[Stats] = None,
+                 setup: Optional[Callable[[], Any]] = None):
+        self.name = name
+        self._deliver = deliver
+        self._setup = setup
+        self._q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.stats = stats if stats is not None else Stats()
+        self._busy = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"hangwatch-{name}", daemon=True)
+        self.broken: Optional[str] = None
+
+    def start(self) -> "Outbox":
+        self._thread.start()
+        return self
+
+    def put(self, item: Any) -> bool:
+        try:
+            self._q.put_nowait(item)
+            return True
+        except queue.Full:
+            self.stats.add(f"{self.name}_dropped")
+            return False
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing being delivered (a ping is not queued behind a slow one)."""
+        return self._q.empty() and not self._busy.is_set()
+
+    def _run(self) -> None:
+        if self._setup is not None:
+            try:
+                self._setup()
+            except Exception as exc:
+                self.broken = str(exc)
+                log.error("outbox_setup_failed", outbox=self.name, error=str(exc))
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                return
+            if self.broken is not None:
+                self.stats.add(f"{self.name}_dropped")
+                continue
+            self._busy.set()
+            try:
+                self._deliver(item)
+            except Exception:  # the deliverer logs its own failures; this is the last net
+                log.exception("outbox_delivery_failed", outbox=self.name)
+            finally:
+                self._busy.clear()
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop after what is queued, waiting at most `timeout_s`; True when everything was delivered."""
+        if not self._thread.is_alive():
+            return self._q.empty()
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._q.put(_STOP, timeout=max(timeout_s, 0.01))
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+
+# Processes the ops side started (an `alerts.command`): children of the supervisor that belong to no
+# worker's tree.  The tree scan must not adopt them as orphans of a worker (supervisor.attempt.adopted).
+helper_pids: set[int] = set()

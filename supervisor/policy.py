@@ -6,10 +6,13 @@
   *good* checkpoint by itself;
 * anything else — another code, a signal, a stall the supervisor killed: restart.
 
-Restarts back off exponentially (`backoff_initial_s`, doubling, capped at `backoff_max_s`); an
-attempt that ran `healthy_after_s` and made steps resets the backoff.  More than `max_restarts`
-restarts within `window_s` without a new step (a step beyond the highest ever reached, so
-replaying the same steps after each resume does not count) is a crash loop: the run fails.
+The first restart after a healthy stretch starts at once: a run that failed once gains nothing by
+waiting, and its whole recovery is then the worker's cold start.  Only repeated failure backs off:
+the second consecutive failure waits `backoff_initial_s`, each further one twice as long, capped at
+`backoff_max_s`.  An attempt that ran `healthy_after_s` and made steps ends the streak (the run's
+first attempt starts with none).  The crash-loop guard does not depend on the delays: more than
+`max_restarts` restarts within `window_s` without a new step (a step beyond the highest ever
+reached, so replaying the same steps after each resume does not count) fail the run.
 Pure logic: every method takes `now`.
 """
 from __future__ import annotations
@@ -61,9 +64,10 @@ class RestartPolicy:
         return False
 
     def backoff_s(self, failures: int) -> float:
-        if failures <= 0:
+        """The delay before the restart that follows `failures` consecutive failures: none after the first."""
+        if failures <= 1:
             return 0.0
-        delay = self.cfg.backoff_initial_s * (2 ** (failures - 1))
+        delay = self.cfg.backoff_initial_s * (2 ** (failures - 2))
         return float(min(delay, self.cfg.backoff_max_s))
 
     def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None) -> Decision:

@@ -10,6 +10,10 @@ one is `PsutilProcessTable` (psutil, waitpid, `kill(pid, sig)` — os.kill by de
 pid addresses a process group); tests pass a fake table and run the whole lifecycle without a
 single process.  The identity-checked helpers (`matches`, `ref_of`, `signal`, `signal_group`,
 `alive`) live on the base class, so a fake inherits exactly the checks the real table makes.
+
+Finding children means reading every process's parent: the real table reads /proc once and lets
+the lookups made in the same instant (a tree scan asks for the worker's descendants, our own
+children and theirs) share that one listing (PARENTS_TTL_S).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import psutil
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 CREATE_TIME_TOLERANCE_S = 0.05  # psutil derives it from clock ticks; the same process reads the same value
+PARENTS_TTL_S = 0.01  # one listing of every process's parent serves the lookups of one scan, never a later pass
 
 Kill = Callable[[int, int], None]
 
@@ -185,8 +190,35 @@ class ProcessTable(abc.ABC):
 class PsutilProcessTable(ProcessTable):
     """The real table: psutil for listing, waitpid for reaping, `kill` for signals."""
 
-    def __init__(self, kill: Kill = os.kill):
+    def __init__(self, kill: Kill = os.kill, clock: Callable[[], float] = time.monotonic,
+                 parents: Optional[Callable[[], dict[int, int]]] = None):
         self._kill = kill
+        self._clock = clock
+        self._parents = parents if parents is not None else _parents  # pid → parent pid, for every process
+        self._children: dict[int, list[int]] = {}
+        self._children_at = float("-inf")
+
+    def _children_of(self) -> dict[int, list[int]]:
+        """pid → its children's pids, for every process (read at most once per PARENTS_TTL_S)."""
+        now = self._clock()
+        if now - self._children_at > PARENTS_TTL_S:
+            children: dict[int, list[int]] = {}
+            for pid, ppid in self._parents().items():
+                children.setdefault(ppid, []).append(pid)
+            self._children, self._children_at = children, now
+        return self._children
+
+    def _below(self, pid: int, recursive: bool = True) -> list[int]:
+        found, todo, seen = [], [pid], {pid}
+        kids = self._children_of()
+        while todo:
+            for child in kids.get(todo.pop(), ()):
+                if child not in seen:  # a listing taken while pids were reused could loop
+                    seen.add(child)
+                    found.append(child)
+                    if recursive:
+                        todo.append(child)
+        return found
 
     def create_time(self, pid: int) -> Optional[float]:
         try:
@@ -202,11 +234,15 @@ class PsutilProcessTable(ProcessTable):
         return decode_status(status) if got else None
 
     def descendants(self, pid: int) -> list[ProcRef]:
-        try:
-            procs = psutil.Process(pid).children(recursive=True)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            return []
-        return _refs(procs)
+        return self._refs_of(self._below(pid))
+
+    def _refs_of(self, pids: Iterable[int]) -> list[ProcRef]:
+        out = []
+        for pid in pids:
+            ct = self.create_time(pid)
+            if ct is not None:
+                out.append(ProcRef(pid, ct))
+        return out
 
     def group_members(self, pgid: int) -> list[ProcRef]:
         # Called on every loop pass while a tree is being killed: one getpgid syscall per pid, and a
@@ -222,11 +258,7 @@ class PsutilProcessTable(ProcessTable):
 
     def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
         excluded = set(exclude)
-        try:
-            children = psutil.Process(os.getpid()).children(recursive=False)
-        except psutil.Error:
-            return []
-        return _refs(p for p in children if p.pid not in excluded)
+        return self._refs_of(pid for pid in self._below(os.getpid(), recursive=False) if pid not in excluded)
 
     def is_gone(self, ref: ProcRef) -> bool:
         try:
@@ -257,13 +289,25 @@ class PsutilProcessTable(ProcessTable):
         self._kill(pid, sig)
 
 
-def _refs(procs: Iterable[psutil.Process]) -> list[ProcRef]:
-    out = []
-    for p in procs:
+def _parents() -> dict[int, int]:
+    """pid → parent pid for every process: /proc/<pid>/stat on Linux (what psutil reads too), psutil elsewhere."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return {p.info["pid"]: p.info["ppid"] for p in psutil.process_iter(["pid", "ppid"]) if p.info["ppid"] is not None}
+    out = {}
+    for name in names:
+        if not name.isdigit():
+            continue
         try:
-            out.append(ProcRef(p.pid, p.create_time()))
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            pass
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        # "pid (comm) state ppid …": comm may hold spaces and parentheses, so split after the last ')'
+        fields = data[data.rfind(b")") + 2:].split(None, 2)
+        if len(fields) >= 2:
+            out[int(name)] = int(fields[1])
     return out
 
 

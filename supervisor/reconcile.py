@@ -9,6 +9,11 @@ snapshotted in the same pass and a finished backoff spawns at once.
 
 `Reconciler` works on its `Supervisor`'s state (like `Commands`); what follows a finished episode
 or a request is decided by the pure `outcome.resolve`.
+
+With `restart.prewarm` the reconciler also keeps the next attempt's standby (`prewarm.Prewarm`):
+spawned where a restart becomes likely (a stall, an exit the policy restarts, a graceful `restart`),
+released by `start_attempt` — in the same place, after the tree is gone, where a worker is spawned
+otherwise — and discarded by any outcome that is not a restart.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import structlog
 from hangwatch.common.durable import disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_IOERR
 from hangwatch.common.rundir import attempt_dir
-from hangwatch.supervisor import attempt as attempts
+from hangwatch.supervisor import attempt as attempts, prewarm, remediation
 from hangwatch.supervisor.episode import Episode
 from hangwatch.supervisor.exit_incidents import crash_loop_incident, spawn_failed_incident
 from hangwatch.supervisor.outcome import Intent, Outcome, resolve
@@ -34,8 +39,10 @@ log = structlog.get_logger("hangwatch")
 
 
 class Reconciler:
-    def __init__(self, sup: "Supervisor"):
+    def __init__(self, sup: "Supervisor", spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby):
         self.sup = sup
+        self.prewarm = prewarm.Prewarm(sup.cfg, sup.config_path, sup.table, fs=sup.fs, spawn=spawn_standby)
+        self.remediation = remediation.OomRemediation(sup.cfg, sup.run_dir)
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
             State.STALLED: self.stalled, State.DUMPING: self.dumping, State.KILLING: self.killing,
@@ -44,6 +51,7 @@ class Reconciler:
 
     def __call__(self, now: float) -> None:
         """Run the current state's handler until the state settles (each handler moves at most one step)."""
+        self.prewarm.poll(now)
         for _ in range(len(State)):
             st = self.sup.lifecycle.state
             handler = self.handlers.get(st)  # final states have none
@@ -78,6 +86,7 @@ class Reconciler:
                                         ex.incident_kind if ex else "manual", ex)
             sup.deadlines.disarm_extra("stop")
             sup.transition(State.STALLED, sup.episode.reason, now)
+            self.prewarm.begin(sup.current, sup.after_teardown, None, now, why=sup.episode.kind or "stall")
         else:
             return False
         return True
@@ -85,7 +94,7 @@ class Reconciler:
     def stalled(self, now: float) -> None:
         sup = self.sup
         if sup.episode.sample_then_dump(sup.tools, sup.current, now):
-            sup.transition(State.DUMPING, f"SIGUSR1 to {[t.ref.pid for t in sup.episode.dumps.targets]}", now)
+            sup.transition(State.DUMPING, f"snapshot taken; dumps of {[t.ref.pid for t in sup.episode.dumps.targets]} under way (signalled at detection)", now)
 
     def dumping(self, now: float) -> None:
         ep = self.sup.episode
@@ -125,7 +134,8 @@ class Reconciler:
         sup.episode, sup.backoff_until, sup.expired, sup.escalate_now = None, None, None, False
         try:
             sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now, fs=sup.fs,
-                                         resume_from=sup.resume_point())
+                                         resume_from=sup.resume_point(), take_standby=self.prewarm.take)
+            sup.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
             sup.current.oom_kills_at_start = sup.tools.kernel.oom_kills()
         except OSError as exc:
             sup.current = None
@@ -140,7 +150,8 @@ class Reconciler:
         sup.deadlines.arm_startup(now)
         sup.policy.attempt_started(now)
         w = sup.current.worker
-        log.info("worker_spawned", attempt=sup.attempt, pid=w.pid, argv=w.argv, log=str(w.log_path))
+        log.info("worker_spawned", attempt=sup.attempt, pid=w.pid, argv=w.argv, log=str(w.log_path),
+                 prewarmed=sup.current.prewarmed)
         sup.spawned(now)
 
     def graceful_stop(self, now: float) -> None:
@@ -152,6 +163,7 @@ class Reconciler:
         bound = sup.watchdog_cfg.term_grace_s + budget
         sup.deadlines.arm_extra("stop", now, bound, f"term_grace + {source} step budget")
         log.info("graceful_stop", intent=sup.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3))
+        self.prewarm.begin(sup.current, sup.after_teardown, None, now, why=f"{sup.after_teardown.value} requested")
 
     def worker_exited(self, now: float) -> None:
         sup = self.sup
@@ -163,6 +175,8 @@ class Reconciler:
             stop_reason = cur.last_stop.get(sup.deadlines.main_rank())
             decision = sup.policy.on_exit(now, w.exit_code if w.exit_signal is None else None, stop_reason)
             ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now, decision=decision)
+            remediation.on_episode(self.remediation, ep, cur.number, sup.run_dir)  # an OOM: a smaller micro-batch, or failed
+            self.prewarm.begin(cur, sup.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
         self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
 
     def begin_kill(self, ep: Episode, now: float, send_term: bool = True, why: Optional[str] = None) -> None:
@@ -192,6 +206,8 @@ class Reconciler:
 
     def apply(self, out: Outcome, now: float) -> None:
         sup = self.sup
+        if out.state not in (State.STARTING, State.BACKOFF):
+            self.prewarm.discard(now, f"no restart: {out.state.value} ({out.why})")
         if out.state is State.STARTING:
             sup.after_teardown = Intent.NONE
             self.start_attempt(now)
@@ -205,6 +221,7 @@ class Reconciler:
             self.finish(out, now)
 
     def finish(self, out: Outcome, now: float) -> None:
+        self.prewarm.discard(now, f"the run ends {out.state.value}")
         self.sup.exit_code = out.exit_code
         if out.state is not State.FAILED:
             self.sup.notify("stopping")

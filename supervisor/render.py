@@ -140,6 +140,12 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     grid.add_row("gpu", gpu_text(st.get("gpu")))
     if isinstance(st.get("queue"), dict):
         grid.add_row("queue", queue_text(st["queue"]))
+    if isinstance(st.get("remediation"), dict):
+        grid.add_row("remediation", str(st["remediation"].get("words")))
+    if isinstance(st.get("quarantine"), dict):
+        q = st["quarantine"]
+        more = f" (+{q['more']} more)" if q.get("more") else ""
+        grid.add_row("quarantine", f"{q.get('count')} example(s): {', '.join(map(str, q.get('ids') or []))}{more}")
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
@@ -275,6 +281,10 @@ def incident_view(inc: dict) -> Group:
         head.add_row("landmark", Text(landmark_text(inc)))  # Text: "[kind]" is not rich markup
     if inc.get("dataloader_workers"):
         head.add_row("dataloader", Text(loader_workers_text(inc)))
+    if isinstance(inc.get("remediation"), dict):
+        head.add_row("remediation", Text(str(inc["remediation"].get("message") or inc["remediation"])))
+    if inc.get("quarantined"):
+        head.add_row("quarantined", Text(json.dumps(inc["quarantined"], default=str)))
     texts: list[tuple[str, str]] = []
     record = _lift_texts(inc, "", texts)
     parts = [head, Text(""), Text(json.dumps(record, indent=2, default=str))]

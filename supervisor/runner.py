@@ -14,6 +14,13 @@ Lifecycle: see `supervisor.states`.  One pass (`run_once(now)`), always in this 
        then in-flight `dump` requests advance and the bookkeeping runs (tree scan, sd_notify, state.json).
 Every time comes from the `now` the pass was given; only `run()` reads the clock, so a fake clock,
 a fake process table and a fake spawn drive the whole lifecycle without a process.
+
+Between passes the loop sleeps (`wakeup.Wakeup.wait`) until something needs a pass: a signal, a
+heartbeat write (coalesced: one pass reads every new line of every rank), a control request, or the
+earliest deadline (`next_wait`: the selector's timeout is the time to it, not a fixed period).  A
+supervisor with nothing due sleeps up to IDLE_WAIT_S; only while escalating does it pass on a short
+period (FAST_PASS_S), and only where a heartbeat write or a request cannot wake it (no inotify, a
+control server without a descriptor) does it fall back to `watchdog.poll_interval_s`.
 """
 from __future__ import annotations
 
@@ -29,8 +36,8 @@ import structlog
 from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK
-from hangwatch.common.rundir import ATTEMPTS, CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
-from hangwatch.supervisor import attempt as attempts, beats, leftovers, logsetup, process, snapshot as snapshots, statefile
+from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
+from hangwatch.supervisor import attempt as attempts, beats, leftovers, logsetup, process, remediation, snapshot as snapshots, statefile
 from hangwatch.supervisor.calibration import Calibration
 from hangwatch.supervisor.checkpoint_ledger import PersistedLedger, resolve
 from hangwatch.supervisor.commands import Commands, DumpRequest, status_line
@@ -48,10 +55,14 @@ from hangwatch.supervisor.wakeup import Wakeup
 log = structlog.get_logger("hangwatch")
 
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
-TREE_SCAN_S = 1.0  # how often descendants are re-listed (to find those that leave the group)
+IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
+TREE_SCAN_S = 5.0  # how often descendants are re-listed (to find those that leave the group); in passes, never a wake-up
 STATE_WRITE_S = 5.0
 STATUS_NOTE_S = 10.0
+REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
+CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most this often (and at every attempt end)
 WATCHED = (State.STARTING, State.RUNNING, State.STOPPING)  # a worker runs and its deadlines apply
+_UNASKED = object()
 
 
 class Supervisor:
@@ -60,14 +71,18 @@ class Supervisor:
                  notifier: Any = None, snapshot: Callable[..., Any] = snapshots.TreeSample,
                  gpu: Callable[[], dict] = snapshots.gpu, gpu_pids: Callable[[], Optional[set]] = snapshots.gpu_pids,
                  wakeup: Optional[Wakeup] = None, install_signals: bool = True, subreaper: bool = False,
-                 cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None):
-        """Seams only; no I/O (that is `prepare`)."""
+                 cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None,
+                 policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None):
+        """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
+        modification times (`beats`); by default only on the real clock, to which those times relate."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
         self.config_path = self.run_dir / CONFIG_NAME
         self.state_path = self.run_dir / STATE_NAME
         self.clock = clock
+        self.file_times = (clock is time.monotonic) if file_times is None else file_times
+        self.file_times_now = self.file_times  # …and in this pass (not in one that follows a suspension)
         self.spawn = spawn
         self.fs = fs if fs is not None else FsOps()  # every write in the run dir (the seam that makes one fail)
         self.table = table if table is not None else process.PsutilProcessTable(kill)
@@ -80,7 +95,7 @@ class Supervisor:
         self.lifecycle = StateMachine(State.STARTING)
         self.calibration = Calibration(wd, self.run_dir / CALIBRATION_NAME, fs=self.fs)
         self.deadlines = Deadlines(wd, self.calibration)
-        self.policy = RestartPolicy(cfg.restart)
+        self.policy = policy if policy is not None else RestartPolicy(cfg.restart)
         self.incidents = IncidentStore(self.run_dir, fs=self.fs, on_write_error=self.write_failed)
         self.suspension = SuspensionDetector(wd.poll_interval_s)
         self.gpu = snapshots.GpuCache(gpu)
@@ -96,13 +111,17 @@ class Supervisor:
         self.force = False  # a second stop: kill without waiting
         self.escalate_now = False  # `restart now`: dump and kill
         self.expired: Optional[Expired] = None  # this pass's overdue deadline
+        self._read_all = True  # this pass read every heartbeat file (not only those the file events named)
+        self._last_reap = float("-inf")
+        self._control_fd_value: Any = _UNASKED
         self.backoff_until: Optional[float] = None
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
         self.started_at = 0.0
         self._ready_sent = False
-        self._last_state_write = self._last_status_note = float("-inf")
+        self._last_state_write = self._last_status_note = self._last_calibration_save = float("-inf")
+        self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
         self.reconcile = Reconciler(self)
 
     # ================================================================================ set-up and loop
@@ -151,11 +170,19 @@ class Supervisor:
             log.error("refused", problem=problem)
             self._close_control()  # the socket file must not outlive a supervisor that never ran
             return self.exit_code if self.exit_code != EXIT_OK else EXIT_FAILED
-        self.wakeup.open(self.run_dir / ATTEMPTS)
+        self.wakeup.open(extra=[fd for fd in (self._control_fd(),) if fd is not None])
+        if self.wakeup.events_problem:
+            log.warning("heartbeat_events_unavailable", problem=self.wakeup.events_problem,
+                        note=f"heartbeat files are read every {self.watchdog_cfg.poll_interval_s:g} s instead")
         log.info("supervisor_started", run_dir=str(self.run_dir), pid=os.getpid(), config=str(self.config_path))
         try:
             while not self.lifecycle.state.final:
-                self.wakeup.wait(self.next_wait(self.clock()))
+                now = self.clock()
+                wait = self.next_wait(now)
+                # A new attempt's files made no event before the watch existed: read them at once.
+                if self.wakeup.watch(self._beat_dir()):
+                    wait = 0.0
+                self.wakeup.wait(wait)
                 self.run_once(self.clock())
                 # The pass's own work (fsynced writes, process listings) is not a suspension.
                 self.suspension.touch(self.clock())
@@ -174,34 +201,87 @@ class Supervisor:
 
     def run_once(self, now: float) -> None:
         """One pass at `now`: drain events, check deadlines, reconcile."""
-        gap = self.suspension.observe(now)
+        signals = self.wakeup.drain()
+        # SIGCONT: this process was stopped since the last pass (SIGSTOP, a frozen unit); for how long
+        # it cannot tell, so the whole time since then counts as suspended (deadlines move, never fire).
+        gap = self.suspension.observe(now, continued=signal.SIGCONT in signals)
+        self.file_times_now = self.file_times and gap <= 0  # lines written in a gap count from now
         if gap > 0:
             self.deadlines.shift(gap)
             if self.backoff_until is not None:
                 self.backoff_until += gap
             log.warning("supervisor_suspended", gap_s=round(gap, 3), note="deadlines extended by the gap")
-        self._drain_events(now)
+        self._drain_events(now, signals)
         # 2. deadlines: only recorded here; the reconcile step opens the episode
-        self.expired = self.deadlines.check(now) if self.lifecycle.state in WATCHED and self.worker_alive() else None
+        self.expired = self._overdue(now)
         self._reconcile(now)
 
     def next_wait(self, now: float) -> float:
-        """How long the loop may sleep: until the earliest deadline, at most the loop period."""
+        """How long the loop may sleep from `now`: until the earliest thing due — a deadline, the end of
+        a backoff, the notifier's next watchdog ping — and at most IDLE_WAIT_S; FAST_PASS_S while
+        escalating; `poll_interval_s` where a heartbeat write or a control request could not wake it.
+        The planned wake-up is handed to the suspension detector (a pass much later than planned means
+        this process was not running)."""
+        wait = self._next_wait(now)
+        self.suspension.expect(now + wait)
+        return wait
+
+    def _next_wait(self, now: float) -> float:
         st = self.lifecycle.state
         if self.current is None and st is State.STARTING:
             return 0.0
         if st in (State.STALLED, State.DUMPING, State.KILLING, State.STOPPING) or self.dump_requests:
-            return FAST_PASS_S
-        wait = self.watchdog_cfg.poll_interval_s
+            # land a pass on the episode's own timers (snapshot interval end, SIGKILL at the grace, quiet period)
+            due = self.episode.next_due_s(now, self.tools.cpu_sample_s) if self.episode is not None else None
+            return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
+        cur = self.current
+        if cur is not None and cur.tail.backlog:
+            return 0.0  # the last read stopped at its size bound with more lines waiting
+        waits = [IDLE_WAIT_S]
         if st is State.BACKOFF and self.backoff_until is not None:
-            wait = min(wait, self.backoff_until - now)
-        due = self.deadlines.next_due_s(now) if st in WATCHED else None
-        return max(0.0, wait if due is None else min(wait, due))
+            waits.append(self.backoff_until - now)
+        if st in WATCHED:
+            due = self.deadlines.next_due_s(now)
+            if due is not None:
+                waits.append(due)
+            if self.worker_alive() and not self.wakeup.hears_beats:
+                waits.append(self.watchdog_cfg.poll_interval_s)  # no file events: read on a timer
+        if self.control is not None and self._control_fd() is None:
+            waits.append(self.watchdog_cfg.poll_interval_s)  # requests are only seen in passes
+        due = self._notifier_due(now)
+        if due is not None:
+            waits.append(due)
+        return max(0.0, min(waits))
+
+    def _beat_dir(self) -> Optional[Path]:
+        """The directory whose heartbeat files the loop listens to: the current attempt's, while it runs."""
+        return self.current.dir if self.current is not None and not self.current.worker.exited else None
+
+    def _control_fd(self) -> Optional[int]:
+        """A descriptor that is readable when the control server has something to do, if it offers one
+        (asked once: the server's descriptor lives as long as the server)."""
+        if self._control_fd_value is _UNASKED:
+            fileno = getattr(self.control, "fileno", None)
+            try:
+                self._control_fd_value = fileno() if callable(fileno) else None
+            except (OSError, ValueError):
+                self._control_fd_value = None
+        return self._control_fd_value
+
+    def _notifier_due(self, now: float) -> Optional[float]:
+        """Seconds until the notifier wants its next `watchdog` call (systemd's WatchdogSec, a ping), if it says."""
+        due = getattr(self.notifier, "next_due_s", None)
+        try:
+            value = due(now) if callable(due) else getattr(self.notifier, "watchdog_interval_s", None)
+        except Exception:  # a courtesy: never a reason to stop the loop
+            return None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def worker_alive(self) -> bool:
         return self.current is not None and not self.current.worker.exited
 
     def _teardown(self) -> None:
+        self.reconcile.prewarm.close(self.clock())  # a standby nobody will release: killed and reaped
         self.wakeup.close()
         self.save_calibration()
         self._close_control()
@@ -215,15 +295,20 @@ class Supervisor:
 
     # ================================================================================ 1. events
 
-    def _drain_events(self, now: float) -> None:
-        for sig in self.wakeup.drain():  # SIGCHLD only woke the loop: children are reaped every pass
+    def _drain_events(self, now: float, signals: list[int]) -> None:
+        for sig in signals:  # SIGCHLD only woke the loop: children are reaped below
             if sig in (signal.SIGTERM, signal.SIGINT):
                 self.request_stop(signal.Signals(sig).name)
             elif sig == signal.SIGHUP:
                 logsetup.reopen()
                 log.info("log_reopened", why="SIGHUP")
-        self._reap(now)
-        beats.read(self, now)
+        heard = signal.SIGCHLD in signals or not self.wakeup.signals_installed
+        if heard or now - self._last_reap >= REAP_EVERY_S or self.lifecycle.state not in (State.STARTING, State.RUNNING):
+            self._last_reap = now
+            self._reap(now, orphans=heard or self.lifecycle.state not in (State.STARTING, State.RUNNING))
+        grown = self.wakeup.grown()  # the heartbeat files the file events said grew (None: read them all)
+        beats.read(self, now, grown)
+        self._read_all = grown is None
         if self.control is not None:
             try:
                 self.control.poll(lambda req: self.commands.handle(req, now))
@@ -240,8 +325,11 @@ class Supervisor:
         log.info("stop_requested", why=why, state=self.lifecycle.state.value)
         self.notify("stopping")
 
-    def _reap(self, now: float) -> None:
-        """The one place exits are observed: the worker's is recorded on it, adopted orphans are reaped."""
+    def _reap(self, now: float, orphans: bool = True) -> None:
+        """The one place exits are observed: the worker's is recorded on it, adopted orphans are reaped.
+        While a worker runs this happens when a child's exit was heard (SIGCHLD) or cannot be (no
+        handlers), and every REAP_EVERY_S besides (a signal lost is not an exit missed); orphans only then
+        (`orphans`): one waitpid per known pid would be the bulk of a pass with many ranks."""
         cur = self.current
         if cur is None:
             return
@@ -252,9 +340,26 @@ class Supervisor:
                 w.record_exit(status, now)
                 log.info("worker_exited", attempt=cur.number, pid=w.pid, code=w.exit_code,
                          signal=signal_name(w.exit_signal), state=self.lifecycle.state.value)
+        if not orphans:
+            return
         killer = self.episode.killer if self.episode is not None else None
         for pid in (set(cur.tree) | {r.pid for r in (killer.refs if killer else ())}) - {w.pid}:
             self.table.reap(pid)  # adopted orphans (we are their subreaper); not our child otherwise
+
+    # ================================================================================ 2. deadlines
+
+    def _overdue(self, now: float) -> Optional[Expired]:
+        """The deadline that is overdue at `now`, if any.  When this pass read only the files whose
+        writes were heard, every file is read before a deadline is believed: a line the events have
+        not told of yet must not make a worker look stuck."""
+        if self.lifecycle.state not in WATCHED or not self.worker_alive():
+            return None
+        expired = self.deadlines.check(now)
+        if expired is not None and not self._read_all:
+            beats.read(self, now)
+            self._read_all = True
+            expired = self.deadlines.check(now)
+        return expired
 
     # ================================================================================ 3. reconcile
 
@@ -319,7 +424,14 @@ class Supervisor:
         except Exception:  # systemd notification is a courtesy: never fatal
             log.exception("notify_failed", what=what)
 
-    def save_calibration(self, only_if_changed: bool = False) -> None:
+    def save_calibration(self, only_if_changed: bool = False, now: Optional[float] = None) -> None:
+        """Persist the calibration; `only_if_changed` (after reading lines, at `now`): when samples were
+        added, at most every CALIBRATION_SAVE_S — at hundreds of steps a second a save per pass would be
+        most of the loop's work (every attempt's end saves in full)."""
+        if only_if_changed and now is not None:
+            if now - self._last_calibration_save < CALIBRATION_SAVE_S:
+                return
+            self._last_calibration_save = now
         try:
             if only_if_changed:
                 self.calibration.save_if_changed()
@@ -353,6 +465,9 @@ class Supervisor:
             attempt=self.attempt, incidents=self.incidents.count(), run_dir=str(self.run_dir), exit_code=self.exit_code,
             paused=st is State.PAUSED or self.after_teardown is Intent.PAUSE,
             socket=str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir)))
+        if force or st.final or self._healing is None:  # self-healing's record: two small files, read when it can change
+            self._healing = remediation.state_fields(self.run_dir)
+        data.update(self._healing)
         try:
             statefile.write(self.state_path, data, fs=self.fs)
         except OSError as exc:

@@ -11,7 +11,7 @@ Pure bookkeeping: every call takes `now`; a fake clock drives it in tests.
 """
 from __future__ import annotations
 
-import statistics
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -42,6 +42,7 @@ class StragglerWatch:
     streak: dict = field(default_factory=dict)  # rank → (slow steps in a row, the first of them)
     active: dict = field(default_factory=dict)  # rank → Straggler, while it straggles
     recorded: list = field(default_factory=list)  # every warning raised (for the next incident)
+    ordered: list = field(default_factory=list, repr=False)  # `last_time`'s values, sorted (the medians, cheaply)
 
     @classmethod
     def from_config(cls, wd) -> "StragglerWatch":
@@ -60,11 +61,16 @@ class StragglerWatch:
         took = reported_s if _seconds(reported_s) else (now - previous if previous is not None else None)
         if took is None:
             return None, None
+        # `ordered` holds every rank's latest time: without this rank's old one it is the others'.
+        old = self.last_time.get(rank)
+        if old is not None:
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+        others = self.ordered
+        median = _median_sorted(others) if others else None
         self.last_time[rank] = took
-        others = [t for r, t in self.last_time.items() if r != rank]
-        if not others:
+        bisect.insort(self.ordered, took)
+        if median is None:
             return None, None
-        median = statistics.median(others)
         if median <= 0 or took <= self.factor * median:
             self.streak.pop(rank, None)
             gone = self.active.pop(rank, None)
@@ -82,6 +88,12 @@ class StragglerWatch:
     def status(self) -> dict:
         """rank → the straggler record, for ranks straggling now."""
         return {r: s.as_dict() for r, s in sorted(self.active.items())}
+
+
+def _median_sorted(s: list[float]) -> float:
+    """The median of an already sorted list (statistics.median, without the sort)."""
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _seconds(value) -> bool:

@@ -34,7 +34,7 @@ def _not_above(loc: tuple, low: float, high_key: str, high: float, why: str) -> 
 def backoff_order(cfg: Config) -> Iterator[Finding]:
     r = cfg.restart
     yield from _not_above(("restart", "backoff_initial_s"), r.backoff_initial_s, "restart.backoff_max_s", r.backoff_max_s,
-                          "the first restart delay cannot be larger than the cap it doubles towards")
+                          "the first backoff delay cannot be larger than the cap it doubles towards")
 
 
 def step_clamp_order(cfg: Config) -> Iterator[Finding]:

@@ -15,6 +15,8 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hangwatch.common.config.ops_schema import AlertsCfg, MetricsCfg
+
 FAULT_KINDS = (
     "hang_generate",  # generate() never returns
     "busy_loop",  # pure-Python spin inside the model's forward, one core at 100%
@@ -25,6 +27,7 @@ FAULT_KINDS = (
     "oom",  # raises the framework's out-of-memory error
     "nan",  # loss non-finite for `steps` steps
     "exit",  # hard exit with `code`
+    "poison",  # the loss of the training examples `example_ids` is non-finite whenever they are trained
 )
 
 
@@ -88,7 +91,11 @@ class WatchdogCfg(Section):
         None, gt=0, description="Budget of phases not named above (null: none; `train` is governed by the step deadline)."
     )
     dump_grace_s: float = Field(5, ge=0, description="Most time to wait for stack dumps to stop growing.")
-    term_grace_s: float = Field(10, ge=0, description="SIGTERM → SIGKILL grace.")
+    term_grace_s: float = Field(10, ge=0, description="SIGTERM → SIGKILL grace of a graceful stop (operator's restart/stop, "
+                                "a worker exiting after `stop`): time to write its checkpoint and exit.")
+    stuck_term_grace_s: float = Field(
+        0.4, ge=0, description="SIGTERM → SIGKILL grace of a worker known to be stuck (a deadline fired): its main thread "
+        "cannot run a graceful stop, so it is not given `term_grace_s` it cannot use; children still get SIGTERM first.")
     kill_wait_s: float = Field(30, gt=0, description="After SIGKILL, how long to wait for the tree to go before recording survivors.")
     exit_after_stop_s: float = Field(
         30, gt=0, description="A worker that announced `stop` gets this long (plus `term_grace_s`) to exit before it is killed."
@@ -98,7 +105,10 @@ class WatchdogCfg(Section):
     py_spy_timeout_s: float = Field(20, gt=0, description="Time box for one py-spy dump.")
     py_spy_path: Optional[str] = Field(
         None, description="The py-spy executable; null: the one next to the supervisor's Python (a venv's bin/), else PATH.")
-    poll_interval_s: float = Field(0.25, gt=0, le=5, description="Supervisor loop period (deadline checks between file events).")
+    poll_interval_s: float = Field(
+        0.25, gt=0, le=5, description="Fallback period: heartbeat files are read, and the control socket polled, this often "
+        "only where file events (inotify) or the control server's descriptor are unavailable; otherwise the loop wakes on "
+        "events and at the earliest deadline.")
     straggler_factor: float = Field(
         2.0, gt=1.0, description="A rank whose step time stays above this multiple of the other ranks' median is a straggler "
         "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a step line "
@@ -124,9 +134,17 @@ class RestartCfg(Section):
     max_restarts: int = Field(10, ge=0, description="Restarts allowed within `window_s` without a new step before the run is `failed`.")
     window_s: float = Field(3600, gt=0, description="Crash-loop window.")
     backoff_initial_s: float = Field(
-        1, ge=0, description="First restart delay (at most `backoff_max_s`); doubles each consecutive failure.")
+        1, ge=0, description="Delay before the restart after the second failure in a row (the first restart after a "
+        "healthy stretch is immediate); doubles with each further one, at most `backoff_max_s`.")
     backoff_max_s: float = Field(300, ge=0, description="Backoff cap.")
     healthy_after_s: float = Field(300, gt=0, description="An attempt that runs this long and steps resets the backoff.")
+    no_progress_restarts: int = Field(
+        3, ge=0, description="Restarts in a row that never step past the last good step before the run ends `failed` "
+        "(incident `no_progress`, an alert) — before the restart budget is spent on hopeless attempts; 0: off.")
+    prewarm: bool = Field(
+        False, description="Built-in worker: at a stall, spawn the next attempt's process at once as a standby that imports "
+        "torch/transformers/peft and loads the base model on the CPU while the stuck attempt is dumped and killed; it takes "
+        "the device once the dead processes' memory is released. Restart time then falls below the worker's cold start.")
 
 
 class ControlCfg(Section):
@@ -164,9 +182,25 @@ class ModelCfg(Section):
     )
     tiny: TinyModelCfg = Field(default_factory=TinyModelCfg, description="The tiny Llama-style model built locally.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="auto: float32 on CPU, bf16 autocast on a GPU that supports it."
+        "auto", description="auto: float32 on CPU; on a GPU that supports bf16 the base weights load in bf16 and run under "
+        "bf16 autocast (trainable LoRA and extra parameters stay float32), float32 weights elsewhere."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the decoder layers' activations in the backward pass instead of keeping them: less "
+        "memory, more time, the same numbers. OOM remediation turns it on by itself once the micro-batch is down to 1.")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: load the base weights quantised to 4 bits (NF4) through bitsandbytes (the `qlora` extra: "
+        "`pip install 'hangwatch[qlora]'`); CUDA only, and only for a `name_or_path` model.")
+
+    @model_validator(mode="after")
+    def _four_bit(self):
+        if self.load_in_4bit and self.device == "cpu":
+            raise ValueError("load_in_4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels); model.device is cpu")
+        if self.load_in_4bit and not self.name_or_path:
+            raise ValueError("load_in_4bit quantises a pretrained model loaded from name_or_path; the tiny model is built "
+                             "in place, not loaded (set name_or_path or drop load_in_4bit)")
+        return self
 
 
 class LoraCfg(Section):
@@ -244,12 +278,23 @@ class FaultCfg(Section):
     steps: int = Field(3, ge=1, description="nan: how many steps the loss stays non-finite.")
     code: int = Field(1, ge=0, le=255, description="exit: the exit code.")
     spawn_child: bool = Field(False, description="Spawn a grandchild process first (it must die with the tree).")
+    example_ids: list[str] = Field(
+        default_factory=list, description="poison: the training examples (ids `FILE:LINE`, e.g. `train.jsonl:7`) whose loss "
+        "is non-finite every time they are trained, from `at_step` on (default: from the start), on every attempt.")
     rank: int = Field(
         0, ge=0, description="The rank it fires on (only that one) in a multi-rank run (`worker.nproc_per_node` > 1); "
         "`hang_generate` needs rank 0, the only rank that generates.")
 
     @model_validator(mode="after")
     def _when(self):
+        if self.kind == "poison":
+            if not self.example_ids:
+                raise ValueError("a poison fault needs example_ids (training example ids, e.g. train.jsonl:7)")
+            if self.at_eval is not None:
+                raise ValueError("a poison fault acts on training steps: use at_step, not at_eval")
+            return self
+        if self.example_ids:
+            raise ValueError("example_ids is for the poison fault only")
         if self.at_step is None and self.at_eval is None:
             raise ValueError("a fault needs at_step or at_eval")
         return self
@@ -273,6 +318,8 @@ class Config(Section):
     eval: EvalCfg = Field(default_factory=EvalCfg, description="Evaluation.")
     checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg, description="Checkpoints.")
     faults: list[FaultCfg] = Field(default_factory=list, description="Faults to inject.")
+    alerts: AlertsCfg = Field(default_factory=AlertsCfg, description="Alerts and the dead-man's switch.")
+    metrics: MetricsCfg = Field(default_factory=MetricsCfg, description="Prometheus metrics.")
 
     # Where the config came from; not a key.
     _source: Optional[Path] = None

@@ -29,6 +29,13 @@ beat marked `partial`), then the checkpoint covering them is written (their file
 settled: confirmed good on a finite held-out loss, or left provisional (`confirmation`).  One that
 runs dry for good (end "idle") gets its last, partial step trained, and the run finishes with
 reason "idle".
+
+Self-healing.  `cfg` is the setting this attempt trains with, which OOM remediation may have regrouped
+(`trainer.remediation`: a smaller micro-batch, more accumulation, the same examples per step); checkpoints
+keep the fingerprint of the config as written (`configured`).  Every step beat names its examples
+(`examples_digest`, and `example_ids` for steps of up to `MAX_IDS_IN_BEAT`), so that the examples of each
+optimizer step can be compared across runs.  A non-finite step remembers its examples and those whose own
+loss was non-finite; the streak that ends the attempt quarantines them (`trainer.quarantine`) before exit 75.
 """
 from __future__ import annotations
 
@@ -49,15 +56,21 @@ from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
-from hangwatch.daemon.trainer import ranks, state
+from hangwatch.daemon.trainer import quarantine, ranks, state
 from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankConfirmation
+from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
 from hangwatch.daemon.trainer.schedule import WarmupCosine
+
 
 
 class Trainer:
     def __init__(self, cfg, hb, run_dir, bundle: ModelBundle, source: DataSource, eval_examples: list[Example],
-                 faults, stop, *, attempt: int = 1, out: TextIO = sys.stdout, world: Optional[World] = None):
+                 faults, stop, *, attempt: int = 1, out: Optional[TextIO] = None, world: Optional[World] = None,
+                 configured=None):
+        """`configured`: the config as written, when `cfg` is a remedied copy of it (its fingerprint is the run's)."""
         self.cfg = cfg
+        self.configured = configured if configured is not None else cfg
+        self.bad_steps: list[quarantine.BadStep] = []  # the current non-finite streak's steps
         self.world = world or World()
         self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
         if self.continuous is not None and self.world.size > 1:
@@ -73,7 +86,7 @@ class Trainer:
         self.faults = faults
         self.stop = stop
         self.attempt = attempt
-        self.out = out
+        self.out = out if out is not None else sys.stdout  # looked up now: a test may have replaced it
         t = cfg.train
         self.params = [p for _, p in bundle.trainable_parameters()]
         self.train_module = self.world.wrap(bundle.model)  # what forward and backward go through (DDP)
@@ -116,7 +129,8 @@ class Trainer:
             "data_position": self.boundary_position,
             "world_size": self.world.size,
             "ranks": ranks.ranks_record(rank_states or [self.rank_state()]),
-            "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum},
+            "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum,
+                             "micro_batch_size": self.cfg.train.micro_batch_size},
             "samples": self.samples,
             "tokens": self.tokens,
             "nonfinite_total": self.nonfinite_total,
@@ -124,7 +138,7 @@ class Trainer:
             "partial_steps": self.partial_steps,
             "last_step": {"examples": self.last_step_examples, "partial": self.last_step_examples < self.step_size},
             "weights_finite": self.bundle.weights_finite(),
-            "fingerprint": fingerprint(self.cfg, self.world.size),
+            "fingerprint": fingerprint(self.configured, self.world.size),
             "attempt": self.attempt,
             "t": time.time(),
         }
@@ -189,6 +203,7 @@ class Trainer:
         n_labels = sum(e.n_label_tokens for e in examples)  # the world's step: every rank holds all of it
         n_tokens = sum(len(e.input_ids) for e in examples)
         poison = self.faults.take_nan()
+        own_bad: list[str] = []  # this rank's examples whose own loss was non-finite
         ce_total = aux_total = 0.0
         self.accum = 0
         pause = t.sleep_per_step_s / t.grad_accum
@@ -196,8 +211,10 @@ class Trainer:
             # Gradients are exchanged once per optimizer step, on its last micro-step.
             last = self.accum == len(micro) - 1
             with contextlib.nullcontext() if last else self.world.no_sync(self.train_module):
-                loss, ce, aux = self.bundle.compute_loss(collate(batch, self.bundle.tokenizer.pad_token_id), n_labels,
-                                                         self.train_module)
+                loss, ce, aux, bad_rows = self.bundle.compute_loss_rows(
+                    collate(batch, self.bundle.tokenizer.pad_token_id), n_labels, self.train_module,
+                    poison=self.faults.poisoned(number, [e.id for e in batch]))
+                own_bad += [batch[i].id for i in bad_rows]
                 if poison:
                     loss = loss * float("nan")
                     ce = float("nan")
@@ -230,9 +247,13 @@ class Trainer:
         self.samples += len(examples)
         self.tokens += n_tokens
         partial = len(examples) < self.step_size
+        ids = [e.id for e in examples]
         if finite:
             self.partial_steps += partial
             self.last_step_examples = len(examples)
+            self.bad_steps = []
+        else:
+            self.note_bad_step(number, ids, own_bad)
         elapsed = time.perf_counter() - started
         self.boundary_position = self.source.position()
         own = {"step_time_s": round(own_s, 4)} if self.world.size > 1 else {}  # for the supervisor's straggler check
@@ -240,6 +261,7 @@ class Trainer:
             "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
             "samples": self.samples, "tokens": self.tokens, "examples": len(examples), "partial": partial,
+            "examples_digest": examples_digest(ids), **({"example_ids": ids} if len(ids) <= MAX_IDS_IN_BEAT else {}),
             **own, **self.source.progress(),
         }
 
@@ -250,6 +272,7 @@ class Trainer:
             fields = {k: v for k, v in m.items() if k != "finite"}
             fields.update(memory_metrics(self.bundle.device))
             self.hb.step(self.step, **fields)
+            fields.pop("example_ids", None)
             self.last_metrics = fields
             where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
             if m["partial"]:
@@ -265,7 +288,21 @@ class Trainer:
                  f"{self.nonfinite_streak} in a row (limit {t.max_nonfinite_streak})")
         if self.nonfinite_streak >= t.max_nonfinite_streak:
             self.confirmation.withdraw_provisional()
+            self.quarantine_streak()
             raise NonFiniteStreak(self.nonfinite_streak, self.step)
+
+    def note_bad_step(self, number: int, ids: list[str], own_bad: list[str]) -> None:
+        """A skipped (non-finite) step: its examples, and those whose own loss was non-finite on any rank."""
+        if self.world.size > 1:
+            gathered = self.world.gather(own_bad)
+            own_bad = [i for part in gathered or [] for i in part]
+        own = set(own_bad)
+        self.bad_steps.append(quarantine.BadStep(number, ids, [i for i in ids if i in own]))
+
+    def quarantine_streak(self) -> None:
+        """Before exit 75: the streak's culprits into quarantine.jsonl (rank 0), said in a warning and the log."""
+        if self.world.is_main and self.bad_steps and self.continuous is None:
+            quarantine.report(quarantine.record(self.run_dir, self.bad_steps, self.attempt), self.hb, self.log)
 
     # ---- checkpoints and evals ----------------------------------------------------------------
 

@@ -23,6 +23,11 @@ Sections (all by default, in this order; `--only` picks some), one module each:
   side_by_side  (side_by_side.py) the same hung worker (busy_loop, hang_generate) under hangwatch, plain
                 `torchrun --max-restarts=3`, and a cron-style watchdog (scripts/baselines/cron_watchdog.py),
                 each with the same wall-clock allowance.
+  cli           (cli_latency.py) `hangwatch status` round trip against a real supervisor (p50/p95), and
+                `hangwatch submit` of a 1,000-line file (tiny tokenizer; a local tokenizer directory, first
+                use and later), against their goals; the heavy packages each command imported.
+  prewarm       (prewarm.py) the restart with restart.prewarm off and on, side by side: a standby loading
+                while the stuck tree is torn down vs a cold spawn (demo model, block_c).
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -46,11 +51,11 @@ from typing import Optional
 if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; import it as the package `bench`
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench import detection, footprint, heartbeat_cost, recovery, side_by_side  # noqa: E402
+from bench import cli_latency, detection, footprint, heartbeat_cost, prewarm, recovery, side_by_side  # noqa: E402
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
-SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side")
+SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm")
 
 
 def parse_only(text: Optional[str]) -> list[str]:
@@ -72,6 +77,10 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return recovery.section(work, args.quick, (res["sections"].get("heartbeat") or {}).get("cold_start_to_first_step"))
     if name == "footprint":
         return footprint.section(work, args.quick)
+    if name == "cli":
+        return cli_latency.section(work, args.quick)
+    if name == "prewarm":
+        return prewarm.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

@@ -1,10 +1,13 @@
-"""Section 4, footprint: the supervisor's RSS and CPU while it watches 8 synthetic ranks beating at 20 Hz
-(scripts/baselines/synthetic_ranks.py), run alone; and how long it takes to start."""
+"""Section 4, footprint: what watching costs.  The supervisor's CPU (% of one core), RSS and wake-ups a
+second while it watches synthetic ranks (scripts/baselines/synthetic_ranks.py) — 8 ranks at 20 Hz and
+64 ranks at 10 Hz, each against its goal — and while it watches a worker with nothing due (idle); and
+how long it takes to start."""
 from __future__ import annotations
 
 import signal
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
@@ -12,11 +15,16 @@ from hangwatch.common import rundir
 
 from .harness import PY, SYNTHETIC_RANKS, control, hangwatch_run, summary, wait_exit, write_yaml
 
-RANKS, HZ = 8, 20.0
+# (ranks, beats a second per rank, goal: % of one core); the RSS goal is for every load
+LOADS = ((8, 20.0, 1.0), (64, 10.0, 3.0))
+RSS_GOAL_MIB = 40.0
+RANKS, HZ = LOADS[0][:2]  # the headline load (the figures at the top level of the section's results)
+IDLE_WORKER = ("from hangwatch.daemon.heartbeat import Heartbeat; import time; hb = Heartbeat.from_env(); "
+               "hb.start(); hb.enter_phase('idle'); time.sleep(3600)")
 
 
 def line_count(files: list[Path]) -> int:
-    return sum(f.read_bytes().count(b"\n") for f in files)
+    return sum(f.read_bytes().count(b"\n") for f in files if f.exists())
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -24,10 +32,16 @@ def cpu_s(proc: psutil.Process) -> float:
     return c.user + c.system
 
 
-def sample(sup: psutil.Process, window: float) -> tuple[list[int], list[float], float, float]:
-    """RSS and CPU% of `sup` once a second for `window` s; also its CPU seconds and the wall seconds in all."""
+def wakeups(proc: psutil.Process) -> int:
+    """Voluntary context switches: every time the process went to sleep (so: woke up) since it started."""
+    return proc.num_ctx_switches().voluntary
+
+
+def sample(sup: psutil.Process, window: float) -> dict:
+    """CPU% and RSS of `sup` once a second for `window` s; its CPU seconds, wake-ups and the wall seconds in all."""
     rss, cpu_pct = [], []
     c0 = prev_c = cpu_s(sup)
+    k0 = wakeups(sup)
     w0 = prev_w = time.monotonic()
     while time.monotonic() - w0 < window:
         time.sleep(1.0)
@@ -35,7 +49,64 @@ def sample(sup: psutil.Process, window: float) -> tuple[list[int], list[float], 
         rss.append(sup.memory_info().rss)
         cpu_pct.append(100.0 * (c - prev_c) / (now - prev_w))
         prev_c, prev_w = c, now
-    return rss, cpu_pct, cpu_s(sup) - c0, time.monotonic() - w0
+    wall = time.monotonic() - w0
+    return {"rss": rss, "cpu_pct": cpu_pct, "cpu_total_s": cpu_s(sup) - c0, "wall_s": wall,
+            "wakeups_per_s": (wakeups(sup) - k0) / wall, "threads": sup.num_threads()}
+
+
+def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) -> dict:
+    """`hangwatch run` watching `ranks` synthetic ranks beating a step line at `hz` each, sampled for `window` s."""
+    run_dir = work / "run"
+    cfg = {"run_dir": str(run_dir),
+           "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
+                                  "--seconds", str(window + settle + 60)]},
+           "watchdog": {"py_spy": False}}
+    proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
+    sup = psutil.Process(proc.pid)
+    hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(ranks)]
+    limit = time.monotonic() + 120
+    while not all(f.exists() and f.stat().st_size for f in hb_files):
+        if time.monotonic() > limit or proc.poll() is not None:
+            wait_exit(proc, 1)
+            raise RuntimeError(f"the synthetic ranks did not all start (see {work})")
+        time.sleep(0.05)
+    time.sleep(settle)  # a measured settling time before the window, not synchronisation
+    lines_before = line_count(hb_files)
+    s = sample(sup, window)
+    lines = line_count(hb_files) - lines_before
+    proc.send_signal(signal.SIGTERM)
+    code = wait_exit(proc, 60)
+    state = rundir.read_json(run_dir / rundir.STATE_NAME) or {}
+    return {"ranks": ranks, "hz": hz, "window_s": s["wall_s"],
+            "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
+            "cpu_percent_per_second": s["cpu_pct"], "cpu_percent": summary(s["cpu_pct"]),
+            "rss_bytes_samples": s["rss"], "rss_mib": summary([r / 2**20 for r in s["rss"]]),
+            "wakeups_per_s": s["wakeups_per_s"], "threads": s["threads"],
+            "heartbeat_lines_in_window": lines, "lines_per_s": lines / s["wall_s"],
+            "torn_lines": state.get("torn_lines"), "supervisor_exit": code}
+
+
+def idle(work: Path, window: float) -> dict:
+    """`hangwatch run` watching a worker that said `start`, entered `idle` and sleeps: nothing is due for
+    minutes (the silence deadline, 120 s by default), so the supervisor should sleep too."""
+    run_dir = work / "run"
+    cfg = {"run_dir": str(run_dir), "worker": {"command": [PY, "-c", IDLE_WORKER]}, "watchdog": {"py_spy": False}}
+    proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
+    sup = psutil.Process(proc.pid)
+    limit = time.monotonic() + 60
+    hb = rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), 0)
+    while b'"idle"' not in (hb.read_bytes() if hb.exists() else b""):
+        if time.monotonic() > limit or proc.poll() is not None:
+            wait_exit(proc, 1)
+            raise RuntimeError(f"the idle worker did not start (see {work})")
+        time.sleep(0.05)
+    time.sleep(1.0)
+    s = sample(sup, window)
+    proc.send_signal(signal.SIGTERM)
+    code = wait_exit(proc, 60)
+    return {"window_s": s["wall_s"], "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
+            "wakeups_per_s": s["wakeups_per_s"], "rss_mib": summary([r / 2**20 for r in s["rss"]]),
+            "supervisor_exit": code}
 
 
 def supervisor_start_trial(tmp: Path) -> dict:
@@ -59,46 +130,38 @@ def supervisor_start_trial(tmp: Path) -> dict:
     return got
 
 
+def against(value: Optional[float], goal: float) -> Optional[bool]:
+    return None if value is None else value <= goal
+
+
 def section(work: Path, quick: bool) -> dict:
     window = 3.0 if quick else 60.0
-    settle = 1.0 if quick else 2.0
-    run_dir = work / "run"
-    cfg = {"run_dir": str(run_dir),
-           "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(RANKS), "--hz", str(HZ),
-                                  "--seconds", str(window + settle + 20)]},
-           "watchdog": {"py_spy": False}}
-    proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
-    sup = psutil.Process(proc.pid)
-    hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(RANKS)]
-    limit = time.monotonic() + 60
-    while not all(f.exists() and f.stat().st_size for f in hb_files):
-        if time.monotonic() > limit or proc.poll() is not None:
-            wait_exit(proc, 1)
-            raise RuntimeError(f"the synthetic ranks did not all start (see {work})")
-        time.sleep(0.05)
-    time.sleep(settle)  # a measured settling time before the window, not synchronisation
-    lines_before = line_count(hb_files)
-    rss, cpu_pct, cpu_total, wall = sample(sup, window)
-    lines = line_count(hb_files) - lines_before
-    threads = sup.num_threads()
-    proc.send_signal(signal.SIGTERM)
-    code = wait_exit(proc, 60)
-    state = rundir.read_json(run_dir / rundir.STATE_NAME) or {}
+    settle = 1.0 if quick else 3.0
+    loads = []
+    for ranks, hz, goal in LOADS:
+        f = watch_load(work / f"load-{ranks}x{hz:g}", ranks, hz, window, settle)
+        f["cpu_goal_percent"], f["rss_goal_mib"] = goal, RSS_GOAL_MIB
+        f["cpu_meets_goal"] = against(f["cpu_percent_whole_window"], goal)
+        f["rss_meets_goal"] = against(f["rss_mib"].get("median"), RSS_GOAL_MIB)
+        loads.append(f)
+    quiet = idle(work / "idle", 3.0 if quick else 30.0)
     starts = [supervisor_start_trial(work / f"start-{i}") for i in range(2 if quick else 10)]
+    head = loads[0]
     return {
-        "method": f"`hangwatch run` watching {RANKS} synthetic ranks (scripts/baselines/synthetic_ranks.py) "
-                  f"beating a step line at {HZ:g} Hz each, nothing else of this benchmark running; after all ranks "
-                  f"started and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s "
-                  f"for {window:g} s with psutil: CPU% = CPU time / wall time (100% = one core), RSS. Start time: "
-                  "spawn of `hangwatch run` → the worker spawned (attempts/0001/worker.log created) and → the "
-                  "control socket answering `status`, sequential trials.",
-        "ranks": RANKS, "hz": HZ, "window_s": wall,
-        "cpu_percent_whole_window": 100.0 * cpu_total / wall,
-        "cpu_percent_per_second": cpu_pct, "cpu_percent": summary(cpu_pct),
-        "rss_bytes_samples": rss, "rss_mib": summary([r / 2**20 for r in rss]),
-        "threads": threads,
-        "heartbeat_lines_in_window": lines, "lines_per_s": lines / wall,
-        "torn_lines": state.get("torn_lines"), "supervisor_exit": code,
+        "method": "`hangwatch run` watching synthetic ranks (scripts/baselines/synthetic_ranks.py) each beating a "
+                  f"step line at a fixed rate — {', '.join(f'{r} ranks at {h:g} Hz (goal ≤ {g:g} % of one core)' for r, h, g in LOADS)}, "
+                  f"RSS goal ≤ {RSS_GOAL_MIB:g} MiB — one load at a time, nothing else of this benchmark running; after all "
+                  f"ranks started and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s for "
+                  f"{window:g} s with psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary "
+                  "context switches a second. Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for "
+                  "120 s), sampled the same way. Start time: spawn of `hangwatch run` → the worker spawned "
+                  "(attempts/0001/worker.log created) and → the control socket answering `status`, sequential trials.",
+        "loads": loads,
+        "idle": quiet,
+        # the headline load (8 ranks at 20 Hz) at the top level, as before
+        **{k: head[k] for k in ("ranks", "hz", "window_s", "cpu_percent_whole_window", "cpu_percent_per_second",
+                                "cpu_percent", "rss_bytes_samples", "rss_mib", "threads", "heartbeat_lines_in_window",
+                                "lines_per_s", "torn_lines", "supervisor_exit", "wakeups_per_s")},
         "start": starts,
         "start_to_worker_spawned_s": summary([s.get("to_worker_spawned_s") for s in starts]),
         "start_to_socket_ready_s": summary([s.get("to_socket_ready_s") for s in starts]),

@@ -92,22 +92,40 @@ def heartbeat(h: dict) -> tuple:
 
 
 def detection(d: dict) -> tuple:
-    rows = [[dl, str(x["overdue_s"].get("n", 0)), four(x["overdue_s"]), four(x["beyond_budget_from_last_line_s"]),
+    goal = d.get("goal_p95_s", 0.05)
+
+    def met(x: dict) -> str:
+        m = x.get("p95_meets_goal") or {}
+        word = {True: "yes", False: "no"}
+        return f"{word.get(m.get('overdue_s'), '–')} / {word.get(m.get('beyond_budget_from_last_line_s'), '–')}"
+
+    rows = [[dl, str(x["overdue_s"].get("n", 0)), four(x["overdue_s"]), four(x["beyond_budget_from_last_line_s"]), met(x),
              fmt_s(x["detection_to_gone_s"].get("median")), str(len(x["other_deadline_fired"])),
              str(x["trials_with_loop_gaps"])] for dl, x in d["deadlines"].items()]
     return (f"2. Detection latency beyond the budget ({d['budget_s'][0]:g}–{d['budget_s'][1]:g} s budgets)",
             ["deadline", "trials", "supervisor clock: min / p50 / p95 / max (s)",
-             "from the worker's last line: min / p50 / p95 / max (s)", "detection → tree gone p50 (s)",
+             "from the worker's last line: min / p50 / p95 / max (s)", f"p95 ≤ {goal:g} s (supervisor / last line)",
+             "detection → tree gone p50 (s)",
              "other deadline fired", "trials where the supervisor logged a loop gap"], rows, f"{d['method']}.")
 
 
 def recovery(r: dict) -> tuple:
-    """One column per world size (the ranks of the built-in worker), one row per figure."""
+    """One column per world size (the ranks of the built-in worker), one row per figure; each goal as the
+    median of (figure − goal) per trial — the goal taken from the same trial — and the trials that met it."""
     worlds = r["worlds"]
     cold = r.get("cold_start_to_first_step_s")
 
     def row(label: str, key: str, unit: str = "s", digits: int = 2) -> list[str]:
-        return [label] + [stats_cell(w[key], unit, 1, digits) for w in worlds.values()]
+        return [label] + [stats_cell(w.get(key), unit, 1, digits) for w in worlds.values()]
+
+    def goal(label: str, key: str, met: str) -> list[str]:
+        def cell(w: dict) -> str:
+            s = w.get(key) or {}
+            if not s.get("n"):
+                return "not measured"
+            return (f"{'meets' if s['median'] <= 0 else 'misses'}: median {s['median']:+.2f} s "
+                    f"(max {s['max']:+.2f} s); met in {w.get(met, 0)} of {s['n']}")
+        return [label] + [cell(w) for w in worlds.values()]
 
     def verdict(n: str, w: dict) -> str:
         done = w["trials"] - len(w["errors"])
@@ -119,9 +137,23 @@ def recovery(r: dict) -> tuple:
         row("step deadline: beyond the budget, from the last step line", "beyond_budget_from_last_line_s", digits=3),
         ["verdict names the hung rank as the culprit"] + [verdict(n, w) for n, w in worlds.items()],
         row("detection → process tree gone", "detection_to_gone_s"),
+        row("· process snapshot (CPU sample)", "snapshot_s"),
+        row("· dump settle: SIGUSR1 → every dump in", "dump_settle_s"),
+        row("  · faulthandler files in (whole, or stopped growing; goal ≤ 0.3 s)", "dump_files_s"),
+        row("  · py-spy done (run beside them, time-boxed)", "py_spy_s"),
+        row("· detection → SIGTERM to the tree", "detection_to_sigterm_s"),
+        row("· SIGTERM → tree gone", "sigterm_to_gone_s"),
+        goal("**goal: detection → tree gone ≤ dump settle + 0.5 s** (figure − goal)", "gone_minus_goal_s", "gone_goal_met"),
+        row("restart delay the policy chose (backoff)", "restart_delay_s"),
+        row("detection → next attempt spawned", "detection_to_next_spawn_s"),
+        row("next attempt: spawned → first step", "next_spawn_to_first_step_s"),
         row("detection → first step of the next attempt", "detection_to_next_step_s"),
-        row("first attempt: worker spawned → first step", "spawn_to_first_step_s"),
-        ["worker's own cold start → first step (for comparison)"]
+        row("first attempt: worker spawned → first step (the cold start of this run)", "spawn_to_first_step_s"),
+        goal("**goal: detection → next step ≤ this run's cold start + 1.0 s** (figure − goal)", "next_step_minus_goal_s",
+             "next_step_goal_met"),
+        row("· of which: the next attempt's cold start − the first attempt's (the machine's noise)",
+            "cold_start_difference_s"),
+        ["worker's own cold start → first step (heartbeat section, for comparison)"]
         + [stats_cell(cold, "s", 1, 2) if cold else "not measured (run the heartbeat section)"] + ["–"] * (len(worlds) - 1),
         row("steps lost per fault: hang (resume from the last good checkpoint)", "steps_lost_hang", "steps", 0),
         row("steps lost per fault: graceful `restart`", "steps_lost_graceful", "steps", 0),
@@ -139,7 +171,28 @@ def footprint(f: dict) -> tuple:
         ["heartbeat lines handled", f"{f['heartbeat_lines_in_window']} ({f['lines_per_s']:.0f}/s), {f['torn_lines']} torn"],
         ["start: spawn → worker spawned", stats_cell(f["start_to_worker_spawned_s"], "s", 1, 3)],
         ["start: spawn → control socket answers", stats_cell(f["start_to_socket_ready_s"], "s", 1, 3)],
+        *footprint_loads(f),
     ], f["method"])
+
+
+def footprint_loads(f: dict) -> list[list[str]]:
+    """Each load (8 ranks × 20 Hz, 64 × 10 Hz) against its goals, and the idle supervisor."""
+    rows = []
+    for load in f.get("loads", []):
+        name = f"{load.get('ranks')} ranks × {load.get('hz', 0):g} Hz"
+        rows.append([f"{name}: CPU (goal ≤ {load.get('cpu_goal_percent', 0):g} %)",
+                     f"{load['cpu_percent_whole_window']:.2f} % — {'met' if load.get('cpu_meets_goal') else 'missed'}"])
+        if load.get("rss_goal_mib") is not None:
+            rows.append([f"{name}: RSS (goal ≤ {load['rss_goal_mib']:g} MiB)",
+                         f"{load['rss_mib'] if isinstance(load['rss_mib'], (int, float)) else stats_cell(load['rss_mib'], 'MiB', 1, 1)}"
+                         f" — {'met' if load.get('rss_meets_goal') else 'missed'}"])
+        if load.get("wakeups_per_s") is not None:
+            rows.append([f"{name}: loop wake-ups", f"{load['wakeups_per_s']:.1f}/s"])
+    idle = f.get("idle")
+    if isinstance(idle, dict):
+        rows.append(["idle supervisor", f"{idle.get('cpu_percent_whole_window', 0):.3f} % of one core, "
+                                        f"{idle.get('wakeups_per_s', 0):.1f} wake-ups/s"])
+    return rows
 
 
 def side_by_side(s: dict) -> tuple:
@@ -155,9 +208,44 @@ def side_by_side(s: dict) -> tuple:
              "attempts", "at the end of the allowance"], rows, s["method"])
 
 
+def against(s: Optional[dict], goal: float, key: str = "median") -> str:
+    """Whether a summary's `key` (the median by default) meets a goal in seconds."""
+    if not s or not s.get("n"):
+        return "not measured"
+    return f"{'meets' if s[key] <= goal else 'misses'} ≤ {goal * 1000:.0f} ms"
+
+
+def cli(c: dict) -> tuple:
+    def ms(s: Optional[dict]) -> str:
+        return f"p50 {s['median'] * 1000:.0f} ms, p95 {s['p95'] * 1000:.0f} ms (n={s['n']})" if s and s.get("n") else "not measured"
+
+    goals, n = c["goals"], c["lines"]
+    first = c.get("submit_local_first_s")
+    return ("6. Command-line round trips", ["figure", "value", "goal"], [
+        ["`python -c pass` (the interpreter's own start, for comparison)", ms(c["python_startup_s"]), "–"],
+        ["`hangwatch status` (rich view) against the supervisor, spawn → exit", ms(c["status_s"]), against(c["status_s"], goals["status_p50_s"])],
+        ["`hangwatch status --json` against the supervisor, spawn → exit", ms(c["status_json_s"]), against(c["status_json_s"], goals["status_p50_s"])],
+        ["`hangwatch status` / `--json` against a socket that answers at once (the command's own share)",
+         f"{ms(c['status_instant_s'])} / {ms(c['status_json_instant_s'])}", "–"],
+        ["heavy packages imported by `status` / `status --json`",
+         f"{', '.join(c['status_imports']) or 'none'} / {', '.join(c['status_json_imports']) or 'none'}", "no pydantic, no torch"],
+        [f"`hangwatch submit` of {n} lines, tiny tokenizer", ms(c["submit_tiny_s"]), against(c["submit_tiny_s"], goals["submit_s"])],
+        ["heavy packages imported by that submit (CLI and its child)", ", ".join(c["submit_tiny_imports"]) or "none", "no torch"],
+        [f"`hangwatch submit` of {n} lines, local tokenizer dir: first use", "not measured" if first is None else f"{first * 1000:.0f} ms", "–"],
+        [f"`hangwatch submit` of {n} lines, local tokenizer dir: later", ms(c["submit_local_s"]), against(c["submit_local_s"], goals["submit_s"])],
+        ["runs that failed", "; ".join(c["errors"]) or "none", "none"],
+    ], c["method"])
+
+
+
+def prewarm_render(p: dict) -> tuple:
+    from bench.prewarm import render
+
+    return render(p)
+
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
-    "side_by_side": side_by_side}
+    "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render}
 
 
 def header(res: dict) -> list[str]:

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
-from hangwatch.common.durable import write_atomic
 from hangwatch.common.rundir import SOCKET_PATH_FILE
 
 DEFAULT_SOCKET_NAME = "hangwatch.sock"
@@ -51,6 +50,8 @@ def record_socket_path(run_dir: os.PathLike | str, socket_path: os.PathLike | st
             record.unlink()
         return
     run_dir.mkdir(parents=True, exist_ok=True)
+    from hangwatch.common.durable import write_atomic  # only the supervisor writes it: clients stay light
+
     write_atomic(record, f"{socket_path.resolve()}\n")
 
 

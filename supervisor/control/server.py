@@ -95,6 +95,11 @@ class ControlServer:
 
     # ---- the loop's entry point --------------------------------------------------------------
 
+    def fileno(self) -> int:
+        """Readable whenever `poll()` has work (a connection, a request, room to write): the selector's own fd, so
+        the supervisor's loop wakes for a request at once instead of on its next deadline."""
+        return self._sel.fileno()
+
     def poll(self, handler: Handler) -> None:
         """Accept, read, answer and write whatever can be done right now; never blocks."""
         now = self._clock()

@@ -364,3 +364,121 @@ def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_pat
 def test_usage_errors_exit_64(argv):
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 64, r.output
+
+
+# ---- what each command loads (issue 17: a client command pays only for what it needs) ------------------
+
+HEAVY = ("pydantic", "yaml", "structlog", "rich", "torch", "transformers", "numpy", "jinja2", "tokenizers")
+
+
+def heavy_imports_of(*argv) -> tuple[object, list[str], str]:
+    """(exit code, heavy packages and config modules imported, stdout) of one `hangwatch ARGV` in a fresh process."""
+    code = ("import json, sys\n"
+            "from hangwatch.supervisor.cli import main\n"
+            "try:\n    main(sys.argv[1:], prog_name='hangwatch')\nexcept SystemExit as exc:\n    rc = exc.code\n"
+            f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+            "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or m.startswith('hangwatch.daemon'))\n"
+            "print(json.dumps([rc, heavy]), file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
+    p = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=60,
+                       env=env, cwd=REPO)
+    rc, heavy = json.loads(p.stderr.strip().splitlines()[-1])
+    return rc, heavy, p.stdout
+
+
+# The rich view needs rich; render.py (result_message, dump_text) imports it at its top for the others.
+@pytest.mark.parametrize("argv,allowed", [
+    (["status", "--json"], set()), (["status"], {"rich"}), (["incidents", "--json"], set()),
+    (["restart"], {"rich"}), (["dump"], {"rich"}),
+], ids=["status-json", "status", "incidents-json", "restart", "dump"])
+def test_client_commands_load_neither_the_config_nor_the_ml_stack(fake, argv, allowed):
+    rc, heavy, out = heavy_imports_of(*argv, "--socket", fake.path)
+    assert rc in (0, None), out
+    assert set(heavy) <= allowed, f"`hangwatch {' '.join(argv)}` imported {heavy}"
+    if argv == ["status", "--json"]:
+        assert json.loads(out) == STATUS
+
+
+def test_help_still_lists_every_command_and_the_run_reference_loads_when_shown():
+    rc, heavy, out = heavy_imports_of("--help")
+    assert rc in (0, None) and heavy == []
+    for command in ("run", "validate-config", "status", "top", "restart", "stop", "pause", "resume", "dump", "logs",
+                    "incidents", "submit", "bench"):
+        assert f"\n  {command} " in out, command
+    rc, heavy, out = heavy_imports_of("run", "--help")
+    assert rc in (0, None) and "Configuration keys" in out and "watchdog.poll_interval_s" in out
+    assert "pydantic" in heavy  # the reference is built from the schema, now that it is shown
+
+
+def _inbox_config(tmp_path: Path, **data) -> Path:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"run_dir": str(tmp_path / "run"), "model": {"tiny": {"vocab_size": 128}, "device": "cpu"},
+                               "data": {"inbox": True, "max_length": 48, "truncation": "reject", **data}}))
+    return cfg
+
+
+def test_submit_checks_with_the_light_tokenizer_and_never_imports_torch(tmp_path, monkeypatch):
+    """The whole `hangwatch submit` (the CLI and the worker-side check it starts), with every import logged."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"upper: w{i}", "completion": f"W{i}"}) + "\n" for i in range(20))
+                    + json.dumps({"prompt": "p" * 60, "completion": "too long"}) + "\n")
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # inherited by the check's own process
+    r = hangwatch("submit", "-v", "--config", _inbox_config(tmp_path, on_bad_lines="skip_lines"), good)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == "accepted good.jsonl (20 examples; 1 bad line(s) will be left out)\n"
+    assert (tmp_path / "run" / "inbox" / "good.jsonl").read_bytes() == good.read_bytes()
+    assert "hangwatch: tokenizer: light (tiny, vocab_size=128)" in r.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "tokenizers" in imported and "pydantic" in imported  # the check ran, with the run's config
+    assert not imported & {"torch", "transformers", "numpy"}
+
+
+def test_submit_refuses_a_bad_config_or_a_run_without_an_inbox_in_the_usual_words(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  inbox: maybe\n")
+    r = hangwatch("submit", "--config", bad, f)
+    assert r.returncode == 78 and r.stdout == ""
+    assert r.stderr.splitlines()[0] == "hangwatch: invalid configuration (1 problem):"
+    assert r.stderr.splitlines()[1].startswith(f"  {bad}:2: data.inbox: ")
+    plain = _inbox_config(tmp_path, inbox=False, train=str(f))
+    r = hangwatch("submit", "--config", plain, f)
+    assert (r.returncode, r.stderr) == (78, f"hangwatch: {plain}: data.inbox is false: the run at {tmp_path / 'run'} "
+                                             "does not take files from an inbox\n")
+
+
+def test_a_request_does_its_meanwhile_work_after_sending_and_before_the_answer(tmp_path):
+    """What `status` imports to show the answer loads while the supervisor is still answering."""
+    import threading
+
+    from hangwatch.supervisor.client import Client, DaemonUnavailable
+
+    got_line, may_answer = threading.Event(), threading.Event()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "s.sock"))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.makefile("rb").readline()
+            got_line.set()
+            if may_answer.wait(10):  # the reply only comes once the client's meanwhile work has run
+                conn.sendall(b'{"ok": true, "result": {"state": "running"}}\n')
+
+    threading.Thread(target=serve, daemon=True).start()
+    order = []
+
+    def meanwhile():
+        order.append(("request already sent", got_line.wait(10)))
+        may_answer.set()
+
+    try:
+        assert Client(tmp_path / "s.sock", timeout=10).call("status", meanwhile=meanwhile) == {"state": "running"}
+    finally:
+        listener.close()
+    assert order == [("request already sent", True)]
+    with pytest.raises(DaemonUnavailable):  # nothing to overlap with: not run when no daemon answers
+        Client(tmp_path / "none.sock").call("status", meanwhile=lambda: order.append("ran"))
+    assert len(order) == 1

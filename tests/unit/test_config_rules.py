@@ -14,10 +14,10 @@ EVAL_ON = BUILTIN + "eval:\n  every_steps: 5\n  prompts: [hi]\n"  # lines 3-5
 ERRORS = [
     # (yaml, the problems, {p} for the source)
     (OWN + "restart:\n  backoff_initial_s: 100\n  backoff_max_s: 1\n",
-     ["{p}:4: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first restart delay cannot be "
+     ["{p}:4: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first backoff delay cannot be "
       "larger than the cap it doubles towards"]),
     (OWN + "restart:\n  backoff_initial_s: 400\n",  # over the default cap (300), which the file does not mention
-     ["{p}:4: restart.backoff_initial_s: 400 exceeds restart.backoff_max_s (300): the first restart delay cannot be "
+     ["{p}:4: restart.backoff_initial_s: 400 exceeds restart.backoff_max_s (300): the first backoff delay cannot be "
       "larger than the cap it doubles towards"]),
     (OWN + "watchdog:\n  step_timeout_max_s: 5\n",  # under the default lower clamp (10): the section's line
      ["{p}:3: watchdog.step_timeout_min_s: 10 exceeds watchdog.step_timeout_max_s (5): the calibrated step deadline "
@@ -50,7 +50,7 @@ ERRORS = [
       "worker.nproc_per_node: 1"]),
     # several at once, each on its own line
     (OWN + "restart: {backoff_initial_s: 9, backoff_max_s: 2}\nwatchdog: {step_timeout_min_s: 9, step_timeout_max_s: 2}\n",
-     ["{p}:3: restart.backoff_initial_s: 9 exceeds restart.backoff_max_s (2): the first restart delay cannot be larger "
+     ["{p}:3: restart.backoff_initial_s: 9 exceeds restart.backoff_max_s (2): the first backoff delay cannot be larger "
       "than the cap it doubles towards",
       "{p}:4: watchdog.step_timeout_min_s: 9 exceeds watchdog.step_timeout_max_s (2): the calibrated step deadline "
       "is clamped between the two"]),

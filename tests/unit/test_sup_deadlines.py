@@ -269,3 +269,77 @@ def test_load_is_quiet_and_bounded_by_the_startup_budget():
     assert d2.check(50.0) is None and d2.check(51.0).source == "config"
     d2.observe(line("phase", phase="train"), 40.0)
     assert d2.check(60.0).name == "silence"
+
+
+def test_a_pass_on_time_after_a_long_planned_sleep_is_not_a_suspension():
+    det = SuspensionDetector(period=0.25)
+    det.observe(0.0)
+    det.expect(60.0)  # nothing due for a minute: the loop sleeps that long
+    assert det.observe(60.3) == 0
+    det.expect(61.0)
+    assert det.observe(65.0) == pytest.approx(4.0)  # 4 s later than planned: this process was not running
+
+
+def test_sigcont_makes_the_whole_time_since_the_last_pass_a_suspension():
+    det = SuspensionDetector(period=0.25)
+    det.observe(10.0)
+    det.expect(40.0)
+    assert det.observe(25.0, continued=True) == pytest.approx(15.0)  # stopped and continued before the wake-up was due
+    assert det.total_s == pytest.approx(15.0)
+
+
+def test_next_due_and_check_agree_with_every_armed_deadline():
+    """The fast answers (`next_due_s`, the early "nothing due" of `check`) against the deadlines built in full,
+    over random sequences of lines, arms and shifts on two ranks."""
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(40):
+        d = make(step_timeout_s=None, first_steps_timeout_s=6, silence_timeout_s=9, calibrate_after=3,
+                 step_timeout_min_s=0.5, default_phase_budget_s=4)
+        t = 0.0
+        d.arm_startup(t)
+        for _ in range(60):
+            t += rnd.choice((0.1, 0.5, 1.0, 2.5))
+            what = rnd.random()
+            rank = rnd.choice((0, 1))
+            if what < 0.1:
+                d.observe(line("start", rank=rank, phase=rnd.choice(("init", "train"))), t)
+            elif what < 0.5:
+                d.observe(line("step", rank=rank, step=int(t * 10), phase="train"), t)
+            elif what < 0.6:
+                d.observe(line("phase", rank=rank, phase=rnd.choice(("train", "eval", "mine", "load", "idle"))), t)
+            elif what < 0.7:
+                d.observe(line("progress", rank=rank, phase="train"), t)
+            elif what < 0.75:
+                d.arm_extra("stop", t, rnd.choice((1.0, 3.0)))
+            elif what < 0.8:
+                d.disarm_extra("stop")
+            elif what < 0.85:
+                d.shift(rnd.choice((0.5, 2.0)))
+            elif what < 0.88:
+                d.observe(line("stop", rank=rank, phase="train", reason="finished"), t)
+            for probe in (t, t + 0.3, t + 1.7, t + 5.0):
+                full = d._candidates(probe)
+                due = [e for e in full if e.elapsed_s >= e.budget_s]
+                expect_due = max(due, key=lambda e: (e.elapsed_s - e.budget_s, e.name != "silence")) if due else None
+                assert d.check(probe) == expect_due
+                expect_next = min((e.budget_s - e.elapsed_s for e in full), default=None)
+                got = d.next_due_s(probe)
+                assert (got is None) == (expect_next is None)
+                if got is not None:
+                    assert got == pytest.approx(expect_next)
+
+
+def test_the_calibrated_step_budget_follows_the_samples_it_is_given():
+    d = make(calibrate_after=5, calibration_factor=2.0, step_timeout_min_s=0.1)
+    started(d, now=0.0)
+    t = 0.0
+    for i in range(6):  # step lines 1 s apart: the 5th interval (6th line) calibrates at once
+        t += 1.0
+        d.observe(line("step", step=i + 1, phase="train"), t)
+        assert d.step_budget()[1] == ("calibrated" if i >= 5 else "first_steps")
+    assert d.step_budget() == (pytest.approx(2.0), "calibrated")
+    for x in [9.0] * 5:
+        d.calibration.add_step(x)  # samples from elsewhere (a reload): the budget follows at once
+    assert d.step_budget() == (pytest.approx(18.0), "calibrated")

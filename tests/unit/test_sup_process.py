@@ -143,3 +143,21 @@ def test_the_built_in_worker_runs_under_torchrun_with_more_than_one_rank(tmp_pat
     two = worker_argv(Config.model_validate({**base, "worker": {"nproc_per_node": 2}}), tmp_path / "run" / "config.yaml")
     assert two[:7] == [_sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
     assert two[7:] == one[2:]
+
+
+def test_descendants_and_own_children_come_from_one_listing_of_every_parent():
+    listings = []
+
+    def parents():
+        listings.append(1)
+        me = os.getpid()
+        return {10: me, 11: 10, 12: 11, 13: 10, 20: me, 21: 20, 30: 1, 31: 30}
+
+    clock = FakeClock(5.0)
+    table = PsutilProcessTable(clock=clock, parents=parents)
+    table.create_time = lambda pid: 1000.0 + pid  # the fake pids have no /proc entry
+    assert sorted(r.pid for r in table.descendants(10)) == [11, 12, 13]
+    assert sorted(r.pid for r in table.own_children(exclude={20})) == [10]
+    assert table.descendants(31) == [] and len(listings) == 1  # one scan, one listing
+    clock.t += 1.0
+    assert sorted(r.pid for r in table.descendants(30)) == [31] and len(listings) == 2  # a later pass lists again

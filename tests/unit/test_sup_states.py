@@ -54,26 +54,26 @@ def cfg(**kw):
     return RestartCfg(**base)
 
 
-def test_backoff_doubles_and_is_capped():
+def test_the_first_restart_is_immediate_then_backoff_doubles_and_is_capped():
     p = RestartPolicy(cfg(max_restarts=100))
     delays = []
-    for i in range(6):
+    for i in range(7):
         p.attempt_started(float(i))
         delays.append(p.on_failure(float(i) + 0.5, "crash").delay_s)
-    assert delays == [1, 2, 4, 5, 5, 5]
+    assert delays == [0, 1, 2, 4, 5, 5, 5]
 
 
 def test_backoff_resets_after_a_healthy_stretch():
     p = RestartPolicy(cfg(max_restarts=100))
     p.attempt_started(0.0)
-    assert p.on_failure(1.0, "x").delay_s == 1
+    assert p.on_failure(1.0, "x").delay_s == 0
     p.attempt_started(2.0)
-    assert p.on_failure(3.0, "x").delay_s == 2
+    assert p.on_failure(3.0, "x").delay_s == 1
     p.attempt_started(10.0)
     p.observed_step(5, 11.0)
-    assert p.on_failure(10.0 + 50, "x").delay_s == 1  # ran 50 s and stepped
+    assert p.on_failure(10.0 + 50, "x").delay_s == 0  # ran 50 s and stepped: the streak starts again
     p.attempt_started(70.0)
-    assert p.on_failure(200.0, "x").delay_s == 2  # long, but no step: not healthy
+    assert p.on_failure(200.0, "x").delay_s == 1  # long, but no step: not healthy
 
 
 def test_crash_loop_without_a_new_step_fails_the_run():

@@ -1,0 +1,282 @@
+"""Alerts without a network: which log events become which alert (storm control included), the words of each,
+the courier's retries, the outbox that never blocks, the notifier fan-out and the log tap."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+import structlog
+
+from hangwatch.supervisor import logsetup
+from hangwatch.supervisor.alerts import AlertDesk, Courier, Notice, Throttle, compose
+from hangwatch.supervisor.notify import Fanout, Outbox, Stats
+
+ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer"}
+
+
+def desk(on=ALL, interval=300.0):
+    sent: list[Notice] = []
+    return AlertDesk(set(on), interval, sent.append), sent
+
+
+def stall(d, ident, now, attempt=1, step=4, kind="stall"):
+    d.feed({"event": "stall_detected", "incident": ident, "kind": kind, "step": step, "attempt": attempt,
+            "deadline": "step", "elapsed_s": 2.0}, now)
+    d.feed({"event": "stack_dumped", "incident": ident, "stuck": "f (x.py:1)", "classification": "blocked in C"}, now + 1)
+
+
+def crash(d, ident, now, attempt):
+    d.feed({"event": "worker_failed", "kind": "crash", "incident": ident, "attempt": attempt,
+            "classification": "crash with RuntimeError"}, now)
+
+
+def gone(d, now, nxt="backoff", attempt=1):
+    d.feed({"event": "tree_gone", "attempt": attempt, "next": nxt, "why": "x; next attempt in 0s"}, now)
+
+
+# ---------------------------------------------------------------------------------------------- the desk
+
+
+def test_a_handled_stall_is_one_incident_alert_with_what_the_log_said():
+    d, sent = desk()
+    stall(d, "0001", 10.0)
+    assert sent == []  # nothing before the tree is gone: the alert says what was done
+    gone(d, 13.5)
+    [n] = sent
+    assert n.event == "incident"
+    assert n.facts["id"] == "0001" and n.facts["kind"] == "stall" and n.facts["step"] == 4
+    assert n.facts["stuck"] == "f (x.py:1)" and n.facts["next"] == "backoff" and n.facts["handled_s"] == 3.5
+
+
+def test_a_crash_loop_is_one_incident_alert_and_one_summary():
+    d, sent = desk()
+    for i, attempt in enumerate((1, 2, 3, 4)):
+        crash(d, f"000{attempt}", 10.0 + i, attempt)
+        gone(d, 10.1 + i, nxt="failed" if attempt == 4 else "backoff", attempt=attempt)
+        d.observe(attempt, 2, 10.2 + i)  # each attempt steps to 2 and crashes: never past the step it hit
+        d.tick(10.3 + i)
+    d.feed({"event": "crash_loop", "incident": "0005", "reason": "crash loop: 3 restart(s) …"}, 14.0)
+    d.feed({"event": "state", "to": "failed", "why": "crash loop: 3 restart(s) …", "attempt": 4}, 14.0)
+    d.tick(14.0)
+    assert [n.event for n in sent] == ["incident", "crash_loop"]
+    assert [h["id"] for h in sent[1].held] == ["0002", "0003", "0004"]
+    assert sent[1].facts["id"] == "0005"
+    assert d.throttle.suppressed == 3
+
+
+@pytest.mark.parametrize("ending, on, expected", [
+    ("crash_loop", ALL, "crash_loop"),
+    ("no_progress", ALL, "no_progress"),
+    (None, ALL, "failed"),
+    ("crash_loop", {"failed"}, "failed"),  # the specific kind is off: the run's end still says failed
+    ("no_progress", {"incident"}, None),
+])
+def test_the_runs_end_is_one_alert_of_the_most_specific_kind_enabled(ending, on, expected):
+    d, sent = desk(on)
+    d.feed({"event": "state", "to": "failed", "why": "why", "attempt": 3}, 5.0)
+    if ending:  # the no-progress incident is recorded after the state changed, in the same pass
+        d.feed({"event": ending, "incident": "0009", "reason": "because"}, 5.0)
+    d.tick(5.0)
+    d.tick(6.0)
+    assert [n.event for n in sent] == ([expected] if expected else [])
+
+
+def test_recovered_comes_once_training_passes_the_step_the_incident_hit():
+    d, sent = desk()
+    stall(d, "0001", 1.0, step=40)
+    gone(d, 2.0)
+    d.observe(2, 35, 3.0)  # the replay after resuming from step 30
+    d.observe(2, 40, 4.0)
+    assert [n.event for n in sent] == ["incident"]
+    d.observe(2, 41, 5.0)
+    d.observe(2, 42, 6.0)
+    assert [n.event for n in sent] == ["incident", "recovered"]
+    assert sent[1].facts == {"id": "0001", "step": 41, "attempt": 2, "hit_step": 40}
+
+
+def test_an_operators_restart_or_stop_alerts_nobody():
+    d, sent = desk()
+    d.feed({"event": "restart_now", "incident": "0001", "kind": "manual", "attempt": 1}, 1.0)
+    gone(d, 2.0, nxt="starting")
+    d.feed({"event": "stall_detected", "incident": "0002", "kind": "stall", "attempt": 2}, 3.0)
+    gone(d, 4.0, nxt="stopped", attempt=2)
+    assert sent == []
+
+
+def test_held_incidents_go_out_as_one_summary_after_the_interval():
+    d, sent = desk(interval=60)
+    stall(d, "0001", 0.0)
+    gone(d, 1.0)
+    d.observe(2, 5, 2.0)  # recovered
+    stall(d, "0002", 10.0, attempt=2, step=9)
+    gone(d, 11.0, attempt=2)
+    d.tick(30.0)
+    assert [n.event for n in sent] == ["incident", "recovered"]
+    d.tick(61.0)
+    assert [n.event for n in sent] == ["incident", "recovered", "summary"]
+    assert [h["id"] for h in sent[2].held] == ["0002"]
+    d.tick(200.0)
+    assert len(sent) == 3
+
+
+def test_events_not_in_alerts_on_are_not_sent():
+    d, sent = desk({"failed"})
+    stall(d, "0001", 0.0)
+    gone(d, 1.0)
+    d.observe(2, 9, 2.0)
+    assert sent == []
+
+
+@pytest.mark.parametrize("steps, sent_events", [
+    ([], ["incident"]),
+    ([("recovered", 5)], ["incident", "recovered"]),
+])
+def test_throttle_table(steps, sent_events):
+    t = Throttle(100)
+    out = t.incident(Notice("incident", {"id": "1"}), 0.0)
+    for what, now in steps:
+        out += getattr(t, what)(Notice(what, {}), now)
+    assert [n.event for n in out] == sent_events
+    assert t.incident(Notice("incident", {"id": "2"}), 10.0) == []  # within the interval: held, recovered or not
+    assert t.held == [{"id": "2", "kind": None, "step": None}]
+
+
+# ---------------------------------------------------------------------------------------------- the words
+
+
+def write_incident(run_dir, ident="0001", kind="stall", **extra):
+    d = run_dir / "incidents" / f"{ident}-{kind}"
+    d.mkdir(parents=True)
+    rec = {"id": ident, "kind": kind, "attempt": 1, "step": 40, "classification": "blocked in C (CPU 0%, state S)",
+           "stuck_frame": {"function": "__call__", "file": "daemon/faults.py", "line": 121}, "dump_rank": 0,
+           "dumps": {"0": "stack-rank0.txt"}, "deadline": {"name": "phase", "budget_s": 10.0, "elapsed_s": 10.001},
+           "timings": {"sigkill_after_s": 0.5, "detection_to_gone_s": 6.1}, "last_good_checkpoint": "ckpt/step-30",
+           "last_good_step": 30, "summary": "in generate(): phase deadline 10.0s exceeded", **extra}
+    (d / "incident.json").write_text(json.dumps(rec))
+    return d
+
+
+def test_the_incident_alert_names_run_kind_culprit_frame_step_action_duration_and_place(tmp_path):
+    run_dir = tmp_path / "demo"
+    inc_dir = write_incident(run_dir)
+    n = Notice("incident", {"id": "0001", "kind": "stall", "next": "backoff", "why": "…; next attempt in 1s",
+                            "handled_s": 6.2})
+    msg = compose(n, run_dir, "box1")
+    assert msg["title"] == "hangwatch demo: stall at step 40 — restarting"
+    body = msg["body"]
+    for needle in (f"run: demo ({run_dir.resolve()}) on box1, attempt 1", "kind: stall",
+                   "culprit: rank 0: blocked in C (CPU 0%, state S)", "frame: __call__ (daemon/faults.py:121)",
+                   "step: 40", "done: dumped the stacks of rank(s) 0; stopped the process tree (SIGTERM, then SIGKILL); "
+                   "restarting from ckpt/step-30 (step 30); next attempt in 1s",
+                   "took: detected 10.001 s after the last sign of progress (phase deadline 10.0 s); handled 6.2 s after "
+                   "detection; tree gone 6.1 s after detection", f"incident: {inc_dir.resolve()}"):
+        assert needle in body, (needle, body)
+    assert msg["level"] == "failure" and msg["kind"] == "stall" and msg["incident_dir"] == str(inc_dir.resolve())
+
+
+def test_an_incident_whose_record_cannot_be_read_is_still_worded_from_the_log(tmp_path):
+    n = Notice("incident", {"id": "0007", "kind": "crash", "step": 3, "classification": "crash with ValueError",
+                            "next": "failed", "why": "crash loop", "handled_s": 0.1})
+    msg = compose(n, tmp_path / "r", "h")
+    assert "kind: crash" in msg["body"] and "culprit: crash with ValueError" in msg["body"]
+    assert "ended the run failed: crash loop" in msg["body"] and "incident: 0007" in msg["body"]
+
+
+def test_a_summary_lists_what_was_held(tmp_path):
+    n = Notice("crash_loop", {"reason": "crash loop: 3 restart(s)", "id": None})
+    n.held = [{"id": "0002", "kind": "crash"}, {"id": "0003", "kind": "crash"}, {"id": "0004", "kind": "oom"}]
+    msg = compose(n, tmp_path / "r", "h")
+    assert msg["title"] == "hangwatch r: run FAILED — crash loop"
+    assert "also 3 incident(s) not sent one by one: 2 crash, 1 oom (0002, 0003, 0004)" in msg["body"]
+
+
+# ---------------------------------------------------------------------------------------------- delivery
+
+
+class FlakySink:
+    name = "flaky"
+
+    def __init__(self, failures):
+        self.failures, self.calls = failures, 0
+
+    def __call__(self, msg):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError("connection refused")
+
+
+@pytest.mark.parametrize("failures, retries, calls, result", [
+    (0, 2, 1, "sent"), (2, 2, 3, "sent"), (3, 2, 3, "failed"), (1, 0, 1, "failed"),
+])
+def test_the_courier_retries_then_counts(tmp_path, failures, retries, calls, result):
+    stats, sink, naps = Stats(), FlakySink(failures), []
+    Courier(tmp_path, [sink], retries, stats, sleep=naps.append, host="h").deliver(Notice("failed", {"why": "x"}))
+    assert sink.calls == calls
+    assert stats.snapshot() == {(f"alerts_{result}", "flaky"): 1}
+    assert naps == [1.0, 2.0][: min(failures, retries)]
+
+
+def test_one_failing_sink_does_not_stop_the_others(tmp_path):
+    stats, good = Stats(), []
+    Courier(tmp_path, [FlakySink(99), good.append], 0, stats, sleep=lambda s: None, host="h").deliver(Notice("failed", {}))
+    assert len(good) == 1 and stats.snapshot()[("alerts_failed", "flaky")] == 1
+
+
+def test_the_outbox_never_blocks_and_counts_what_it_drops():
+    gate, done = threading.Event(), []
+    box = Outbox("t", lambda item: (gate.wait(5), done.append(item)), maxsize=2).start()
+    t0 = time.monotonic()
+    results = [box.put(i) for i in range(6)]  # one in delivery, two queued, the rest dropped
+    assert time.monotonic() - t0 < 1.0
+    assert results.count(False) >= 3 and box.stats.snapshot()[("t_dropped", "")] == results.count(False)
+    assert not box.idle()
+    gate.set()
+    assert box.close(5) and done == [i for i, ok in enumerate(results) if ok]
+
+
+def test_an_outbox_whose_setup_fails_drops_and_counts():
+    def broken():
+        raise ValueError("no such plugin")
+    box = Outbox("a", lambda item: None, setup=broken).start()
+    box.put(1)
+    assert box.close(5)
+    assert box.broken == "no such plugin" and box.stats.snapshot()[("a_dropped", "")] == 1
+
+
+def test_the_fanout_reaches_every_listener_even_when_one_raises():
+    class Boom:
+        def watchdog(self, now):
+            raise RuntimeError("boom")
+
+    class Ear:
+        calls = []
+
+        def watchdog(self, now):
+            self.calls.append(now)
+            return True
+
+    ear = Ear()
+    assert Fanout(Boom(), None, ear).watchdog(3.0) is True
+    assert ear.calls == [3.0]
+
+
+def test_a_tap_sees_every_logged_event_and_a_broken_tap_costs_no_line(tmp_path):
+    seen, stream = [], io.StringIO()
+    logsetup.configure(tmp_path, "info", stream=stream, environ={})
+
+    def broken(ev):
+        raise RuntimeError("tap")
+
+    logsetup.add_tap(broken)
+    logsetup.add_tap(seen.append)
+    try:
+        structlog.get_logger("hangwatch").warning("stall_detected", incident="0001", kind="stall")
+    finally:
+        logsetup.remove_tap(broken)
+        logsetup.remove_tap(seen.append)
+    assert [(e["event"], e["incident"]) for e in seen] == [("stall_detected", "0001")]
+    assert "stall_detected" in stream.getvalue()
+    assert '"incident": "0001"' in (tmp_path / "supervisor.log").read_text()
