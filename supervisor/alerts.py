@@ -142,7 +142,10 @@ class AlertDesk:
                          step=facts.get("step") if facts.get("step") is not None else max(self.top_step, 0))
             if facts["kind"] == "manual" or ev.get("next") in ("stopped", "paused", "starting"):
                 return  # an operator's restart or stop: they know
-            self.hit = {"id": facts["id"], "step": facts["step"], "attempt": ev.get("attempt")}
+            # Recovered means past the furthest step any still-unrecovered incident hit: a later attempt that dies
+            # earlier (a crash loop) must not make stepping past *its* step count as recovery.
+            furthest = max(facts["step"] or 0, (self.hit or {}).get("step") or 0)
+            self.hit = {"id": facts["id"], "step": furthest, "attempt": ev.get("attempt")}
             if "incident" in self.enabled:
                 self._out(self.throttle.incident(Notice("incident", facts), now))
         elif name in ("crash_loop", "no_progress"):

@@ -307,6 +307,8 @@ class Supervisor:
             self._last_reap = now
             self._reap(now, orphans=heard or self.lifecycle.state not in (State.STARTING, State.RUNNING))
         grown = self.wakeup.grown()  # the heartbeat files the file events said grew (None: read them all)
+        if self.current is not None and self.current.worker.exited:
+            grown = None  # an ended worker's last lines (its last step, its stop) decide what its end means
         beats.read(self, now, grown)
         self._read_all = grown is None
         if self.control is not None:
