@@ -189,7 +189,8 @@ def exit_incident(tools: "Tools", attempt: Attempt, deadlines: Deadlines, facts:
     if any(r["data"] is not None for r in flight.values()):  # written by the ranks themselves (dump on timeout)
         inc.data["flight_recorder"] = into_incident(inc, flight)
     log.warning("worker_failed", kind=kind, incident=inc.id, classification=classification, attempt=attempt.number,
-                code=w.exit_code, signal=signal_name(w.exit_signal), **({"culprit_rank": culprit} if several else {}))
+                step=inc.data.get("step"), code=w.exit_code, signal=signal_name(w.exit_signal),
+                **({"culprit_rank": culprit} if several else {}))
     return inc
 
 

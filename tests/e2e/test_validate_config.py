@@ -42,7 +42,7 @@ def test_validate_config_reports_every_problem_in_file_order(tmp_path):
     r = hangwatch("validate-config", cfg)
     assert (r.returncode, r.stdout) == (78, "")
     assert r.stderr.splitlines()[1:] == [
-        f"  {cfg}:3: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first restart delay cannot "
+        f"  {cfg}:3: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first backoff delay cannot "
         "be larger than the cap it doubles towards"]
     cfg.write_text("run_dir: runs/x\nmodel:\n  name_or_path: models/none\ndata:\n  train: train.jsonl\n  eval: eval.jsonl\n")
     r = hangwatch("validate-config", cfg)
