@@ -188,7 +188,8 @@ class OomRemediation:
     def __init__(self, cfg, run_dir: os.PathLike | str):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.enabled = cfg.worker.command is None  # a user's own script has no micro-batch we could change
+        # A user's own script has no micro-batch we could change; `restart.oom_remediation: false` turns it off.
+        self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
 
     def on_failure(self, kind: str, *, attempt: int, step: Optional[int], incident: Optional[str],
                    now: Optional[float] = None) -> Optional[Remedy]:

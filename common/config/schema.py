@@ -141,6 +141,10 @@ class RestartCfg(Section):
     no_progress_restarts: int = Field(
         3, ge=0, description="Restarts in a row that never step past the last good step before the run ends `failed` "
         "(incident `no_progress`, an alert) — before the restart budget is spent on hopeless attempts; 0: off.")
+    oom_remediation: bool = Field(
+        True, description="Built-in worker: an out-of-memory failure restarts with the micro-batch halved and the "
+        "accumulation doubled (the same examples per optimizer step; not bit-for-bit the same sums), down to 1, then "
+        "gradient checkpointing, then `failed`. false: restart with the same settings.")
     prewarm: bool = Field(
         False, description="Built-in worker: at a stall, spawn the next attempt's process at once as a standby that imports "
         "torch/transformers/peft and loads the base model on the CPU while the stuck attempt is dumped and killed; it takes "

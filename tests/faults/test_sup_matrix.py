@@ -60,7 +60,7 @@ def config(tmp_path: Path, name: str, faults: list, step_timeout_s: float = 60) 
         watchdog={"startup_timeout_s": 300, "silence_timeout_s": max(30, step_timeout_s), "step_timeout_s": step_timeout_s,
                   "dump_grace_s": 2, "term_grace_s": 3, "poll_interval_s": 0.1, "py_spy": False,
                   "phase_budgets_s": {"eval": 120, "generate": 12, "checkpoint": 120, "load": 300}},
-        restart={"backoff_initial_s": 0, "max_restarts": 20},
+        restart={"backoff_initial_s": 0, "max_restarts": 20, "oom_remediation": False},  # bitwise against the reference
     )
     cfg["train"].update(max_steps=MAX_STEPS, sleep_per_step_s=0.0, max_nonfinite_streak=3)
     cfg["eval"].update(every_steps=4, max_new_tokens=8)

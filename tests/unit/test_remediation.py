@@ -7,9 +7,15 @@ from hangwatch.supervisor import remediation as rem
 from hangwatch.supervisor.remediation import OomRemediation, Setting
 
 
-def cfg(micro=4, accum=2, gc=False, command=None):
+def cfg(micro=4, accum=2, gc=False, command=None, on=True):
     return SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
-                           model=SimpleNamespace(gradient_checkpointing=gc), worker=SimpleNamespace(command=command))
+                           model=SimpleNamespace(gradient_checkpointing=gc), worker=SimpleNamespace(command=command),
+                           restart=SimpleNamespace(oom_remediation=on))
+
+
+def test_oom_remediation_can_be_turned_off(tmp_path):
+    assert OomRemediation(cfg(on=False), tmp_path).on_failure("oom", attempt=1, step=3, incident="0001") is None
+    assert not (tmp_path / "remediation.json").exists()
 
 
 @pytest.mark.parametrize("now, after", [
