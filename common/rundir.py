@@ -14,6 +14,7 @@ from typing import Optional
 CONFIG_NAME = "config.yaml"
 STATE_NAME = "state.json"
 CALIBRATION_NAME = "calibration.json"
+QUARANTINE_NAME = "quarantine.jsonl"  # examples the built-in worker kept out after non-finite losses
 CHECKPOINT_LEDGER_NAME = "checkpoints.json"  # the supervisor's record of announced checkpoints (supervisor.checkpoint_ledger)
 SUPERVISOR_LOG_NAME = "supervisor.log"
 WORKER_LOG_NAME = "worker.log"
@@ -74,6 +75,24 @@ def attempt_numbers(run_dir: os.PathLike | str) -> list[int]:
 def next_attempt(run_dir: os.PathLike | str) -> int:
     """The attempt number a worker started by hand takes: one past the highest on disk."""
     return max(attempt_numbers(run_dir), default=0) + 1
+
+
+def read_jsonl(path: os.PathLike | str) -> list[dict]:
+    """Every JSON-object line of an append-only file (a torn last line, from a crash mid-append, is skipped);
+    [] when the file is not there."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def read_json(path: os.PathLike | str) -> Optional[dict]:

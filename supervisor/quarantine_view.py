@@ -4,30 +4,18 @@ reason, step, attempt, t), for `status`, state.json and the `nan` incident.  Sta
 supervisor never imports the worker."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
 
-QUARANTINE_NAME = "quarantine.jsonl"  # daemon.trainer.quarantine.QUARANTINE_NAME
+from hangwatch.common.rundir import QUARANTINE_NAME, read_jsonl
+
 MAX_IDS_SHOWN = 20
 
 
 def read(run_dir: os.PathLike | str) -> list[dict]:
     """Every well-formed record (a torn last line is skipped)."""
-    try:
-        lines = (Path(run_dir) / QUARANTINE_NAME).read_text(encoding="utf-8").splitlines()
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("id"), str):
-            out.append(rec)
-    return out
+    return [r for r in read_jsonl(Path(run_dir) / QUARANTINE_NAME) if isinstance(r.get("id"), str)]
 
 
 def of_attempt(records: list[dict], attempt: int) -> list[dict]:

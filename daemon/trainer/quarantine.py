@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.durable import append_durable
+from hangwatch.common.rundir import QUARANTINE_NAME, read_jsonl
 
 MAX_IDS_IN_BEAT = 64  # a step beat lists its examples' ids up to this many (always their digest)
-QUARANTINE_NAME = "quarantine.jsonl"
 STREAKS_NAME = "nonfinite-streaks.jsonl"
 OWN_LOSS = "its own loss was non-finite"
 AGAIN = "in an optimizer step that was non-finite again after a rollback (quarantine widened to the whole step)"
@@ -55,30 +55,13 @@ def path_for(run_dir: os.PathLike | str) -> Path:
     return Path(run_dir) / QUARANTINE_NAME
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """Every record (a torn last line, from a crash mid-append, is ignored)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def read(run_dir: os.PathLike | str) -> list[dict]:
     """The quarantine records."""
-    return [r for r in _read_jsonl(path_for(run_dir)) if isinstance(r.get("id"), str)]
+    return [r for r in read_jsonl(path_for(run_dir)) if isinstance(r.get("id"), str)]
 
 
 def read_streaks(run_dir: os.PathLike | str) -> list[dict]:
-    return _read_jsonl(Path(run_dir) / STREAKS_NAME)
+    return read_jsonl(Path(run_dir) / STREAKS_NAME)
 
 
 def quarantined_ids(run_dir: os.PathLike | str) -> frozenset[str]:
