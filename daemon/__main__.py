@@ -163,7 +163,10 @@ def run(cfg, hb, choice, stop, faults, pre: Optional[Preloaded] = None, configur
     world = open_world(pick_device(cfg)[0])
     choice = agree_on_resume(cfg, world, choice)
     hb.current_step = choice.step
-    plan = FaultPlan(faults, cfg.run_dir, hb, attempt=hb.attempt, rank=world.rank, shared=world.size > 1)
+    # Several nodes: the record lives beside the shared checkpoints, so a fault fires once per run whichever node
+    # hosts its global rank in a round (torchrun's rendezvous may hand rank R to another node after a restart).
+    record_dir = cfg.checkpoint.dir if cfg.worker.nnodes > 1 and cfg.checkpoint.dir else cfg.run_dir
+    plan = FaultPlan(faults, record_dir, hb, attempt=hb.attempt, rank=world.rank, shared=world.size > 1)
     _warn_faults(cfg, hb, faults, world)
     if cfg.model.device != "cpu" and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -226,7 +229,7 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         faults = faults_from(cfg, env)  # a bad HANGWATCH_FAULTS is a config error, reported before anything starts
         world_size = world_size_from_env(env)
         check_world(cfg, world_size)
-        choice = ckpt.choose_resume(run_dir, clean=hb.rank == 0)
+        choice = ckpt.choose_resume(run_dir, clean=hb.rank == 0, configured=cfg.checkpoint.dir)
         if choice.path is not None:
             check_resume_compatible(cfg, choice.path, world_size)
         remedy, stale = remediation.read(run_dir, cfg)

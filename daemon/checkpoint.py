@@ -44,8 +44,10 @@ STEP_RE = re.compile(r"^step-(\d{8})$")
 TEMP_PREFIXES = (TMP_PREFIX, ".old-")
 
 
-def checkpoints_root(run_dir: os.PathLike | str) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+def checkpoints_root(run_dir: os.PathLike | str, configured: Optional[str] = None) -> Path:
+    """Where checkpoints go: `checkpoint.dir` when configured (multi-node: a directory every node sees), else
+    `<run_dir>/checkpoints`."""
+    return Path(configured) if configured else Path(run_dir) / CHECKPOINTS
 
 
 def step_name(step: int) -> str:
@@ -238,11 +240,11 @@ class ResumeChoice:
     skipped: list[dict] = field(default_factory=list)
 
 
-def choose_resume(run_dir: os.PathLike | str, *, clean: bool = True) -> ResumeChoice:
+def choose_resume(run_dir: os.PathLike | str, *, clean: bool = True, configured: Optional[str] = None) -> ResumeChoice:
     """The newest good (or provisional) checkpoint; newer ones that are invalid or unconfirmed are
     listed as skipped.  `clean`: remove what interrupted saves left behind first (rank 0 of a
     multi-rank run does it; the other ranks only look, and take rank 0's choice)."""
-    root = checkpoints_root(run_dir)
+    root = checkpoints_root(run_dir, configured)
     choice = ResumeChoice(skipped=clean_temporaries(root) if clean else [])
     for p in list_checkpoints(root):
         reason = validate(p)

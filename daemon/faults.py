@@ -16,7 +16,8 @@ every time they are trained (from `at_step` on, if given), on every attempt — 
 tested.  It is announced once per attempt, the first time it strikes.
 
 `rank: R` (default 0) fires a fault on that rank of a multi-rank run only; every rank keeps the
-one `faults-fired.json` (updated under a lock, as several ranks may record at once).
+one `faults-fired.json` (updated under a lock, as several ranks may record at once).  Several nodes keep it
+beside their shared checkpoints (`checkpoint.dir`): `rank` is the global rank, whichever node hosts it.
 
 What each kind does is written so that the evidence looks like the real thing: a pure-Python loop
 inside the model's forward (`busy_loop`), a read on a pipe nobody writes (`block_c`), a loop that

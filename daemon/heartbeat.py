@@ -60,6 +60,22 @@ def install_dump_handler(dump_path: os.PathLike | str):
 
 
 
+def launcher_fields(env) -> dict:
+    """What torchrun's agent told this rank (its environment): `{"torchrun": {...}}`, or {} outside torchrun.
+    `restart_count` > 0 is a new rendezvous round of the same launch (torchrun restarted its ranks by itself);
+    `group_rank` is this node's rank in the round."""
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return {}
+    info: dict = {"run_id": env.get("TORCHELASTIC_RUN_ID")}
+    for key, name in (("TORCHELASTIC_RESTART_COUNT", "restart_count"), ("GROUP_RANK", "group_rank"),
+                      ("LOCAL_RANK", "local_rank"), ("WORLD_SIZE", "world_size"), ("LOCAL_WORLD_SIZE", "local_world_size")):
+        try:
+            info[name] = int(env[key])
+        except (KeyError, ValueError):
+            pass
+    return {"torchrun": info}
+
+
 _fork_hook_registered = False
 # The rank's dump file a forked child derives its own from (None: no handler to carry over), and the child's
 # open file: faulthandler writes to its descriptor, so the file object must stay referenced.
@@ -161,6 +177,7 @@ class Heartbeat:
             dump_path=str(self.dump_path) if self._dump_file is not None else None,
             resumed_from=resumed_from,
             skipped_checkpoints=list(skipped_checkpoints),
+            **launcher_fields(os.environ),
             **extra,
         )
 

@@ -32,7 +32,9 @@ from hangwatch.common.config import Config, WatchdogCfg
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.escalation import DumpTarget
+from hangwatch.common.config.rules import torchrun_command
 from hangwatch.supervisor.flight_recorder import FlightPaths, flight_env
+from hangwatch.supervisor.launcher import multinode_argv
 from hangwatch.supervisor.heartbeats import HeartbeatTail
 from hangwatch.supervisor.process import ProcessTable, ProcRef, Worker
 from hangwatch.supervisor.stragglers import StragglerWatch
@@ -125,14 +127,18 @@ def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int
 BARE_PYTHONS = ("python", "python3")
 
 
-def worker_argv(cfg: Config, config_path: Path) -> list[str]:
+def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None) -> list[str]:
     """The worker's command line: `worker.command` as configured, or the built-in daemon (under torchrun
-    when `worker.nproc_per_node` > 1).
+    when `worker.nproc_per_node` > 1).  Several nodes (`worker.nnodes` > 1): under torchrun's c10d rendezvous
+    as `rdzv_id` (`launcher.multinode_argv`: the generation's id).
 
     A bare `python` or `python3` as the first word of `worker.command` means the supervisor's own
     interpreter (`sys.executable`): configs and examples say `python train.py`, and under systemd PATH
     holds no virtual environment, so PATH's python would lack hangwatch and the user's packages.  Any
     other first word — `python3.11`, `/usr/bin/python`, `torchrun`, `accelerate` — is used as given."""
+    if cfg.worker.nnodes > 1:
+        return multinode_argv(cfg, config_path, rdzv_id or rdzv_id_for(cfg.worker.rdzv_id, 0),
+                              bool(cfg.worker.command) and torchrun_command(list(cfg.worker.command)))
     if cfg.worker.command:
         argv = list(cfg.worker.command)
         if argv[0] in BARE_PYTHONS:
@@ -164,8 +170,13 @@ def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = 
 TakeStandby = Callable[[int, Path, str, float], Optional[Worker]]  # (number, its dir, resume_from, now) → released worker
 
 
+def rdzv_id_for(base: str, gen: int) -> str:
+    """The rendezvous id of generation `gen` (see `supervisor.nodes`)."""
+    return f"{base}-g{gen}"
+
+
 def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None,
-          resume_from: str = "", take_standby: Optional[TakeStandby] = None) -> Attempt:
+          resume_from: str = "", take_standby: Optional[TakeStandby] = None, rdzv_id: Optional[str] = None) -> Attempt:
     """Create the attempt's directory and give it a worker, handing it `resume_from` (the last good
     checkpoint, "" for none): the standby `take_standby` releases (`prewarm.Prewarm.take`), or a worker
     spawned now when there is none.  OSError when it cannot be executed."""
@@ -175,6 +186,6 @@ def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float,
     worker = take_standby(number, adir, resume_from, now) if take_standby is not None else None
     prewarmed = worker is not None
     if worker is None:
-        worker = spawn(worker_argv(cfg, config_path), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
+        worker = spawn(worker_argv(cfg, config_path, rdzv_id), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
     return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
                    stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from, prewarmed=prewarmed)

@@ -64,6 +64,10 @@ def read(sup: "Supervisor", now: float, names: Optional[Collection[str]] = None)
             log.info("worker_started", attempt=cur.number, rank=a.rank, pid=rec.get("pid"),
                      resumed_from=rec.get("resumed_from"), skipped_checkpoints=rec.get("skipped_checkpoints") or None,
                      startup_s=round(at - cur.worker.started_at, 3))
+            if sup.nodes is not None:
+                note = sup.nodes.rank_started(rec, now, cur.number)
+                if note:
+                    log.info("torchrun_round", attempt=cur.number, rank=a.rank, pid=rec.get("pid"), note=note)
             if not cur.resume_checked:
                 cur.resume_checked = True
                 _resumed(cur, rec, sup.ledger.ledger)

@@ -235,6 +235,7 @@ def status_view(sup: "Supervisor", now: float) -> dict:
         "calibration": {"step_budget_s": budget, "source": source, "samples": len(sup.calibration.step_samples)},
         "queue": queue_status(sup.run_dir) if sup.cfg.data.inbox else None,
         **remediation.state_fields(sup.run_dir),  # self-healing: the micro-batch after OOMs, quarantined examples
+        "nodes": sup.nodes.status() if sup.nodes is not None else None,  # multi-node: generation, peers, torchrun rounds
     }
 
 

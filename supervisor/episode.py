@@ -85,6 +85,8 @@ class Episode:
     timings: dict = field(default_factory=dict)
     deadlines: Optional[Deadlines] = None  # the attempt's, for each rank's step and phase (a stall's verdict)
     landmarks: tuple = ()  # the user's (watchdog.landmarks), as `landmarks.Landmark` entries
+    own_culprit: Optional[bool] = None  # multi-node: this node's ranks hold the culprit (`node_incident`)
+    peer_notice: Optional[dict] = None  # multi-node: the peer's restart this episode follows
 
     # ---- a stall ---------------------------------------------------------------------------
 
@@ -109,6 +111,21 @@ class Episode:
                     elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
                     phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
         return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines)
+
+    @classmethod
+    def peer(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict,
+             gen: int) -> "Episode":
+        """A peer node restarted (it bumped the generation): dump where the local ranks wait, then restart into
+        generation `gen` with it (multi-node, `supervisor.nodes`)."""
+        tr = deadlines.ranks.get(deadlines.main_rank())
+        phase, step = (tr.phase, tr.step) if tr else (None, None)
+        why = f"peer node {notice.get('node')} restarted (generation {gen}): {notice.get('summary') or notice.get('kind')}"
+        inc = tools.incidents.create("peer_restart", attempt=attempt.number, phase=phase, step=step, summary=why,
+                                     status="in progress", worker_pid=attempt.worker.pid, peer_notice=notice,
+                                     last_good_checkpoint=facts.last_good_checkpoint)
+        log.warning("peer_restart", incident=inc.id, peer=notice.get("node"), generation=gen, attempt=attempt.number,
+                    peer_summary=notice.get("summary"))
+        return cls("peer_restart", inc, now, reason=why, deadlines=deadlines, peer_notice=notice)
 
     def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
         """At the first call begin the snapshot and the dumps together; True once the snapshot is taken (the
@@ -273,8 +290,9 @@ class Episode:
 
     @property
     def stuck(self) -> bool:
-        """A deadline fired: the worker is known to be stuck.  (`restart now`, an exit, a stop: not known.)"""
-        return self.expired is not None
+        """A deadline fired, or a peer node restarted (the local ranks wait for a peer that is gone): the worker
+        is known to be stuck.  (`restart now`, an exit, a stop: not known.)"""
+        return self.expired is not None or self.kind == "peer_restart"
 
     def term_grace_s(self, wd: WatchdogCfg) -> float:
         """SIGTERM → SIGKILL: a stuck worker's main thread cannot run its graceful stop, so it is not given the

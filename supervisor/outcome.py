@@ -36,6 +36,7 @@ class Intent(enum.Enum):
     PAUSE = "pause"
     RESTART = "restart"  # `restart`, `resume`
     FAIL = "fail"  # the supervisor cannot go on (the disk refused its writes): stop the worker, end failed
+    PEER_FAILED = "peer_failed"  # several nodes: a peer's supervisor ended failed (its crash loop): the run cannot go on
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ REQUESTED = {
     Intent.PAUSE: (State.PAUSED, "pause requested", EXIT_OK),
     Intent.RESTART: (State.STARTING, "restart requested", EXIT_OK),
     Intent.FAIL: (State.FAILED, "the run cannot go on", EXIT_IOERR),
+    Intent.PEER_FAILED: (State.FAILED, "a peer node failed", EXIT_FAILED),
 }
 
 

@@ -63,6 +63,8 @@ def ineligible(cfg: Config) -> Optional[str]:
         return "restart.prewarm is off"
     if cfg.worker.command:
         return "worker.command is set: only the built-in worker can wait for a release"
+    if cfg.worker.nnodes > 1:
+        return f"worker.nnodes is {cfg.worker.nnodes}: a multi-node attempt is a new rendezvous, not a held process"
     if cfg.worker.nproc_per_node > 1:
         return f"worker.nproc_per_node is {cfg.worker.nproc_per_node}: only a single-process worker is prewarmed"
     return None

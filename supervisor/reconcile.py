@@ -29,7 +29,12 @@ from hangwatch.common.rundir import attempt_dir
 from hangwatch.supervisor import attempt as attempts, prewarm, remediation
 from hangwatch.supervisor.episode import Episode
 from hangwatch.supervisor.exit_incidents import crash_loop_incident, spawn_failed_incident
+from hangwatch.common.exitcodes import NO_RESTART_CODES
+from hangwatch.supervisor.node_incident import (amend_exit, amend_late, amend_stall, exit_own_culprit, lost_peer_incident,
+                                                peer_words)
+from hangwatch.supervisor.nodes import peer_cause
 from hangwatch.supervisor.outcome import Intent, Outcome, resolve
+from hangwatch.supervisor.policy import FINISH_REASONS, Decision
 from hangwatch.supervisor.states import State
 
 if TYPE_CHECKING:
@@ -64,7 +69,27 @@ class Reconciler:
     # ================================================================================ per state
 
     def running(self, now: float) -> None:  # STARTING, RUNNING
-        if self.sup.current is None:
+        nodes = self.sup.nodes
+        sup = self.sup
+        if nodes is not None:
+            late = nodes.late_notice(now)
+            if late is not None:
+                amend_late(*late)
+            words = nodes.overdue_wait(now)
+            if words:
+                lost_peer_incident(sup.incidents, sup.facts, nodes, sup.attempt, words)
+                sup.write_state(now, force=True)
+            failed = nodes.failed_peer()
+            if failed and sup.after_teardown is Intent.NONE:
+                log.error("peer_failed", node=nodes.name, why=failed)
+                sup.after_teardown, sup.fail_reason = Intent.PEER_FAILED, failed
+        if sup.current is None or sup.awaiting_rendezvous:
+            out = resolve(sup.after_teardown, None, during="the wait for the rendezvous", reason=sup.fail_reason)
+            if out is not None and sup.awaiting_rendezvous:
+                if out.state is not State.STARTING:
+                    self.apply(out, now)  # no worker to stop: a stop, a pause, a failed peer end the wait at once
+                    return
+                sup.after_teardown = Intent.NONE  # a restart while waiting to start: it is starting
             self.start_attempt(now)
         elif not self._escalated(now) and self.sup.after_teardown is not Intent.NONE:
             self.graceful_stop(now)
@@ -77,8 +102,16 @@ class Reconciler:
     def _escalated(self, now: float) -> bool:
         """A worker exit, `restart now` or an overdue deadline starts an episode (True when one did)."""
         sup = self.sup
+        peer = sup.nodes.peer_restart() if sup.nodes is not None else None
         if sup.current.worker.exited:
             self.worker_exited(now)
+        elif peer is not None and not sup.escalate_now and sup.expired is None:
+            # A peer node restarted: its ranks are gone from the collective ours wait in.  Dump ours (where they
+            # waited), kill, and join the new generation at once.
+            gen, notice = peer
+            sup.episode = Episode.peer(sup.tools, sup.current, sup.deadlines, sup.facts, now, notice, gen)
+            sup.deadlines.disarm_extra("stop")
+            sup.transition(State.STALLED, sup.episode.reason, now)
         elif sup.escalate_now or sup.expired is not None:
             ex = None if sup.escalate_now else sup.expired
             sup.escalate_now = False
@@ -100,6 +133,17 @@ class Reconciler:
         ep = self.sup.episode
         if ep.dumps.advance(now):
             ep.collect_dumps(self.sup.current, now)
+            nodes = self.sup.nodes
+            if nodes is not None:
+                # Local evidence first, then the peers hear of it — before anything is killed, so a peer whose ranks
+                # break when ours go already knows why.
+                amend_stall(ep, self.sup.current, nodes.name, ep.peer_notice or nodes.newer_notice(), now)
+                # Only victims here: leave the bump to the culprit's node (its notice names the culprit); if nobody
+                # bumps, this node does when it restarts (`Nodes.ready_for_attempt`).
+                if ep.kind != "peer_restart" and ep.own_culprit is not False:
+                    nodes.local_failure(ep.kind or "stall", ep.incident.data.get("summary") if ep.incident else ep.reason,
+                                        step=ep.incident.data.get("step") if ep.incident else None,
+                                        rank=ep.incident.data.get("culprit_rank") if ep.incident else None)
             self.begin_kill(ep, now)
 
     def killing(self, now: float) -> None:
@@ -126,6 +170,25 @@ class Reconciler:
 
     def start_attempt(self, now: float) -> None:
         sup = self.sup
+        if sup.nodes is not None and not sup.nodes.ready_for_attempt(now):
+            # Several nodes: no torchrun before the store is reached and — after a failure — a new generation
+            # exists (the old one's rendezvous may be closed); the peer link wakes the loop when it is.
+            if sup.lifecycle.state is not State.STARTING:
+                sup.transition(State.STARTING, f"attempt {sup.attempt + 1}: waiting for the rendezvous store and a "
+                               "new generation", now)
+            sup.awaiting_rendezvous = True
+            return
+        resume = sup.resume_point()
+        if sup.nodes is not None:
+            path, step = sup.resume_entry() if resume else ("", None)
+            settled, agreed = sup.nodes.agreed_resume({"path": path, "step": step} if path else None, now)
+            if not settled:  # the store answers within a pass or two; the peer link wakes the loop
+                if sup.lifecycle.state is not State.STARTING:
+                    sup.transition(State.STARTING, f"attempt {sup.attempt + 1}: agreeing on the resume point", now)
+                sup.awaiting_rendezvous = True
+                return
+            resume = (agreed or {}).get("path") or ""
+        sup.awaiting_rendezvous = False
         if sup.current is not None:
             sup.facts.restarts += 1
         sup.attempt += 1
@@ -134,8 +197,11 @@ class Reconciler:
         sup.episode, sup.backoff_until, sup.expired, sup.escalate_now = None, None, None, False
         try:
             sup.current = attempts.start(sup.cfg, sup.attempt, sup.config_path, sup.spawn, now, fs=sup.fs,
-                                         resume_from=sup.resume_point(), take_standby=self.prewarm.take)
+                                         resume_from=resume, take_standby=self.prewarm.take,
+                                         rdzv_id=sup.nodes.rdzv_id() if sup.nodes is not None else None)
             sup.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
+            if sup.nodes is not None and sup.nodes.link.pid:
+                sup.current.foreign.add(sup.nodes.link.pid)  # the peer-link helper: ours, not the tree's
             sup.current.oom_kills_at_start = sup.tools.kernel.oom_kills()
         except OSError as exc:
             sup.current = None
@@ -149,6 +215,8 @@ class Reconciler:
             return
         sup.deadlines.arm_startup(now)
         sup.policy.attempt_started(now)
+        if sup.nodes is not None:
+            sup.nodes.spawned(sup.attempt, now)
         w = sup.current.worker
         log.info("worker_spawned", attempt=sup.attempt, pid=w.pid, argv=w.argv, log=str(w.log_path),
                  prewarmed=sup.current.prewarmed)
@@ -173,11 +241,66 @@ class Reconciler:
                                 stopping=f"graceful stop ({sup.after_teardown.value})")
         else:
             stop_reason = cur.last_stop.get(sup.deadlines.main_rank())
-            decision = sup.policy.on_exit(now, w.exit_code if w.exit_signal is None else None, stop_reason)
+            code = w.exit_code if w.exit_signal is None else None
+            free = self._peer_caused_exit(code, stop_reason)
+            decision = free or sup.policy.on_exit(now, code, stop_reason)
             ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now, decision=decision)
+            if sup.nodes is not None:
+                self._node_exit(ep, decision, now)
             remediation.on_episode(self.remediation, ep, cur.number, sup.run_dir)  # an OOM: a smaller micro-batch, or failed
             self.prewarm.begin(cur, sup.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
         self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
+
+    # ================================================================================ multi-node
+
+    def _peer_caused_exit(self, code: Optional[int], stop_reason: Optional[str]) -> Optional[Decision]:
+        """A worker exit that is not this node's failure (`nodes.peer_cause`): a restart at once that leaves the
+        restart budget alone.  None: the policy decides (a finish, a do-not-restart code, this node's own failure)."""
+        nodes = self.sup.nodes
+        if nodes is None or (code == 0 and stop_reason in FINISH_REASONS) or code in NO_RESTART_CODES:
+            return None
+        own = exit_own_culprit(self.sup.current)
+        notice = nodes.newer_notice()
+        cause = peer_cause(own, notice, None, nodes.store_lost())
+        if cause is None:
+            return None
+        return Decision("restart", f"{cause}; not a failure of node {nodes.name} (its restart budget is untouched)")
+
+    def _node_exit(self, ep: Episode, decision: Decision, now: float) -> None:
+        """After an exit on a multi-node run: the incident says what the local ranks' last words and the peers
+        say; a node that restarts for a reason of its own tells its peers."""
+        nodes = self.sup.nodes
+        own = exit_own_culprit(self.sup.current)
+        ep.own_culprit = own
+        notice = nodes.newer_notice()
+        amend_exit(ep, nodes.name, own, notice, None if own else (decision.reason if decision.action == "restart" else None))
+        if notice is None and own is False and ep.incident is not None:
+            nodes.await_notice(ep.incident, now)
+        if decision.action != "finish" and notice is None and own is not False:
+            nodes.local_failure(ep.kind or "exit", ep.incident.data.get("summary") if ep.incident else ep.reason,
+                                step=ep.incident.data.get("step") if ep.incident else None)
+
+    def _node_decision(self, ep: Episode, now: float) -> None:
+        """A stall's end on a multi-node run: free when the evidence puts the culprit elsewhere (`nodes.peer_cause`)."""
+        nodes = self.sup.nodes
+        notice = ep.peer_notice or nodes.newer_notice()
+        cause = peer_cause(ep.own_culprit, notice, nodes.bump_won(), nodes.store_lost())
+        if ep.kind == "peer_restart" and ep.peer_notice is not None:
+            cause = f"peer node {ep.peer_notice.get('node')} restarted"  # the peer's doing, whatever ours were in
+        inc = ep.incident
+        if inc is not None and notice is not None and "peer_notice" not in inc.data:
+            inc.data.update(peer_notice=notice)
+            if not ep.own_culprit:
+                inc.data["summary"] = f"{peer_words(notice)}; {inc.data.get('summary')}"
+        if inc is not None and notice is not None and ep.own_culprit is False and inc.kind != "peer_restart":
+            # Only victims here, and a peer said it restarted: this node's incident is a victim's, whichever
+            # deadline fired first (they tie).
+            inc.rekind("peer_restart")
+            ep.kind = "peer_restart"
+        if cause is not None:
+            ep.decision = Decision("restart", f"{cause}; not a failure of node {nodes.name} (its restart budget is untouched)")
+        if inc is not None and notice is None and ep.own_culprit is False:
+            nodes.await_notice(inc, now)  # the culprit's node may say why a moment later: the incident is amended then
 
     def begin_kill(self, ep: Episode, now: float, send_term: bool = True, why: Optional[str] = None) -> None:
         sup = self.sup
@@ -193,6 +316,8 @@ class Reconciler:
         cur.tail.finish()
         sup.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
         sup.save_calibration()
+        if ep.decision is None and sup.after_teardown is Intent.NONE and sup.nodes is not None and ep.kind:
+            self._node_decision(ep, now)
         if ep.decision is None and sup.after_teardown is Intent.NONE:
             ep.decision = sup.policy.on_failure(now, ep.reason)
         out = resolve(sup.after_teardown, ep.decision, cur.worker.exit_code, reason=sup.fail_reason)

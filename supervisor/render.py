@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any, Iterable, Optional
 
 from rich.console import Group
@@ -142,6 +143,8 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
         grid.add_row("queue", queue_text(st["queue"]))
     if isinstance(st.get("remediation"), dict):
         grid.add_row("remediation", str(st["remediation"].get("words")))
+    if isinstance(st.get("nodes"), dict):
+        grid.add_row("nodes", nodes_text(st["nodes"]))
     if isinstance(st.get("quarantine"), dict):
         q = st["quarantine"]
         more = f" (+{q['more']} more)" if q.get("more") else ""
@@ -149,6 +152,25 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
+
+
+def nodes_text(n: dict) -> str:
+    """"node a, 2 nodes, generation 3 (rendezvous hangwatch-g3 at 127.0.0.1:29500, store ok, host); peers: b running g3
+    (0.4 s); torchrun round 2 (restarted its ranks 1× within this attempt)"."""
+    head = (f"node {n.get('node')}, {n.get('nnodes')} nodes, generation {n.get('attempt_generation')} "
+            f"(rendezvous {n.get('rdzv_id')} at {n.get('endpoint')}, store {n.get('store')}"
+            + (f", {n.get('store_role')}" if n.get("store_role") else "") + ")")
+    if n.get("waiting_since"):
+        head += f"; waiting at the rendezvous for {duration(time.time() - float(n['waiting_since']))}"
+    peers = n.get("peers") or {}
+    others = [f"{name} {p.get('state')} g{p.get('gen')} ({number(p.get('age_s'), '.1f')} s)"
+              for name, p in peers.items() if name != n.get("node")]
+    if others:
+        head += "; peers: " + ", ".join(others)
+    if n.get("torchrun_round_changes"):
+        rounds = max((n.get("torchrun_rounds") or {}).values(), default=0)
+        head += f"; torchrun round {rounds + 1} (restarted its ranks {n['torchrun_round_changes']}× within this attempt)"
+    return head
 
 
 def pids_text(pids: Any) -> str:

@@ -45,7 +45,9 @@ from hangwatch.supervisor.control import socket_path_for
 from hangwatch.supervisor.deadlines import Deadlines, Expired, SuspensionDetector
 from hangwatch.supervisor.episode import Episode, Tools
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
+from hangwatch.supervisor.nodes import Nodes
 from hangwatch.supervisor.notify import NullNotifier
+from hangwatch.supervisor.peers import SpawnHelper, spawn_helper
 from hangwatch.supervisor.outcome import Intent
 from hangwatch.supervisor.policy import RestartPolicy
 from hangwatch.supervisor.reconcile import Reconciler
@@ -72,7 +74,8 @@ class Supervisor:
                  gpu: Callable[[], dict] = snapshots.gpu, gpu_pids: Callable[[], Optional[set]] = snapshots.gpu_pids,
                  wakeup: Optional[Wakeup] = None, install_signals: bool = True, subreaper: bool = False,
                  cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None,
-                 policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None):
+                 policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None,
+                 peer_spawn: Optional[SpawnHelper] = None):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times (`beats`); by default only on the real clock, to which those times relate."""
         self.cfg = cfg
@@ -110,6 +113,7 @@ class Supervisor:
         self.after_teardown = Intent.NONE  # what an operator asked to follow the current worker
         self.force = False  # a second stop: kill without waiting
         self.escalate_now = False  # `restart now`: dump and kill
+        self.awaiting_rendezvous = False  # multi-node: the next attempt waits for the store / a new generation
         self.expired: Optional[Expired] = None  # this pass's overdue deadline
         self._read_all = True  # this pass read every heartbeat file (not only those the file events named)
         self._last_reap = float("-inf")
@@ -122,6 +126,9 @@ class Supervisor:
         self._ready_sent = False
         self._last_state_write = self._last_status_note = self._last_calibration_save = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
+        # Several nodes: the peer link and this node's part in the run (`supervisor.nodes`); None on one node.
+        self.nodes = (Nodes(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
+                      if cfg.worker.nnodes > 1 else None)
         self.reconcile = Reconciler(self)
 
     # ================================================================================ set-up and loop
@@ -160,6 +167,8 @@ class Supervisor:
             self.transition(State.PAUSED, "paused before this supervisor started (state.json)", now)
         if self._subreaper:
             process.set_child_subreaper()
+        if self.nodes is not None:
+            self.nodes.start(now)
         return None
 
     def run(self) -> int:
@@ -228,7 +237,7 @@ class Supervisor:
 
     def _next_wait(self, now: float) -> float:
         st = self.lifecycle.state
-        if self.current is None and st is State.STARTING:
+        if (self.current is None or self.awaiting_rendezvous) and st is State.STARTING and self.nodes is None:
             return 0.0
         if st in (State.STALLED, State.DUMPING, State.KILLING, State.STOPPING) or self.dump_requests:
             # land a pass on the episode's own timers (snapshot interval end, SIGKILL at the grace, quiet period)
@@ -249,6 +258,9 @@ class Supervisor:
         if self.control is not None and self._control_fd() is None:
             waits.append(self.watchdog_cfg.poll_interval_s)  # requests are only seen in passes
         due = self._notifier_due(now)
+        if due is not None:
+            waits.append(due)
+        due = self.nodes.next_due_s(now) if self.nodes is not None else None
         if due is not None:
             waits.append(due)
         return max(0.0, min(waits))
@@ -283,6 +295,8 @@ class Supervisor:
     def _teardown(self) -> None:
         self.reconcile.prewarm.close(self.clock())  # a standby nobody will release: killed and reaped
         self.wakeup.close()
+        if self.nodes is not None:
+            self.nodes.close()
         self.save_calibration()
         self._close_control()
 
@@ -306,6 +320,10 @@ class Supervisor:
         if heard or now - self._last_reap >= REAP_EVERY_S or self.lifecycle.state not in (State.STARTING, State.RUNNING):
             self._last_reap = now
             self._reap(now, orphans=heard or self.lifecycle.state not in (State.STARTING, State.RUNNING))
+        if self.nodes is not None:
+            self.nodes.poll(now)  # what the peer link heard: the generation, peers' notices and records
+            if self.current is not None and self.nodes.link.pid:
+                self.current.foreign.add(self.nodes.link.pid)  # our child, never an orphan of the worker's tree
         grown = self.wakeup.grown()  # the heartbeat files the file events said grew (None: read them all)
         if self.current is not None and self.current.worker.exited:
             grown = None  # an ended worker's last lines (its last step, its stop) decide what its end means
@@ -361,6 +379,24 @@ class Supervisor:
             beats.read(self, now)
             self._read_all = True
             expired = self.deadlines.check(now)
+        if expired is not None and self.nodes is not None and self.nodes.between_rounds(self.current, expired, self.table):
+            # torchrun (worker.max_restarts) ended this rank and is starting a new rendezvous round by itself: not
+            # a stall.  Like a new start: the startup deadline once every node is back, the lost-peer report before.
+            log.info("torchrun_round_gap", attempt=self.attempt, rank=expired.rank, deadline=expired.name,
+                     note="the rank's process is gone while torchrun lives: a new round of the same attempt")
+            self.deadlines.arm_startup(now)
+            self.nodes.round_wait(now)
+            return None
+        if expired is not None and expired.name == "startup" and self.nodes is not None and self.nodes.waiting():
+            # Ranks start only once every node is at the rendezvous: waiting for peers is `rdzv_timeout_s`'s
+            # business (the lost_peer incident), and the startup deadline counts from when they are all there.
+            if not self.nodes.all_present():
+                self.deadlines.arm_startup(now)
+                return None
+            if not self.nodes.wait.startup_armed:
+                self.nodes.wait.startup_armed = True
+                self.deadlines.arm_startup(now)
+                return None
         return expired
 
     # ================================================================================ 3. reconcile
@@ -384,7 +420,12 @@ class Supervisor:
     def resume_point(self) -> str:
         """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): the newest good
         checkpoint still on disk, as an absolute path (relative ones are the worker's: its cwd); ""
-        for none.  Good ones that were deleted since are skipped, and said so."""
+        for none.  Good ones that were deleted since are skipped, and said so.  Several nodes: the one
+        agreed for the generation (`reconcile.start_attempt`, `nodes.Nodes.agreed_resume`)."""
+        return self.resume_entry()[0]
+
+    def resume_entry(self) -> tuple[str, Optional[int]]:
+        """(path, step) of `resume_point`."""
         cwd = self.cfg.worker.cwd
         book = self.ledger.ledger
         chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
@@ -394,14 +435,16 @@ class Supervisor:
         if chosen is None:
             log.info("resume_from", attempt=self.attempt, path=None, checkpoints=book.counts(),
                      note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
-            return ""
+            return "", None
         path = resolve(chosen.path, cwd)
         log.info("resume_from", attempt=self.attempt, path=path, step=chosen.step, why=chosen.why)
-        return path
+        return path, chosen.step
 
     def transition(self, dst: State, why: str, now: float) -> None:
         src = self.lifecycle.state
         self.lifecycle.transition(dst, why)
+        if dst.final and self.nodes is not None:
+            self.nodes.ended(dst.value, why)
         log.info("state", frm=src.value, to=dst.value, why=why, attempt=self.attempt)
         self.status_note(now, force=True)
         self.write_state(now, force=True)
@@ -470,6 +513,9 @@ class Supervisor:
         if force or st.final or self._healing is None:  # self-healing's record: two small files, read when it can change
             self._healing = remediation.state_fields(self.run_dir)
         data.update(self._healing)
+        if self.nodes is not None:
+            data["nodes"] = self.nodes.status()
+            self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
         try:
             statefile.write(self.state_path, data, fs=self.fs)
         except OSError as exc:

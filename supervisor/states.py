@@ -17,6 +17,9 @@
     PAUSED ─resume─▶ STARTING.  STOPPED, FINISHED and FAILED are final.
     STARTING ─▶ PAUSED before any worker is spawned: the run was paused when the previous supervisor
     ended (state.json `intent: pause`), and a pause outlives its supervisor.
+    Several nodes: STARTING holds no worker while the next attempt waits for the rendezvous store, a new
+    generation or the resume point (`nodes`); a request then ends it at once: STARTING ─▶ STOPPED / PAUSED /
+    FAILED (a peer node failed, `Intent.PEER_FAILED`).
 
 Every change goes through `StateMachine.transition`, which raises `IllegalTransition` (the project's
 one, from `hangwatch.common.transitions`) for a move the table does not allow, so a logic error shows
@@ -54,7 +57,7 @@ FINAL = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
 
 S = State
 TRANSITIONS: dict[State, frozenset[State]] = {
-    S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED, S.PAUSED}),
+    S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED, S.PAUSED, S.STOPPED}),
     S.RUNNING: frozenset({S.STALLED, S.KILLING, S.STOPPING}),
     S.STALLED: frozenset({S.DUMPING}),
     S.DUMPING: frozenset({S.KILLING}),

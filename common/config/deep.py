@@ -61,6 +61,8 @@ def check(cfg: Config, environ: Mapping[str, str]) -> Found:
     if cfg.worker.command and cwd_ok:
         found.errors += _command(cfg.worker.command[0], cwd, worker_env)
     found.errors += _writable_dir(("run_dir",), Path(cfg.run_dir), "the run directory")
+    if cfg.checkpoint.dir:
+        found.errors += _writable_dir(("checkpoint", "dir"), Path(cfg.checkpoint.dir), "the checkpoint directory")
     if cfg.control.socket:
         found.errors += _writable_dir(("control", "socket"), Path(cfg.control.socket).parent, "the socket's directory")
     if cfg.control.group:

@@ -94,6 +94,7 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
     cfg.data.train = _resolve(base, cfg.data.train)
     cfg.data.eval = _resolve(base, cfg.data.eval)
     cfg.control.socket = _resolve(base, cfg.control.socket)
+    cfg.checkpoint.dir = _resolve(base, cfg.checkpoint.dir)
     cfg.worker.cwd = _resolve(base, cfg.worker.cwd) or str(base)
     # A model name is a path only when it exists as one; else it is a hub-cache id, left as written.
     if cfg.model.name_or_path and (base / cfg.model.name_or_path).exists():

@@ -11,6 +11,7 @@ a `worker.command` of one's own reads what it likes.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Iterator
 
 from hangwatch.common.config.schema import Config
@@ -78,10 +79,12 @@ def ranks_fit(cfg: Config) -> Iterator[Finding]:
     # generate() runs on rank 0 only; continuous mode trains on one process.
     if not builtin_worker(cfg):
         return
-    n = cfg.worker.nproc_per_node
+    n = cfg.worker.nproc_per_node * cfg.worker.nnodes
     for i, f in enumerate(cfg.faults):
         if f.rank >= n:
-            yield (("faults", i, "rank"), f"{f.rank} is not a rank of this run (worker.nproc_per_node {n}: ranks 0-{n - 1}): "
+            size = (f"worker.nproc_per_node {cfg.worker.nproc_per_node} × worker.nnodes {cfg.worker.nnodes}"
+                    if cfg.worker.nnodes > 1 else f"worker.nproc_per_node {n}")
+            yield (("faults", i, "rank"), f"{f.rank} is not a rank of this run ({size}: ranks 0-{n - 1}): "
                    "it would never fire")
         elif f.kind == "hang_generate" and f.rank != 0:
             yield (("faults", i, "rank"), f"{f.rank}: hang_generate hangs generate(), which runs on rank 0 only: "
@@ -91,7 +94,32 @@ def ranks_fit(cfg: Config) -> Iterator[Finding]:
                "use worker.nproc_per_node: 1")
 
 
-ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire, ranks_fit)
+def nodes_fit(cfg: Config) -> Iterator[Finding]:
+    # Several nodes meet at a rendezvous every node must name alike; what no node can do alone is refused here.
+    w = cfg.worker
+    if w.nnodes <= 1:
+        return
+    if not w.rdzv_endpoint:
+        yield (("worker", "rdzv_endpoint"), f"required when worker.nnodes is {w.nnodes}: host:port of the rendezvous "
+               "store, the same on every node (e.g. 10.0.0.1:29400)")
+    if cfg.data.inbox:
+        yield (("worker", "nnodes"), f"{w.nnodes}: continuous mode (data.inbox: true) trains on one process; use worker.nnodes: 1")
+    if w.command and not torchrun_command(w.command) and not python_command(w.command):
+        yield (("worker", "command"), f"{w.command[0]!r}: with worker.nnodes {w.nnodes} hangwatch launches torchrun itself; "
+               "give the script as [python, train.py, …] (or a torchrun command line, whose rendezvous options hangwatch sets)")
+
+
+def torchrun_command(argv: list) -> bool:
+    """`torchrun …` or `python -m torch.distributed.run …`."""
+    return bool(argv) and (Path(argv[0]).name == "torchrun" or argv[1:3] == ["-m", "torch.distributed.run"])
+
+
+def python_command(argv: list) -> bool:
+    return bool(argv) and Path(argv[0]).name.startswith("python")
+
+
+ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire, ranks_fit,
+                                 nodes_fit)
 
 
 # ---- advice ----------------------------------------------------------------------------------
@@ -131,7 +159,16 @@ def warmup_within_run(cfg: Config) -> Iterator[Finding]:
                f"reaches train.lr ({t.lr:g})")
 
 
-ADVICE_RULES: tuple[Rule, ...] = (unused_eval_settings, checkpoints_confirm_before_the_end, warmup_within_run)
+def nodes_share_checkpoints(cfg: Config) -> Iterator[Finding]:
+    # torchrun's rendezvous may place global rank 0 (the checkpoint writer) on another node after a restart
+    if cfg.worker.nnodes > 1 and not cfg.checkpoint.dir:
+        yield (("checkpoint", "dir"), f"not set with worker.nnodes {cfg.worker.nnodes}: each node keeps checkpoints in "
+               "its own run dir, and rank 0 may run on another node after a restart; point every node at one "
+               "directory they all see")
+
+
+ADVICE_RULES: tuple[Rule, ...] = (unused_eval_settings, checkpoints_confirm_before_the_end, warmup_within_run,
+                                  nodes_share_checkpoints)
 
 
 def errors(cfg: Config) -> list[Finding]:

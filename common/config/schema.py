@@ -48,6 +48,37 @@ class WorkerCfg(Section):
         1, ge=1, le=1024, description="Ranks of the built-in worker on this box: > 1 runs it under torchrun "
         "(`python -m torch.distributed.run --standalone --nproc-per-node N -m hangwatch.daemon …`), DDP over the "
         "trainable parameters, gloo on CPU, NCCL on CUDA. `train.micro_batch_size` is per rank.")
+    nnodes: int = Field(
+        1, ge=1, le=4096, description="Nodes (machines) of the run, each with its own `hangwatch run`: > 1 launches the worker "
+        "under torchrun with `--nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint E --rdzv-id ID-g<generation>` "
+        "(README: Several machines); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`.")
+    rdzv_endpoint: Optional[str] = Field(
+        None, description="`host:port` of the c10d rendezvous store (required when `nnodes` > 1; the same on every node). "
+        "The hangwatch on the machine that owns that address hosts the store, so it outlives torchrun's restarts.")
+    rdzv_id: str = Field(
+        "hangwatch", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="The job's rendezvous id, the same on every "
+        "node; each coordinated restart rendezvouses as `<rdzv_id>-g<generation>`.")
+    node_name: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$", description="This node's name in incidents, status and the peers' notices "
+        "(unique per node; null: `<host name>-<run dir name>`).")
+    rdzv_timeout_s: float = Field(
+        300, gt=0, description="Most time a node waits at the rendezvous for its peers (after a start or a restart) before "
+        "the `lost_peer` incident and alert: \"waiting for 1 of 2 nodes at the rendezvous since …\". It keeps waiting "
+        "after that; the peer's return resumes the run.")
+    max_restarts: int = Field(
+        0, ge=0, description="torchrun's own `--max-restarts` within one attempt (multi-rank and multi-node): torchrun "
+        "restarts its ranks in a new rendezvous round by itself; a new set of rank pids within an attempt is not a fault "
+        "and shows in `status` as the round. 0: every failure is hangwatch's (an incident, a coordinated restart).")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v):
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("not host:port (e.g. 10.0.0.1:29400)")
+        return v
 
     @field_validator("command")
     @classmethod
@@ -272,6 +303,10 @@ class CheckpointCfg(Section):
         2, ge=0, description="Steps after a checkpoint, each with a finite loss, before it counts as good — for the built-in "
         "worker's checkpoints and for those any script announces (`Heartbeat.checkpoint`); the last good one is handed to "
         "every attempt in HANGWATCH_RESUME_FROM.")
+    dir: Optional[str] = Field(
+        None, description="Where the built-in worker writes its checkpoints (null: `<run_dir>/checkpoints`); relative to "
+        "the config file's directory. Multi-node: a directory every node sees (a shared filesystem); global rank 0 writes, "
+        "every rank resumes from the checkpoint rank 0 chose.")
 
 
 class FaultCfg(Section):

@@ -100,9 +100,10 @@ def existing_dir(path: Path) -> Path:
     return path
 
 
-def newest_checkpoint_bytes(run_dir: Path) -> Optional[int]:
-    """The size of the newest checkpoint already in the run dir (an exact figure for a resumed run)."""
-    steps = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
+def newest_checkpoint_bytes(root: Path) -> Optional[int]:
+    """The size of the newest checkpoint already under `root` (the checkpoints' directory: an exact figure for a
+    resumed run)."""
+    steps = sorted(root.glob("step-*")) if root.is_dir() else []
     if not steps:
         return None
     return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file())

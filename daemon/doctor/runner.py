@@ -183,10 +183,10 @@ class Doctor:
         return plan.check_placement(self.cfg.model.device, nproc, count, visible)
 
     def disk_finding(self) -> Finding:
-        run_dir = Path(self.cfg.run_dir)
-        where = plan.existing_dir(run_dir)
+        root = Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else Path(self.cfg.run_dir) / "checkpoints"
+        where = plan.existing_dir(root)
         free = shutil.disk_usage(where).free
-        size, basis = plan.newest_checkpoint_bytes(run_dir), "measured on the newest checkpoint"
+        size, basis = plan.newest_checkpoint_bytes(root), "measured on the newest checkpoint"
         if size is None and self.counts is not None:
             size, basis = self.counts.n_trainable * 12 + (64 << 10), "estimated: 4 bytes per trainable parameter + AdamW's 8"
         return plan.check_disk(self.cfg.checkpoint.keep_last, size, free, str(where), basis=basis)

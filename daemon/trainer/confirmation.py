@@ -49,8 +49,8 @@ class Confirmation:
     """The checkpoints of one attempt that wait for confirmation, and what becomes of them."""
 
     def __init__(self, run_dir: os.PathLike | str, hb, confirm_steps: int, keep_last: int,
-                 log: Callable[[str], None], *, provisional_on_commit: bool = False):
-        self.root = ckpt.checkpoints_root(run_dir)
+                 log: Callable[[str], None], *, provisional_on_commit: bool = False, root: Optional[os.PathLike] = None):
+        self.root = Path(root) if root is not None else ckpt.checkpoints_root(run_dir)
         self.hb = hb
         self.confirm_steps = confirm_steps
         self.keep_last = keep_last

@@ -76,7 +76,8 @@ class Trainer:
         if self.continuous is not None and self.world.size > 1:
             raise ValueError("continuous mode (data.inbox) trains on one rank only")
         self.confirmation = (Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log,
-                                          provisional_on_commit=self.continuous is not None)
+                                          provisional_on_commit=self.continuous is not None,
+                                          root=ckpt.checkpoints_root(run_dir, cfg.checkpoint.dir))
                              if self.world.is_main else RankConfirmation(hb))
         self.hb = hb
         self.run_dir = Path(run_dir)
@@ -311,10 +312,10 @@ class Trainer:
         rank_states = self.world.gather(self.rank_state())
         self.world.on_main(self.hb, "checkpoint", lambda: self._commit(rank_states))
         self.last_saved_step = self.step
-        return ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step)
+        return ckpt.checkpoints_root(self.run_dir, self.cfg.checkpoint.dir) / ckpt.step_name(self.step)
 
     def _commit(self, rank_states: list) -> Path:
-        root = ckpt.checkpoints_root(self.run_dir)
+        root = ckpt.checkpoints_root(self.run_dir, self.cfg.checkpoint.dir)
         with self.hb.phase("checkpoint", budget_s=self.cfg.watchdog.phase_budgets_s.get("checkpoint")):
             started = time.perf_counter()
             position = self.boundary_position
@@ -402,7 +403,7 @@ class Trainer:
             # common while continuous mode idles): it too must not wait for a confirmation that
             # this attempt will never give.
             path = (self.save_checkpoint() if self.last_saved_step != self.step
-                    else ckpt.checkpoints_root(self.run_dir) / ckpt.step_name(self.step))
+                    else ckpt.checkpoints_root(self.run_dir, self.cfg.checkpoint.dir) / ckpt.step_name(self.step))
             finite = self.nonfinite_streak == 0 and self.bundle.weights_finite()
             self.confirmation.provisional_on_stop(path, finite, f"graceful stop on {self.stop_reason}")
         self.log(f"stopping on {self.stop_reason} at step {self.step}")
@@ -417,7 +418,9 @@ class Trainer:
         if self.last_saved_step != self.step:
             self.save_checkpoint()
         self.confirmation.finish(self.step, why)
-        final = self.run_dir / FINAL_DIR
+        # Beside the checkpoints when they have a directory of their own (multi-node: the one every node sees,
+        # so the adapter is found in one place whichever node ran rank 0 at the end), else in the run dir.
+        final = (Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.run_dir) / FINAL_DIR
         self.world.on_main(self.hb, "export", lambda: export_final(self.bundle, self.cfg, final, self.step))
         self.log(f"finished at step {self.step}{'' if why == 'finished' else f' ({why})'}; adapter exported to {final}")
 

@@ -28,6 +28,8 @@ Sections (all by default, in this order; `--only` picks some), one module each:
                 use and later), against their goals; the heavy packages each command imported.
   prewarm       (prewarm.py) the restart with restart.prewarm off and on, side by side: a standby loading
                 while the stuck tree is torn down vs a cold spawn (demo model, block_c).
+  multinode     (multinode.py) a hang on global rank 1 → every rank stepping again: one node with 2 ranks
+                vs two `hangwatch run` as two nodes on loopback (c10d rendezvous, 1 rank each).
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -51,11 +53,11 @@ from typing import Optional
 if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; import it as the package `bench`
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench import cli_latency, detection, footprint, heartbeat_cost, prewarm, recovery, side_by_side  # noqa: E402
+from bench import cli_latency, detection, footprint, heartbeat_cost, multinode, prewarm, recovery, side_by_side  # noqa: E402
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
-SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm")
+SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode")
 
 
 def parse_only(text: Optional[str]) -> list[str]:
@@ -81,6 +83,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return cli_latency.section(work, args.quick)
     if name == "prewarm":
         return prewarm.section(work, args.quick)
+    if name == "multinode":
+        return multinode.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

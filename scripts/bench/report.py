@@ -243,9 +243,15 @@ def prewarm_render(p: dict) -> tuple:
 
     return render(p)
 
+
+def multinode_render(p: dict) -> tuple:
+    from bench.multinode import render
+
+    return render(p)
+
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
-    "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render}
+    "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render}
 
 
 def header(res: dict) -> list[str]:

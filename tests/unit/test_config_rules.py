@@ -48,6 +48,20 @@ ERRORS = [
     ("worker:\n  nproc_per_node: 4\ndata:\n  inbox: true\n",
      ["{p}:2: worker.nproc_per_node: 4: continuous mode (data.inbox: true) trains on one process; use "
       "worker.nproc_per_node: 1"]),
+    # several nodes: the rendezvous every node must name, and what no node can do alone
+    (BUILTIN + "worker:\n  nnodes: 2\n",
+     ["{p}:3: worker.rdzv_endpoint: required when worker.nnodes is 2: host:port of the rendezvous store, the same on "
+      "every node (e.g. 10.0.0.1:29400)"]),
+    (BUILTIN + "worker:\n  nnodes: 2\n  rdzv_endpoint: 10.0.0.1\n",
+     ["{p}:5: worker.rdzv_endpoint: not host:port (e.g. 10.0.0.1:29400), got '10.0.0.1'"]),
+    (BUILTIN + "worker:\n  nnodes: 2\n  rdzv_endpoint: h:1\nfaults:\n  - {kind: crash, at_step: 3, rank: 2}\n",
+     ["{p}:7: faults.0.rank: 2 is not a rank of this run (worker.nproc_per_node 1 × worker.nnodes 2: ranks 0-1): it "
+      "would never fire"]),
+    ("worker:\n  command: [accelerate, launch, t.py]\n  nnodes: 2\n  rdzv_endpoint: h:1\n",
+     ["{p}:2: worker.command: 'accelerate': with worker.nnodes 2 hangwatch launches torchrun itself; give the script "
+      "as [python, train.py, …] (or a torchrun command line, whose rendezvous options hangwatch sets)"]),
+    ("worker:\n  rdzv_id: 'a b'\n",
+     ["{p}:2: worker.rdzv_id: String should match pattern '^[A-Za-z0-9_.-]+$', got 'a b'"]),
     # several at once, each on its own line
     (OWN + "restart: {backoff_initial_s: 9, backoff_max_s: 2}\nwatchdog: {step_timeout_min_s: 9, step_timeout_max_s: 2}\n",
      ["{p}:3: restart.backoff_initial_s: 9 exceeds restart.backoff_max_s (2): the first backoff delay cannot be larger "
@@ -66,6 +80,8 @@ ACCEPTED = [
     BUILTIN + "  eval: e.jsonl\neval:\n  every_steps: 10\n",  # held-out loss only: an eval with work to do
     EVAL_ON + "faults:\n  - {kind: hang_generate, at_step: 3}\n  - {kind: crash, at_eval: 2, at_step: 12}\n",
     BUILTIN + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: busy_loop, at_step: 3, rank: 1}\n",
+    BUILTIN + "worker:\n  nnodes: 2\n  rdzv_endpoint: 127.0.0.1:29400\nfaults:\n  - {kind: busy_loop, at_step: 3, rank: 1}\n",
+    "worker:\n  command: [torchrun, --nproc-per-node=2, t.py]\n  nnodes: 2\n  rdzv_endpoint: '[::1]:29400'\n",
 ]
 
 
@@ -90,6 +106,9 @@ ADVICE = [
     (EVAL_ON, []),
     (BUILTIN, []),
     (OWN + "eval:\n  prompts: [hi]\ncheckpoint: {every_steps: 1000}\n", []),  # a worker of one's own: its business
+    (BUILTIN + "worker: {nnodes: 2, rdzv_endpoint: 'h:1'}\n",
+     [(("checkpoint", "dir"), "not set with worker.nnodes 2: each node keeps checkpoints in its own run dir")]),
+    (BUILTIN + "worker: {nnodes: 2, rdzv_endpoint: 'h:1'}\ncheckpoint: {dir: /shared/ckpt}\n", []),
 ]
 
 

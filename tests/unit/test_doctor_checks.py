@@ -135,7 +135,7 @@ def test_newest_checkpoint_is_measured(tmp_path):
     for step, n in (("step-00000010", 10), ("step-00000020", 30)):
         (tmp_path / "checkpoints" / step).mkdir(parents=True)
         (tmp_path / "checkpoints" / step / "w").write_bytes(b"x" * n)
-    assert plan.newest_checkpoint_bytes(tmp_path) == 30
+    assert plan.newest_checkpoint_bytes(tmp_path / "checkpoints") == 30
     assert plan.newest_checkpoint_bytes(tmp_path / "none") is None
 
 

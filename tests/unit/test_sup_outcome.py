@@ -30,6 +30,7 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
         (Intent.FAIL, RESTART, 1, None, Outcome(State.FAILED, "the run cannot go on", 74)),
         (Intent.FAIL, FINISH, 0, None, Outcome(State.FAILED, "the run cannot go on", 74)),
         (Intent.FAIL, None, None, "backoff", Outcome(State.FAILED, "the run cannot go on during backoff", 74)),
+        (Intent.PEER_FAILED, RESTART, 1, None, Outcome(State.FAILED, "a peer node failed", 1)),
         # no request: the policy's decision
         (Intent.NONE, FINISH, 0, None, Outcome(State.FINISHED, FINISH.reason, 0)),
         (Intent.NONE, FAIL, 78, None, Outcome(State.FAILED, FAIL.reason, 78)),
@@ -47,4 +48,4 @@ def test_resolve(intent, decision, code, during, expected):
 
 
 def test_the_intent_reads_as_status_reports_it():
-    assert [i.value for i in Intent] == [None, "exit", "pause", "restart", "fail"]
+    assert [i.value for i in Intent] == [None, "exit", "pause", "restart", "fail", "peer_failed"]
