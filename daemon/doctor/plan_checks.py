@@ -199,3 +199,35 @@ def probe_py_spy(exe: str, timeout_s: float = 15) -> tuple[bool, str]:
     finally:
         child.kill()
         child.wait()
+
+
+def check_rendezvous(endpoint: str, checkpoint_dir: Optional[str], nnodes: int, connect_timeout_s: float = 1.0) -> Finding:
+    """Several nodes: the store's endpoint — this machine's (its hangwatch will host the store: the port must be free
+    or already held by a store) or another's (reachable?) — and a checkpoint directory every node sees."""
+    import socket
+
+    from hangwatch.daemon.peerlink import is_local, parse_endpoint
+    from hangwatch.daemon.peerlink.connect import local_addresses, resolve
+
+    name = "rendezvous"
+    if not checkpoint_dir:
+        return warn(name, f"{nnodes} nodes, but checkpoint.dir is not set: each node keeps its checkpoints in its own run dir",
+                    "set checkpoint.dir to a directory every node sees (NFS, Lustre, …): rank 0 may run on another node "
+                    "after a restart, and every rank must resume from the checkpoint it wrote")
+    host, port = parse_endpoint(endpoint)
+    addrs = resolve(host)
+    local = is_local(host, socket.gethostname(), local_addresses(), addrs)
+    try:
+        socket.create_connection((host, port), timeout=connect_timeout_s).close()
+        up = True
+    except OSError:
+        up = False
+    if local:
+        where = "this machine: its hangwatch hosts the store"
+        return ok(name, f"{endpoint} is {where}" + (" (a store already answers there)" if up else " (port free)"))
+    if not addrs:
+        return fail(name, f"{endpoint}: {host!r} does not resolve", "use a host name or address every node can reach")
+    if up:
+        return ok(name, f"{endpoint} answers (the store the node owning that address hosts)")
+    return warn(name, f"{endpoint} does not answer yet", f"start hangwatch on the node that owns {host} (it hosts the "
+                "store); this node waits for it, and reports a lost peer after worker.rdzv_timeout_s")

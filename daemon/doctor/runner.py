@@ -88,6 +88,9 @@ class Doctor:
         if not self.cheap and builtin:
             self.add("memory estimate", self.memory_finding, MODEL_TIMEOUT_S)
         self.add("disk", self.disk_finding)
+        if cfg.worker.nnodes > 1:
+            self.add("rendezvous", lambda: plan.check_rendezvous(cfg.worker.rdzv_endpoint, cfg.checkpoint.dir,
+                                                                 cfg.worker.nnodes))
         self.add("py-spy", self.py_spy_finding, 30)
         if not self.cheap and builtin:
             self.run_model_checks()

@@ -232,3 +232,12 @@ def test_timed_turns_errors_and_hangs_into_failures():
     f = timed("x", lambda: time.sleep(5), 0.05)
     assert f.status == FAIL and "did not finish within 0.05s" in f.summary
     assert exit_code([ok("a", "b"), f]) == 1 and exit_code([ok("a", "b")]) == 0
+
+
+def test_rendezvous_check():
+    r = plan.check_rendezvous("127.0.0.1:1", None, 2)
+    assert r.status == WARN and "checkpoint.dir is not set" in r.summary
+    r = plan.check_rendezvous("127.0.0.1:1", "/shared", 2)
+    assert r.status == OK and "this machine: its hangwatch hosts the store" in r.summary
+    r = plan.check_rendezvous("no-such-host.invalid:29400", "/shared", 2)
+    assert r.status == FAIL and "does not resolve" in r.summary

@@ -41,3 +41,18 @@ def test_the_landmark_line_names_the_call_its_caller_and_the_outermost_own_frame
     bare = _shown({"id": "0003", "kind": "stall", "landmark": None, "caller_frame": None})
     assert "landmark  none: no landmark call on the stack" in bare and "called from: no frame of your own code" in bare
     assert "landmark " not in _shown({"id": "0001", "kind": "stall", "summary": "an incident from before landmarks"})
+
+
+def test_status_shows_the_nodes_line():
+    from hangwatch.supervisor.render import nodes_text, status_view
+
+    n = {"node": "a", "nnodes": 2, "endpoint": "127.0.0.1:29400", "generation": 3, "attempt_generation": 3,
+         "store": "ok", "store_role": "host", "rdzv_id": "job-g3", "waiting_since": None,
+         "torchrun_rounds": {"0": 1}, "torchrun_round_changes": 1,
+         "peers": {"a": {"age_s": 0.0, "state": "running", "gen": 3}, "b": {"age_s": 0.4, "state": "running", "gen": 3}}}
+    words = nodes_text(n)
+    assert words.startswith("node a, 2 nodes, generation 3 (rendezvous job-g3 at 127.0.0.1:29400, store ok, host)")
+    assert "peers: b running g3 (0.4 s)" in words and "torchrun round 2 (restarted its ranks 1× within this attempt)" in words
+    out = io.StringIO()
+    Console(file=out, width=300, color_system=None).print(status_view({"state": "running", "attempt": 2, "nodes": n}))
+    assert "node a, 2 nodes, generation 3" in out.getvalue()
