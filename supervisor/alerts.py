@@ -231,7 +231,8 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         title = f"hangwatch {run}: {len(notice.held)} more incident(s) not sent one by one"
         lines = [f"run: {run} ({out['run_dir']}) on {host}"]
     else:  # the run's end: failed, crash_loop, no_progress; lost_peer
-        what = {"crash_loop": "crash loop", "no_progress": "no progress", "failed": "failed"}.get(notice.event, notice.event)
+        what = {"crash_loop": "crash loop", "no_progress": "no progress", "failed": "failed",
+                "lost_peer": "a peer node is missing"}.get(notice.event, notice.event)
         title = f"hangwatch {run}: run FAILED — {what}" if notice.event in TERMINAL else f"hangwatch {run}: {what}"
         lines = [f"run: {run} ({out['run_dir']}) on {host}", f"why: {f.get('reason') or f.get('why')}"]
         if where:

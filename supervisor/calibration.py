@@ -15,8 +15,12 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
+import structlog
+
 from hangwatch.common.config import WatchdogCfg
 from hangwatch.common.durable import FsOps
+
+log = structlog.get_logger("hangwatch")
 
 MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
 PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them
@@ -36,6 +40,7 @@ class Calibration:
         self.wd = wd
         self.path = Path(path) if path is not None else None
         self.fs = fs or FsOps()
+        self._last_persist = float("-inf")
         self.step_samples: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.phase_samples: dict[str, deque[float]] = {}
         self._dirty = 0
@@ -101,6 +106,22 @@ class Calibration:
         self.fs.write_json(target, self.to_dict(), durable=False)
         self._dirty = 0
         return target
+
+    def persist(self, only_if_changed: bool = False, now: Optional[float] = None, every_s: float = 30.0) -> None:
+        """The supervisor's save: in full (every attempt's end), or — after reading lines, at `now` — when samples
+        were added, at most every `every_s`: at hundreds of steps a second a save per pass would be most of the
+        loop's work.  A failed write is only a less calibrated next attempt: logged, never raised."""
+        if only_if_changed and now is not None:
+            if now - self._last_persist < every_s:
+                return
+            self._last_persist = now
+        try:
+            if only_if_changed:
+                self.save_if_changed()
+            else:
+                self.save()
+        except OSError as exc:
+            log.warning("calibration_not_saved", error=str(exc))
 
     def save_if_changed(self, every: int = 10) -> bool:
         """Persist after `every` new samples (and at attempt ends, via `save`)."""

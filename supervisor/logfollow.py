@@ -102,6 +102,10 @@ def follow_log(
                 return
             now_target = target()
             if now_target is not None and (now_target != path or _inode(now_target) != os.fstat(f.fileno()).st_ino):
+                rest = f.read(65536)  # written between the read that found it drained and the new file appearing
+                if rest:
+                    yield rest
+                    continue
                 f.close()
                 f = None  # drained: move on to the new attempt / the file that replaced a rotated one
                 continue

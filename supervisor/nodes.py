@@ -240,6 +240,29 @@ class Nodes:
                 note = f"torchrun restarted rank {rank} within attempt {attempt} (round {count + 1}); not a fault"
         return note
 
+    def holds(self, expired, now: float, deadlines, attempt, table) -> bool:
+        """Whether a deadline that fired is not a stall on a multi-node run (True: `deadlines` were re-armed):
+        * torchrun (`worker.max_restarts`) ended the rank and starts a new rendezvous round by itself: like a new
+          start, the startup deadline from when every node is back, the lost-peer report before;
+        * the startup deadline while peers are missing at the rendezvous: ranks start only once every node is
+          there, waiting for peers is `rdzv_timeout_s`'s business, and the startup deadline counts from then."""
+        if self.between_rounds(attempt, expired, table):
+            log.info("torchrun_round_gap", attempt=attempt.number, rank=expired.rank, deadline=expired.name,
+                     note="the rank's process is gone while torchrun lives: a new round of the same attempt")
+            deadlines.arm_startup(now)
+            self.round_wait(now)
+            return True
+        if expired.name != "startup" or self.wait is None:
+            return False
+        if not self.all_present():
+            deadlines.arm_startup(now)
+            return True
+        if not self.wait.startup_armed:
+            self.wait.startup_armed = True
+            deadlines.arm_startup(now)
+            return True
+        return False
+
     def between_rounds(self, attempt, expired, table) -> bool:
         """A rank's deadline fired, but torchrun (allowed `max_restarts`) ended that rank's process and lives on:
         it is between rendezvous rounds of the same attempt."""

@@ -32,7 +32,9 @@ import structlog
 
 log = structlog.get_logger("hangwatch")
 
-RESPAWN_S = 1.0  # a helper that died is started again after this long (it only holds a store connection)
+RESPAWN_S = 1.0  # a helper that died is started again after this long (it only holds a store connection) …
+RESPAWN_MAX_S = 30.0  # … doubling while it keeps dying young (a broken environment), up to this
+HEALTHY_S = 30.0  # a helper that lived this long died of something else: the delay starts over
 HELPER_LOG_NAME = "peerlink.log"
 
 
@@ -110,6 +112,8 @@ class PeerLink:
         self._lines: deque = deque()
         self._ids = itertools.count(1)
         self._died_at: Optional[float] = None
+        self._started_at: Optional[float] = None
+        self._respawn_s = RESPAWN_S
         self._record: dict = {}
         self._sent_record = False
         self.starts = 0
@@ -124,7 +128,7 @@ class PeerLink:
             log.error("peerlink_spawn_failed", error=str(exc), argv=self.argv)
             return
         self.starts += 1
-        self._died_at = None
+        self._died_at, self._started_at = None, now
         out = getattr(self._proc, "stdout", None)
         if out is not None:
             threading.Thread(target=self._reader, args=(out,), name="peerlink-reader", daemon=True).start()
@@ -161,19 +165,21 @@ class PeerLink:
                     kinds.append(kind)
         proc = self._proc
         if proc is not None and proc.poll() is not None:
-            log.warning("peerlink_exited", code=proc.returncode, log=str(self.log_path))
+            young = self._started_at is not None and now - self._started_at < HEALTHY_S
+            self._respawn_s = min(RESPAWN_MAX_S, self._respawn_s * 2) if young and self.starts > 1 else RESPAWN_S
+            log.warning("peerlink_exited", code=proc.returncode, log=str(self.log_path), restart_in_s=self._respawn_s)
             self._proc, self._died_at = None, now
             if self.view.store_lost_at is None:
                 self.view.store_lost_at = now
             self.view.store_ok, self.view.store_error = False, f"the peer-link helper exited ({proc.returncode})"
-        if self._proc is None and self._died_at is not None and now - self._died_at >= RESPAWN_S:
+        if self._proc is None and self._died_at is not None and now - self._died_at >= self._respawn_s:
             self.start(now)
         return kinds
 
     def next_due_s(self, now: float) -> Optional[float]:
         """When a dead helper is due to be started again (for the loop's wait)."""
         if self._proc is None and self._died_at is not None:
-            return max(0.0, self._died_at + RESPAWN_S - now)
+            return max(0.0, self._died_at + self._respawn_s - now)
         return None
 
     def close(self) -> None:
@@ -236,8 +242,9 @@ class PeerLink:
 
 
 def default_node_name(run_dir: Path) -> str:
-    """`<hostname>-<run dir name>`: unique when two nodes share a host (the loopback set-up), readable otherwise."""
+    """`<hostname>:<run dir>`: unique per node however the nodes are laid out (the same config on every machine, or
+    two nodes sharing a host with run dirs of the same name), and it says where that node's incidents are."""
     import socket
 
-    return f"{socket.gethostname()}-{Path(run_dir).name}".replace("/", "-")
+    return f"{socket.gethostname()}:{Path(run_dir).resolve()}"
 

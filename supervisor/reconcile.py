@@ -109,6 +109,12 @@ class Reconciler:
             # A peer node restarted: its ranks are gone from the collective ours wait in.  Dump ours (where they
             # waited), kill, and join the new generation at once.
             gen, notice = peer
+            if not sup.current.announced:  # still at the rendezvous: nothing ran, nothing to dump or report
+                why = f"peer node {notice.get('node')} restarted into generation {gen} before this attempt's ranks started"
+                log.info("rendezvous_moved", node=sup.nodes.name, generation=gen, attempt=sup.attempt, why=why)
+                self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
+                                now, why=why)
+                return True
             sup.episode = Episode.peer(sup.tools, sup.current, sup.deadlines, sup.facts, now, notice, gen)
             sup.deadlines.disarm_extra("stop")
             sup.transition(State.STALLED, sup.episode.reason, now)
@@ -178,10 +184,9 @@ class Reconciler:
                                "new generation", now)
             sup.awaiting_rendezvous = True
             return
-        resume = sup.resume_point()
+        resume, step = sup.resume_entry(sup.attempt + 1)  # the attempt about to start
         if sup.nodes is not None:
-            path, step = sup.resume_entry() if resume else ("", None)
-            settled, agreed = sup.nodes.agreed_resume({"path": path, "step": step} if path else None, now)
+            settled, agreed = sup.nodes.agreed_resume({"path": resume, "step": step} if resume else None, now)
             if not settled:  # the store answers within a pass or two; the peer link wakes the loop
                 if sup.lifecycle.state is not State.STARTING:
                     sup.transition(State.STARTING, f"attempt {sup.attempt + 1}: agreeing on the resume point", now)
@@ -244,8 +249,11 @@ class Reconciler:
             code = w.exit_code if w.exit_signal is None else None
             free = self._peer_caused_exit(code, stop_reason)
             decision = free or sup.policy.on_exit(now, code, stop_reason)
-            ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now, decision=decision)
-            if sup.nodes is not None:
+            if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
+                ep = Episode(None, None, now, decision=decision, reason=decision.reason)
+            else:
+                ep = Episode.exited(sup.tools, cur, sup.deadlines, sup.facts, now, decision=decision)
+            if sup.nodes is not None and ep.incident is not None:
                 self._node_exit(ep, decision, now)
             remediation.on_episode(self.remediation, ep, cur.number, sup.run_dir)  # an OOM: a smaller micro-batch, or failed
             self.prewarm.begin(cur, sup.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
@@ -259,6 +267,10 @@ class Reconciler:
         nodes = self.sup.nodes
         if nodes is None or (code == 0 and stop_reason in FINISH_REASONS) or code in NO_RESTART_CODES:
             return None
+        if code == 0 and stop_reason == "terminated":  # no stop was asked here: a peer node's stop reached our ranks
+            return Decision("restart", f"the ranks stopped at a step boundary without a request on node {nodes.name} "
+                            "(a peer node was stopped); waiting for it at a new rendezvous (this node's restart budget "
+                            "is untouched)")
         own = exit_own_culprit(self.sup.current)
         notice = nodes.newer_notice()
         cause = peer_cause(own, notice, None, nodes.store_lost())

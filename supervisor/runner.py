@@ -37,11 +37,11 @@ from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
-from hangwatch.supervisor import attempt as attempts, beats, leftovers, logsetup, process, remediation, snapshot as snapshots, statefile
+from hangwatch.supervisor import (attempt as attempts, beats, leftovers, logsetup, pacing, process, remediation,
+                                  snapshot as snapshots, statefile)
 from hangwatch.supervisor.calibration import Calibration
-from hangwatch.supervisor.checkpoint_ledger import PersistedLedger, resolve
+from hangwatch.supervisor.checkpoint_ledger import PersistedLedger, resume_choice
 from hangwatch.supervisor.commands import Commands, DumpRequest, status_line
-from hangwatch.supervisor.control import socket_path_for
 from hangwatch.supervisor.deadlines import Deadlines, Expired, SuspensionDetector
 from hangwatch.supervisor.episode import Episode, Tools
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
@@ -52,18 +52,16 @@ from hangwatch.supervisor.outcome import Intent
 from hangwatch.supervisor.policy import RestartPolicy
 from hangwatch.supervisor.reconcile import Reconciler
 from hangwatch.supervisor.states import State, StateMachine
+from hangwatch.supervisor.pacing import WATCHED
 from hangwatch.supervisor.wakeup import Wakeup
 
 log = structlog.get_logger("hangwatch")
 
-FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
-IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
 TREE_SCAN_S = 5.0  # how often descendants are re-listed (to find those that leave the group); in passes, never a wake-up
 STATE_WRITE_S = 5.0
 STATUS_NOTE_S = 10.0
 REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
 CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most this often (and at every attempt end)
-WATCHED = (State.STARTING, State.RUNNING, State.STOPPING)  # a worker runs and its deadlines apply
 _UNASKED = object()
 
 
@@ -124,7 +122,7 @@ class Supervisor:
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
         self.started_at = 0.0
         self._ready_sent = False
-        self._last_state_write = self._last_status_note = self._last_calibration_save = float("-inf")
+        self._last_state_write = self._last_status_note = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
         # Several nodes: the peer link and this node's part in the run (`supervisor.nodes`); None on one node.
         self.nodes = (Nodes(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
@@ -231,39 +229,9 @@ class Supervisor:
         escalating; `poll_interval_s` where a heartbeat write or a control request could not wake it.
         The planned wake-up is handed to the suspension detector (a pass much later than planned means
         this process was not running)."""
-        wait = self._next_wait(now)
+        wait = pacing.next_wait(self, now)
         self.suspension.expect(now + wait)
         return wait
-
-    def _next_wait(self, now: float) -> float:
-        st = self.lifecycle.state
-        if (self.current is None or self.awaiting_rendezvous) and st is State.STARTING and self.nodes is None:
-            return 0.0
-        if st in (State.STALLED, State.DUMPING, State.KILLING, State.STOPPING) or self.dump_requests:
-            # land a pass on the episode's own timers (snapshot interval end, SIGKILL at the grace, quiet period)
-            due = self.episode.next_due_s(now, self.tools.cpu_sample_s) if self.episode is not None else None
-            return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
-        cur = self.current
-        if cur is not None and cur.tail.backlog:
-            return 0.0  # the last read stopped at its size bound with more lines waiting
-        waits = [IDLE_WAIT_S]
-        if st is State.BACKOFF and self.backoff_until is not None:
-            waits.append(self.backoff_until - now)
-        if st in WATCHED:
-            due = self.deadlines.next_due_s(now)
-            if due is not None:
-                waits.append(due)
-            if self.worker_alive() and not self.wakeup.hears_beats:
-                waits.append(self.watchdog_cfg.poll_interval_s)  # no file events: read on a timer
-        if self.control is not None and self._control_fd() is None:
-            waits.append(self.watchdog_cfg.poll_interval_s)  # requests are only seen in passes
-        due = self._notifier_due(now)
-        if due is not None:
-            waits.append(due)
-        due = self.nodes.next_due_s(now) if self.nodes is not None else None
-        if due is not None:
-            waits.append(due)
-        return max(0.0, min(waits))
 
     def _beat_dir(self) -> Optional[Path]:
         """The directory whose heartbeat files the loop listens to: the current attempt's, while it runs."""
@@ -279,15 +247,6 @@ class Supervisor:
             except (OSError, ValueError):
                 self._control_fd_value = None
         return self._control_fd_value
-
-    def _notifier_due(self, now: float) -> Optional[float]:
-        """Seconds until the notifier wants its next `watchdog` call (systemd's WatchdogSec, a ping), if it says."""
-        due = getattr(self.notifier, "next_due_s", None)
-        try:
-            value = due(now) if callable(due) else getattr(self.notifier, "watchdog_interval_s", None)
-        except Exception:  # a courtesy: never a reason to stop the loop
-            return None
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def worker_alive(self) -> bool:
         return self.current is not None and not self.current.worker.exited
@@ -379,24 +338,9 @@ class Supervisor:
             beats.read(self, now)
             self._read_all = True
             expired = self.deadlines.check(now)
-        if expired is not None and self.nodes is not None and self.nodes.between_rounds(self.current, expired, self.table):
-            # torchrun (worker.max_restarts) ended this rank and is starting a new rendezvous round by itself: not
-            # a stall.  Like a new start: the startup deadline once every node is back, the lost-peer report before.
-            log.info("torchrun_round_gap", attempt=self.attempt, rank=expired.rank, deadline=expired.name,
-                     note="the rank's process is gone while torchrun lives: a new round of the same attempt")
-            self.deadlines.arm_startup(now)
-            self.nodes.round_wait(now)
-            return None
-        if expired is not None and expired.name == "startup" and self.nodes is not None and self.nodes.waiting():
-            # Ranks start only once every node is at the rendezvous: waiting for peers is `rdzv_timeout_s`'s
-            # business (the lost_peer incident), and the startup deadline counts from when they are all there.
-            if not self.nodes.all_present():
-                self.deadlines.arm_startup(now)
-                return None
-            if not self.nodes.wait.startup_armed:
-                self.nodes.wait.startup_armed = True
-                self.deadlines.arm_startup(now)
-                return None
+        if expired is not None and self.nodes is not None and self.nodes.holds(expired, now, self.deadlines, self.current,
+                                                                                 self.table):
+            return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes.Nodes.holds`)
         return expired
 
     # ================================================================================ 3. reconcile
@@ -417,28 +361,11 @@ class Supervisor:
             self.notify("ready")
         self.write_state(now, force=True)
 
-    def resume_point(self) -> str:
-        """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): the newest good
-        checkpoint still on disk, as an absolute path (relative ones are the worker's: its cwd); ""
-        for none.  Good ones that were deleted since are skipped, and said so.  Several nodes: the one
-        agreed for the generation (`reconcile.start_attempt`, `nodes.Nodes.agreed_resume`)."""
-        return self.resume_entry()[0]
-
-    def resume_entry(self) -> tuple[str, Optional[int]]:
-        """(path, step) of `resume_point`."""
-        cwd = self.cfg.worker.cwd
-        book = self.ledger.ledger
-        chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
-        for e in skipped:
-            log.warning("good_checkpoint_missing", path=e.path, step=e.step, resolved=resolve(e.path, cwd),
-                        note="no longer on disk: skipped")
-        if chosen is None:
-            log.info("resume_from", attempt=self.attempt, path=None, checkpoints=book.counts(),
-                     note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
-            return "", None
-        path = resolve(chosen.path, cwd)
-        log.info("resume_from", attempt=self.attempt, path=path, step=chosen.step, why=chosen.why)
-        return path, chosen.step
+    def resume_entry(self, attempt: int) -> tuple[str, Optional[int]]:
+        """What attempt `attempt` resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on disk,
+        its step), ("", None) for none (`checkpoint_ledger.resume_choice`).  Several nodes: the one agreed for the
+        generation is used instead (`reconcile.start_attempt`, `nodes.Nodes.agreed_resume`)."""
+        return resume_choice(self.ledger.ledger, self.cfg.worker.cwd, attempt)
 
     def transition(self, dst: State, why: str, now: float) -> None:
         src = self.lifecycle.state
@@ -470,20 +397,8 @@ class Supervisor:
             log.exception("notify_failed", what=what)
 
     def save_calibration(self, only_if_changed: bool = False, now: Optional[float] = None) -> None:
-        """Persist the calibration; `only_if_changed` (after reading lines, at `now`): when samples were
-        added, at most every CALIBRATION_SAVE_S — at hundreds of steps a second a save per pass would be
-        most of the loop's work (every attempt's end saves in full)."""
-        if only_if_changed and now is not None:
-            if now - self._last_calibration_save < CALIBRATION_SAVE_S:
-                return
-            self._last_calibration_save = now
-        try:
-            if only_if_changed:
-                self.calibration.save_if_changed()
-            else:
-                self.calibration.save()
-        except OSError as exc:  # only a less calibrated next attempt: never a reason to end the run
-            log.warning("calibration_not_saved", error=str(exc))
+        """Persist the calibration (`Calibration.persist`: new samples at most every CALIBRATION_SAVE_S)."""
+        self.calibration.persist(only_if_changed, now, CALIBRATION_SAVE_S)
 
     def write_failed(self, exc: OSError, path: Path) -> None:
         """A write in the run dir failed.  Said on stderr first (the log file may be on the same disk);
@@ -502,19 +417,10 @@ class Supervisor:
         if not force and now - self._last_state_write < STATE_WRITE_S:
             return
         self._last_state_write = now
-        st, cur = self.lifecycle.state, self.current
-        data = statefile.record(
-            self.facts, state=st.value, final=st.final, tree_gone=st.final or st in (State.BACKOFF, State.PAUSED),
-            supervisor=self.table.ref_of(os.getpid()), worker=cur.worker if cur else None,
-            announced=cur.announced_refs() if cur else {}, descendants=cur.tree.values() if cur else (),
-            attempt=self.attempt, incidents=self.incidents.count(), run_dir=str(self.run_dir), exit_code=self.exit_code,
-            paused=st is State.PAUSED or self.after_teardown is Intent.PAUSE,
-            socket=str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir)))
-        if force or st.final or self._healing is None:  # self-healing's record: two small files, read when it can change
+        if force or self.lifecycle.state.final or self._healing is None:  # self-healing's record: read when it can change
             self._healing = remediation.state_fields(self.run_dir)
-        data.update(self._healing)
+        data = statefile.of_supervisor(self, self._healing)
         if self.nodes is not None:
-            data["nodes"] = self.nodes.status()
             self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
         try:
             statefile.write(self.state_path, data, fs=self.fs)

@@ -11,11 +11,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.checkpoint_ledger import CheckpointLedger
 from hangwatch.supervisor.process import ProcRef, Worker
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.runner import Supervisor
 
 FORMAT_VERSION = 1
 
@@ -86,6 +89,26 @@ def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervi
         "exit_code": exit_code if final else None,
         "intent": "pause" if paused and not final else None,
     }
+
+
+def of_supervisor(sup: "Supervisor", healing: dict) -> dict:
+    """state.json's record of a supervisor as it is now (`healing`: self-healing's fields, read by the caller)."""
+    from hangwatch.supervisor.control import socket_path_for
+    from hangwatch.supervisor.outcome import Intent
+    from hangwatch.supervisor.states import State
+
+    st, cur = sup.lifecycle.state, sup.current
+    data = record(
+        sup.facts, state=st.value, final=st.final, tree_gone=st.final or st in (State.BACKOFF, State.PAUSED),
+        supervisor=sup.table.ref_of(os.getpid()), worker=cur.worker if cur else None,
+        announced=cur.announced_refs() if cur else {}, descendants=cur.tree.values() if cur else (),
+        attempt=sup.attempt, incidents=sup.incidents.count(), run_dir=str(sup.run_dir), exit_code=sup.exit_code,
+        paused=st is State.PAUSED or sup.after_teardown is Intent.PAUSE,
+        socket=str(getattr(sup.control, "path", None) or socket_path_for(sup.cfg, sup.run_dir)))
+    data.update(healing)
+    if sup.nodes is not None:
+        data["nodes"] = sup.nodes.status()  # multi-node: generation, peers, torchrun rounds
+    return data
 
 
 def paused_before(previous: Optional[dict]) -> bool:

@@ -60,7 +60,7 @@ class WorkerCfg(Section):
         "node; each coordinated restart rendezvouses as `<rdzv_id>-g<generation>`.")
     node_name: Optional[str] = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$", description="This node's name in incidents, status and the peers' notices "
-        "(unique per node; null: `<host name>-<run dir name>`).")
+        "(unique per node; null: `<host name>:<run dir>`).")
     rdzv_timeout_s: float = Field(
         300, gt=0, description="Most time a node waits at the rendezvous for its peers (after a start or a restart) before "
         "the `lost_peer` incident and alert: \"waiting for 1 of 2 nodes at the rendezvous since …\". It keeps waiting "

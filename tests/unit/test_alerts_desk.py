@@ -280,3 +280,14 @@ def test_a_tap_sees_every_logged_event_and_a_broken_tap_costs_no_line(tmp_path):
     assert [(e["event"], e["incident"]) for e in seen] == [("stall_detected", "0001")]
     assert "stall_detected" in stream.getvalue()
     assert '"incident": "0001"' in (tmp_path / "supervisor.log").read_text()
+
+
+def test_a_lost_peer_is_one_warning_alert_with_the_wait_in_words(tmp_path):
+    d, sent = desk()
+    words = "waiting for 1 of 2 nodes at the rendezvous since 08:28:26 (job-g1 at gpu01:29400); missing: gpu02:/r"
+    d.feed({"event": "peer_lost", "incident": "0003", "node": "gpu01:/r", "why": words, "reason": words}, 5.0)
+    [n] = sent
+    assert n.event == "lost_peer"
+    msg = compose(n, tmp_path / "job", "gpu01")
+    assert msg["title"] == "hangwatch job: a peer node is missing" and msg["level"] == "warning"
+    assert f"why: {words}" in msg["body"]

@@ -254,3 +254,40 @@ def test_a_rank_torchrun_ended_and_restarts_is_a_round_gap_not_a_stall(tmp_path)
     for _ in range(12):
         h.tick(0.5)
     assert [i["kind"] for i in incidents(h)] == ["stall"]
+
+
+def test_a_peers_restart_before_any_local_rank_started_is_joined_quietly(tmp_path):
+    h, helper = harness(tmp_path)
+    store_up(h)
+    h.until(lambda: h.spawn.workers)  # torchrun at the rendezvous of generation 0, no rank yet
+    say(h, ev="gen", gen=1, notice={"node": "b", "kind": "restart", "summary": "restarting"})
+    h.until(lambda: h.sup.attempt == 2, within_s=20)
+    argv = h.sup.current.worker.argv
+    assert argv[argv.index("--rdzv-id") + 1] == "pair-g1"
+    assert incidents(h) == [] and h.sup.policy.total_restarts == 0
+
+
+def test_a_helper_that_keeps_dying_is_restarted_ever_less_often(tmp_path):
+    h, helper = harness(tmp_path)
+    link = h.sup.nodes.link
+    starts = []
+    for _ in range(6):
+        helper.returncode = 1  # it dies at once (a broken environment)
+        t0, n = h.clock(), link.starts
+        h.until(lambda: link.starts > n, within_s=120)
+        starts.append(h.clock() - t0)
+    assert starts[-1] > starts[0] * 4, starts  # 1 s, 2 s, 4 s, … (capped at 30 s)
+    assert max(starts) <= 31
+
+
+def test_ranks_stopped_by_a_peers_stop_wait_for_it_without_burning_the_budget(tmp_path):
+    h, helper = harness(tmp_path)
+    store_up(h)
+    w = h.running()
+    w.stop("terminated")  # every rank stops at the same boundary when any rank was asked to
+    w.exit(0)
+    h.until(lambda: helper.ops("bump"), within_s=10)
+    bump = helper.ops("bump")[0]
+    say(h, ev="bumped", id=bump["id"], **{"from": 0}, gen=1, mine=True, notice=bump["notice"])
+    h.until(lambda: h.sup.attempt == 2, within_s=10)
+    assert h.sup.policy.total_restarts == 0 and incidents(h) == []
