@@ -6,8 +6,10 @@ torchrun with `--rdzv-id <rdzv_id>-g<generation>`, so a restart is a fresh rende
 joins, never a round of one that a failed torchrun closed for good.
 
     a node restarts for a reason of its own (a stall, a crash)
-        → it bumps the generation (compare-and-set from its attempt's: one bump per failure, whoever is
-          first) with a notice — node, kind, the words of its incident — before it kills anything;
+        → once its dumps are read and before it kills anything, it bumps the generation (from its attempt's:
+          one bump per failure, whoever is first) with a notice — node, kind, the words of its incident; a
+          node whose ranks were only victims leaves the bump to the culprit's node and makes it itself only
+          when nobody did by the time it restarts; its incident takes the peer's words when they come;
     a node sees a generation newer than its attempt's
         → a `peer_restart` episode: its ranks are dumped (where they waited), killed, and restarted into
           the new generation at once; its incident says "peer node B restarted (…); local ranks were
@@ -21,7 +23,7 @@ Restart budgets stay per node and follow the evidence: a failure counts against 
 (`RestartPolicy`) only when its own ranks hold the culprit, or the evidence cannot tell and no peer
 said it restarted first.  Ranks that only waited in (or broke out of) a collective are victims: their
 restart is free, so a healthy node's budget is never burnt by a crash-looping peer — which fails cleanly
-on its own budget.
+on its own budget, and its record saying `failed` ends the others `failed` too.
 
 Pure decisions (`peer_cause`, `missing_words`) are functions of what the link saw; `Nodes` keeps the
 little state there is (the attempt's generation, the rendezvous wait) and every method takes `now`.
@@ -43,8 +45,9 @@ log = structlog.get_logger("hangwatch")
 
 BUMP_RETRY_S = 5.0  # a bump unanswered this long (the store went away meanwhile) is sent again
 FAILED_RETRY_S = 0.5  # an order the helper could not carry out (no store yet) is sent again after this long
-STALE_S = 3.0
-LATE_NOTICE_S = 30.0  # a victims' incident waits this long for the culprit node's notice  # a node whose record has not changed for this long is not present (the helper writes it every 0.5 s)
+STALE_S = 3.0  # a node whose record has not changed for this long is not present (the helper writes it every 0.5 s)
+LATE_NOTICE_S = 30.0  # a victims' incident waits this long for the culprit node's notice
+PEER_GRACE_S = 3.0  # a victims-only node waits this long for the culprit node's bump before it bumps itself
 
 
 def present_nodes(nodes: dict, gen: int, stale_s: float = STALE_S) -> list[str]:
@@ -122,6 +125,7 @@ class Nodes:
         self.store_wait: Optional[Wait] = None
         self.bump_sent_at: Optional[float] = None
         self.awaiting_notice: Optional[tuple] = None  # (victims' incident, its attempt's generation, since)
+        self.victims_since: Optional[float] = None  # the last attempt ended with only victims here (no notice yet)
         self.resume_id: Optional[str] = None  # the agree_resume order for the generation about to start
         self.resume_sent_gen: Optional[int] = None
         self.resume_sent_at: Optional[float] = None
@@ -174,6 +178,8 @@ class Nodes:
             retry = FAILED_RETRY_S if self.link.failed(self.bump_id) else BUMP_RETRY_S
             if now - self.bump_sent_at < retry:
                 return False
+        if self.victims_since is not None and now - self.victims_since < PEER_GRACE_S:
+            return False  # only victims here: the culprit's node bumps with the notice that names the culprit
         self.bump_id = None
         self.local_failure("restart", "restarting into a new rendezvous generation", now=now)
         return False
@@ -219,6 +225,7 @@ class Nodes:
         self.wait = Wait(now, time.time(), self.attempt_gen)
         self.bump_id = None
         self.outage = None
+        self.victims_since = None
         self.rounds = {}
         self.link.status(state="rendezvous", gen=self.attempt_gen, attempt=attempt)
         log.info("rendezvous", node=self.name, rdzv_id=self.rdzv_id(), endpoint=self.endpoint, nnodes=self.cfg.nnodes)
@@ -309,8 +316,10 @@ class Nodes:
 
     def await_notice(self, incident, now: float) -> None:
         """A victims-only incident written before any peer said why it restarted: amended when it does
-        (`late_notice`), for up to LATE_NOTICE_S."""
+        (`late_notice`), for up to LATE_NOTICE_S; meanwhile this node gives the culprit's node PEER_GRACE_S to
+        bump the generation before it does (`ready_for_attempt`)."""
         self.awaiting_notice = (incident, self.attempt_gen, now)
+        self.victims_since = now
 
     def late_notice(self, now: float) -> Optional[tuple]:
         """(incident, notice) once a peer's notice of a generation after the victims' attempt arrived; None meanwhile."""
@@ -385,6 +394,8 @@ class Nodes:
         for w in (self.wait, self.store_wait):
             if w is not None and not w.reported:
                 due.append(max(0.0, w.since + self.cfg.rdzv_timeout_s - now))
+        if self.victims_since is not None:
+            due.append(max(0.0, self.victims_since + PEER_GRACE_S - now))
         if self.wait is not None or self.attempt_gen is not None:
             due.append(0.5)  # a peer's notice arrives through the link's poke; this only bounds a lost one
         due = [d for d in due if d is not None]

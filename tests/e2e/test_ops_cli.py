@@ -227,7 +227,7 @@ def test_logs_prints_the_newest_attempt_or_the_one_asked_for(tmp_path):
     assert (r.returncode, r.stderr) == (1, f"hangwatch: no worker log for attempt 7 yet in {tmp_path}\n")
 
 
-def test_logs_follow_moves_on_to_the_next_attempt(tmp_path):
+def test_logs_follow_moves_on_to_the_next_attempt(tmp_path, sigint_default):
     _attempt_log(tmp_path, 1, "first attempt line 1\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([*hangwatch_argv(), "logs", "-f", "--run-dir", str(tmp_path)], stdout=subprocess.PIPE,

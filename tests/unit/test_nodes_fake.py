@@ -291,3 +291,18 @@ def test_ranks_stopped_by_a_peers_stop_wait_for_it_without_burning_the_budget(tm
     say(h, ev="bumped", id=bump["id"], **{"from": 0}, gen=1, mine=True, notice=bump["notice"])
     h.until(lambda: h.sup.attempt == 2, within_s=10)
     assert h.sup.policy.total_restarts == 0 and incidents(h) == []
+
+
+def test_a_victims_only_node_leaves_the_bump_to_the_culprits_node(tmp_path):
+    h, helper = harness(tmp_path)
+    store_up(h)
+    h.running().exit(1, last_words={"kind": "crash", "message": "RuntimeError: Connection reset by peer",
+                                    "rank": 0, "collective_error": True})
+    h.until(lambda: h.state == "starting" and h.sup.awaiting_rendezvous, within_s=10)
+    h.tick(1.0)
+    assert not helper.ops("bump"), "a node with only victims bumped before the culprit's node could"
+    say(h, ev="gen", gen=1, notice={"node": "b", "kind": "stall", "summary": "rank 1 is the culprit: busy loop"})
+    h.until(lambda: h.sup.attempt == 2, within_s=10)
+    assert not helper.ops("bump")
+    inc = incidents(h)[-1]
+    assert inc["kind"] == "peer_restart" and inc["summary"].startswith("peer node b restarted (rank 1 is the culprit")
