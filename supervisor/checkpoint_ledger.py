@@ -302,23 +302,6 @@ def resolve(path: str, cwd: Optional[str]) -> str:
     return os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(path)))
 
 
-def resume_choice(book: "CheckpointLedger", cwd: Optional[str], attempt: int) -> tuple[str, Optional[int]]:
-    """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on
-    disk as an absolute path — relative ones are the worker's, its cwd —, its step); ("", None) for none.  Good ones
-    that were deleted since are skipped, and said so."""
-    chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
-    for e in skipped:
-        log.warning("good_checkpoint_missing", path=e.path, step=e.step, resolved=resolve(e.path, cwd),
-                    note="no longer on disk: skipped")
-    if chosen is None:
-        log.info("resume_from", attempt=attempt, path=None, checkpoints=book.counts(),
-                 note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
-        return "", None
-    path = resolve(chosen.path, cwd)
-    log.info("resume_from", attempt=attempt, path=path, step=chosen.step, why=chosen.why)
-    return path, chosen.step
-
-
 class PersistedLedger:
     """The ledger and its file in the run dir; the supervisor's one handle on both."""
 

@@ -24,15 +24,14 @@ from typing import TYPE_CHECKING, Callable, Optional
 import structlog
 
 from hangwatch.common.durable import disk_error
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_IOERR
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_IOERR, NO_RESTART_CODES
 from hangwatch.common.rundir import attempt_dir
 from hangwatch.supervisor import attempt as attempts, prewarm, remediation
 from hangwatch.supervisor.episode import Episode
 from hangwatch.supervisor.exit_incidents import crash_loop_incident, spawn_failed_incident
-from hangwatch.common.exitcodes import NO_RESTART_CODES
 from hangwatch.supervisor.node_incident import (amend_exit, amend_late, amend_stall, exit_own_culprit, lost_peer_incident,
                                                 peer_words)
-from hangwatch.supervisor.nodes import peer_cause
+from hangwatch.supervisor.peer_rules import peer_cause
 from hangwatch.supervisor.outcome import Intent, Outcome, resolve
 from hangwatch.supervisor.policy import FINISH_REASONS, Decision
 from hangwatch.supervisor.states import State
@@ -69,8 +68,8 @@ class Reconciler:
     # ================================================================================ per state
 
     def running(self, now: float) -> None:  # STARTING, RUNNING
-        nodes = self.sup.nodes
         sup = self.sup
+        nodes = sup.nodes
         if nodes is not None:
             late = nodes.late_notice(now)
             if late is not None:

@@ -40,7 +40,7 @@ from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, n
 from hangwatch.supervisor import (attempt as attempts, beats, leftovers, logsetup, pacing, process, remediation,
                                   snapshot as snapshots, statefile)
 from hangwatch.supervisor.calibration import Calibration
-from hangwatch.supervisor.checkpoint_ledger import PersistedLedger, resume_choice
+from hangwatch.supervisor.checkpoint_ledger import PersistedLedger
 from hangwatch.supervisor.commands import Commands, DumpRequest, status_line
 from hangwatch.supervisor.deadlines import Deadlines, Expired, SuspensionDetector
 from hangwatch.supervisor.episode import Episode, Tools
@@ -50,6 +50,7 @@ from hangwatch.supervisor.notify import NullNotifier
 from hangwatch.supervisor.peers import SpawnHelper, spawn_helper
 from hangwatch.supervisor.outcome import Intent
 from hangwatch.supervisor.policy import RestartPolicy
+from hangwatch.supervisor.resume import resume_choice
 from hangwatch.supervisor.reconcile import Reconciler
 from hangwatch.supervisor.states import State, StateMachine
 from hangwatch.supervisor.pacing import WATCHED
@@ -363,7 +364,7 @@ class Supervisor:
 
     def resume_entry(self, attempt: int) -> tuple[str, Optional[int]]:
         """What attempt `attempt` resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on disk,
-        its step), ("", None) for none (`checkpoint_ledger.resume_choice`).  Several nodes: the one agreed for the
+        its step), ("", None) for none (`resume.resume_choice`).  Several nodes: the one agreed for the
         generation is used instead (`reconcile.start_attempt`, `nodes.Nodes.agreed_resume`)."""
         return resume_choice(self.ledger.ledger, self.cfg.worker.cwd, attempt)
 
