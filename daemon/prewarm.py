@@ -1,7 +1,7 @@
 """The worker's standby half of `restart.prewarm`: load everything before knowing where to resume.
 
 At a stall the supervisor spawns the next attempt's worker at once, as a standby
-(`python -m hangwatch.daemon --config … --run-dir … --standby`, supervisor/prewarm.py), with that
+(`python -m hangwatch.daemon --config … --run-dir … --standby`, supervisor/processes/prewarm.py), with that
 attempt's environment but no checkpoint to resume from.  While the stuck attempt is dumped and
 killed, the standby (`hold`):
   * makes the process-wide settings a cold worker makes before loading (`prepare_torch`: offline and
@@ -45,7 +45,7 @@ from typing import IO, Any, MutableMapping, Optional
 
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RESUME_FROM
 
-STANDBY_FLAG = "--standby"  # the worker's command-line switch (supervisor/prewarm.py passes it)
+STANDBY_FLAG = "--standby"  # the worker's command-line switch (supervisor/processes/prewarm.py passes it)
 TRAINER_MODULES = ("hangwatch.daemon.distributed", "hangwatch.daemon.evaluate", "hangwatch.daemon.faults",
                    "hangwatch.daemon.trainer.loop")
 

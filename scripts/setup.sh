@@ -29,7 +29,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pip_install torch==2.13.0
 fi
 stamp=.venv/.hangwatch-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   echo "setup: installing hangwatch and its dependencies" >&2
   pip_install -e ".[dev,profiling,lightning]"
   touch "$stamp"

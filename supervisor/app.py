@@ -19,15 +19,15 @@ import structlog
 from hangwatch.common.config import Config
 from hangwatch.common.config.ops_schema import host_port
 from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
-from hangwatch.supervisor import logsetup
-from hangwatch.supervisor.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
+from hangwatch.supervisor.ops import logsetup
+from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
 from hangwatch.supervisor.control import make_control
-from hangwatch.supervisor.deadman import DeadMan, Pinger
-from hangwatch.supervisor.metrics import Metrics, Recovery
-from hangwatch.supervisor.notify import Fanout, Notifier, Outbox, Stats
-from hangwatch.supervisor.outcome import ProgressPolicy
-from hangwatch.supervisor.runlock import RunDirBusy, RunLock
-from hangwatch.supervisor.runner import Supervisor
+from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
+from hangwatch.supervisor.ops.metrics import Metrics, Recovery
+from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
+from hangwatch.supervisor.loop.outcome import ProgressPolicy
+from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
+from hangwatch.supervisor.loop.supervisor import Supervisor
 
 log = structlog.get_logger("hangwatch")
 

@@ -34,7 +34,7 @@ TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_lay
 def hangwatch_argv() -> list[str]:
     """The installed console script (what a person types), else the same entry point through -m."""
     script = Path(PY).parent / "hangwatch"
-    return [str(script)] if script.exists() else [PY, "-m", "hangwatch.supervisor.cli"]
+    return [str(script)] if script.exists() else [PY, "-m", "hangwatch.supervisor.cli.main"]
 
 
 def timed(argv: list[str], child_env: dict) -> tuple[float, subprocess.CompletedProcess]:

@@ -66,7 +66,7 @@ def control(run_dir: Path, command: str, timeout: float, **args) -> tuple[Any, O
     """(result, None) from the supervisor that owns `run_dir` for one request, or (None, why) when the
     request could not be made or was refused (no socket yet, a timeout, a refusal)."""
     # imported here: only the sections that talk to a supervisor need the client
-    from hangwatch.supervisor.client import Client, ClientError
+    from hangwatch.supervisor.cli.client import Client, ClientError
     from hangwatch.supervisor.control import socket_path_in
 
     try:

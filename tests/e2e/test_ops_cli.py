@@ -15,7 +15,7 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from hangwatch.supervisor.cli import main
+from hangwatch.supervisor.cli.main import main
 from hangwatch.common.config import reference_text
 from fixtures.polled_server import PolledServer
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def hangwatch_argv() -> list[str]:
     """The installed console script when there is one, else the same entry point through -m."""
     script = Path(sys.executable).parent / "hangwatch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor.cli.main"]
 
 
 def hangwatch(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
@@ -337,8 +337,8 @@ def test_run_help_ends_with_the_config_reference():
 
 def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_path):
     """After `hangwatch run` returned there is no socket; the incidents are still on disk."""
-    from hangwatch.supervisor import statefile
-    from hangwatch.supervisor.cli import run_summary
+    from hangwatch.supervisor.records import statefile
+    from hangwatch.supervisor.cli.main import run_summary
     from hangwatch.supervisor.incidents import IncidentStore
 
     inc = IncidentStore(tmp_path).create("stall", attempt=1, phase="generate", step=40,
@@ -374,7 +374,7 @@ HEAVY = ("pydantic", "yaml", "structlog", "rich", "torch", "transformers", "nump
 def heavy_imports_of(*argv) -> tuple[object, list[str], str]:
     """(exit code, heavy packages and config modules imported, stdout) of one `hangwatch ARGV` in a fresh process."""
     code = ("import json, sys\n"
-            "from hangwatch.supervisor.cli import main\n"
+            "from hangwatch.supervisor.cli.main import main\n"
             "try:\n    main(sys.argv[1:], prog_name='hangwatch')\nexcept SystemExit as exc:\n    rc = exc.code\n"
             f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
             "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or m.startswith('hangwatch.daemon'))\n"
@@ -452,7 +452,7 @@ def test_a_request_does_its_meanwhile_work_after_sending_and_before_the_answer(t
     """What `status` imports to show the answer loads while the supervisor is still answering."""
     import threading
 
-    from hangwatch.supervisor.client import Client, DaemonUnavailable
+    from hangwatch.supervisor.cli.client import Client, DaemonUnavailable
 
     got_line, may_answer = threading.Event(), threading.Event()
     listener = socket.socket(socket.AF_UNIX)

@@ -70,7 +70,7 @@ FAKE_WORKER = textwrap.dedent('''
 
 def hangwatch_argv() -> list[str]:
     script = Path(sys.executable).parent / "hangwatch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor.cli.main"]
 
 
 def env(**extra) -> dict:

@@ -1,4 +1,4 @@
-"""The systemd unit, its installer, and the generated config reference in the README."""
+"""The systemd unit, its installer, and the generated config reference in docs/configuration.md."""
 from __future__ import annotations
 
 import configparser
@@ -135,34 +135,36 @@ def test_guard_the_verify_test_can_fail(tmp_path):
     assert "NotifyAcess" in r.stderr
 
 
-# ---- README config reference -------------------------------------------------------------------
+# ---- config reference (docs/configuration.md) ---------------------------------------------------
 
 
 def gen(*args, **kw):
     return subprocess.run([sys.executable, str(GEN), *map(str, args)], capture_output=True, text=True, timeout=60, **kw)
 
 
-def test_readme_config_reference_is_current():
+def test_config_reference_in_docs_is_current():
     r = gen("--check")
     assert r.returncode == 0, (
-        f"{r.stderr.strip()}\n(README.md needs the markers <!-- config-reference:start --> / "
+        f"{r.stderr.strip()}\n(docs/configuration.md needs the markers <!-- config-reference:start --> / "
         "<!-- config-reference:end -->; `python scripts/gen_config_reference.py` fills them)"
     )
+    assert "config-reference:start" not in (REPO / "README.md").read_text(), \
+        "the config reference lives in docs/configuration.md, not in README.md"
 
 
 def test_gen_config_reference_writes_and_checks(tmp_path):
     from hangwatch.common.config import reference_markdown
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\nbefore\n<!-- config-reference:start -->\nstale\n<!-- config-reference:end -->\nafter\n")
-    assert gen("--check", "--readme", readme).returncode == 1
-    assert gen("--readme", readme).returncode == 0
-    text = readme.read_text()
+    doc = tmp_path / "configuration.md"
+    doc.write_text("# x\n\nbefore\n<!-- config-reference:start -->\nstale\n<!-- config-reference:end -->\nafter\n")
+    assert gen("--check", "--file", doc).returncode == 1
+    assert gen("--file", doc).returncode == 0
+    text = doc.read_text()
     assert text.startswith("# x\n\nbefore\n<!-- config-reference:start -->\n| key | type | default | meaning |")
     assert text.endswith("<!-- config-reference:end -->\nafter\n")
     assert reference_markdown().strip() in text and "stale" not in text
-    r = gen("--check", "--readme", readme)
+    r = gen("--check", "--file", doc)
     assert r.returncode == 0, r.stderr
-    readme.write_text("# no markers\n")
-    r = gen("--check", "--readme", readme)
+    doc.write_text("# no markers\n")
+    r = gen("--check", "--file", doc)
     assert r.returncode == 2 and "needs the markers <!-- config-reference:start -->" in r.stderr

@@ -19,12 +19,12 @@ def test_the_wheel_installs_no_top_level_name_but_hangwatch(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"hangwatch"}  # not `daemon` (python-daemon's name), not `supervisor` (supervisord's)
     for module in ("hangwatch/daemon/heartbeat.py", "hangwatch/daemon/__main__.py", "hangwatch/daemon/inbox/intake.py",
-                   "hangwatch/daemon/trainer/loop.py", "hangwatch/supervisor/cli.py",
+                   "hangwatch/daemon/trainer/loop.py", "hangwatch/supervisor/cli/main.py",
                    "hangwatch/supervisor/control/server.py", "hangwatch/supervisor/incidents/classify.py",
                    "hangwatch/common/config/schema.py", "hangwatch/common/protocol.py"):
         assert module in names, module
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "hangwatch = hangwatch.supervisor.cli:main" in entry
+    assert "hangwatch = hangwatch.supervisor.cli.main:main" in entry
 
 
 def test_the_installed_commands_work_from_anywhere(tmp_path):

@@ -100,7 +100,7 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
     assert [i["kind"] for i in incs] == ["stall", "crash"], [i["kind"] for i in incs]
 
     out = tmp_path / "report.html"
-    p = subprocess.run([PY, "-m", "hangwatch.supervisor.report", "--run-dir", str(run_dir), "--out", str(out)],
+    p = subprocess.run([PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(run_dir), "--out", str(out)],
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(out)
@@ -137,7 +137,7 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
 
 
 def test_report_on_a_directory_without_a_run_says_so(tmp_path):
-    p = subprocess.run([PY, "-m", "hangwatch.supervisor.report", "--run-dir", str(tmp_path)], cwd=ROOT, env=env(),
+    p = subprocess.run([PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(tmp_path)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 66
     assert p.stderr.strip() == f"hangwatch: no run in {tmp_path} (no state.json, no attempts/): pass --run-dir"

@@ -111,7 +111,7 @@ def test_a_stopped_or_failed_run_resumes_as_before(tmp_path):
 def test_a_finished_continuous_run_takes_new_inbox_files(tmp_path):
     """In continuous mode a finished run can have new work (files in the inbox): no hint, it runs."""
     from hangwatch.common.config import load_config
-    from hangwatch.supervisor.summary import finished_hint
+    from hangwatch.supervisor.cli.summary import finished_hint
 
     cfg_path = make_config(tmp_path, data={"train": None, "inbox": True})
     run_dir = tmp_path / "run"

@@ -134,7 +134,7 @@ def test_submit_checks_with_the_run_tokenizer_and_publishes_good_files(tmp_path)
     long.write_bytes(lines_of([GOOD, TOO_LONG]))
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
-    from hangwatch.supervisor.cli import main
+    from hangwatch.supervisor.cli.main import main
 
     result = CliRunner().invoke(main, ["submit", str(good), str(long), str(empty), "--config", str(config),
                                        "--priority", "5"])

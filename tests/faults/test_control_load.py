@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fixtures.sup_harness import PY, env, start_supervisor, wait_for, wait_no_strays, write_config
-from hangwatch.supervisor.client import Client, ClientError
+from hangwatch.supervisor.cli.client import Client, ClientError
 from hangwatch.supervisor.control import socket_path_in
 from hangwatch.supervisor.control.admission import Limits
 

@@ -31,7 +31,7 @@ def env() -> dict:
 
 
 def hangwatch(*args, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hangwatch.supervisor.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hangwatch.supervisor.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env(), cwd=REPO)
 
 

@@ -13,12 +13,12 @@ import yaml
 
 from fixtures.sup_harness import PY, start_supervisor, write_config
 from hangwatch.common.exitcodes import EX_CANTCREAT
-from hangwatch.supervisor.runlock import LOCK_NAME, RunDirBusy, RunLock
+from hangwatch.supervisor.records.runlock import LOCK_NAME, RunDirBusy, RunLock
 
 
 def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path):
     run = tmp_path / "run"
-    code = ("import sys, time; from hangwatch.supervisor.runlock import RunLock; "
+    code = ("import sys, time; from hangwatch.supervisor.records.runlock import RunLock; "
             f"RunLock.acquire({str(run)!r}); print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,9 +10,9 @@ import time
 import pytest
 import structlog
 
-from hangwatch.supervisor import logsetup
-from hangwatch.supervisor.alerts import AlertDesk, Courier, Notice, Throttle, compose
-from hangwatch.supervisor.notify import Fanout, Outbox, Stats
+from hangwatch.supervisor.ops import logsetup
+from hangwatch.supervisor.ops.alerts import AlertDesk, Courier, Notice, Throttle, compose
+from hangwatch.supervisor.ops.notify import Fanout, Outbox, Stats
 
 ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer"}
 

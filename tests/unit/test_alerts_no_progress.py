@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from hangwatch.common.config import RestartCfg
-from hangwatch.supervisor.outcome import Intent, NoProgress, ProgressPolicy, resolve
-from hangwatch.supervisor.states import State
+from hangwatch.supervisor.loop.outcome import Intent, NoProgress, ProgressPolicy, resolve
+from hangwatch.supervisor.loop.states import State
 
 
 @pytest.mark.parametrize("attempts, limit, stops_at", [

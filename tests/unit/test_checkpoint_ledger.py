@@ -1,5 +1,5 @@
 """The checkpoint ledger: which announced checkpoints are good, which one an attempt resumes from, and
-its record in the run dir (supervisor/checkpoint_ledger.py).
+its record in the run dir (supervisor/records/checkpoint_ledger.py).
 
 Table-driven over beat sequences on the pure `CheckpointLedger`; then the persisted record (round
 trip, a corrupt file set aside, a refused write through the FsOps seam), the facts state.json shows,
@@ -19,10 +19,10 @@ from structlog.testing import capture_logs
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import ENV_RESUME_FROM
-from hangwatch.supervisor import checkpoint_ledger as cl
-from hangwatch.supervisor.attempt import worker_argv, worker_env
-from hangwatch.supervisor.checkpoint_ledger import CheckpointLedger, PersistedLedger, loss_of
-from hangwatch.supervisor.statefile import RunFacts
+from hangwatch.supervisor.records import checkpoint_ledger as cl
+from hangwatch.supervisor.processes.attempt import worker_argv, worker_env
+from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger, PersistedLedger, loss_of
+from hangwatch.supervisor.records.statefile import RunFacts
 
 NAN, INF = float("nan"), float("inf")
 NO_LOSS = object()
@@ -282,7 +282,7 @@ def test_relative_paths_are_the_workers(tmp_path):
 
 
 def test_the_run_summary_names_the_last_good_checkpoint_and_why_newer_ones_are_not(tmp_path):
-    from hangwatch.supervisor.summary import checkpoint_lines, checkpoint_text
+    from hangwatch.supervisor.cli.summary import checkpoint_lines, checkpoint_text
 
     assert checkpoint_lines(tmp_path) == []  # no record, nothing said
     led = persisted(tmp_path)

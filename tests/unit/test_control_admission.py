@@ -16,7 +16,7 @@ import structlog
 
 from fixtures.control_peers import Deferred, Peer, raw
 from fixtures.polled_server import PolledServer
-from hangwatch.supervisor.client import Client, DaemonUnavailable
+from hangwatch.supervisor.cli.client import Client, DaemonUnavailable
 from hangwatch.supervisor.control import PeerCred, PeerPolicy
 from hangwatch.supervisor.control.admission import Limits, admit, eviction_key, oldest_idle
 from hangwatch.supervisor.control.conversation import EMPTY_REQUEST

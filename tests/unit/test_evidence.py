@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.evidence import (cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
+from hangwatch.supervisor.episode.kernel_evidence import (cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
                                            sigkill_cause)
 
 

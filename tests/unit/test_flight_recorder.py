@@ -15,8 +15,8 @@ import pytest
 
 from fixtures.fake_supervisor import FakeProcessTable
 from hangwatch.common.config import Config
-from hangwatch.supervisor.attempt import worker_env
-from hangwatch.supervisor.flight_recorder import (DataOnlyUnpickler, FlightDumps, FlightPaths, StallDumps, decode,
+from hangwatch.supervisor.processes.attempt import worker_env
+from hangwatch.supervisor.episode.flight_recorder import (DataOnlyUnpickler, FlightDumps, FlightPaths, StallDumps, decode,
                                                   flight_env, into_incident, poke, summarize)
 from hangwatch.supervisor.incidents import IncidentStore
 

@@ -1,9 +1,13 @@
-"""The import contract (DESIGN.md, "Layout"): one shared layer, dependencies one way, a torch-free supervisor.
+"""The import contract (docs/design.md, "Layering"): one shared layer, dependencies one way, a torch-free
+supervisor, and no import cycle anywhere in the product.
 
     hangwatch.common      imports neither side, never the ML stack
     hangwatch.daemon      imports common, never the supervisor
     hangwatch.supervisor  imports common, never the daemon, never the ML stack (not even indirectly)
     daemon/heartbeat.py   the standard library and the stdlib-only parts of common (users' scripts import it)
+
+    no cycles           no product module reaches itself through imports — `TYPE_CHECKING` and
+                        function-level imports count as much as module-level ones
 
 Checked on the source with `ast` (every import statement, function-level ones included, relative ones
 resolved), so a forbidden import fails here even on a code path no other test runs.
@@ -14,8 +18,8 @@ import ast
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -89,7 +93,7 @@ def test_the_tree_keeps_the_contract():
 BAD = [
     ("common", "config.py", "from hangwatch.supervisor import runner", "must not import"),
     ("common", "x.py", "import torch", "no ML stack"),
-    ("daemon", "train.py", "def f():\n    from hangwatch.supervisor.client import Client", "must not import"),
+    ("daemon", "train.py", "def f():\n    from hangwatch.supervisor.cli.client import Client", "must not import"),
     ("daemon", "inbox/feed.py", "from ...supervisor import control", "must not import"),
     ("supervisor", "runner.py", "from hangwatch.daemon.heartbeat import Heartbeat", "must not import"),
     ("supervisor", "control/server.py", "from ...daemon import checkpoint", "must not import"),
@@ -111,11 +115,98 @@ def test_the_check_fails_on_a_forbidden_import(tmp_path, folder, name, source, e
     assert len(found) == 1 and expect in found[0], found
 
 
-def test_every_package_is_listed_in_pyproject():
-    """A subpackage missing from pyproject's list would be missing from the wheel."""
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    on_disk = {module_name(ROOT, f, p) for f in FOLDERS for p in (ROOT / f).rglob("__init__.py")}
-    assert on_disk == listed
+def modules(root: Path) -> dict[str, Path]:
+    """Every product module by its import name."""
+    return {module_name(root, f, p): p for f in FOLDERS if (root / f).is_dir() for p in (root / f).rglob("*.py")}
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Each strongly connected set of product modules (more than one module, or one importing itself).
+
+    An edge is any import statement anywhere in a module (`TYPE_CHECKING` blocks and function bodies
+    included); `from P import x` is an edge to `P.x` when that is a module, else to `P`.  A package's
+    `__init__` importing its own submodules is not an edge (a re-export, not a dependency)."""
+    mods = modules(root)
+
+    def resolve(name: str) -> Optional[str]:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for _, target in imports_of(path, m):
+            r = resolve(target)
+            if r is not None and r != m and not (path.name == "__init__.py" and r.startswith(m + ".")):
+                edges[m].add(r)
+    # Tarjan's strongly connected components, iteratively (no recursion limit on a deep chain)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(mods):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_cycle_among_product_modules():
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path):
+    """A cycle hidden behind `TYPE_CHECKING` and a function-level import is still a cycle."""
+    for f in FOLDERS:
+        (tmp_path / f / "loop").mkdir(parents=True)
+        (tmp_path / f / "__init__.py").write_text("")
+        (tmp_path / f / "loop" / "__init__.py").write_text("from hangwatch.supervisor.loop import runner\n")
+    sup = tmp_path / "supervisor"
+    (sup / "loop" / "runner.py").write_text("from hangwatch.supervisor.loop import beats\n")
+    (sup / "loop" / "beats.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from hangwatch.supervisor.loop.runner import Supervisor\n")
+    (sup / "loop" / "pacing.py").write_text("def f():\n    from ..loop import runner\n")
+    assert import_cycles(tmp_path) == [["hangwatch.supervisor.loop.beats", "hangwatch.supervisor.loop.runner"]]
+    (sup / "loop" / "runner.py").write_text("from hangwatch.supervisor.loop import beats, pacing\n")
+    (sup / "loop" / "beats.py").write_text("")
+    assert import_cycles(tmp_path) == [["hangwatch.supervisor.loop.pacing", "hangwatch.supervisor.loop.runner"]]
+
+
+def test_every_package_is_found_for_the_wheel():
+    """setup.py finds the packages; a folder of modules without an `__init__.py` would be left out."""
+    for f in FOLDERS:
+        for d in (ROOT / f).rglob("*.py"):
+            if d.parent.name != "__pycache__":
+                assert (d.parent / "__init__.py").exists(), f"{d.parent.relative_to(ROOT)} has no __init__.py"
 
 
 def test_the_supervisor_never_loads_the_ml_stack_at_run_time():

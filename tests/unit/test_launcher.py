@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from hangwatch.common.config import Config
-from hangwatch.supervisor.attempt import worker_argv
-from hangwatch.supervisor.launcher import split_torchrun
+from hangwatch.supervisor.processes.attempt import worker_argv
+from hangwatch.supervisor.processes.launcher import split_torchrun
 
 NODE = {"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400", "rdzv_id": "job", "nproc_per_node": 4}
 RDZV = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "job-g3",

@@ -12,13 +12,13 @@ from rich.console import Console
 
 from fixtures.fake_supervisor import FakeProcessTable, Harness
 from hangwatch.common.rundir import dump_path_for
-from hangwatch.supervisor import render
-from hangwatch.supervisor.escalation import DumpCollector, DumpTarget
-from hangwatch.supervisor.loader_dumps import WorkerDumps
+from hangwatch.supervisor.cli import render
+from hangwatch.supervisor.episode.escalation import DumpCollector, DumpTarget
+from hangwatch.supervisor.episode.loader_dumps import WorkerDumps
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack
 from hangwatch.supervisor.incidents.loader_workers import WorkerStack, forked_dump_path, forked_workers, judge, read_worker
-from hangwatch.supervisor.process import ProcRef
+from hangwatch.supervisor.processes.process import ProcRef
 
 LIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -275,7 +275,8 @@ def test_a_forks_dump_file_sits_next_to_its_ranks():
 
 
 def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_path, monkeypatch):
-    from hangwatch.supervisor import escalation, loader_dumps
+    from hangwatch.supervisor.episode import escalation
+    from hangwatch.supervisor.episode import loader_dumps
 
     class Done:  # a py-spy that ran and wrote no stack (no ptrace permission, say)
         def poll(self):

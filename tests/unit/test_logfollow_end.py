@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from hangwatch.common.rundir import worker_log_path
-from hangwatch.supervisor.logfollow import follow_log, run_ended
-from hangwatch.supervisor.runlock import RunLock
+from hangwatch.supervisor.cli.logs import follow_log, run_ended
+from hangwatch.supervisor.records.runlock import RunLock
 
 
 def _append(path: Path, text: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from hangwatch.supervisor.stragglers import StragglerWatch
+from hangwatch.supervisor.watch.stragglers import StragglerWatch
 
 
 def others_median(last: dict, rank: int):

@@ -15,9 +15,10 @@ from fixtures.fake_supervisor import Harness
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import heartbeat_path
-from hangwatch.supervisor import pacing, runner
-from hangwatch.supervisor.heartbeats import FILE_TIME_TICK_S, HeartbeatTail, local_file_times, written_at
-from hangwatch.supervisor.wakeup import Wakeup
+from hangwatch.supervisor.loop import pacing
+from hangwatch.supervisor.loop import supervisor as runner
+from hangwatch.supervisor.watch.beat_files import FILE_TIME_TICK_S, HeartbeatTail, local_file_times, written_at
+from hangwatch.supervisor.loop.wakeup import Wakeup
 
 
 def line(rank: int = 0, event: str = "step", step: int = 1, phase: str = "train", **kw) -> bytes:

@@ -9,14 +9,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hangwatch.common.config import Config
 from hangwatch.common.config.ops_schema import MetricsCfg, host_port
-from hangwatch.supervisor.calibration import Calibration
-from hangwatch.supervisor.deadlines import Deadlines
+from hangwatch.supervisor.watch.calibration import Calibration
+from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.incidents import IncidentStore
-from hangwatch.supervisor.metrics import METRICS, Metrics, Recovery
-from hangwatch.supervisor.notify import Stats
-from hangwatch.supervisor.snapshot import GpuCache
-from hangwatch.supervisor.states import State, StateMachine
-from hangwatch.supervisor.statefile import RunFacts
+from hangwatch.supervisor.ops.metrics import METRICS, Metrics, Recovery
+from hangwatch.supervisor.ops.notify import Stats
+from hangwatch.supervisor.processes.snapshot import GpuCache
+from hangwatch.supervisor.loop.states import State, StateMachine
+from hangwatch.supervisor.records.statefile import RunFacts
 
 GPU = {"available": True, "devices": [{"index": 0, "name": "H100", "utilization_percent": 46,
                                         "memory_used_bytes": 7 << 30, "memory_total_bytes": 80 << 30, "processes": []}]}

@@ -20,7 +20,7 @@ import structlog
 from fixtures.control_peers import Deferred, Later, Peer, raw
 from fixtures.polled_server import PolledServer
 from fixtures.sup_harness import wait_for
-from hangwatch.supervisor.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
+from hangwatch.supervisor.cli.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
 from hangwatch.supervisor.control import (
     SOCKET_PATH_FILE,
     ControlServer,

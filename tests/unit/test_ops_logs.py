@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from hangwatch.supervisor import logfollow, logsetup
+from hangwatch.supervisor.cli import logs as logfollow
+from hangwatch.supervisor.ops import logsetup
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from hangwatch.supervisor.notify import Notifier
+from hangwatch.supervisor.ops.notify import Notifier
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.daemon import prewarm as worker_side
-from hangwatch.supervisor import prewarm
-from hangwatch.supervisor.outcome import Intent
-from hangwatch.supervisor.policy import Decision
-from hangwatch.supervisor.process import Worker
+from hangwatch.supervisor.processes import prewarm
+from hangwatch.supervisor.loop.outcome import Intent
+from hangwatch.supervisor.loop.policy import Decision
+from hangwatch.supervisor.processes.process import Worker
 
 
 # ---- the pure parts ----------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""OOM remediation's decision table and its file (supervisor/remediation.py): pure, no processes."""
+"""OOM remediation's decision table and its file (supervisor/records/remediation.py): pure, no processes."""
 from types import SimpleNamespace
 
 import pytest
 
-from hangwatch.supervisor import remediation as rem
-from hangwatch.supervisor.remediation import OomRemediation, Setting
+from hangwatch.supervisor.records import remediation as rem
+from hangwatch.supervisor.records.remediation import OomRemediation, Setting
 
 
 def cfg(micro=4, accum=2, gc=False, command=None, on=True):
@@ -86,7 +86,7 @@ class FakeIncident:
 
 
 def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
-    from hangwatch.supervisor.policy import Decision
+    from hangwatch.supervisor.loop.policy import Decision
 
     handle = OomRemediation(cfg(2, 1), tmp_path)
     restart = Decision("restart", "worker exited with code 1", delay_s=2.0)
@@ -107,7 +107,7 @@ def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
 
 
 def test_quarantine_view(tmp_path):
-    from hangwatch.supervisor import quarantine_view as qv
+    from hangwatch.supervisor.records import quarantine_view as qv
 
     assert qv.read(tmp_path) == [] and qv.summary([]) is None and qv.incident_fields(tmp_path, 1) == {}
     lines = [{"id": f"t.jsonl:{i}", "reason": "r", "step": 3, "attempt": 1 if i < 25 else 2, "t": 0} for i in range(30)]

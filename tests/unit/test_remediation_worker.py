@@ -8,7 +8,7 @@ import json
 from fixtures.workers import make_config, read_beats, run_in_process
 
 from hangwatch.common.config import load_config
-from hangwatch.supervisor.remediation import OomRemediation, Setting
+from hangwatch.supervisor.records.remediation import OomRemediation, Setting
 
 
 def step_ids(beats):

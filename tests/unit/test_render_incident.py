@@ -5,7 +5,7 @@ import io
 
 from rich.console import Console
 
-from hangwatch.supervisor.render import incident_view
+from hangwatch.supervisor.cli.render import incident_view
 
 
 def test_a_traceback_prints_as_text_under_its_key_path():
@@ -44,7 +44,7 @@ def test_the_landmark_line_names_the_call_its_caller_and_the_outermost_own_frame
 
 
 def test_status_shows_the_nodes_line():
-    from hangwatch.supervisor.render import nodes_text, status_view
+    from hangwatch.supervisor.cli.render import nodes_text, status_view
 
     n = {"node": "a", "nnodes": 2, "endpoint": "127.0.0.1:29400", "generation": 3, "attempt_generation": 3,
          "store": "ok", "store_role": "host", "rdzv_id": "job-g3", "waiting_since": None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 
-from hangwatch.supervisor.report import read_run, render, write_report
+from hangwatch.supervisor.cli.report import read_run, render, write_report
 
 
 def beats(run_dir, attempt, lines):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hangwatch.supervisor.runlock import RunDirBusy, RunLock, holder
+from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock, holder
 
 
 def test_a_second_lock_on_the_same_run_dir_is_refused_with_the_holders_pid(tmp_path):

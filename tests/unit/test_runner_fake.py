@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import pytest
 
 from fixtures.fake_supervisor import Harness
-from hangwatch.supervisor import logsetup
+from hangwatch.supervisor.ops import logsetup
 
 
 def stop_stepping(h):  # a stall: running, then silent in train — the step deadline (2 s) fires

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hangwatch.common.config import WatchdogCfg
-from hangwatch.supervisor.stragglers import StragglerWatch
+from hangwatch.supervisor.watch.stragglers import StragglerWatch
 
 
 def run(watch: StragglerWatch, schedule: list[tuple[int, float, float | None]]) -> list[tuple[str, int, int]]:

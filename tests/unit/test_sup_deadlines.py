@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from hangwatch.supervisor.calibration import Calibration, p99
+from hangwatch.supervisor.watch.calibration import Calibration, p99
 from hangwatch.common.config import WatchdogCfg
-from hangwatch.supervisor.deadlines import Deadlines, SuspensionDetector
+from hangwatch.supervisor.watch.deadlines import Deadlines, SuspensionDetector
 
 
 def line(event, *, rank=0, step=0, phase="init", **kw):

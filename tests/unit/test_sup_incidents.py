@@ -8,8 +8,8 @@ import pytest
 
 from fixtures.fake_supervisor import FakeProcessTable
 from hangwatch.common.rundir import tail_text
-from hangwatch.supervisor import process
-from hangwatch.supervisor.escalation import DumpCollector, DumpTarget, TreeKiller
+from hangwatch.supervisor.processes import process
+from hangwatch.supervisor.episode.escalation import DumpCollector, DumpTarget, TreeKiller
 from hangwatch.supervisor.incidents import (IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
                                             main_stack, parse_faulthandler, stuck_frame)
 

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from fixtures.fake_supervisor import FakeClock, FakeProcessTable
-from hangwatch.supervisor import leftovers, statefile
-from hangwatch.supervisor.process import ProcRef, PsutilProcessTable, decode_status
-from hangwatch.supervisor.wakeup import Wakeup
+from hangwatch.supervisor.processes import leftovers
+from hangwatch.supervisor.records import statefile
+from hangwatch.supervisor.processes.process import ProcRef, PsutilProcessTable, decode_status
+from hangwatch.supervisor.loop.wakeup import Wakeup
 
 
 def test_the_real_table_checks_identity_by_start_time():
@@ -116,7 +117,7 @@ def test_the_state_record_drops_pids_once_the_tree_is_gone():
 
 
 def test_py_spy_is_found_next_to_the_interpreter_before_path(tmp_path):
-    from hangwatch.supervisor.escalation import find_py_spy
+    from hangwatch.supervisor.episode.escalation import find_py_spy
 
     venv_bin, other = tmp_path / "venv" / "bin", tmp_path / "elsewhere"
     venv_bin.mkdir(parents=True)
@@ -135,7 +136,7 @@ def test_the_built_in_worker_runs_under_torchrun_with_more_than_one_rank(tmp_pat
     import sys as _sys
 
     from hangwatch.common.config import Config
-    from hangwatch.supervisor.attempt import worker_argv
+    from hangwatch.supervisor.processes.attempt import worker_argv
 
     base = {"run_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path / "t.jsonl")}}
     one = worker_argv(Config.model_validate(base), tmp_path / "run" / "config.yaml")

@@ -7,7 +7,7 @@ import pytest
 from hangwatch.supervisor.incidents import stuck_frame
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread, waits_in
 from hangwatch.supervisor.incidents.verdict import RankEvidence, decide
-from hangwatch.supervisor.rank_evidence import source_line
+from hangwatch.supervisor.episode.rank_evidence import source_line
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 

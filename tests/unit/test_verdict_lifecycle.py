@@ -14,7 +14,8 @@ from rich.console import Console
 from fixtures.fake_supervisor import FakeProc, Harness
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
-from hangwatch.supervisor import logsetup, render
+from hangwatch.supervisor.ops import logsetup
+from hangwatch.supervisor.cli import render
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 STACKS = {  # what each rank's faulthandler writes on SIGUSR1

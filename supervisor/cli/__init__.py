@@ -1,0 +1,5 @@
+"""The `hangwatch` command: run a supervisor (through `app`), talk to a running one over its control
+socket (`client`, `remote`), render status, incidents and stacks, follow logs, build the run report.
+
+May import: every other part of the supervisor; nothing imports `cli`.
+"""

@@ -1,0 +1,294 @@
+"""`hangwatch`: run the supervisor, and talk to a running one.
+
+    hangwatch run CONFIG [--run-dir DIR]          the supervisor, in the foreground
+    hangwatch validate-config CONFIG              OK and a summary, or the problems (exit 78)
+    hangwatch doctor CONFIG [--json] [--cheap]    preflight checks of the built-in worker (exit 1 on a FAIL)
+    hangwatch status [--json] [--watch]           (every client command: --run-dir DIR or --socket PATH)
+    hangwatch top                                 live view
+    hangwatch restart [--now] | stop | pause | resume
+    hangwatch dump                                fresh stacks of every rank
+    hangwatch logs [-f] [--supervisor]            the current attempt's worker log, across restarts
+    hangwatch incidents [ID]
+    hangwatch submit FILE… [--priority N] [-v]    check data files, publish the good ones into the inbox
+    hangwatch bench [ARGS]                        the benchmark of a source checkout
+
+Errors are one line on stderr, `hangwatch: ...`, and a non-zero exit: 64 usage, 69 no daemon
+reachable, 1 the daemon refused the request, 78 bad config, 65 `submit` rejected a file; `run`
+exits with the supervisor's code.  The commands that only talk to a daemon live in cli_client.py.
+
+Each command imports what it needs when it runs: a client command (status, top, …) never loads the
+config package (pydantic, yaml), the logging stack or the supervisor's loop, and what shows its answer
+(rich) loads while its request is in flight, so that `hangwatch status` costs little more than the
+interpreter's start; `submit` leaves the config and the tokenizer to its worker-side child (no torch
+there either: daemon/light_tokenizer.py); `run` and `validate-config` load everything, and `run --help`
+builds its config reference only when it is shown.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import click
+
+from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hangwatch.common.rundir import CONFIG_NAME
+from hangwatch.supervisor.cli import remote as cli_client
+from hangwatch.supervisor.cli.remote import client_for, daemon_options, fail
+from hangwatch.supervisor.cli.client import ClientError
+
+if TYPE_CHECKING:
+    from hangwatch.common.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout hangwatch runs from (an editable install)
+INTERRUPTED = 130  # the shell's code for death by SIGINT
+
+
+class _Group(click.Group):
+    """Turns the errors a user can act on into one line and an exit code, never a traceback.
+    Usage errors exit 64 (EX_USAGE), like the ones the client raises, not click's 2."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            exc.exit_code = EX_USAGE
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            exc.exit_code = EX_USAGE
+            raise
+        except ClientError as exc:
+            fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            ctx.exit(INTERRUPTED)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """hangwatch: a LoRA fine-tuning daemon and the watchdog that keeps it alive.
+
+    `hangwatch run CONFIG` starts the supervisor; the other commands talk to a running one through its
+    control socket, found with --run-dir DIR (or $HANGWATCH_RUN_DIR) or --socket PATH (or $HANGWATCH_SOCKET).
+    """
+
+
+for _command in cli_client.COMMANDS:
+    main.add_command(_command)
+
+from hangwatch.supervisor.cli.report.command import report as _report  # noqa: E402  click only; plotly loads when it runs
+
+main.add_command(_report)
+
+
+def run_summary(run_dir: str, code: int) -> list[str]:
+    """What the run did (summary.py, which needs the config package: imported when a run has ended)."""
+    from hangwatch.supervisor.cli.summary import run_summary as summarise
+
+    return summarise(run_dir, code)
+
+
+def check_or_exit(config: str, run_dir: Optional[str]):
+    """The config checked against this machine too (data files, model, command, directories): its
+    problems exit 78 before anything starts; its warnings go to stderr and the command goes on."""
+    from hangwatch.common.config import ConfigError, load_checked
+
+    try:
+        cfg, warnings = load_checked(config, run_dir)
+    except ConfigError as exc:
+        report_config_error(exc)
+        sys.exit(EXIT_CONFIG)
+    for warning in warnings:
+        click.echo(f"hangwatch: warning: {warning}", err=True)
+    return cfg
+
+
+def report_config_error(exc: ConfigError) -> None:
+    """The one place a bad config is explained: a headline, then one line per problem."""
+    n = len(exc.problems)
+    click.echo(f"hangwatch: invalid configuration ({n} problem{'s' if n != 1 else ''}):", err=True)
+    for problem in exc.problems:
+        click.echo(f"  {problem}", err=True)
+
+
+class _RunCommand(click.Command):
+    """`run`, whose help ends with the configuration reference: built from the schema (pydantic) only
+    when the help is shown, so that no other command pays for it."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from hangwatch.common.config import reference_text
+
+        self.epilog = "\b\nConfiguration keys (YAML; key = default  (type)):\n" + reference_text()
+        super().format_epilog(ctx, formatter)
+
+
+@main.command(cls=_RunCommand, short_help="Run the supervisor in the foreground.")
+@click.argument("config")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Use this run directory instead of the config's run_dir.")
+@click.option("--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt.")
+def run(config: str, run_dir: Optional[str], no_doctor: bool) -> None:
+    """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
+
+    Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
+    The config is checked as by `validate-config` first (files, model, command): nothing starts for a
+    bad one.  A run dir whose run already finished is left alone: exit 0 with how to start afresh.
+    The built-in worker's cheap preflight checks run next (`hangwatch doctor CONFIG --cheap`: data, tokenizer,
+    chat template, labels, LR and schedule, disk, py-spy; no model load): their warnings are shown, and a
+    FAIL stops the run with exit 78 before anything starts; --no-doctor skips them.
+    Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
+    """
+    from hangwatch.supervisor import app
+    from hangwatch.supervisor.cli.summary import finished_hint
+
+    cfg = check_or_exit(config, run_dir)  # nothing is started for a bad config
+    hint = finished_hint(cfg, config)
+    if hint is not None:
+        say_finished(hint)
+        sys.exit(EXIT_OK)
+    if not no_doctor and cfg.worker.command is None:
+        preflight(config, cfg.run_dir)
+    code = app.run(cfg)
+    if code not in (EXIT_CONFIG, EX_CANTCREAT):  # nothing ran: no summary of someone else's run
+        for line in run_summary(cfg.run_dir, code):
+            click.echo(line, err=True)
+    sys.exit(code)
+
+
+def doctor_argv(config: str, run_dir: Optional[str], *flags: str) -> list[str]:
+    """The worker-side doctor as a child: it runs the worker's code (torch for the full set), which this
+    process never imports."""
+    argv = [sys.executable, "-m", "hangwatch.daemon.doctor", config, *flags]
+    return argv + (["--run-dir", str(run_dir)] if run_dir else [])
+
+
+def preflight(config: str, run_dir: str) -> None:
+    """The doctor's cheap set before the first attempt: what needs attention on stderr; a FAIL exits 78
+    (hours of GPU time are not spent on a run the checks say will fail).  A doctor that itself breaks
+    (any other exit) is reported and the run goes on: the checks are advice, not a gate on hangwatch's own bugs."""
+    import subprocess
+
+    done = subprocess.run(doctor_argv(config, run_dir, "--cheap", "--plain"), capture_output=True, text=True)
+    for line in (done.stdout + done.stderr).splitlines():
+        click.echo(f"hangwatch: {line}" if not line.startswith("hangwatch:") else line, err=True)
+    if done.returncode == EXIT_CONFIG:
+        sys.exit(EXIT_CONFIG)
+    if done.returncode == EXIT_FAILED:
+        click.echo("hangwatch: the preflight checks failed (above): nothing started. Fix them (details: "
+                   f"`hangwatch doctor {config}`), or skip the checks with `hangwatch run --no-doctor`.", err=True)
+        sys.exit(EXIT_CONFIG)
+    if done.returncode != EXIT_OK:
+        click.echo(f"hangwatch: warning: the preflight checks exited {done.returncode}; the run goes on without them", err=True)
+
+
+def say_finished(hint: list[str]) -> None:
+    """The finished-run hint on stderr, and to systemd (READY then STOPPING: a clean exit, not a failed start)."""
+    from hangwatch.supervisor.ops.notify import Notifier
+
+    for line in hint:
+        click.echo(line, err=True)
+    notifier = Notifier.from_env()
+    notifier.ready(status=hint[0])
+    notifier.stopping()
+    notifier.close()
+
+
+@main.command("validate-config", short_help="Check a config file (exit 78 when bad).")
+@click.argument("config")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="As for `run`: override the config's run_dir.")
+def validate_config(config: str, run_dir: Optional[str]) -> None:
+    """Check a config file: print OK and what it will do, or every problem (exit 78).
+
+    Beyond each key's type and range: settings that contradict each other, duplicate keys, and what
+    the config names on this machine (data files and their first lines, the model, worker.cwd and
+    worker.command, the run and socket directories).  Likely mistakes are warnings on stderr."""
+    from hangwatch.supervisor.cli.summary import config_summary
+
+    cfg = check_or_exit(config, run_dir)
+    click.echo(f"OK: {config}")
+    for label, text in config_summary(cfg):
+        click.echo(f"  {label:<10} {text}")
+
+
+@main.command(short_help="Preflight checks of a config for the built-in worker (exit 1 on a FAIL).")
+@click.argument("config")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="As for `run`: override the config's run_dir.")
+@click.option("--json", "as_json", is_flag=True, help="The findings as JSON.")
+@click.option("--cheap", is_flag=True, help="Only what needs no model load (what `run` checks before its first attempt).")
+def doctor(config: str, run_dir: Optional[str], as_json: bool, cheap: bool) -> None:
+    """Check CONFIG as the built-in worker will run it, in seconds on a CPU (the GPU when there is one):
+    tokenizer special tokens, chat template round-trip, a decoded training example with its masked span,
+    all-masked / truncated / rejected examples, label alignment, LR and warm-up against the optimizer steps,
+    device placement against worker.nproc_per_node, disk for the retained checkpoints, py-spy and ptrace;
+    without --cheap also a memory estimate against the device, then (when it fits) one forward/backward
+    (finite loss, gradients on exactly the trainable parameters) and a time-boxed generate per eval prompt
+    (eos reachability).  Each check: OK / WARN / FAIL and the fix in one line.
+
+    Exits 0 when nothing FAILs, 1 when something does, 78 for a config that does not load."""
+    flags = (["--json"] if as_json else []) + (["--cheap"] if cheap else [])
+    import subprocess
+
+    sys.exit(subprocess.call(doctor_argv(config, run_dir, *flags)))
+
+
+@main.command(short_help="Check data files and publish the good ones into the inbox.")
+@daemon_options
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--config", "config_path",
+              help="The run's config (default: the run dir's config.yaml, the config as run).")
+@click.option("--priority", type=click.IntRange(0, 99), default=None,
+              help="0-99: files of higher priority are trained first (default 0).")
+@click.option("-v", "--verbose", is_flag=True, help="Say on stderr which tokenizer checked the files, and why.")
+def submit(run_dir, socket_path, timeout, files, config_path, priority, verbose) -> None:
+    """Check FILE… as the worker will (JSON, fields, lengths, label masks, with the run's tokenizer)
+    and publish each good one into <run_dir>/inbox/ (copied, then renamed into place, so the worker
+    never sees half a file).  Prints `accepted NAME (N examples)` or `rejected NAME: why` per file;
+    a rejected file is not published, and the exit code is then 65 (78 for a bad config, or a run
+    that takes no files from an inbox).
+    """
+    if config_path is None:
+        if run_dir is None and socket_path is not None:
+            run_dir = client_for(run_dir, socket_path, timeout).call("status").get("run_dir")
+        if run_dir is None:
+            fail("submit needs --run-dir DIR (or $HANGWATCH_RUN_DIR), --socket PATH or --config CONFIG", EX_USAGE)
+        config_path = str(Path(run_dir) / CONFIG_NAME)
+        if not Path(config_path).is_file():
+            fail(f"{run_dir}: no config.yaml (has the run been started there?); pass --config CONFIG", EXIT_CONFIG)
+    # The config and the check (which needs the run's tokenizer) are the worker side's business: one
+    # child process (hangwatch.daemon.submit) loads and checks both, so the supervisor package never
+    # imports the worker, and this process loads neither the config package nor a tokenizer.
+    argv = [sys.executable, "-m", "hangwatch.daemon.submit", "--config", config_path]
+    if run_dir is not None:
+        argv += ["--run-dir", str(run_dir)]
+    if priority is not None:
+        argv += ["--priority", str(priority)]
+    if verbose:
+        argv.append("--verbose")
+    import subprocess
+
+    done = subprocess.run([*argv, "--", *files], capture_output=True, text=True)
+    click.echo(done.stdout, nl=False)
+    click.echo(done.stderr, nl=False, err=True)
+    sys.exit(done.returncode)
+
+
+@main.command(short_help="Benchmark hangwatch on this machine (scripts/bench).",
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args) -> None:
+    """Run the benchmark (`scripts/bench` of the checkout hangwatch runs from) with ARGS, e.g. --quick
+    (`hangwatch bench --help` is the benchmark's own help).
+
+    It writes bench-results.json and bench-results.md and prints the table."""
+    package = REPO / "scripts" / "bench"
+    if not (package / "__main__.py").is_file():
+        fail(f"no benchmark at {package}: `hangwatch bench` needs a source checkout (pip install -e .)", EXIT_FAILED)
+    import subprocess
+
+    sys.exit(subprocess.call([sys.executable, str(package), *args]))
+
+
+if __name__ == "__main__":
+    main(prog_name="hangwatch")

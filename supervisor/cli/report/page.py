@@ -1,0 +1,158 @@
+"""The report page: one HTML file with plotly's JavaScript inlined, so it opens anywhere without a network.
+
+Four charts share the step axis — loss, learning rate, step time, tokens/s — one trace per attempt (a resumed
+attempt replays the steps after its checkpoint, so the replay shows as its own line), a dotted line where
+each attempt after the first began, and a red line with the incident's number and kind where each incident
+hit.  Below: the incidents table and, per eval prompt, its outputs over the steps.  The layout is one column
+that narrows to a phone's width (the tables scroll sideways there).
+"""
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from typing import Optional
+
+from hangwatch.supervisor.cli.report.data import RunData, read_run
+
+CHARTS = (("loss", "loss"), ("lr", "learning rate"), ("step_s", "step time (s)"), ("tokens_per_s", "tokens/s"))
+MAX_POINTS = 5000  # per attempt and chart: a week-long run stays a page a phone can draw
+COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1100px;padding:12px;color:#222}
+h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.15em;margin:1.2em 0 .4em}
+.facts{display:flex;flex-wrap:wrap;gap:6px 18px;font-size:.95em;color:#444}
+.facts b{color:#222} .state-failed{color:#c0392b} .state-finished{color:#1e8449}
+.scroll{overflow-x:auto} table{border-collapse:collapse;font-size:.9em;min-width:100%}
+th,td{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f4f4f4} td.num{text-align:right;white-space:nowrap} code{font-size:.95em}
+pre{white-space:pre-wrap;margin:0;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.9em}
+.kind{font-weight:600;color:#c0392b} .muted{color:#777} tr.more td{border-bottom:1px solid #ddd;padding-top:0}
+table.incidents tr:not(.more) td{border-bottom:none} details summary{cursor:pointer;color:#555;font-size:.9em}
+table.gen td.num{width:4.5em}
+"""
+
+
+def _thin(points: list[dict]) -> list[dict]:
+    if len(points) <= MAX_POINTS:
+        return points
+    every = -(-len(points) // MAX_POINTS)
+    return points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
+
+
+def figure(run: RunData):
+    """The plotly figure: the four charts over steps, attempts and incidents marked."""
+    import plotly.graph_objects as go  # noqa: PLC0415 (only when a report is made)
+    from plotly.subplots import make_subplots  # noqa: PLC0415
+
+    fig = make_subplots(rows=len(CHARTS), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=[title for _, title in CHARTS])
+    attempts = sorted({s["attempt"] for s in run.steps})
+    for i, number in enumerate(attempts):
+        pts = _thin([s for s in run.steps if s["attempt"] == number])
+        color = COLORS[i % len(COLORS)]
+        for row, (key, title) in enumerate(CHARTS, start=1):
+            xs = [p["step"] for p in pts if p[key] is not None]
+            ys = [p[key] for p in pts if p[key] is not None]
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 60 else "lines",
+                                     name=f"attempt {number}", legendgroup=f"a{number}", showlegend=row == 1,
+                                     line={"color": color, "width": 1.6}, marker={"size": 4},
+                                     hovertemplate=f"attempt {number}<br>step %{{x}}<br>{title} %{{y:.4g}}<extra></extra>"),
+                          row=row, col=1)
+    for a in run.attempts[1:]:
+        if a.get("first_step") is not None:
+            fig.add_vline(x=a["first_step"] - 0.5, line={"color": "#888", "dash": "dot", "width": 1})
+    for inc in run.incidents:
+        if isinstance(inc.get("step"), int):
+            fig.add_vline(x=inc["step"], line={"color": "#c0392b", "width": 2},
+                          annotation={"text": f"{inc['id']} {inc['kind']}", "font": {"color": "#c0392b", "size": 11},
+                                      "textangle": -90, "yanchor": "top"}, annotation_position="top left")
+    fig.update_layout(autosize=True, height=230 * len(CHARTS) + 60, margin={"l": 50, "r": 10, "t": 40, "b": 40},
+                      legend={"orientation": "h", "y": -0.06}, hovermode="x unified", template="plotly_white")
+    fig.update_xaxes(title_text="step", row=len(CHARTS), col=1)
+    return fig
+
+
+def _td(v, cls: str = "") -> str:
+    text = "" if v is None else html.escape(str(v))
+    return f'<td class="{cls}">{text}</td>' if cls else f"<td>{text}</td>"
+
+
+def incidents_table(run: RunData) -> str:
+    """One row per incident; its summary (what the supervisor concluded) folds open beneath it."""
+    if not run.incidents:
+        return '<p class="muted">No incidents.</p>'
+    head = ("id", "kind", "attempt", "step", "culprit", "frame", "detected", "steps lost", "time to recover")
+    rows = []
+    for i in run.incidents:
+        clock = (i.get("time") or "")[11:19]
+        detected = clock + (f" ({i['deadline']} deadline, {i['detected_after_s']} s after the last progress)"
+                            if i.get("detected_after_s") is not None else "")
+        rows.append("<tr>" + _td(i["id"]) + f'<td class="kind">{html.escape(str(i["kind"]))}</td>' + _td(i["attempt"], "num")
+                    + _td(i["step"], "num") + _td(i["culprit"])
+                    + f'<td><code title="{html.escape(i["frame"])}">{html.escape(i["frame_short"] or "—")}</code></td>'
+                    + _td(detected) + _td(i["steps_lost"], "num")
+                    + _td(f"{i['recover_s']} s" if i.get("recover_s") is not None else "—", "num") + "</tr>")
+        if i.get("summary"):
+            rows.append(f'<tr class="more"><td></td><td colspan="{len(head) - 1}"><details><summary>summary and evidence'
+                        f'</summary><p>{html.escape(i["summary"])}</p><p class="muted">{html.escape(i["dir"])}</p>'
+                        f"</details></td></tr>")
+    return ('<div class="scroll"><table class="incidents"><tr>' + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+            + "".join(rows) + "</table></div>")
+
+
+def generations_section(run: RunData) -> str:
+    if not run.generations:
+        return '<p class="muted">No eval generations (evolution.jsonl) in this run.</p>'
+    prompts: dict[str, list[dict]] = {}
+    for g in run.generations:
+        prompts.setdefault(str(g["prompt"]), []).append(g)
+    out = []
+    for prompt, gens in prompts.items():
+        ref = next((g["reference"] for g in gens if g.get("reference")), None)
+        out.append(f"<h3>{html.escape(prompt)}</h3>" + (f'<p>reference: <code>{html.escape(str(ref))}</code></p>' if ref else ""))
+        rows = "".join("<tr>" + _td(g["step"], "num") + _td(g.get("attempt"), "num")
+                       + f"<td><pre>{html.escape(str(g.get('output') or ''))}</pre></td></tr>"
+                       for g in sorted(gens, key=lambda g: (g["step"], g.get("attempt") or 0)))
+        out.append('<div class="scroll"><table class="gen"><tr><th>step</th><th>attempt</th><th>output</th></tr>' + rows + "</table></div>")
+    return "".join(out)
+
+
+def render(run: RunData) -> str:
+    """The whole page as one string."""
+    import plotly.io as pio  # noqa: PLC0415
+
+    st = run.state
+    state = str(st.get("state") or "unknown")
+    last_step = max((s["step"] for s in run.steps), default=None)
+    day = next((i["time"][:10] for i in run.incidents if i.get("time")), None)
+    facts = [("state", f'<b class="state-{html.escape(state)}">{html.escape(state)}</b>'),
+             ("last step", last_step), ("attempts", len(run.attempts)), ("incidents", len(run.incidents)),
+             ("restarts", st.get("restarts")), ("last good checkpoint", st.get("last_good_checkpoint")),
+             ("first incident on", day),
+             ("run dir", str(run.run_dir.resolve()))]
+    facts_html = "".join(f"<span>{k}: <b>{v if k == 'state' else html.escape(str(v))}</b></span>"
+                         for k, v in facts if v is not None)
+    chart = (pio.to_html(figure(run), include_plotlyjs=True, full_html=False, default_width="100%",
+                         config={"responsive": True, "displaylogo": False})
+             if run.steps else '<p class="muted">No step beats yet.</p>')
+    made = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>hangwatch report: {html.escape(run.name)}</title><style>{CSS}</style></head><body>"
+            f"<h1>hangwatch report: {html.escape(run.name)}</h1><div class=\"facts\">{facts_html}</div>"
+            f"<h2>Training</h2>{chart}<h2>Incidents</h2>{incidents_table(run)}"
+            f"<h2>Eval generations over steps</h2>{generations_section(run)}"
+            f'<p class="muted">made {made} by hangwatch report from {html.escape(str(run.run_dir.resolve()))}</p>'
+            f"</body></html>")
+
+
+def write_report(run_dir, out: Optional[Path] = None) -> Path:
+    """Read `run_dir`, write the page to `out` (default `<run_dir>/report.html`) and return its path."""
+    run = read_run(run_dir)
+    path = Path(out) if out is not None else Path(run_dir) / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(render(run), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,134 @@
+"""Plain-text summaries the CLI prints: what a config will do, and how a run ended.
+
+Pure functions of a config or a run dir on disk (no daemon, no terminal styling), so `run` and
+`validate-config` say the same things the same way.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from hangwatch.common.config import Config
+from hangwatch.common.rundir import STATE_NAME, read_json
+from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
+from hangwatch.supervisor.control.paths import socket_path_for
+from hangwatch.supervisor.incidents import IncidentStore
+
+
+def run_summary(run_dir: str, code: int) -> list[str]:
+    """What a person wants to know when `hangwatch run` returns: how it ended, what went wrong on the
+    way (each incident and where its evidence is), which checkpoint a new run would resume from and
+    which newer ones are not good (and why), and where the result is."""
+    rd = Path(run_dir)
+    state = read_json(rd / STATE_NAME) or {}
+    lines = [f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
+             f"run dir {rd}"]
+    store = IncidentStore(rd)
+    for inc, d in zip(store.list(), store.dirs()):
+        lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+    lines += checkpoint_lines(rd)
+    final = rd / "final"
+    if final.is_dir():
+        lines.append(f"  final adapter: {final}  (PeftModel.from_pretrained(base, '{final}'))")
+    return lines
+
+
+SHOWN_BAD = 3  # the newest not-good checkpoints a summary names
+
+
+def checkpoint_lines(run_dir: Path) -> list[str]:
+    """The checkpoint ledger's word (checkpoints.json): the last good checkpoint, and the newest bad
+    ones with why — "not good: loss nan at step 5"; nothing when the run dir has no record."""
+    rec = read_record(run_dir)
+    if not rec:
+        return []
+    entries = [e for e in rec.get("checkpoints") or [] if isinstance(e, dict)]
+    out = []
+    good = next((e for e in entries if e.get("path") == rec.get("last_good")), None)
+    if good is not None:
+        out.append(f"  last good checkpoint: {good['path']} (step {good.get('step')})")
+    elif entries:
+        out.append("  no good checkpoint")
+    for e in [e for e in entries if e.get("status") == BAD][-SHOWN_BAD:]:
+        out.append(f"  checkpoint {e.get('path')} (step {e.get('step')}) is not good: {e.get('why')}")
+    return out
+
+
+def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
+    """What `hangwatch run` says instead of starting anything when the run dir's run already finished
+    (state.json); None when there is work to do.  A finished run has reached train.max_steps, and its
+    checkpoints cannot be resumed with other training settings, so a new worker could only find the
+    end again.  Continuous mode is the exception: new files in the inbox are new work."""
+    if cfg.data.inbox:
+        return None
+    state = read_json(Path(cfg.run_dir) / STATE_NAME) or {}
+    if state.get("state") != "finished":
+        return None  # failed, stopped, paused, interrupted: run resumes as always
+    shown = _shown(cfg.run_dir)
+    step = state.get("last_good_step")
+    wall = state.get("updated_wall")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(wall)) if isinstance(wall, (int, float)) else None
+    facts = ", ".join(x for x in (f"at step {step}" if step is not None else None, when) if x)
+    lines = [f"hangwatch: {shown} already finished" + (f" ({facts})" if facts else "")
+             + " according to its state.json: nothing to do, no worker started."]
+    final = Path(cfg.run_dir) / "final"
+    if final.is_dir():
+        lines.append(f"  its final adapter: {final}")
+    lines.append(f"  to start fresh: rm -r {shown}   or   hangwatch run {config_arg} --run-dir NEW_DIR")
+    return lines
+
+
+def checkpoint_text(cfg: Config) -> str:
+    """The `checkpoint` row: the built-in worker's schedule, or what the supervisor does with the
+    checkpoints a script announces."""
+    c = cfg.checkpoint
+    if cfg.worker.command is None:
+        return f"every {c.every_steps} steps, keep {c.keep_last}, good after {c.confirm_steps} finite steps"
+    return (f"the worker's own (Heartbeat.checkpoint), good after {c.confirm_steps} later steps with a finite loss; "
+            "every attempt gets the last good one in HANGWATCH_RESUME_FROM")
+
+
+def _shown(path: str) -> str:
+    """A path as a person would type it here: relative when below the working directory."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def config_summary(cfg: Config) -> list[tuple[str, str]]:
+    """(label, text) rows: what a valid config will run, watch and keep."""
+    w = cfg.watchdog
+    if cfg.worker.command is None:
+        worker = "built-in training daemon (python -m hangwatch.daemon)"
+    else:
+        worker = " ".join(cfg.worker.command)
+    if cfg.model.name_or_path:
+        model = cfg.model.name_or_path
+    else:
+        t = cfg.model.tiny
+        model = f"tiny (built locally: {t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
+    step = f"step {w.step_timeout_s:g}s" if w.step_timeout_s else (
+        f"step calibrated after {w.calibrate_after} steps ({w.calibration_factor:g}× p99, "
+        f"{w.step_timeout_min_s:g}–{w.step_timeout_max_s:g}s; first steps {w.first_steps_timeout_s:g}s)"
+    )
+    phases = ", ".join(f"{k} {v:g}s" for k, v in w.phase_budgets_s.items()) or "none"
+    data = f"train {cfg.data.train or '-'}, eval {cfg.data.eval or '-'}" + (", inbox on" if cfg.data.inbox else "")
+    faults = ", ".join(
+        f.kind + (f" at step {f.at_step}" if f.at_step is not None else f" at eval {f.at_eval}") for f in cfg.faults
+    ) or "none"
+    r = cfg.restart
+    mode = "0660, group " + cfg.control.group if cfg.control.group else "0600"
+    return [
+        ("run dir", cfg.run_dir),
+        ("worker", worker),
+        ("model", model),
+        ("data", data),
+        ("training", f"{cfg.train.max_steps} steps, micro-batch {cfg.train.micro_batch_size} × accum {cfg.train.grad_accum}, lr {cfg.train.lr:g}"),
+        ("deadlines", f"startup {w.startup_timeout_s:g}s, silence {w.silence_timeout_s:g}s, {step}"),
+        ("phases", phases),
+        ("restarts", f"up to {r.max_restarts} in {r.window_s:g}s without progress, backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s"),
+        ("checkpoint", checkpoint_text(cfg)),
+        ("socket", f"{socket_path_for(cfg, cfg.run_dir)} (mode {mode})"),
+        ("faults", faults),
+    ]

@@ -1,0 +1,341 @@
+"""One failure (or end) of a worker, from detection until its process tree is gone.
+
+A stall (a deadline fired, or `restart now`):
+    incident "in progress" → at once, together: the process snapshot begins (CPU sampled over
+    `cpu_sample_s` while the loop keeps running), SIGUSR1 to the announced pids, py-spy on each, a poke
+    into each rank's NCCL flight-recorder pipe → in parallel, the snapshot is taken once its interval has
+    passed and no py-spy holds a process stopped (the state letters are the processes' own; a busy
+    loop's CPU may read lower by py-spy's pause), and the dumps come in (`StallDumps`: a whole
+    faulthandler dump at once, one that is not whole once it stopped growing, py-spy when it ends) →
+    when a rank waits on its DataLoader, its workers' stacks → the call it hung in
+    (`incidents.landmarks`), the stuck frame and classification into the incident — with several
+    ranks, each rank read on its own and the verdict (`incidents.verdict`): which rank is the culprit,
+    which only wait for it → SIGTERM to the tree, SIGKILL after the grace: a worker a deadline found
+    stuck gets `stuck_term_grace_s` (its main thread cannot run a graceful stop; children still get
+    SIGTERM first), any other end the full `term_grace_s` (`TreeKiller`).
+A worker exit (crash, signal, do-not-restart code, or the end of the run):
+    classify the exit (last words, the fatal-signal dump, the log tail) → incident unless it was a
+    clean end → `TreeKiller` for whatever is left of its tree.
+Either way, once the tree is gone `finish` completes the incident (timings, the decision, the
+heartbeat tails and the worker log tail) and writes it.
+
+An episode never reaps: the loop observes exits in one place and records them on the `Worker`.
+The incidents of an exit, of a worker that cannot start and of a crash loop are `exit_incidents`.
+"""
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import structlog
+
+from hangwatch.common.config import WatchdogCfg
+from hangwatch.common.rundir import tail_text
+from hangwatch.supervisor.episode import rank_evidence
+from hangwatch.supervisor.processes.attempt import Attempt
+from hangwatch.supervisor.watch.deadlines import Deadlines, Expired
+from hangwatch.supervisor.episode.escalation import TreeKiller
+from hangwatch.supervisor.episode.loader_dumps import WorkerDumps
+from hangwatch.supervisor.episode.kernel_evidence import KernelEvidence
+from hangwatch.supervisor.episode.exit_incidents import (classify, exit_incident, exit_info, own_failure, rank_last_words,
+                                                 stragglers_field)
+from hangwatch.supervisor.episode.flight_recorder import FlightDumps, StallDumps, into_incident
+from hangwatch.supervisor.incidents import Incident, IncidentStore, classify_stall, frame_str, main_stack, signal_name, stuck_frame
+from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
+from hangwatch.supervisor.incidents.landmarks import Reading, read_stack, user_landmarks
+from hangwatch.supervisor.incidents.loader_workers import judge
+from hangwatch.supervisor.incidents.verdict import decide
+from hangwatch.supervisor.loop.policy import Decision
+from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
+from hangwatch.supervisor.processes.snapshot import GpuCache
+from hangwatch.supervisor.records.statefile import RunFacts
+
+log = structlog.get_logger("hangwatch")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What an episode acts with; built once by the supervisor from its seams."""
+
+    table: ProcessTable
+    incidents: IncidentStore
+    watchdog_cfg: WatchdogCfg
+    snapshot: Callable[..., Any]  # (roots, extra) → an object whose take() returns the process records
+    gpu: GpuCache
+    gpu_pids: Callable[[], Optional[set]]
+    cpu_sample_s: float
+    subreaper: bool
+    kernel: KernelEvidence = field(default_factory=KernelEvidence)  # what the kernel says of a SIGKILL
+
+
+@dataclass
+class Episode:
+    kind: Optional[str]  # incident kind; None for a clean end (finished, graceful stop)
+    incident: Optional[Incident]
+    detected_at: float
+    expired: Optional[Expired] = None
+    reason: str = ""
+    decision: Optional[Decision] = None
+    sample: Any = None  # the process snapshot being taken
+    sampled_at: Optional[float] = None
+    procs: list = field(default_factory=list)
+    dumps: Optional[StallDumps] = None
+    killer: Optional[TreeKiller] = None
+    timings: dict = field(default_factory=dict)
+    deadlines: Optional[Deadlines] = None  # the attempt's, for each rank's step and phase (a stall's verdict)
+    landmarks: tuple = ()  # the user's (watchdog.landmarks), as `landmarks.Landmark` entries
+    own_culprit: Optional[bool] = None  # multi-node: this node's ranks hold the culprit (`node_incident`)
+    peer_notice: Optional[dict] = None  # multi-node: the peer's restart this episode follows
+
+    # ---- a stall ---------------------------------------------------------------------------
+
+    @classmethod
+    def stall(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, kind: str,
+              expired: Optional[Expired]) -> "Episode":
+        tr = deadlines.ranks.get(expired.rank if expired and expired.rank is not None else deadlines.main_rank())
+        phase, step = (tr.phase, tr.step) if tr else (None, None)
+        deadline = None
+        if expired is not None:
+            deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
+                        "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank, "phase": expired.phase,
+                        "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
+        on_rank = f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
+        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
+               f" in phase {phase!r} at step {step}" if expired else "restart now requested")
+        inc = tools.incidents.create(kind, attempt=attempt.number, phase=phase, step=step, deadline=deadline,
+                                     summary=why, status="in progress", worker_pid=attempt.worker.pid,
+                                     last_good_checkpoint=facts.last_good_checkpoint, **stragglers_field(attempt))
+        log.warning("stall_detected" if kind != "manual" else "restart_now", kind=kind, incident=inc.id,
+                    deadline=expired.name if expired else None, budget_s=deadline and deadline["budget_s"],
+                    elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
+                    phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
+        return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines)
+
+    @classmethod
+    def peer(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict,
+             gen: int) -> "Episode":
+        """A peer node restarted (it bumped the generation): dump where the local ranks wait, then restart into
+        generation `gen` with it (multi-node, `supervisor.nodes`)."""
+        tr = deadlines.ranks.get(deadlines.main_rank())
+        phase, step = (tr.phase, tr.step) if tr else (None, None)
+        why = f"peer node {notice.get('node')} restarted (generation {gen}): {notice.get('summary') or notice.get('kind')}"
+        inc = tools.incidents.create("peer_restart", attempt=attempt.number, phase=phase, step=step, summary=why,
+                                     status="in progress", worker_pid=attempt.worker.pid, peer_notice=notice,
+                                     last_good_checkpoint=facts.last_good_checkpoint)
+        log.warning("peer_restart", incident=inc.id, peer=notice.get("node"), generation=gen, attempt=attempt.number,
+                    peer_summary=notice.get("summary"))
+        return cls("peer_restart", inc, now, reason=why, deadlines=deadlines, peer_notice=notice)
+
+    def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
+        """At the first call begin the snapshot and the dumps together; True once the snapshot is taken (the
+        dumps' gate, `_take_snapshot`), the dumps going on from there."""
+        if self.dumps is None:
+            w = attempt.worker
+            extra = [ref.pid for ref in attempt.announced_refs().values()]
+            self.sample = tools.snapshot([w.pid] if not w.exited else [], extra)
+            self.sampled_at = now
+            wd = tools.watchdog_cfg
+            self.landmarks = user_landmarks(wd.landmarks)
+            self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
+                                    py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path,
+                                    out_dir=self.incident.dir, flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
+                                    gate=lambda t: self._take_snapshot(tools, attempt, t))
+            self.dumps.begin(now)
+            self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
+        self.dumps.advance(now)
+        return self.dumps.gate_at is not None
+
+    def _take_snapshot(self, tools: Tools, attempt: Attempt, now: float) -> bool:
+        """The dumps' gate: once the CPU interval has passed, record the snapshot (no py-spy runs by then: a
+        process py-spy holds stopped would read as state `t`) and from it the DataLoader workers' step."""
+        if now - self.sampled_at < tools.cpu_sample_s:
+            return False
+        w = attempt.worker
+        self.procs = self.sample.take()
+        for p in self.procs:
+            if p.get("create_time") and p["pid"] != w.pid:
+                attempt.tree.setdefault(p["pid"], ProcRef(p["pid"], p["create_time"]))
+        self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
+        self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
+        self.dumps.loader_workers = WorkerDumps(self.procs, self.landmarks)
+        return True
+
+    def collect_dumps(self, attempt: Attempt, now: float) -> None:
+        inc = self.incident
+        texts = self.dumps.texts()
+        spy = self.dumps.py_spy_texts()
+        for rank, text in texts.items():
+            inc.add_file(f"stack-rank{rank}.txt", text)
+        for rank, text in spy.items():
+            inc.add_file(f"py-spy-rank{rank}.txt", text)
+        flight = self.dumps.flight.collect() if self.dumps.flight is not None else {}
+        inc.data["flight_recorder"] = into_incident(inc, flight)
+        rank = self.expired.rank if self.expired and self.expired.rank in texts else (min(texts) if texts else None)
+        verdict = None
+        if len(attempt.announced) > 1:
+            # Each rank from its own process and stack: the deadline that fired first says nothing (they tie).
+            evidence = rank_evidence.gather(attempt, self.deadlines, self.procs, texts, spy, flight, now)
+            verdict = decide(evidence, self.landmarks)
+            rank = verdict.culprit_rank if verdict.culprit_rank is not None else rank
+            culprit_ev = next((e for e in evidence if e.rank == verdict.culprit_rank), None)
+            want = ("livelock" if culprit_ev.livelock else "stall") if culprit_ev is not None else self.kind
+            if self.kind in ("stall", "livelock") and want != self.kind:
+                # Which rank's deadline fired first is a tie (a victim waiting in phase `wait` beats progress
+                # too): the culprit's own state names the kind.
+                self.kind = want
+                inc.rekind(want)
+        frame, stack, user = stuck_frame(texts.get(rank, "")) if rank is not None else (None, [], None)
+        reading, read = self._reading(attempt, rank, texts, spy)
+        if not stack and read:  # no faulthandler dump: py-spy's frames stand in
+            frame, stack = read[0], read
+        if verdict is None:
+            announced = {ref.pid for ref in attempt.announced_refs().values()}
+            own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
+            classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
+            # The call it hung in first; without a landmark, what fired and what the process does lead.  The
+            # reading names the innermost frame: the classification joins it without its own "at <frame>".
+            condition = classify_stall(self.kind, inc.data.get("deadline"), own, None)
+            summary = (f"{reading.summary()}; {self.reason}; {condition}" if reading.landmark
+                       else f"{self.reason}; {condition}; {reading.summary()}")
+        else:
+            culprit = verdict.finding(verdict.culprit_rank)
+            classification = culprit.classification if culprit else verdict.summary
+            summary = f"{verdict.summary}; {self.reason}"  # the culprit's words name its landmark
+            inc.data.update(culprit_rank=verdict.culprit_rank, verdict={"culprit_rank": verdict.culprit_rank,
+                                                                        "reason": verdict.reason, "summary": verdict.summary},
+                            ranks=[{**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
+                                   for f in verdict.ranks])
+        summary += self._loader_workers(inc, rank)
+        inc.data.update(
+            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, **reading.fields(),
+            dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
+            py_spy=self.dumps.py_spy_note or "not run", classification=classification, summary=summary,
+        )
+        self.timings["dump_s"] = round(now - self.dumps.started_at, 3)
+        self.timings.update(self.dumps.timings())
+        inc.write()
+        log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts),
+                    **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}))
+
+    def _reading(self, attempt: Attempt, rank: Optional[int], texts: dict, spy: dict) -> tuple[Reading, list]:
+        """The call the dump rank's main thread is in, and the stack it was read from: its faulthandler stack —
+        py-spy's Python frames when there is none, or when faulthandler cut it at 100 frames — with py-spy's
+        native frames and the source line of the innermost frame."""
+        if rank is None:
+            return read_stack([]), []
+        stack, truncated = main_stack(texts.get(rank, ""))
+        spy_stack, native = py_spy_main_thread(spy.get(rank, ""))
+        if spy_stack and (not stack or truncated):
+            stack, truncated = spy_stack, False
+        line = None
+        if stack and isinstance(stack[0].get("line"), int):
+            line = rank_evidence.source_line(stack[0]["file"], stack[0]["line"], attempt.cwd)
+        return read_stack(stack, native=native, source_line=line, extra=self.landmarks, truncated=truncated), stack
+
+    def _loader_workers(self, inc: Incident, rank: Optional[int]) -> str:
+        """The DataLoader workers of the dump rank, when it waits on them: into the incident, and the summary's words."""
+        w = self.dumps.loader_workers
+        if w is None or not w.begun:
+            return ""
+        found = w.stacks()
+        for workers in found.values():
+            for ws, text in workers:
+                if ws.dump and text:
+                    inc.add_file(ws.dump, text)
+        if rank not in found:
+            return ""
+        verdict = judge([ws for ws, _ in found[rank]])
+        inc.data.update(verdict.fields(), dataloader_workers_dumped=w.note)
+        return f"; {verdict.words()}"
+
+    # ---- a worker exit ---------------------------------------------------------------------
+
+    @classmethod
+    def exited(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, *,
+               decision: Optional[Decision] = None, stopping: Optional[str] = None) -> "Episode":
+        """The worker exited by itself: after a stop request (`stopping` says which), or judged by `decision`."""
+        w = attempt.worker
+        if stopping is not None:
+            # A stop hangwatch asked for is a stop, whatever exit code a launcher turns it into (torchrun
+            # exits 1 after forwarding SIGTERM); only the worker's own last words make it a failure.
+            if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or own_failure(rank_last_words(attempt)) is None:
+                how = "" if w.exit_code == 0 else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
+                return cls(None, None, now, reason=stopping + how)
+            kind, classification, failed = classify(tools, attempt)
+            summary = f"worker exited during a graceful stop: {classification}"
+            return cls(kind, exit_incident(tools, attempt, deadlines, facts, kind, classification, summary, failed_rank=failed),
+                       now, reason=stopping)
+        if decision.action == "finish":
+            return cls(None, None, now, decision=decision, reason=decision.reason)
+        kind, classification, failed = classify(tools, attempt)
+        inc = exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision, failed)
+        return cls(kind, inc, now, decision=decision, reason=classification)
+
+    def next_due_s(self, now: float, cpu_sample_s: float) -> Optional[float]:
+        """Seconds from `now` until this episode has something to do on its own clock (the snapshot's interval
+        ends, a dump's quiet period or grace ends, SIGKILL is due, …), or None: for the loop's wait, so that
+        nothing waits for the next fixed-period pass.  Never negative."""
+        due = []
+        if self.killer is not None:
+            due.append(self.killer.next_due())
+        elif self.dumps is not None:
+            due.append(self.dumps.next_due())
+            if self.dumps.gate_at is None and self.sampled_at is not None:
+                due.append(self.sampled_at + cpu_sample_s)
+        due = [d for d in due if d is not None]
+        return max(0.0, min(due) - now) if due else None
+
+    # ---- the tree ----------------------------------------------------------------------------
+
+    @property
+    def stuck(self) -> bool:
+        """A deadline fired, or a peer node restarted (the local ranks wait for a peer that is gone): the worker
+        is known to be stuck.  (`restart now`, an exit, a stop: not known.)"""
+        return self.expired is not None or self.kind == "peer_restart"
+
+    def term_grace_s(self, wd: WatchdogCfg) -> float:
+        """SIGTERM → SIGKILL: a stuck worker's main thread cannot run its graceful stop, so it is not given the
+        graceful grace — its children, which may still clean up, get SIGTERM first all the same."""
+        return wd.stuck_term_grace_s if self.stuck else wd.term_grace_s
+
+    def begin_kill(self, tools: Tools, attempt: Attempt, now: float, send_term: bool = True) -> None:
+        wd = tools.watchdog_cfg
+        self.killer = TreeKiller(attempt.worker, attempt.known_refs(tools.table, tools.subreaper), table=tools.table,
+                                 term_grace_s=self.term_grace_s(wd), gpu_release_timeout_s=wd.gpu_release_timeout_s,
+                                 kill_wait_s=wd.kill_wait_s, gpu_pids=tools.gpu_pids, send_term=send_term)
+        self.timings["sigterm_at_s" if send_term else "sigkill_at_s"] = round(now - self.detected_at, 3)
+        # Ranks a launcher (torchrun) started in sessions of their own are outside the group SIGTERM goes to:
+        # each gets its own, so none depends on the launcher forwarding it (SIGKILL after the grace reaches them too).
+        group = {r.pid for r in tools.table.group_members(attempt.worker.pgid)} | {attempt.worker.pid}
+        outside = [ref for ref in attempt.announced_refs().values() if ref.pid not in group]
+        self.killer.begin(now)
+        if send_term:
+            for ref in outside:
+                tools.table.signal(ref, signal.SIGTERM)
+
+    def finish(self, attempt: Optional[Attempt], facts: RunFacts, now: float, next_state: str, why: str,
+               main_rank: int = 0) -> None:
+        """The tree is gone: complete and write the incident (if this episode has one)."""
+        inc = self.incident
+        if inc is None:
+            return
+        k = self.killer
+        timings = {**self.timings, **(k.timings() if k else {})}
+        gone_at = k.gone_at if k and k.gone_at is not None else now
+        timings["detection_to_gone_s"] = round(gone_at - self.detected_at, 3)
+        timings["total_s"] = round(now - self.detected_at, 3)
+        w = attempt.worker if attempt else None
+        inc.data.update(status="handled", timings=timings, gpu_release=k.gpu_release if k else None,
+                        decision=self.decision.as_dict() if self.decision else {"action": next_state, "reason": why},
+                        exit=inc.data.get("exit") or (exit_info(attempt, main_rank) if w and w.exited else None),
+                        last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step,
+                        torn_lines=facts.torn_lines)
+        if self.decision and self.decision.rollback:
+            inc.data["rollback_to"] = facts.last_good_checkpoint
+        if attempt is not None:
+            for rank in sorted(attempt.tail.recent):
+                inc.add_file(f"heartbeat-tail-rank{rank}.jsonl", attempt.tail.tail_text(rank))
+            inc.add_file("worker-log-tail.txt", tail_text(attempt.worker.log_path))
+        inc.write()
+        facts.note_incident(inc)

@@ -1,0 +1,275 @@
+"""OOM remediation for the built-in worker: what the next attempt runs with after an out-of-memory failure,
+and where that is kept so that it survives a supervisor restart.  Pure decisions plus one small file.
+
+The ladder (`next_setting`, table-tested): an out-of-memory failure — the worker's CUDA OOM or the injected
+`oom` fault (incident kind `oom`), or a kernel OOM kill the evidence shows — restarts from the last good
+checkpoint with
+
+  1. the micro-batch halved and the accumulation doubled, so that micro-batch × accumulation, the effective
+     batch, stays exactly the same: the step's examples are the same `micro × accum × world` examples of
+     the one data order, only regrouped into more, smaller forward passes (`daemon.trainer.ranks`), and
+     the LR schedule counts optimizer steps, which do not change.  A micro-batch that does not halve evenly
+     (3, 5, 6 → …) goes to its largest divisor at most half of it, so the product stays exact;
+  2. repeated down to micro-batch 1;
+  3. then gradient checkpointing is turned on (unless the config already has it);
+  4. then nothing is left: the run ends `failed` with a message naming everything that was tried.
+
+Persistence: `<run_dir>/remediation.json`, written durably (temp file, fsync, rename) by the supervisor
+before the restart it applies to, and read by the worker when it starts (`daemon.trainer.remediation`),
+which trains with it, says so in its start beat and start line, and leaves the config file alone.  A
+supervisor that is restarted reads it back (`load`), so the next OOM escalates from where the run is,
+not from the config.  The file records the config's own setting (`configured`); a worker whose config no
+longer matches it (the user changed the batch) ignores the file, and so does `current` here.
+
+Format (version 1):
+  {"version": 1, "configured": {micro_batch_size, grad_accum, gradient_checkpointing},
+   "micro_batch_size": M, "grad_accum": A, "gradient_checkpointing": bool,
+   "history": [{"attempt", "step", "incident", "from": {...}, "to": {...}, "t"}]}
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from hangwatch.common.durable import write_json_atomic
+from hangwatch.common.rundir import read_json
+
+REMEDIATION_NAME = "remediation.json"
+FORMAT_VERSION = 1
+OOM_KIND = "oom"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The memory-relevant training setting of an attempt."""
+
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool = False
+
+    @property
+    def effective(self) -> int:
+        """Examples per optimizer step and rank (micro-batch × accumulation)."""
+        return self.micro_batch_size * self.grad_accum
+
+    def words(self) -> str:
+        return (f"micro_batch_size {self.micro_batch_size} × grad_accum {self.grad_accum}"
+                + (", gradient checkpointing" if self.gradient_checkpointing else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def configured(cfg) -> Setting:
+    """The setting the config asks for (`model.gradient_checkpointing` absent from older schemas counts as off)."""
+    return Setting(int(cfg.train.micro_batch_size), int(cfg.train.grad_accum),
+                   bool(getattr(cfg.model, "gradient_checkpointing", False)))
+
+
+def smaller_micro(micro: int) -> Optional[int]:
+    """The next micro-batch size down: half of it, or its largest divisor at most half (so that the effective
+    batch stays exact); None at 1."""
+    if micro <= 1:
+        return None
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+
+
+def next_setting(s: Setting) -> Optional[Setting]:
+    """The rung after `s` on the ladder; None: nothing is left to try."""
+    m = smaller_micro(s.micro_batch_size)
+    if m is not None:
+        return Setting(m, s.grad_accum * (s.micro_batch_size // m), s.gradient_checkpointing)
+    if not s.gradient_checkpointing:
+        return Setting(s.micro_batch_size, s.grad_accum, True)
+    return None
+
+
+def tried_words(record: Optional[dict], base: Setting) -> str:
+    """Everything tried so far, in order, for the message of a run that ran out of rungs."""
+    steps = [base.words()] + [Setting(**h["to"]).words() for h in (record or {}).get("history", [])]
+    return " → ".join(steps)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What one out-of-memory failure leads to: a new setting (`to`), or none (`exhausted`) with why."""
+
+    from_: Setting
+    to: Optional[Setting]
+    message: str
+
+    @property
+    def exhausted(self) -> bool:
+        return self.to is None
+
+    def fields(self) -> dict[str, Any]:
+        """The incident's `remediation` field."""
+        return {"action": "failed" if self.exhausted else "restart_with", "from": self.from_.as_dict(),
+                "to": self.to.as_dict() if self.to else None, "message": self.message}
+
+
+def decide(record: Optional[dict], cfg) -> Remedy:
+    """The remedy for an out-of-memory failure of a run whose remediation file holds `record` (None: none yet)."""
+    base = configured(cfg)
+    now = current(record, cfg)
+    to = next_setting(now)
+    if to is None:
+        return Remedy(now, None, f"out of memory with every remedy tried ({tried_words(record, base)}); lower "
+                                 "data.max_length, use a smaller model or model.load_in_4bit, or a device with more memory")
+    what = ("gradient checkpointing turned on" if to.gradient_checkpointing and not now.gradient_checkpointing
+            else f"micro-batch {now.micro_batch_size} → {to.micro_batch_size}, accumulation {now.grad_accum} → "
+                 f"{to.grad_accum} (effective batch {to.effective} unchanged)")
+    return Remedy(now, to, f"out of memory: restarting from the last good checkpoint with {what}")
+
+
+def current(record: Optional[dict], cfg) -> Setting:
+    """The setting attempts run with now: the record's, when it was made for this config; else the config's."""
+    base = configured(cfg)
+    if not valid_for(record, base):
+        return base
+    return Setting(int(record["micro_batch_size"]), int(record["grad_accum"]), bool(record["gradient_checkpointing"]))
+
+
+def valid_for(record: Optional[dict], base: Setting) -> bool:
+    """Whether `record` applies to a config whose own setting is `base` (not stale, well formed)."""
+    if not isinstance(record, dict) or record.get("version") != FORMAT_VERSION:
+        return False
+    try:
+        if Setting(**record["configured"]) != base:
+            return False
+        s = Setting(int(record["micro_batch_size"]), int(record["grad_accum"]), bool(record["gradient_checkpointing"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    return s.micro_batch_size >= 1 and s.effective == base.effective
+
+
+def applied(record: Optional[dict], cfg, remedy: Remedy, *, attempt: int, step: Optional[int],
+            incident: Optional[str], now: Optional[float] = None) -> dict:
+    """The record after `remedy` (not exhausted) is applied: the new setting, one more history entry."""
+    base = configured(cfg)
+    history = list(record.get("history", [])) if valid_for(record, base) else []
+    history.append({"attempt": attempt, "step": step, "incident": incident, "from": remedy.from_.as_dict(),
+                    "to": remedy.to.as_dict(), "t": time.time() if now is None else now})
+    return {"version": FORMAT_VERSION, "configured": base.as_dict(), **remedy.to.as_dict(), "history": history}
+
+
+def path_for(run_dir: os.PathLike | str) -> Path:
+    return Path(run_dir) / REMEDIATION_NAME
+
+
+def load(run_dir: os.PathLike | str) -> Optional[dict]:
+    """The run's remediation record, or None (none yet, or unreadable: then the config's setting holds)."""
+    return read_json(path_for(run_dir))
+
+
+def save(run_dir: os.PathLike | str, record: dict) -> Path:
+    """Durably: the next attempt, possibly started by another supervisor, must find it."""
+    return write_json_atomic(path_for(run_dir), record, indent=2)
+
+
+def summary(record: Optional[dict], cfg) -> Optional[dict]:
+    """What `status` and state.json show: the setting in force when it is not the config's, else None."""
+    base = configured(cfg)
+    if not valid_for(record, base):
+        return None
+    now = current(record, cfg)
+    if now == base:
+        return None
+    return {"configured": base.as_dict(), "now": now.as_dict(), "words": f"{base.words()} → {now.words()} (OOM)",
+            "oom_restarts": len(record.get("history", []))}
+
+
+class OomRemediation:
+    """The supervisor's handle: decides and persists the remedy of each OOM failure of the built-in worker."""
+
+    def __init__(self, cfg, run_dir: os.PathLike | str):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        # A user's own script has no micro-batch we could change; `restart.oom_remediation: false` turns it off.
+        self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
+
+    def on_failure(self, kind: str, *, attempt: int, step: Optional[int], incident: Optional[str],
+                   now: Optional[float] = None) -> Optional[Remedy]:
+        """For an attempt that failed with `kind`: the remedy (already saved when it is a new setting), or None
+        (not an OOM, or not the built-in worker)."""
+        if not self.enabled or kind != OOM_KIND:
+            return None
+        record = load(self.run_dir)
+        remedy = decide(record, self.cfg)
+        if not remedy.exhausted:
+            save(self.run_dir, applied(record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now))
+        return remedy
+
+    def summary(self) -> Optional[dict]:
+        return summary(load(self.run_dir), self.cfg) if self.enabled else None
+
+
+def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, *, attempt: int,
+               step: Optional[int], now: Optional[float] = None):
+    """The restart policy's `decision` on an ended attempt, with OOM remediation applied: for an out-of-memory
+    failure the policy restarts, the remedy is saved and named in the decision's reason and in the incident
+    (`remediation`); with every remedy tried the run fails instead, with the message saying what was tried.
+    Anything else: `decision` unchanged."""
+    from hangwatch.supervisor.loop.policy import Decision
+
+    if decision is None or decision.action != "restart" or kind is None:
+        return decision
+    try:
+        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=getattr(incident, "id", None), now=now)
+    except OSError as exc:  # the remedy must reach the next attempt through the file: without it, it would OOM again
+        return Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}")
+    if remedy is None:
+        return decision
+    if incident is not None:
+        incident.data["remediation"] = remedy.fields()
+    if remedy.exhausted:
+        return Decision("fail", remedy.message)
+    return Decision("restart", f"{decision.reason}; {remedy.message}", delay_s=decision.delay_s, rollback=True)
+
+
+def file_summary(run_dir: os.PathLike | str) -> Optional[dict]:
+    """`summary` from the file alone (its own `configured`), for state.json and `status`, which have no config
+    at hand: what the next attempt runs with when it is not the config's, else None."""
+    record = load(run_dir)
+    if not isinstance(record, dict) or not isinstance(record.get("configured"), dict):
+        return None
+    try:
+        base = Setting(**record["configured"])
+    except TypeError:
+        return None
+    stand_in = _ConfigLike(base)
+    return summary(record, stand_in)
+
+
+class _ConfigLike:
+    """Just enough of a config for `configured()`: the setting a record says its config had."""
+
+    def __init__(self, s: Setting):
+        from types import SimpleNamespace
+
+        self.train = SimpleNamespace(micro_batch_size=s.micro_batch_size, grad_accum=s.grad_accum)
+        self.model = SimpleNamespace(gradient_checkpointing=s.gradient_checkpointing)
+
+
+def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLike | str) -> None:
+    """Self-healing on an attempt that ended by itself (`episode` from `Episode.exited`): an OOM gets its remedy
+    (`after_exit`, the episode's decision replaced), a non-finite streak's incident lists the examples the
+    worker quarantined (`quarantine_view`)."""
+    from hangwatch.supervisor.records import quarantine_view
+
+    inc = episode.incident
+    if episode.kind == "nan" and inc is not None:
+        inc.data.update(quarantine_view.incident_fields(run_dir, attempt))
+    step = inc.data.get("step") if inc is not None else None
+    episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step)
+
+
+def state_fields(run_dir: os.PathLike | str) -> dict:
+    """state.json's and `status`'s self-healing fields: `remediation` (the setting in force after OOMs) and
+    `quarantine` (the examples kept out after non-finite losses); None each when there is nothing."""
+    from hangwatch.supervisor.records import quarantine_view
+
+    return {"remediation": file_summary(run_dir), "quarantine": quarantine_view.summary(quarantine_view.read(run_dir))}

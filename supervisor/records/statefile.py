@@ -1,0 +1,142 @@
+"""`<run_dir>/state.json`: the supervisor's state, replaced atomically so a reader never sees half.
+
+It records enough for the next supervisor to find what this one leaves behind if it dies:
+its own pid and start time, the worker's pid, process group, session and start time, the pids
+each rank announced and the descendants seen, each with its start time (see `leftovers`).
+`hangwatch status` without a socket and `hangwatch report` read it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from hangwatch.common.durable import FsOps
+from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
+from hangwatch.supervisor.processes.process import ProcRef, Worker
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.loop.supervisor import Supervisor
+
+FORMAT_VERSION = 1
+
+
+class RunFacts:
+    """What the run has established so far, kept across attempts (and, via state.json and the checkpoint
+    ledger, across supervisors).  `last_good_checkpoint`/`last_good_step` are the ledger's answer
+    (`checkpoint_ledger`); state.json keeps showing them for `status` and `report`."""
+
+    def __init__(self, restarts: int = 0, last_good_checkpoint: Optional[str] = None,
+                 last_good_step: Optional[int] = None, torn_lines: int = 0, last_incident: Optional[dict] = None,
+                 last_step: Optional[dict] = None, checkpoints: Optional[CheckpointLedger] = None):
+        self.restarts = restarts
+        self.torn_lines = torn_lines
+        self.last_incident = last_incident  # {"id", "kind", "summary"}
+        self.last_step = last_step if last_step is not None else {}  # the last `step` line (metrics for `status`)
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointLedger()
+        if last_good_checkpoint and not self.checkpoints.entries:
+            # A run dir from a supervisor that kept no ledger (or whose ledger was unreadable): its
+            # state.json is the only record there is.
+            self.checkpoints.adopt(str(last_good_checkpoint), last_good_step if isinstance(last_good_step, int) else None,
+                                   "recorded in state.json by an earlier supervisor")
+
+    @property
+    def last_good_checkpoint(self) -> Optional[str]:
+        e = self.checkpoints.last_good()
+        return e.path if e else None
+
+    @property
+    def last_good_step(self) -> Optional[int]:
+        e = self.checkpoints.last_good()
+        return e.step if e else None
+
+    @classmethod
+    def from_previous(cls, data: Optional[dict], checkpoints: Optional[CheckpointLedger] = None) -> "RunFacts":
+        data = data or {}
+        return cls(restarts=int(data.get("restarts") or 0), last_good_checkpoint=data.get("last_good_checkpoint"),
+                   last_good_step=data.get("last_good_step"), checkpoints=checkpoints)
+
+    def note_incident(self, inc) -> None:
+        self.last_incident = {"id": inc.id, "kind": inc.kind, "summary": inc.data.get("summary")}
+
+
+def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef],
+           worker: Optional[Worker], announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int,
+           incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
+           wall: Optional[float] = None) -> dict:
+    """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
+    until then the worker stays recorded even after its exit, since its group may still hold processes.
+    `intent`: an operator's request that must outlive this supervisor (a pause: the next supervisor on
+    this run dir starts paused, not training)."""
+    return {
+        "state": state,
+        "updated_wall": time.time() if wall is None else wall,
+        "supervisor": supervisor.as_dict() if supervisor else {"pid": os.getpid()},
+        "worker": worker.as_dict() if worker and not tree_gone else None,
+        "pids": {} if tree_gone else {str(rank): ref.as_dict() for rank, ref in announced.items()},
+        "descendants": [] if tree_gone else [r.as_dict() for r in descendants],
+        "attempt": attempt,
+        "restarts": facts.restarts,
+        "last_good_checkpoint": facts.last_good_checkpoint,
+        "last_good_step": facts.last_good_step,
+        "incidents": incidents,
+        "last_incident": facts.last_incident,
+        "torn_lines": facts.torn_lines,
+        "socket": socket,
+        "run_dir": run_dir,
+        "exit_code": exit_code if final else None,
+        "intent": "pause" if paused and not final else None,
+    }
+
+
+def of_supervisor(sup: "Supervisor", healing: dict) -> dict:
+    """state.json's record of a supervisor as it is now (`healing`: self-healing's fields, read by the caller)."""
+    from hangwatch.supervisor.control import socket_path_for
+    from hangwatch.supervisor.loop.outcome import Intent
+    from hangwatch.supervisor.loop.states import State
+
+    st, cur = sup.lifecycle.state, sup.current
+    data = record(
+        sup.facts, state=st.value, final=st.final, tree_gone=st.final or st in (State.BACKOFF, State.PAUSED),
+        supervisor=sup.table.ref_of(os.getpid()), worker=cur.worker if cur else None,
+        announced=cur.announced_refs() if cur else {}, descendants=cur.tree.values() if cur else (),
+        attempt=sup.attempt, incidents=sup.incidents.count(), run_dir=str(sup.run_dir), exit_code=sup.exit_code,
+        paused=st is State.PAUSED or sup.after_teardown is Intent.PAUSE,
+        socket=str(getattr(sup.control, "path", None) or socket_path_for(sup.cfg, sup.run_dir)))
+    data.update(healing)
+    if sup.nodes is not None:
+        data["nodes"] = sup.nodes.status()  # multi-node: generation, peers, torchrun rounds
+    return data
+
+
+def paused_before(previous: Optional[dict]) -> bool:
+    """Did the supervisor that wrote `previous` leave the run paused (or on its way to a pause)?"""
+    return bool(previous) and previous.get("intent") == "pause" and previous.get("state") not in FINAL_STATES
+
+
+FINAL_STATES = ("finished", "failed", "stopped")
+
+
+def write(path: Path, data: dict, fs: Optional[FsOps] = None) -> None:
+    """Durably replace `path` (temporary file, fsync, rename, fsync the directory)."""
+    (fs or FsOps()).write_json(path, {"version": FORMAT_VERSION, **data})
+
+
+def read(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(state, problem): (None, None) when there is no file; an unreadable one is reported, not fatal."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path}: unreadable ({exc})"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return None, f"{path}: not JSON ({exc})"
+    if not isinstance(data, dict):
+        return None, f"{path}: expected an object, got {type(data).__name__}"
+    return data, None

@@ -1,0 +1,374 @@
+"""The four deadlines of a worker attempt, as pure bookkeeping over heartbeat lines.
+
+Nothing here reads a clock: every call takes `now`, the supervisor's monotonic time at which it
+read the line or checks.  The writer's own `t` is only recorded, never trusted for deadlines.
+
+* **startup** — spawn → the first `start` line (from any rank).
+* **phase** — time in the current phase of a rank; budget from the line's `budget_s`, else the
+  configured budget for that phase name, else the calibrated one, else `default_phase_budget_s`.
+  `train` has none unless one is given: it is governed by the step deadline.
+* **step** — while in `train`: time since the later of the last `step` and entering `train`;
+  `step_timeout_s` when fixed, else the calibrated budget, else `first_steps_timeout_s`.
+* **silence** — time since the rank's last line of any kind.
+
+`load` (after `start`, while the worker imports its framework and loads the model: one long
+call that cannot beat) is part of starting up: silence does not apply in it, and its phase
+budget is the configured one for `load`, else `startup_timeout_s`.
+
+A `progress` line resets only silence, so a loop that keeps saying "alive" without finishing a
+step still runs into the step or phase deadline (and is reported as a livelock).  A rank that
+sent `stop` has no deadlines left.  `shift(gap)` moves every anchor forward by a stretch in which
+the supervisor itself was not running (SIGSTOP, a suspended laptop), so such a gap never fires.
+
+The loop asks two things many times a second: when the earliest deadline falls due (its sleep) and
+whether one is due (each pass).  Both come from `_due_at`, plain arithmetic over the anchors, kept
+until an input changes the anchors (every method that moves one bumps a version); the `Expired`
+records are built only once something is due.  The calibrated step budget (a p99 over up
+to 1000 samples, a sort) is recomputed after every new sample while there are fewer than 40, then
+after every `len/20` new ones (a 5% turnover of the window: at 640 steps a second, 13 sorts instead of
+640), and at once when calibration begins or the number of samples changed behind this object's back
+(a reload).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from hangwatch.supervisor.watch.calibration import Calibration
+from hangwatch.common.config import WatchdogCfg
+
+UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
+QUIET_PHASES = frozenset({"load"})  # one long call that cannot beat: bounded by its phase budget instead
+DUE_SLACK_S = 1e-6  # `check` takes the fast "nothing due" answer only this clearly before the earliest due time
+
+
+@dataclass
+class RankTrack:
+    rank: int
+    pid: Optional[int] = None
+    started: bool = False
+    stopped: bool = False
+    last_line_at: float = 0.0
+    phase: str = "init"
+    phase_since: float = 0.0
+    phase_budget: Optional[float] = None
+    phase_budget_source: str = "none"
+    step: int = 0
+    last_step_at: Optional[float] = None
+    train_since: Optional[float] = None
+    last_progress_at: Optional[float] = None
+    progress_since_step: int = 0  # progress lines since the last step or phase change
+    skip_next_sample: bool = False
+    last: dict = field(default_factory=dict)  # the last decoded line
+
+
+@dataclass(frozen=True)
+class Expired:
+    """A deadline that fired: which one, on which rank, and by how much."""
+
+    name: str
+    budget_s: float
+    elapsed_s: float
+    rank: Optional[int] = None
+    phase: Optional[str] = None
+    step: Optional[int] = None
+    source: str = ""  # where the budget came from (line, config, calibrated, first_steps, …)
+    progress_lines: int = 0  # progress beats received since the anchor: liveness without progress
+    last_progress_age_s: Optional[float] = None  # how long ago the last of them arrived
+
+    @property
+    def livelock(self) -> bool:
+        """Still beating `progress` late in the window (not just once before going quiet): alive, going nowhere."""
+        return (self.name in ("step", "phase") and self.progress_lines > 0 and self.last_progress_age_s is not None
+                and self.last_progress_age_s <= self.budget_s / 2)
+
+    @property
+    def incident_kind(self) -> str:
+        """The incident this deadline opens: startup_timeout, livelock or stall."""
+        if self.name == "startup":
+            return "startup_timeout"
+        return "livelock" if self.livelock else "stall"
+
+    @property
+    def overdue_s(self) -> float:
+        return max(0.0, self.elapsed_s - self.budget_s)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["overdue_s"] = round(self.overdue_s, 3)
+        d["elapsed_s"] = round(self.elapsed_s, 3)
+        if self.last_progress_age_s is not None:
+            d["last_progress_age_s"] = round(self.last_progress_age_s, 3)
+        return d
+
+
+class Deadlines:
+    def __init__(self, wd: WatchdogCfg, calibration: Calibration):
+        self.wd = wd
+        self.calibration = calibration
+        self.ranks: dict[int, RankTrack] = {}
+        self.spawned_at: Optional[float] = None
+        self.started = False
+        self.extra: dict[str, tuple[float, float, str]] = {}  # name → (anchor, budget, source): e.g. the stop bound
+        self._version = 0  # bumped by every input that can move an anchor (the `_due_at` cache's key)
+        self._due_cache: tuple = (None, None)  # ((version, step budget), due time)
+        self._new_samples = 0  # step samples added here since the budget was last computed
+        self._samples_seen: Optional[int] = None  # how many samples there were as this object left them
+        self._step_cached: tuple[float, str] = (0.0, "")
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def arm_startup(self, now: float) -> None:
+        self._version += 1
+        self.spawned_at = now
+        self.started = False
+        self.ranks.clear()
+        self.extra.clear()
+
+    def arm_extra(self, name: str, now: float, budget_s: float, source: str = "") -> None:
+        self._version += 1
+        self.extra[name] = (now, budget_s, source)
+
+    def disarm_extra(self, name: str) -> None:
+        self._version += 1
+        self.extra.pop(name, None)
+
+    def phase_budget(self, name: str, line_budget=None) -> tuple[Optional[float], str]:
+        if isinstance(line_budget, (int, float)) and not isinstance(line_budget, bool) and line_budget > 0:
+            return float(line_budget), "line"
+        if name in self.wd.phase_budgets_s:
+            return float(self.wd.phase_budgets_s[name]), "config"
+        if name in UNTIMED_PHASES:
+            return None, "none"
+        if name in QUIET_PHASES:
+            return float(self.wd.startup_timeout_s), "startup"
+        calibrated = self.calibration.phase_budget(name)
+        if calibrated is not None:
+            return calibrated, "calibrated"
+        if self.wd.default_phase_budget_s is not None:
+            return float(self.wd.default_phase_budget_s), "default"
+        return None, "none"
+
+    def step_budget(self) -> tuple[float, str]:
+        if self.wd.step_timeout_s is not None:
+            return float(self.wd.step_timeout_s), "config"
+        n = len(self.calibration.step_samples)
+        due = self._new_samples >= max(1, n // 20) or (self._step_cached[1] != "calibrated" and n >= self.wd.calibrate_after)
+        if n != self._samples_seen or due:
+            calibrated = self.calibration.step_budget()
+            self._step_cached = (calibrated, "calibrated") if calibrated is not None else (
+                float(self.wd.first_steps_timeout_s), "first_steps")
+            self._samples_seen, self._new_samples = n, 0
+        return self._step_cached
+
+    def _added_step(self, duration_s: float) -> None:
+        """A step sample into the calibration, counted for the budget cache (which tells the samples
+        added here from a change made elsewhere by their number: a reload, a test)."""
+        samples = self.calibration.step_samples
+        known = len(samples) == self._samples_seen
+        self.calibration.add_step(duration_s)
+        if known:  # (one the calibration refused counts too: at worst an early recompute)
+            self._samples_seen = len(samples)
+            self._new_samples += 1
+
+    def _enter_phase(self, tr: RankTrack, name: str, now: float, line_budget=None) -> None:
+        if tr.started and tr.phase not in UNTIMED_PHASES and tr.phase != "init":
+            self.calibration.add_phase(tr.phase, now - tr.phase_since)
+        tr.phase = name
+        tr.phase_since = now
+        tr.phase_budget, tr.phase_budget_source = self.phase_budget(name, line_budget)
+        tr.progress_since_step = 0
+        if name == "train":
+            tr.train_since = now
+
+    def observe(self, rec: dict, now: float) -> RankTrack:
+        """Apply one decoded heartbeat line read at `now`."""
+        self._version += 1
+        rank = rec.get("rank") if isinstance(rec.get("rank"), int) else 0
+        tr = self.ranks.get(rank)
+        if tr is None:
+            tr = self.ranks[rank] = RankTrack(rank=rank, phase_since=now, last_line_at=now)
+        tr.last_line_at = now
+        tr.pid = rec.get("pid", tr.pid)
+        tr.last = rec
+        event = rec["event"]
+        step = rec.get("step")
+        if isinstance(step, int) and event != "checkpoint":
+            tr.step = max(tr.step, step) if event != "start" else step
+        if event == "start":
+            tr.started = True
+            tr.stopped = False
+            self.started = True
+            tr.phase = rec.get("phase") or "init"
+            tr.phase_since = now
+            tr.phase_budget, tr.phase_budget_source = self.phase_budget(tr.phase)
+            tr.last_step_at = None
+            tr.train_since = now if tr.phase == "train" else None
+        elif event == "phase":
+            self._enter_phase(tr, str(rec.get("phase")), now, rec.get("budget_s"))
+        else:
+            if rec.get("phase") and rec["phase"] != tr.phase:
+                # A phase line went missing (torn): follow the phase every line carries.
+                self._enter_phase(tr, str(rec["phase"]), now)
+            if event == "step":
+                if tr.phase == "train":
+                    if tr.last_step_at is not None and tr.train_since is not None and tr.last_step_at >= tr.train_since:
+                        if tr.skip_next_sample:
+                            tr.skip_next_sample = False
+                        else:
+                            self._added_step(now - tr.last_step_at)
+                tr.last_step_at = now
+                tr.progress_since_step = 0
+            elif event == "progress":
+                tr.last_progress_at = now
+                tr.progress_since_step += 1
+            elif event == "stop":
+                tr.stopped = True
+        return tr
+
+    def shift(self, gap: float) -> None:
+        """The supervisor was not running for `gap` seconds: that time counts for no deadline."""
+        if gap <= 0:
+            return
+        self._version += 1
+        if self.spawned_at is not None:
+            self.spawned_at += gap
+        self.extra = {k: (a + gap, b, s) for k, (a, b, s) in self.extra.items()}
+        for tr in self.ranks.values():
+            tr.last_line_at += gap
+            tr.phase_since += gap
+            if tr.last_step_at is not None:
+                tr.last_step_at += gap
+            if tr.train_since is not None:
+                tr.train_since += gap
+            if tr.last_progress_at is not None:
+                tr.last_progress_at += gap
+            tr.skip_next_sample = True  # the interval spanning the gap is not a step time
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _candidates(self, now: float) -> list[Expired]:
+        out: list[Expired] = []
+        if not self.started and self.spawned_at is not None:
+            out.append(Expired("startup", float(self.wd.startup_timeout_s), now - self.spawned_at, source="config"))
+        for name, (anchor, budget, source) in self.extra.items():
+            out.append(Expired(name, budget, now - anchor, source=source))
+        for tr in self.ranks.values():
+            if not tr.started or tr.stopped:
+                continue
+            common = dict(rank=tr.rank, phase=tr.phase, step=tr.step)
+            age = now - tr.last_progress_at if tr.progress_since_step and tr.last_progress_at is not None else None
+            if tr.phase not in QUIET_PHASES:
+                out.append(Expired("silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common))
+            if tr.phase_budget is not None:
+                out.append(
+                    Expired("phase", tr.phase_budget, now - tr.phase_since, source=tr.phase_budget_source,
+                            progress_lines=tr.progress_since_step, last_progress_age_s=age, **common)
+                )
+            if tr.phase == "train":
+                anchor = max(x for x in (tr.last_step_at, tr.train_since, tr.phase_since) if x is not None)
+                budget, source = self.step_budget()
+                out.append(Expired("step", budget, now - anchor, source=source, progress_lines=tr.progress_since_step,
+                                   last_progress_age_s=age, **common))
+        return out
+
+    def active(self, now: float) -> list[dict]:
+        """Every armed deadline: name, rank, budget, elapsed and remaining seconds."""
+        return [
+            {"name": e.name, "rank": e.rank, "budget_s": round(e.budget_s, 3), "elapsed_s": round(e.elapsed_s, 3),
+             "remaining_s": round(e.budget_s - e.elapsed_s, 3), "source": e.source}
+            for e in self._candidates(now)
+        ]
+
+    def main_rank(self) -> int:
+        """The rank whose phase and step stand for the run (the lowest that spoke; 0 before any)."""
+        return min(self.ranks) if self.ranks else 0
+
+    def _due_at(self) -> Optional[float]:
+        """When the earliest armed deadline falls due (the anchors' clock), None when none is armed;
+        the same deadlines as `_candidates`, without building them."""
+        step = self.step_budget()[0]
+        key = (self._version, step)
+        if self._due_cache[0] == key:
+            return self._due_cache[1]
+        silence = self.wd.silence_timeout_s
+        times: list[float] = []
+        if not self.started and self.spawned_at is not None:
+            times.append(self.spawned_at + self.wd.startup_timeout_s)
+        for anchor, budget, _source in self.extra.values():
+            times.append(anchor + budget)
+        for tr in self.ranks.values():
+            if not tr.started or tr.stopped:
+                continue
+            if tr.phase not in QUIET_PHASES:
+                times.append(tr.last_line_at + silence)
+            if tr.phase_budget is not None:
+                times.append(tr.phase_since + tr.phase_budget)
+            if tr.phase == "train":
+                anchor = tr.phase_since
+                if tr.train_since is not None and tr.train_since > anchor:
+                    anchor = tr.train_since
+                if tr.last_step_at is not None and tr.last_step_at > anchor:
+                    anchor = tr.last_step_at
+                times.append(anchor + step)
+        due = min(times) if times else None
+        self._due_cache = (key, due)
+        return due
+
+    def next_due_s(self, now: float) -> Optional[float]:
+        """Seconds until the earliest armed deadline falls due (≤ 0: due now); None when none is armed."""
+        due = self._due_at()
+        return None if due is None else due - now
+
+    def check(self, now: float) -> Optional[Expired]:
+        """The most overdue deadline that is due (elapsed ≥ budget), or None."""
+        first = self._due_at()
+        if first is None or now < first - DUE_SLACK_S:
+            return None
+        due = [e for e in self._candidates(now) if e.elapsed_s >= e.budget_s]
+        if not due:
+            return None
+        return max(due, key=lambda e: (e.elapsed_s - e.budget_s, e.name != "silence"))
+
+
+class SuspensionDetector:
+    """Notices that the supervisor's own loop did not run for a while and says for how long.
+
+    Before it sleeps the loop says when it plans to wake (`expect`: the earliest deadline, or
+    sooner); without a plan a pass is expected `period` after the previous one.  A pass that comes
+    more than `threshold − period` after its planned time means this process was not running —
+    stopped, the machine overloaded or a virtual machine paused — and the lateness is handed to
+    `Deadlines.shift`.  A stop that ends before the planned wake-up is not late at all, so SIGCONT
+    says it instead (`observe(continued=True)`): then the whole time since the previous pass counts.
+    Known blocking work of the loop itself (a snapshot, a dump request) calls `touch` so that it is
+    not mistaken for a suspension.
+    """
+
+    def __init__(self, period: float, threshold: Optional[float] = None):
+        self.period = period
+        self.threshold = threshold if threshold is not None else max(2.0, 8 * period)
+        self.last: Optional[float] = None
+        self.planned: Optional[float] = None
+        self.total_s = 0.0
+
+    def expect(self, wake_at: float) -> None:
+        """The loop plans its next pass at `wake_at` (it sleeps until then unless woken)."""
+        self.planned = wake_at
+
+    def observe(self, now: float, continued: bool = False) -> float:
+        gap = 0.0
+        if self.last is not None:
+            if continued:
+                gap = max(0.0, now - self.last)
+            else:
+                planned = self.planned if self.planned is not None else self.last + self.period
+                late = now - planned
+                if late > self.threshold - self.period:
+                    gap = late
+        self.total_s += gap
+        self.last = now
+        self.planned = None
+        return gap
+
+    def touch(self, now: float) -> None:
+        self.last = now
