@@ -1,4 +1,4 @@
-"""The run directory's layout (DESIGN.md, "Run directory") and the small readers both sides use.
+"""The run directory's layout (docs/run-directory.md) and the small readers both sides use.
 
     <run_dir>/config.yaml state.json calibration.json checkpoints.json supervisor.log
               attempts/NNNN/{worker.log, heartbeat-rank<R>.jsonl, stack-rank<R>.txt, exit.json}

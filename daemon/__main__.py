@@ -26,7 +26,7 @@ worker trains with its setting (a smaller micro-batch, more accumulation, then g
 Examples quarantined after a non-finite streak (`<run_dir>/quarantine.jsonl`, `trainer.quarantine`) are
 skipped by the data order.
 
-Exit codes (DESIGN.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
+Exit codes (docs/operations.md): 0 finished, idle or terminated on request · 78 bad config · 65 no usable data ·
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
 attempts/NNNN/exit.json (rank R > 0 of a multi-rank run: exit-rank<R>.json).
 """

@@ -3,10 +3,11 @@
 `hangwatch run` and the tests (`python -m hangwatch.supervisor run …`) go through here, so what is
 tested is what users run.  Seams (clock, spawn, kill, process table, …) pass through to `Supervisor`.
 
-The ops side (`Ops`: alerts, the dead-man's ping, Prometheus metrics, the no-progress incident) listens
-to the loop like systemd does — through the notifier, whose `watchdog(now)` the loop calls at the end of
-every pass — and to the log (a `logsetup` tap).  It only decides on the loop; everything slow (HTTP,
-a command, the textfile, scrapes) runs on threads of its own, so it never delays detection or recovery.
+The ops side (`Ops`: alerts, the dead-man's ping, Prometheus metrics) listens to the loop: once a pass it
+is handed the loop's read model (`pass_done(view, now)`), and it taps the log (a `logsetup` tap) for the
+events alerts are made of.  It only decides on the loop; everything slow (HTTP, a command, the textfile,
+scrapes) runs on threads of its own, so it never delays detection or recovery.  It never reads the
+supervisor itself.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from hangwatch.supervisor.control import make_control
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
-from hangwatch.supervisor.loop.outcome import ProgressPolicy
+from hangwatch.supervisor.rules.policy import ProgressPolicy
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.loop.supervisor import Supervisor
+from hangwatch.supervisor.loop.view import View
 
 log = structlog.get_logger("hangwatch")
 
@@ -75,10 +77,9 @@ def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = mak
                 return EXIT_FAILED
         seams.setdefault("subreaper", True)
         systemd = notifier if notifier is not None else Notifier.from_env()
-        # The no-progress stop rides on the restart policy; the step it judges by is the run's last good one.
-        seams.setdefault("policy", ProgressPolicy(cfg.restart, no_progress_limit(cfg), lambda: sup.facts.last_good_step))
-        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), **seams)
-        ops.bind(sup)
+        # The no-progress stop rides on the restart policy; the loop hands it each attempt's last good step.
+        seams.setdefault("policy", ProgressPolicy(cfg.restart, no_progress_limit(cfg)))
+        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=(ops,), **seams)
         try:
             return sup.run()
         finally:
@@ -88,7 +89,8 @@ def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = mak
 class Ops:
     """Alerts, the dead-man's ping, metrics and the no-progress incident of one supervisor.
 
-    A listener of the loop's notifications: `watchdog(now)` arrives once a pass, at its end (`pass_done`).
+    A listener of the loop: `pass_done(view, now)` once a pass, at its end, with the loop's read model; it
+    is also in the notifier fan-out, for `next_due_s` (when the loop must pass again on its account).
     Seams: `sinks` replaces the alert sinks (apprise URLs, the command), `ping_get` the ping's HTTP GET."""
 
     def __init__(self, cfg: Config, *, sinks: Optional[list] = None, ping_get: Optional[Callable[[str, float], int]] = None):
@@ -96,7 +98,7 @@ class Ops:
         self.cfg = cfg
         self.stats = Stats()
         self.events: deque = deque(maxlen=10_000)  # the tap's: appended on any thread, read on the loop's
-        self.sup: Optional[Supervisor] = None
+        self.view: Optional[View] = None  # the read model of the loop's last pass
         self.desk: Optional[AlertDesk] = None
         self.outbox: Optional[Outbox] = None
         self._sinks = sinks
@@ -111,7 +113,6 @@ class Ops:
         self.metrics = Metrics(host_port(m.listen) if m.listen else None, m.textfile, m.textfile_every_s, self.stats) \
             if (m.listen or m.textfile) else None
         self.recovery = Recovery()
-        self.no_progress_recorded = False
         self._tapped = False
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -149,9 +150,6 @@ class Ops:
         if self.metrics is not None:
             self.metrics.start()
 
-    def bind(self, sup: Supervisor) -> None:
-        self.sup = sup
-
     # ---- the notifier interface (the loop's notifications) -------------------------------------
 
     def ready(self, status: Optional[str] = None) -> bool:
@@ -174,70 +172,51 @@ class Ops:
         return min(due) if due else None
 
     def watchdog(self, now: Optional[float] = None) -> bool:
-        if self.sup is not None and now is not None:
-            self.pass_done(now)
-        return False
+        return False  # systemd's ping; the ops side hears of each pass through `pass_done`
 
     # ---- once a pass, on the loop --------------------------------------------------------------
 
-    def pass_done(self, now: float) -> None:
-        sup = self.sup
-        self._record_no_progress()
+    def pass_done(self, view: View, now: float) -> None:
+        self.view = view
         while self.events:
             self._event(self.events.popleft(), now)
-        dl = sup.deadlines
-        tr = dl.ranks.get(dl.main_rank()) if sup.current is not None else None
+        tr = view.main if view.worker is not None else None
         stepped = tr.step if tr is not None and tr.last_step_at is not None else None
         if self.desk is not None:
-            self.desk.observe(sup.attempt, stepped, now)
+            self.desk.observe(view.attempt, stepped, now)
             self.desk.tick(now)
         if self.metrics is not None:
             if stepped is not None:
-                took = self.recovery.stepped(sup.attempt, now)
+                took = self.recovery.stepped(view.attempt, now)
                 if took is not None:
                     self.metrics.recovery.observe(took)
             if self.desk is not None:
                 self.metrics.held = self.desk.throttle.suppressed
             if self.metrics.due(now):
-                self.metrics.take(sup, now)
+                self.metrics.take(view)
         if self.deadman is not None:
-            self.deadman.pass_done(sup.lifecycle.state, tr, now)
+            self.deadman.pass_done(view.state, tr, now)
 
     def _event(self, ev: dict, now: float) -> None:
         if self.desk is not None:
             self.desk.feed(ev, now)
         if self.metrics is not None and ev.get("event") in METRIC_EVENTS and ev.get("incident"):
-            self.recovery.detected_at(now, ev.get("attempt") or self.sup.attempt)
+            self.recovery.detected_at(now, ev.get("attempt") or (self.view.attempt if self.view else 0))
             if isinstance(ev.get("elapsed_s"), (int, float)):
                 self.metrics.detection.observe(ev["elapsed_s"])
-
-    def _record_no_progress(self) -> None:
-        """The policy gave up for lack of progress: the run's final incident (after the failure's own)."""
-        gave_up = getattr(self.sup.policy, "gave_up", None)
-        if gave_up is None or self.no_progress_recorded:
-            return
-        self.no_progress_recorded = True
-        sup = self.sup
-        inc = sup.incidents.create("no_progress", attempt=sup.attempt, phase=None, step=gave_up["attempt_top_step"],
-                                   classification="no progress", summary=gave_up["reason"], status="final",
-                                   last_incident=sup.facts.last_incident, last_good_checkpoint=sup.facts.last_good_checkpoint,
-                                   **gave_up)
-        sup.facts.note_incident(inc)
-        log.error("no_progress", incident=inc.id, reason=gave_up["reason"])
 
     # ---- the end -------------------------------------------------------------------------------
 
     def close(self) -> None:
         """After the loop: the last events, the final snapshot, then what is queued goes out (bounded)."""
-        if self.sup is not None:
-            now = self.sup.clock()
-            self._record_no_progress()
+        if self.view is not None:
+            now = self.view.now
             while self.events:
                 self._event(self.events.popleft(), now)
             if self.desk is not None:
                 self.desk.tick(now)
             if self.metrics is not None:
-                self.metrics.take(self.sup, now)
+                self.metrics.take(self.view)
         if self._tapped:
             logsetup.remove_tap(self._tap)
             self._tapped = False

@@ -8,7 +8,7 @@
     errors.py         ConfigError and `FILE:LINE: dotted.key: message`
     load.py           YAML → Config with line-numbered, did-you-mean errors; path resolution; dump;
                       `load_checked` = load + deep checks (validate-config, run)
-    reference.py      the README table and the `run --help` reference, from the records
+    reference.py      the docs/configuration.md table and the `run --help` reference, from the records
 
 Import from here (`from hangwatch.common.config import Config, load_config`); the split is internal.
 """

@@ -1,7 +1,7 @@
-"""The configuration reference, generated from the schema: the README's table and `run --help`.
+"""The configuration reference, generated from the schema: docs/configuration.md and `run --help`.
 
 One source: a key, its type, its default and its doc come from the pydantic record itself, so the
-documentation cannot drift from what is validated (tests/e2e/test_ops_systemd.py checks the README).
+documentation cannot drift from what is validated (tests/e2e/test_ops_systemd.py checks docs/configuration.md).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
 
 
 def reference_markdown() -> str:
-    """The README's table: every key, then the keys of one `watchdog.landmarks[]` and one `faults[]` entry."""
+    """The reference table (docs/configuration.md): every key, then the keys of one `watchdog.landmarks[]` and one `faults[]` entry."""
     rows = reference_rows() + reference_rows(LandmarkCfg, "watchdog.landmarks[].") + reference_rows(FaultCfg, "faults[].")
     out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     out += [f"| `{key}` | {typ} | `{default}` | {doc} |" for key, typ, default, doc in rows]

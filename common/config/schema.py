@@ -3,7 +3,7 @@
 Every key is a pydantic field, and every default that shapes behaviour lives in a record here, with
 its doc: nothing in the worker or the supervisor carries a number of its own that a user would want
 to know (kill wait, exit-after-stop, the `intake` and `load` phase budgets, ...).  `load.py` validates
-YAML against these records; `reference.py` renders them for the README and `hangwatch run --help`.
+YAML against these records; `reference.py` renders them for docs/configuration.md and `hangwatch run --help`.
 
 Only pydantic here: the supervisor and the worker both import it.  Rules that relate one setting to
 another live in `rules.py`; checks against the filesystem (files, model, command) in `deep.py`.
@@ -51,7 +51,7 @@ class WorkerCfg(Section):
     nnodes: int = Field(
         1, ge=1, le=4096, description="Nodes (machines) of the run, each with its own `hangwatch run`: > 1 launches the worker "
         "under torchrun with `--nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint E --rdzv-id ID-g<generation>` "
-        "(README: Several machines); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`.")
+        "(docs/several-machines.md); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`.")
     rdzv_endpoint: Optional[str] = Field(
         None, description="`host:port` of the c10d rendezvous store (required when `nnodes` > 1; the same on every node). "
         "The hangwatch on the machine that owns that address hosts the store, so it outlives torchrun's restarts.")

@@ -96,7 +96,7 @@ def escalation_figures(inc: dict) -> dict:
     """From the incident's timings (supervisor clock, all from detection unless said): the process snapshot's
     CPU interval, the dump settle (SIGUSR1 → every dump in: faulthandler files, py-spy, the snapshot taken
     beside them, flight recorder, DataLoader workers) and within it the faulthandler files and py-spy (from
-    SIGUSR1; recorded by supervisors since issue 17), detection → SIGTERM, SIGTERM → tree gone, and
+    SIGUSR1; recorded by every supervisor), detection → SIGTERM, SIGTERM → tree gone, and
     detection → gone against its goal."""
     t = inc.get("timings") or {}
     gone, settle = t.get("detection_to_gone_s"), t.get("dump_s")

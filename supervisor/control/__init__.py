@@ -1,4 +1,4 @@
-"""The control socket: a Unix stream socket speaking newline-delimited JSON (DESIGN.md, "Control socket").
+"""The control socket: a Unix stream socket speaking newline-delimited JSON (docs/control-protocol.md).
 
     paths.py         where the socket lives and how a client finds it (the one resolver; stdlib only)
     peer.py          who may talk to it (SO_PEERCRED policy)

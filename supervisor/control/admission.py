@@ -19,7 +19,7 @@ from typing import Optional, Protocol, Sequence
 
 from hangwatch.supervisor.control.peer import PeerCred
 
-# Derived limits (README, "Control socket protocol"): the table may use a quarter of the file
+# Derived limits (docs/control-protocol.md, "Connection limits"): the table may use a quarter of the file
 # descriptors the process may open (the rest are the worker's pipes, logs, heartbeats and the run dir),
 # within a floor that keeps the socket usable and a ceiling that bounds the memory the buffers may take.
 FD_SHARE = 4

@@ -11,7 +11,7 @@ torch's ProcessGroupNCCL reads, from each rank's environment (names checked agai
                                      and polls it from its monitor thread; anything written into it makes the
                                      rank dump — even while its main thread is stuck in a collective
 
-The supervisor sets them unless the user did (`flight_env`), both files in the attempt directory.  On
+The supervisor sets them unless the user did (`processes.attempt.flight_env`), both files in the attempt directory.  On
 a stall (`FlightDumps`) it writes one byte into each rank's pipe — opened O_NONBLOCK, and only if it is
 a FIFO: a missing pipe means the rank has no NCCL process group, so there is nothing to wait for —
 then waits, within the stall's dump settle, for the dump files to appear and stop growing.  Each dump
@@ -28,45 +28,12 @@ import pickle
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
-from hangwatch.supervisor.episode.escalation import SETTLE_S, DumpCollector
+from hangwatch.supervisor.episode.dump_collector import SETTLE_S
+from hangwatch.supervisor.processes.attempt import FlightPaths
 
-ENV_BUFFER = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-ENV_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
-ENV_TRACE_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
-ENV_PIPE_FILE = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
-ALIASES = {ENV_BUFFER: "TORCH_FR_BUFFER_SIZE", ENV_TRACE_FILE: "TORCH_FR_DUMP_TEMP_FILE"}  # torch's newer names
-TORCH_DEFAULT_TRACE_PREFIX = "/tmp/nccl_trace_rank_"
-BUFFER_ENTRIES = "2000"  # torch's own default size, made explicit: without it the pipe is never created
-TRACE_STEM, PIPE_STEM = "nccl-trace-rank", "nccl-pipe-rank"
 MAX_TRACE_BYTES = 64 << 20
-
-
-def flight_env(attempt_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """The flight-recorder settings to add to a worker's environment `env` (those the user set are kept)."""
-    wanted = {ENV_BUFFER: BUFFER_ENTRIES, ENV_DUMP_ON_TIMEOUT: "1", ENV_TRACE_FILE: str(attempt_dir / TRACE_STEM),
-              ENV_PIPE_FILE: str(attempt_dir / PIPE_STEM)}
-    return {k: v for k, v in wanted.items() if k not in env and ALIASES.get(k) not in env}
-
-
-@dataclass(frozen=True)
-class FlightPaths:
-    """Where a worker's ranks keep their dump pipes and write their dumps (from the environment they got)."""
-
-    pipe_stem: Optional[str]
-    trace_prefix: str
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "FlightPaths":
-        trace = env.get(ALIASES[ENV_TRACE_FILE]) or env.get(ENV_TRACE_FILE) or TORCH_DEFAULT_TRACE_PREFIX
-        return cls(env.get(ENV_PIPE_FILE) or None, trace)
-
-    def pipe(self, rank: int) -> Optional[Path]:
-        return Path(f"{self.pipe_stem}{rank}.pipe") if self.pipe_stem else None
-
-    def trace(self, rank: int) -> Path:
-        return Path(f"{self.trace_prefix}{rank}")
 
 
 def poke(pipe: Optional[Path]) -> str:
@@ -204,27 +171,6 @@ def summarize(decoded: tuple[Optional[object], str]) -> dict:
         parts.append(text)
     summary = "; ".join(parts) or f"{len(entries)} entries, no process-group status"
     return {"decoded": True, "summary": f"version {obj.get('version')}: {summary}", "last_enqueued": last_enqueued}
-
-
-@dataclass
-class StallDumps(DumpCollector):
-    """The stack dumps of a stall together with the flight-recorder dumps: both within `grace_s`."""
-
-    flight: Optional[FlightDumps] = None
-
-    def begin(self, now: float) -> None:
-        super().begin(now)
-        if self.flight is not None:
-            self.flight.trigger(now)
-
-    def advance(self, now: float) -> bool:
-        if self.done:
-            return True
-        stacks = super().advance(now)
-        if stacks and self.flight is not None and now - self.started_at < self.grace_s and not self.flight.settled(now):
-            self.done = False  # the stacks are in; the flight recorder is still writing (bounded by grace_s)
-            return False
-        return stacks
 
 
 def into_incident(inc, results: dict[int, dict]):

@@ -2,25 +2,55 @@
 
     hangwatch run CONFIG [--run-dir DIR]      (wired by `hangwatch.supervisor.app`)
 
-Lifecycle: see `supervisor.states`.  One pass (`run_once(now)`), always in this order:
+`Supervisor` is the one owner of the loop's state; everything it acts with is handed in (seams) or
+built here, and nothing outside this module reads or writes its fields: readers get the read model
+(`view`), listeners get it once a pass, and the parts it uses — an episode, the attempt, the
+deadlines, the nodes seam — receive what they need and return decisions.
+
+Lifecycle: see `rules.states`.  One pass (`run_once(now)`), always in this order (docs/design.md, "The loop"):
     1. drain events — recorded signals, child exits (reaped here and nowhere else), heartbeat lines,
-       control requests.  Draining only records facts and intents; it never signals, spawns, kills
-       or writes an incident.  Exits are reaped before lines are read, so a dead worker's last lines
-       (`stop`, a final step) are read in the pass that sees it dead;
+       the peer link, control requests.  Draining records facts and intents; it never signals, spawns,
+       kills or writes an incident.  Exits are reaped before lines are read, so a dead worker's last
+       lines (`stop`, a final step) are read in the pass that sees it dead;
     2. check deadlines on the supervisor's own monotonic clock (a gap in the loop's own clock — this
        process was suspended — extends every deadline instead of firing it);
-    3. reconcile: the handler of the current state (`{State: handler}`, `reconcile.Reconciler`) acts —
-       spawn, snapshot and dump, signal, kill, write the incident, back off — until the state settles;
-       then in-flight `dump` requests advance and the bookkeeping runs (tree scan, sd_notify, state.json).
+    3. reconcile: the handler of the current state (`self.handlers`) acts — spawn, snapshot and dump,
+       signal, kill, write the incident, back off — until the state settles; then in-flight `dump`
+       requests advance and the bookkeeping runs (tree scan, sd_notify, state.json, the listeners).
 Every time comes from the `now` the pass was given; only `run()` reads the clock, so a fake clock,
 a fake process table and a fake spawn drive the whole lifecycle without a process.
 
+A stall, top-down: `_overdue` records the expired deadline → `running` → `_escalated` opens
+`Episode.stall` (snapshot, SIGUSR1 dumps, py-spy) → STALLED → `stalled` (the snapshot) → DUMPING →
+`dumping` (the dumps read, the verdict) → `begin_kill` → KILLING → `killing` (SIGKILL at the grace) →
+`finish_episode` (the policy's decision, `rules.outcome.resolve`, the incident written) → `apply` →
+BACKOFF or `start_attempt`.
+
 Between passes the loop sleeps (`wakeup.Wakeup.wait`) until something needs a pass: a signal, a
 heartbeat write (coalesced: one pass reads every new line of every rank), a control request, or the
-earliest deadline (`next_wait`: the selector's timeout is the time to it, not a fixed period).  A
-supervisor with nothing due sleeps up to IDLE_WAIT_S; only while escalating does it pass on a short
-period (FAST_PASS_S), and only where a heartbeat write or a request cannot wake it (no inotify, a
-control server without a descriptor) does it fall back to `watchdog.poll_interval_s`.
+earliest deadline (`next_wait`).  A supervisor with nothing due sleeps up to IDLE_WAIT_S; only while
+escalating does it pass on a short period (FAST_PASS_S), and only where a heartbeat write or a request
+cannot wake it (no inotify, a control server without a descriptor) does it fall back to
+`watchdog.poll_interval_s`.
+
+Heartbeat lines (`_read_beats`), besides the deadlines (`Deadlines.observe`):
+    start       the rank's process and dump file are remembered (only announced processes ever get
+                SIGUSR1); the first start moves STARTING → RUNNING; a `resumed_from` other than the
+                checkpoint handed in HANGWATCH_RESUME_FROM is logged (a warning when the ledger holds it bad)
+    step        the metrics `status` shows; a new highest step clears the crash-loop count; the rank's step
+                time feeds the straggler watch; its loss confirms or spoils waiting checkpoints
+    phase       systemd's status line follows the phase; leaving `train` pauses the straggler clock
+    checkpoint  recorded in the checkpoint ledger; state.json records the last good one at once
+    warn        logged; a non-finite loss in it spoils waiting checkpoints, like a step's
+    stop        its reason decides finished-or-not when the worker exits; once every rank said `stop`,
+                the exit itself gets a deadline (a process that hangs on its way out is still caught)
+Each line counts from when it was written, not when it was read (reads are coalesced): its file's
+modification time when the supervisor runs on the real clock, its file system keeps local times and this
+pass saw no suspension; else the pass's `now`.  A step line costs a decode and a few dict updates.
+
+With `restart.prewarm` the loop also keeps the next attempt's standby (`processes.prewarm`): spawned
+where a restart becomes likely, released by `start_attempt` where a worker is spawned otherwise, and
+discarded by any outcome that is not a restart.
 """
 from __future__ import annotations
 
@@ -29,39 +59,37 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import structlog
 
 from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
-from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK
-from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, next_attempt
-from hangwatch.supervisor.processes import attempt as attempts
-from hangwatch.supervisor.loop import beats
-from hangwatch.supervisor.processes import leftovers
-from hangwatch.supervisor.ops import logsetup
-from hangwatch.supervisor.loop import pacing
-from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.records import remediation
-from hangwatch.supervisor.processes import snapshot as snapshots
-from hangwatch.supervisor.records import statefile
-from hangwatch.supervisor.watch.calibration import Calibration
-from hangwatch.supervisor.records.checkpoint_ledger import PersistedLedger
-from hangwatch.supervisor.loop.commands import Commands, DumpRequest, status_line
-from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_OK
+from hangwatch.common.inbox_layout import queue_status
+from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
+from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
+from hangwatch.supervisor.episode.episode import crash_loop_incident, spawn_failed_incident
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
-from hangwatch.supervisor.nodes.nodes import Nodes
-from hangwatch.supervisor.ops.notify import NullNotifier
-from hangwatch.supervisor.nodes.peers import SpawnHelper, spawn_helper
-from hangwatch.supervisor.loop.outcome import Intent
-from hangwatch.supervisor.loop.policy import RestartPolicy
-from hangwatch.supervisor.records.resume import resume_choice
-from hangwatch.supervisor.loop.reconcile import Reconciler
-from hangwatch.supervisor.loop.states import State, StateMachine
-from hangwatch.supervisor.loop.pacing import WATCHED
+from hangwatch.supervisor.loop import commands, view as views
+from hangwatch.supervisor.loop.commands import DumpRequest
+from hangwatch.supervisor.loop.view import View
 from hangwatch.supervisor.loop.wakeup import Wakeup
+from hangwatch.supervisor.nodes.multi_node import MultiNode
+from hangwatch.supervisor.nodes.peers import SpawnHelper, spawn_helper
+from hangwatch.supervisor.nodes.seam import Nodes, SingleNode
+from hangwatch.supervisor.ops import logsetup
+from hangwatch.supervisor.ops.notify import NullNotifier
+from hangwatch.supervisor.processes import attempt as attempts, leftovers, prewarm, process, snapshot as snapshots
+from hangwatch.supervisor.records import remediation, run_state
+from hangwatch.supervisor.records.checkpoint_ledger import BAD, PersistedLedger, resolve as resolve_path, resume_choice
+from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
+from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
+from hangwatch.supervisor.rules.states import State, StateMachine
+from hangwatch.supervisor.watch.beat_files import written_at
+from hangwatch.supervisor.watch.calibration import Calibration
+from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
 
 log = structlog.get_logger("hangwatch")
 
@@ -70,6 +98,8 @@ STATE_WRITE_S = 5.0
 STATUS_NOTE_S = 10.0
 REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
 CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most this often (and at every attempt end)
+FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
+IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
 _UNASKED = object()
 
 
@@ -81,9 +111,12 @@ class Supervisor:
                  wakeup: Optional[Wakeup] = None, install_signals: bool = True, subreaper: bool = False,
                  cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None,
                  policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None,
-                 peer_spawn: Optional[SpawnHelper] = None):
+                 peer_spawn: Optional[SpawnHelper] = None, spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby,
+                 listeners: tuple = ()):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
-        modification times (`beats`); by default only on the real clock, to which those times relate."""
+        modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
+        how the peer-link helper of a multi-node run is started.
+        `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
@@ -97,6 +130,7 @@ class Supervisor:
         self.table = table if table is not None else process.PsutilProcessTable(kill)
         self.control = control
         self.notifier = notifier if notifier is not None else NullNotifier()
+        self.listeners = tuple(listeners)
         self.wakeup = wakeup if wakeup is not None else Wakeup(install_signals=install_signals)
         self._subreaper = subreaper
         self._end_leftovers = end_leftovers
@@ -109,9 +143,14 @@ class Supervisor:
         self.suspension = SuspensionDetector(wd.poll_interval_s)
         self.gpu = snapshots.GpuCache(gpu)
         self.tools = Tools(self.table, self.incidents, wd, snapshot, self.gpu, gpu_pids, cpu_sample_s, subreaper)
-        self.commands = Commands(self)
         self.ledger = PersistedLedger(self.run_dir, cfg.checkpoint.confirm_steps, fs=self.fs)  # announced checkpoints
-        self.facts = statefile.RunFacts(checkpoints=self.ledger.ledger)
+        self.facts = run_state.RunFacts(checkpoints=self.ledger.ledger)
+        self.prewarm = prewarm.Prewarm(cfg, self.config_path, self.table, fs=self.fs, spawn=spawn_standby)
+        self.remediation = remediation.OomRemediation(cfg, self.run_dir)
+        # Several nodes: the peer link and this node's part in the run; one node: a null object.  The loop
+        # talks to either through the same seam and has no multi-node branch of its own.
+        self.nodes: Nodes = (MultiNode(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
+                             if cfg.worker.nnodes > 1 else SingleNode())
 
         self.attempt = 0  # the number of the current (or last) attempt
         self.current: Optional[attempts.Attempt] = None
@@ -121,21 +160,28 @@ class Supervisor:
         self.escalate_now = False  # `restart now`: dump and kill
         self.awaiting_rendezvous = False  # multi-node: the next attempt waits for the store / a new generation
         self.expired: Optional[Expired] = None  # this pass's overdue deadline
-        self._read_all = True  # this pass read every heartbeat file (not only those the file events named)
-        self._last_reap = float("-inf")
-        self._control_fd_value: Any = _UNASKED
         self.backoff_until: Optional[float] = None
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
         self.started_at = 0.0
+        self.no_progress_recorded = False
+        self._read_all = True  # this pass read every heartbeat file (not only those the file events named)
+        self._last_reap = float("-inf")
+        self._control_fd_value: Any = _UNASKED
         self._ready_sent = False
         self._last_state_write = self._last_status_note = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
-        # Several nodes: the peer link and this node's part in the run (`supervisor.nodes`); None on one node.
-        self.nodes = (Nodes(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
-                      if cfg.worker.nnodes > 1 else None)
-        self.reconcile = Reconciler(self)
+        self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
+        self.handlers: dict[State, Callable[[float], None]] = {
+            State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
+            State.STALLED: self.stalled, State.DUMPING: self.dumping, State.KILLING: self.killing,
+            State.BACKOFF: self.backoff, State.PAUSED: self.paused,
+        }
+        self.requests: dict[str, Callable[[dict, float], commands.Reply]] = {
+            "status": self._cmd_status, "restart": self._cmd_restart, "stop": self._cmd_stop, "pause": self._cmd_pause,
+            "resume": self._cmd_resume, "dump": self._cmd_dump, "incidents": self._cmd_incidents,
+        }
 
     # ================================================================================ set-up and loop
 
@@ -144,7 +190,7 @@ class Supervisor:
         config.yaml.  Returns why the supervisor must not run, or None."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.started_at = now
-        previous, problem = statefile.read(self.state_path)
+        previous, problem = run_state.read(self.state_path)
         if problem:
             log.warning("state_unreadable", problem=problem)
         problem = self.ledger.load()
@@ -152,7 +198,7 @@ class Supervisor:
             print(f"hangwatch: warning: {problem}", file=sys.stderr, flush=True)
             log.warning("checkpoint_ledger_unreadable", problem=problem)
         known = bool(self.ledger.ledger.entries)
-        self.facts = statefile.RunFacts.from_previous(previous, self.ledger.ledger)
+        self.facts = run_state.RunFacts.from_previous(previous, self.ledger.ledger)
         if self.ledger.ledger.entries and not known:  # seeded from an older supervisor's state.json
             self.ledger.save()
         problem = leftovers.clear(previous or {}, self.table, state_path=self.state_path,
@@ -168,13 +214,12 @@ class Supervisor:
         except OSError as exc:
             self.exit_code = EXIT_IOERR if disk_error(exc) else EXIT_FAILED
             return f"cannot write {self.config_path}: {describe_write_error(exc, self.config_path)}"
-        if statefile.paused_before(previous):
+        if run_state.paused_before(previous):
             # A pause outlives the supervisor: start paused; `resume` starts a worker.
             self.transition(State.PAUSED, "paused before this supervisor started (state.json)", now)
         if self._subreaper:
             process.set_child_subreaper()
-        if self.nodes is not None:
-            self.nodes.start(now)
+        self.nodes.start(now)
         return None
 
     def run(self) -> int:
@@ -209,13 +254,16 @@ class Supervisor:
         finally:
             if self.ledger.dirty:
                 self.ledger.save()
-            self.write_state(self.clock(), force=True)
+            now = self.clock()
+            self.write_state(now, force=True)
+            self._tell_listeners(now)  # the final view: the last metrics snapshot, the last alerts
             self._teardown()
         log.info("supervisor_exit", state=self.lifecycle.state.value, exit_code=self.exit_code)
         return self.exit_code
 
     def run_once(self, now: float) -> None:
         """One pass at `now`: drain events, check deadlines, reconcile."""
+        self._view = None
         signals = self.wakeup.drain()
         # SIGCONT: this process was stopped since the last pass (SIGSTOP, a frozen unit); for how long
         # it cannot tell, so the whole time since then counts as suspended (deadlines move, never fire).
@@ -227,19 +275,44 @@ class Supervisor:
                 self.backoff_until += gap
             log.warning("supervisor_suspended", gap_s=round(gap, 3), note="deadlines extended by the gap")
         self._drain_events(now, signals)
-        # 2. deadlines: only recorded here; the reconcile step opens the episode
-        self.expired = self._overdue(now)
+        self.expired = self._overdue(now)  # 2. deadlines: only recorded here; the reconcile step opens the episode
         self._reconcile(now)
 
     def next_wait(self, now: float) -> float:
         """How long the loop may sleep from `now`: until the earliest thing due — a deadline, the end of
-        a backoff, the notifier's next watchdog ping — and at most IDLE_WAIT_S; FAST_PASS_S while
-        escalating; `poll_interval_s` where a heartbeat write or a control request could not wake it.
-        The planned wake-up is handed to the suspension detector (a pass much later than planned means
-        this process was not running)."""
-        wait = pacing.next_wait(self, now)
+        a backoff, the notifier's next watchdog ping, the peer link's next due moment — and at most
+        IDLE_WAIT_S; FAST_PASS_S while escalating (an episode's own timers: snapshot interval, SIGKILL at
+        the grace, a dump's quiet period); `poll_interval_s` where a heartbeat write or a control request
+        could not wake it.  The planned wake-up is handed to the suspension detector (a pass much later
+        than planned means this process was not running)."""
+        wait = self._wait(now)
         self.suspension.expect(now + wait)
         return wait
+
+    def _wait(self, now: float) -> float:
+        st = self.lifecycle.state
+        if st is State.STARTING and self.current is None and not self.awaiting_rendezvous:
+            return 0.0  # the first attempt is spawned in the next pass
+        if st.escalating or st is State.STOPPING or self.dump_requests:
+            due = self.episode.next_due_s(now, self.tools.cpu_sample_s) if self.episode is not None else None
+            return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
+        if self.current is not None and self.current.tail.backlog:
+            return 0.0  # the last read stopped at its size bound with more lines waiting
+        waits = [IDLE_WAIT_S]
+        if st is State.BACKOFF and self.backoff_until is not None:
+            waits.append(self.backoff_until - now)
+        if st.watched:
+            due = self.deadlines.next_due_s(now)
+            if due is not None:
+                waits.append(due)
+            if self.worker_alive() and not self.wakeup.hears_beats:
+                waits.append(self.watchdog_cfg.poll_interval_s)  # no file events: read on a timer
+        if self.control is not None and self._control_fd() is None:
+            waits.append(self.watchdog_cfg.poll_interval_s)  # requests are only seen in passes
+        for due in (notifier_due(self.notifier, now), self.nodes.next_due_s(now)):
+            if due is not None:
+                waits.append(due)
+        return max(0.0, min(waits))
 
     def _beat_dir(self) -> Optional[Path]:
         """The directory whose heartbeat files the loop listens to: the current attempt's, while it runs."""
@@ -260,10 +333,9 @@ class Supervisor:
         return self.current is not None and not self.current.worker.exited
 
     def _teardown(self) -> None:
-        self.reconcile.prewarm.close(self.clock())  # a standby nobody will release: killed and reaped
+        self.prewarm.close(self.clock())  # a standby nobody will release: killed and reaped
         self.wakeup.close()
-        if self.nodes is not None:
-            self.nodes.close()
+        self.nodes.close()
         self.save_calibration()
         self._close_control()
 
@@ -284,21 +356,21 @@ class Supervisor:
                 logsetup.reopen()
                 log.info("log_reopened", why="SIGHUP")
         heard = signal.SIGCHLD in signals or not self.wakeup.signals_installed
-        if heard or now - self._last_reap >= REAP_EVERY_S or self.lifecycle.state not in (State.STARTING, State.RUNNING):
+        st = self.lifecycle.state
+        if heard or now - self._last_reap >= REAP_EVERY_S or st not in (State.STARTING, State.RUNNING):
             self._last_reap = now
-            self._reap(now, orphans=heard or self.lifecycle.state not in (State.STARTING, State.RUNNING))
-        if self.nodes is not None:
-            self.nodes.poll(now)  # what the peer link heard: the generation, peers' notices and records
-            if self.current is not None and self.nodes.link.pid:
-                self.current.foreign.add(self.nodes.link.pid)  # our child, never an orphan of the worker's tree
+            self._reap(now, orphans=heard or st not in (State.STARTING, State.RUNNING))
+        self.nodes.poll(now)  # what the peer link heard: the generation, peers' notices and records
+        if self.current is not None and self.nodes.helper_pid:
+            self.current.foreign.add(self.nodes.helper_pid)  # our child, never an orphan of the worker's tree
         grown = self.wakeup.grown()  # the heartbeat files the file events said grew (None: read them all)
         if self.current is not None and self.current.worker.exited:
             grown = None  # an ended worker's last lines (its last step, its stop) decide what its end means
-        beats.read(self, now, grown)
+        self._read_beats(now, grown)
         self._read_all = grown is None
         if self.control is not None:
             try:
-                self.control.poll(lambda req: self.commands.handle(req, now))
+                self.control.poll(lambda req: commands.dispatch(req, self.requests, now))
             except Exception:  # a broken control channel must not take the training run down with it
                 log.exception("control_poll_failed")
 
@@ -327,11 +399,174 @@ class Supervisor:
                 w.record_exit(status, now)
                 log.info("worker_exited", attempt=cur.number, pid=w.pid, code=w.exit_code,
                          signal=signal_name(w.exit_signal), state=self.lifecycle.state.value)
+                self._view = None
         if not orphans:
             return
         killer = self.episode.killer if self.episode is not None else None
         for pid in (set(cur.tree) | {r.pid for r in (killer.refs if killer else ())}) - {w.pid}:
             self.table.reap(pid)  # adopted orphans (we are their subreaper); not our child otherwise
+
+    def _read_beats(self, now: float, names: Optional[Collection[str]] = None) -> None:
+        """Read the current attempt's new lines (in the files named in `names` only, when given): feed the
+        deadlines, record what they establish."""
+        cur = self.current
+        if cur is None:
+            return
+        torn_before = cur.tail.torn
+        state_changed = False  # state.json is written once, after the lines (64 ranks start in one pass)
+        lines = cur.tail.read_timed(names)
+        if lines:
+            self._view = None
+        exact = bool(lines) and self.file_times_now and cur.tail.local_times()
+        wall_now = time.time() if exact else 0.0
+        lo = cur.tail.read_at if cur.tail.read_at is not None else cur.worker.started_at
+        cur.tail.read_at = now
+        for mtime, rec in lines:
+            at = written_at(mtime, wall_now, now, lo) if exact else now
+            tr = self.deadlines.observe(rec, at)
+            ev = rec["event"]
+            if ev == "start":
+                a = cur.announce(rec, self.table)
+                log.info("worker_started", attempt=cur.number, rank=a.rank, pid=rec.get("pid"),
+                         resumed_from=rec.get("resumed_from"), skipped_checkpoints=rec.get("skipped_checkpoints") or None,
+                         startup_s=round(at - cur.worker.started_at, 3))
+                note = self.nodes.rank_started(rec, now, cur.number)
+                if note:
+                    log.info("torchrun_round", attempt=cur.number, rank=a.rank, pid=rec.get("pid"), note=note)
+                if not cur.resume_checked:
+                    cur.resume_checked = True
+                    self._resumed(cur, rec)
+                if self.lifecycle.state is State.STARTING:
+                    self.transition(State.RUNNING, f"start beat from rank {a.rank}", now)
+                state_changed = True
+            if ev in ("step", "checkpoint", "warn") and self.ledger.observe(rec, cur.number):
+                state_changed = True  # a checkpoint announced, confirmed or spoiled: state.json says so at once
+            if ev == "step":
+                self.facts.last_step = rec
+                self.policy.observed_step(int(rec["step"]), now)
+                self._straggler(cur, tr.rank, int(rec["step"]), at, rec.get("step_time_s"))
+            elif ev == "phase":
+                if tr.phase != "train":
+                    cur.stragglers.left_train(tr.rank)
+                log.debug("phase", rank=tr.rank, phase=tr.phase, budget_s=tr.phase_budget, step=tr.step)
+                self.status_note(now, force=True)
+            elif ev == "warn":
+                log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
+            elif ev == "stop":
+                cur.last_stop[tr.rank] = str(rec.get("reason"))
+                log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step)
+                if all(t.stopped for t in self.deadlines.ranks.values()):
+                    # No per-rank deadline applies after `stop`; a process that then hangs on its way
+                    # out (a non-daemon thread, CUDA/NCCL teardown) is still caught.
+                    wd = self.watchdog_cfg
+                    self.deadlines.arm_extra("exit", now, wd.exit_after_stop_s + wd.term_grace_s, "exit after stop line")
+        if cur.tail.torn != torn_before:
+            self.facts.torn_lines += cur.tail.torn - torn_before
+            log.warning("torn_heartbeat_lines", count=cur.tail.torn - torn_before, total=self.facts.torn_lines,
+                        example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None)
+        if state_changed:
+            self.write_state(now, force=True)
+        self.save_calibration(only_if_changed=True, now=now)
+
+    def _resumed(self, cur: attempts.Attempt, rec: dict) -> None:
+        """Compare the worker's `resumed_from` (its first `start` beat) with what it was handed.  Resuming
+        from a checkpoint the ledger holds bad is a warning; another choice (the built-in worker resumes
+        from its own provisional checkpoint after a graceful stop) is only noted."""
+        reported, handed = rec.get("resumed_from"), cur.resume_from
+        if not reported:
+            if handed:
+                log.info("resume_not_reported", attempt=cur.number, handed=handed,
+                         note="the start beat names no checkpoint; Heartbeat.start(resumed_from=...) lets it be checked")
+            return
+        where = resolve_path(str(reported), cur.cwd)
+        if handed and where == resolve_path(handed, cur.cwd):
+            return
+        known = next((e for e in self.ledger.ledger.entries.values() if resolve_path(e.path, cur.cwd) == where), None)
+        status = known.status if known else "unknown to the supervisor"
+        (log.warning if status == BAD else log.info)(
+            "resumed_from_differs", attempt=cur.number, handed=handed or None, reported=str(reported), status=status,
+            why=known.why if known else None)
+
+    @staticmethod
+    def _straggler(cur: attempts.Attempt, rank: int, step: int, now: float, reported) -> None:
+        what, rec = cur.stragglers.step(rank, step, now, reported)
+        if what == "straggler":
+            log.warning("straggler", attempt=cur.number, **rec.as_dict())
+        elif what == "recovered":
+            log.info("straggler_recovered", attempt=cur.number, rank=rank, step=step, slow_since_step=rec.since_step)
+
+    # ---- control requests: each records an intent; the reconcile step acts on it in the same pass
+
+    def _busy(self) -> Optional[str]:
+        st = self.lifecycle.state
+        if st.final:
+            return f"the run is over (state {st.value})"
+        if self.after_teardown is Intent.EXIT:
+            return "the supervisor is stopping"
+        return None
+
+    def _cmd_status(self, req: dict, now: float) -> dict:
+        return {"ok": True, "result": views.status_reply(self.view(now))}
+
+    def _cmd_restart(self, req: dict, now: float) -> dict:
+        mode = req.get("mode", "graceful")
+        if mode not in ("graceful", "now"):
+            return {"ok": False, "error": f"restart mode must be 'graceful' or 'now', got {mode!r}"}
+        busy = self._busy()
+        if busy:
+            return {"ok": False, "error": busy}
+        st = self.lifecycle.state
+        self.after_teardown = Intent.RESTART
+        if st.escalating:
+            return {"ok": True, "result": {"accepted": "restart", "mode": mode, "note": f"restarting after the current {st.value}"}}
+        if st in (State.BACKOFF, State.PAUSED) or not self.worker_alive():
+            return {"ok": True, "result": {"accepted": "restart", "mode": mode, "note": f"starting a worker now (was {st.value})"}}
+        if mode == "now":
+            self.escalate_now = True  # the loop dumps and kills; a graceful restart asks the worker to stop
+        return {"ok": True, "result": {"accepted": "restart", "mode": mode, "attempt": self.attempt}}
+
+    def _cmd_stop(self, req: dict, now: float) -> dict:
+        st = self.lifecycle.state
+        if st.final:
+            return {"ok": False, "error": f"the run is over (state {st.value})"}
+        self.request_stop("control request")
+        return {"ok": True, "result": {"accepted": "stop", "state": st.value}}
+
+    def _cmd_pause(self, req: dict, now: float) -> dict:
+        busy = self._busy()
+        if busy:
+            return {"ok": False, "error": busy}
+        if self.lifecycle.state is State.PAUSED:
+            return {"ok": True, "result": {"accepted": "pause", "note": "already paused"}}
+        self.after_teardown = Intent.PAUSE
+        self.write_state(now, force=True)  # the pause must survive this supervisor from now on
+        return {"ok": True, "result": {"accepted": "pause", "state": self.lifecycle.state.value}}
+
+    def _cmd_resume(self, req: dict, now: float) -> dict:
+        st = self.lifecycle.state
+        if st is not State.PAUSED and self.after_teardown is not Intent.PAUSE:
+            return {"ok": False, "error": f"not paused (state {st.value})"}
+        # paused, or a pause still under way: either way a worker runs again once nothing is left of the old one
+        self.after_teardown = Intent.RESTART
+        self.write_state(now, force=True)
+        return {"ok": True, "result": {"accepted": "resume"}}
+
+    def _cmd_dump(self, req: dict, now: float) -> commands.Reply:
+        grace_s = max(self.watchdog_cfg.dump_grace_s, commands.MIN_DUMP_GRACE_S)
+        ep = self.episode
+        if self.lifecycle.state in (State.STALLED, State.DUMPING) and ep is not None and ep.incident is not None:
+            pending = DumpRequest(self.table, grace_s, episode=ep)
+        else:
+            targets = self.current.dump_targets() if self.worker_alive() else []
+            if not targets:
+                return {"ok": False, "error": "no running worker process announced a dump signal "
+                                              f"(state {self.lifecycle.state.value})"}
+            pending = DumpRequest(self.table, grace_s, targets)
+        self.dump_requests.append(pending)
+        return pending
+
+    def _cmd_incidents(self, req: dict, now: float) -> dict:
+        return commands.incidents_reply(self.incidents, req.get("id"))
 
     # ================================================================================ 2. deadlines
 
@@ -339,46 +574,312 @@ class Supervisor:
         """The deadline that is overdue at `now`, if any.  When this pass read only the files whose
         writes were heard, every file is read before a deadline is believed: a line the events have
         not told of yet must not make a worker look stuck."""
-        if self.lifecycle.state not in WATCHED or not self.worker_alive():
+        if not self.lifecycle.state.watched or not self.worker_alive():
             return None
         expired = self.deadlines.check(now)
         if expired is not None and not self._read_all:
-            beats.read(self, now)
+            self._read_beats(now)
             self._read_all = True
             expired = self.deadlines.check(now)
-        if expired is not None and self.nodes is not None and self.nodes.holds(expired, now, self.deadlines, self.current,
-                                                                                 self.table):
-            return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes.Nodes.holds`)
+        if expired is not None and self.nodes.holds(expired, now, self.deadlines, self.current, self.table):
+            return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes`)
         return expired
 
     # ================================================================================ 3. reconcile
 
     def _reconcile(self, now: float) -> None:
-        self.reconcile(now)  # the current state's handler: {State: handler} in `reconcile.Reconciler`
+        """Run the current state's handler until the state settles (each handler moves at most one step),
+        then the bookkeeping."""
+        self.prewarm.poll(now)
+        for _ in range(len(State)):
+            st = self.lifecycle.state
+            handler = self.handlers.get(st)  # final states have none
+            if handler is None:
+                break
+            handler(now)
+            if self.lifecycle.state is st:
+                break
         self.dump_requests = [r for r in self.dump_requests if not r.advance(now, self.episode)]
+        self._record_no_progress(now)
         self._scan_tree(now)
         self.notify("watchdog", now)
         self.write_state(now)
+        self._tell_listeners(now)
+
+    # ---- per state
+
+    def running(self, now: float) -> None:  # STARTING, RUNNING
+        changed, failed = self.nodes.while_running(now, self.incidents, self.facts, self.attempt)
+        if changed:
+            self.write_state(now, force=True)
+        if failed and self.after_teardown is Intent.NONE:
+            log.error("peer_failed", why=failed)
+            self.after_teardown, self.fail_reason = Intent.PEER_FAILED, failed
+        if self.current is None or self.awaiting_rendezvous:
+            out = resolve(self.after_teardown, None, during="the wait for the rendezvous", reason=self.fail_reason)
+            if out is not None and self.awaiting_rendezvous:
+                if out.state is not State.STARTING:
+                    self.apply(out, now)  # no worker to stop: a stop, a pause, a failed peer end the wait at once
+                    return
+                self.after_teardown = Intent.NONE  # a restart while waiting to start: it is starting
+            self.start_attempt(now)
+        elif not self._escalated(now) and self.after_teardown is not Intent.NONE:
+            self.graceful_stop(now)
+
+    def stopping(self, now: float) -> None:
+        if not self._escalated(now) and self.force:
+            self.force = False
+            self.begin_kill(Episode(None, None, now, reason="forced stop"), now, send_term=False)
+
+    def _escalated(self, now: float) -> bool:
+        """A worker exit, `restart now`, a peer's restart or an overdue deadline starts an episode (True when one did)."""
+        cur = self.current
+        peer = self.nodes.peer_restart()
+        if cur.worker.exited:
+            self.worker_exited(now)
+        elif peer is not None and not self.escalate_now and self.expired is None:
+            # A peer node restarted: its ranks are gone from the collective ours wait in.  Dump ours (where they
+            # waited), kill, and join the new generation at once.
+            gen, notice = peer
+            if not cur.announced:  # still at the rendezvous: nothing ran, nothing to dump or report
+                why = f"peer node {notice.get('node')} restarted into generation {gen} before this attempt's ranks started"
+                log.info("rendezvous_moved", node=self.nodes.name, generation=gen, attempt=self.attempt, why=why)
+                self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
+                                now, why=why)
+                return True
+            self.episode = Episode.peer(self.tools, cur, self.deadlines, self.facts, now, notice, gen)
+            self.deadlines.disarm_extra("stop")
+            self.transition(State.STALLED, self.episode.reason, now)
+        elif self.escalate_now or self.expired is not None:
+            ex = None if self.escalate_now else self.expired
+            self.escalate_now = False
+            self.episode = Episode.stall(self.tools, cur, self.deadlines, self.facts, now,
+                                         ex.incident_kind if ex else "manual", ex)
+            self.deadlines.disarm_extra("stop")
+            self.transition(State.STALLED, self.episode.reason, now)
+            self.prewarm.begin(cur, self.after_teardown, None, now, why=self.episode.kind or "stall")
+        else:
+            return False
+        return True
+
+    def stalled(self, now: float) -> None:
+        if self.episode.sample_then_dump(self.tools, self.current, now):
+            pids = [t.ref.pid for t in self.episode.dumps.targets]
+            self.transition(State.DUMPING, f"snapshot taken; dumps of {pids} under way (signalled at detection)", now)
+
+    def dumping(self, now: float) -> None:
+        ep = self.episode
+        if ep.dumps.advance(now):
+            ep.collect_dumps(self.current, now)
+            # Several nodes: local evidence first, then the peers hear of it — before anything is killed.
+            self.nodes.stall_read(ep, self.current, now)
+            self.begin_kill(ep, now)
+
+    def killing(self, now: float) -> None:
+        killer = self.episode.killer
+        if self.force and killer.kill_at is None:
+            self.force = False
+            killer.kill_now(now)
+        if killer.advance(now):
+            self.finish_episode(now)
+
+    def backoff(self, now: float) -> None:
+        out = resolve(self.after_teardown, None, during="backoff", reason=self.fail_reason)
+        if out is not None:
+            self.apply(out, now)
+        elif self.backoff_until is None or now >= self.backoff_until:
+            self.start_attempt(now)
+
+    def paused(self, now: float) -> None:
+        out = resolve(self.after_teardown, None, during="paused", reason=self.fail_reason)
+        if out is not None and out.state is not State.PAUSED:
+            self.apply(out, now)
+
+    # ---- actions
+
+    def start_attempt(self, now: float) -> None:
+        number = self.attempt + 1
+        if not self.nodes.ready_for_attempt(now):
+            # Several nodes: no torchrun before the store is reached and — after a failure — a new generation
+            # exists (the old one's rendezvous may be closed); the peer link wakes the loop when it is.
+            self._await_rendezvous(f"attempt {number}: waiting for the rendezvous store and a new generation", now)
+            return
+        resume, step = resume_choice(self.ledger.ledger, self.cfg.worker.cwd, number)
+        settled, resume = self.nodes.resume_point({"path": resume, "step": step} if resume else None, now)
+        if not settled:  # the store answers within a pass or two; the peer link wakes the loop
+            self._await_rendezvous(f"attempt {number}: agreeing on the resume point", now)
+            return
+        self.awaiting_rendezvous = False
+        if self.current is not None:
+            self.facts.restarts += 1
+        self.attempt = number
+        if self.lifecycle.state is not State.STARTING:
+            self.transition(State.STARTING, f"attempt {number}", now)
+        self.episode, self.backoff_until, self.expired, self.escalate_now = None, None, None, False
+        try:
+            self.current = attempts.start(self.cfg, number, self.config_path, self.spawn, now, fs=self.fs,
+                                          resume_from=resume, take_standby=self.prewarm.take,
+                                          rdzv_id=self.nodes.rdzv_id())
+            self.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
+            if self.nodes.helper_pid:
+                self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
+            self.current.oom_kills_at_start = self.tools.kernel.oom_kills()
+        except OSError as exc:
+            self.current = None
+            if disk_error(exc):  # the attempt's directory or log cannot be made: the disk, not the config
+                self.write_failed(exc, Path(exc.filename or attempt_dir(self.run_dir, number)))
+                self.finish(Outcome(State.FAILED, self.fail_reason, EXIT_IOERR), now)
+                return
+            spawn_failed_incident(self.incidents, number, attempts.worker_argv(self.cfg, self.config_path),
+                                  self.cfg.worker.cwd, exc, self.facts)
+            self.finish(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
+            return
+        self.deadlines.arm_startup(now)
+        self.policy.attempt_started(now, last_good_step=self.facts.last_good_step)
+        self.nodes.spawned(number, now)
+        w = self.current.worker
+        log.info("worker_spawned", attempt=number, pid=w.pid, argv=w.argv, log=str(w.log_path),
+                 prewarmed=self.current.prewarmed)
+        if not self._ready_sent:  # systemd hears READY once
+            self._ready_sent = True
+            self.notify("ready")
+        self._view = None
+        self.write_state(now, force=True)  # state.json records the new tree
+
+    def _await_rendezvous(self, why: str, now: float) -> None:
+        if self.lifecycle.state is not State.STARTING:
+            self.transition(State.STARTING, why, now)
+        self.awaiting_rendezvous = True
+
+    def graceful_stop(self, now: float) -> None:
+        self.transition(State.STOPPING, f"{self.after_teardown.value} requested", now)
+        w = self.current.worker
+        sent = self.table.signal(w.ref, signal.SIGTERM)
+        budget, source = self.deadlines.step_budget()
+        bound = self.watchdog_cfg.term_grace_s + budget
+        self.deadlines.arm_extra("stop", now, bound, f"term_grace + {source} step budget")
+        log.info("graceful_stop", intent=self.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3))
+        self.prewarm.begin(self.current, self.after_teardown, None, now, why=f"{self.after_teardown.value} requested")
+
+    def worker_exited(self, now: float) -> None:
+        cur, w = self.current, self.current.worker
+        if self.lifecycle.state is State.STOPPING:
+            ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now,
+                                stopping=f"graceful stop ({self.after_teardown.value})")
+        else:
+            stop_reason = cur.last_stop.get(self.deadlines.main_rank())
+            code = w.exit_code if w.exit_signal is None else None
+            free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
+            decision = free or self.policy.on_exit(now, code, stop_reason)
+            if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
+                ep = Episode(None, None, now, decision=decision, reason=decision.reason)
+            else:
+                ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, decision=decision)
+            if ep.incident is not None:
+                self.nodes.exit_read(ep, decision, cur, now)
+            remediation.on_episode(self.remediation, ep, cur.number, self.run_dir)  # an OOM: a smaller micro-batch, or failed
+            self.prewarm.begin(cur, self.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
+        self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
+
+    def begin_kill(self, ep: Episode, now: float, send_term: bool = True, why: Optional[str] = None) -> None:
+        self.episode = ep
+        ep.begin_kill(self.tools, self.current, now, send_term)
+        self.deadlines.disarm_extra("stop")
+        self.transition(State.KILLING, why or ("SIGTERM to the process group" if send_term else "SIGKILL to the tree"), now)
+
+    def finish_episode(self, now: float) -> None:
+        """The tree is gone: decide what follows, complete the incident, go there."""
+        ep, cur = self.episode, self.current
+        cur.tail.finish()
+        self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
+        self.save_calibration()
+        if ep.decision is None and self.after_teardown is Intent.NONE and ep.kind:
+            self.nodes.stall_cause(ep, now)  # several nodes: free when the evidence puts the culprit elsewhere
+        if ep.decision is None and self.after_teardown is Intent.NONE:
+            ep.decision = self.policy.on_failure(now, ep.reason)
+        out = resolve(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
+        ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())
+        log.info("tree_gone", attempt=self.attempt, next=out.state.value, why=out.why,
+                 gone_after_s=ep.killer.timings()["tree_gone_after_s"])
+        self.episode = None
+        if out.state is State.FAILED and ep.decision is not None and ep.decision.crash_loop:
+            crash_loop_incident(self.incidents, self.attempt, ep.decision, self.policy, self.cfg.restart, self.facts)
+        self.apply(out, now)
+
+    def apply(self, out: Outcome, now: float) -> None:
+        if out.state not in (State.STARTING, State.BACKOFF):
+            self.prewarm.discard(now, f"no restart: {out.state.value} ({out.why})")
+        if out.state is State.STARTING:
+            self.after_teardown = Intent.NONE
+            self.start_attempt(now)
+        elif out.state is State.BACKOFF:
+            self.backoff_until = now + out.delay_s
+            self.transition(State.BACKOFF, out.why, now)
+        elif out.state is State.PAUSED:
+            self.after_teardown = Intent.NONE
+            self.transition(State.PAUSED, out.why, now)
+        else:
+            self.finish(out, now)
+
+    def finish(self, out: Outcome, now: float) -> None:
+        self.prewarm.discard(now, f"the run ends {out.state.value}")
+        self.exit_code = out.exit_code
+        if out.state is not State.FAILED:
+            self.notify("stopping")
+        self.transition(out.state, out.why, now)
+
+    def _record_no_progress(self, now: float) -> None:
+        """The policy gave up for lack of progress: the run's final incident (after the failure's own)."""
+        gave_up = getattr(self.policy, "gave_up", None)
+        if gave_up is None or self.no_progress_recorded:
+            return
+        self.no_progress_recorded = True
+        inc = self.incidents.create("no_progress", attempt=self.attempt, phase=None, step=gave_up["attempt_top_step"],
+                                    classification="no progress", summary=gave_up["reason"], status="final",
+                                    last_incident=self.facts.last_incident,
+                                    last_good_checkpoint=self.facts.last_good_checkpoint, **gave_up)
+        self.facts.note_incident(inc)
+        self._view = None
+        log.error("no_progress", incident=inc.id, reason=gave_up["reason"])
 
     # ================================================================================ bookkeeping
 
-    def spawned(self, now: float) -> None:
-        """A worker was spawned: systemd hears READY once, state.json records the new tree."""
-        if not self._ready_sent:
-            self._ready_sent = True
-            self.notify("ready")
-        self.write_state(now, force=True)
-
-    def resume_entry(self, attempt: int) -> tuple[str, Optional[int]]:
-        """What attempt `attempt` resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on disk,
-        its step), ("", None) for none (`resume.resume_choice`).  Several nodes: the one agreed for the
-        generation is used instead (`reconcile.start_attempt`, `nodes.Nodes.agreed_resume`)."""
-        return resume_choice(self.ledger.ledger, self.cfg.worker.cwd, attempt)
+    def view(self, now: float) -> View:
+        """The read model at `now`: built once per pass, again only when the state moved within it."""
+        v = self._view
+        if v is not None and v.now == now:
+            return v
+        st, cur, dl, facts = self.lifecycle.state, self.current, self.deadlines, self.facts
+        watching = st.watched and self.worker_alive()
+        main = dl.ranks.get(dl.main_rank())
+        last = dict(facts.last_step)
+        if self._healing is None:
+            self._healing = remediation.state_fields(self.run_dir)
+        v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
+                 worker=cur.worker if cur else None, watching=watching,
+                 announced=cur.announced_refs() if cur else {}, descendants=tuple(cur.tree.values()) if cur else (),
+                 main=View.copy_track(main), ranks=views.sorted_tracks(dl.ranks.values()) if cur else (),
+                 deadlines=tuple(dl.active(now)) if watching else (),
+                 stragglers=cur.stragglers.status() if cur else {}, restarts=facts.restarts, last_step=last,
+                 last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step,
+                 last_incident=facts.last_incident, incidents=self.incidents.count(), torn_lines=facts.torn_lines,
+                 max_steps=views.max_steps(last, self.cfg.train.max_steps if self.cfg.worker.command is None else None),
+                 backoff_remaining_s=round(max(0.0, self.backoff_until - now), 3)
+                 if self.backoff_until is not None and st is State.BACKOFF else None,
+                 step_budget=dl.step_budget(), calibration_samples=len(self.calibration.step_samples),
+                 uptime_s=now - self.started_at, run_dir=str(self.run_dir),
+                 config=str(self.cfg._source or self.config_path),
+                 socket=str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir)),
+                 healing=dict(self._healing), gpu=self.gpu.summary(now),
+                 queue=queue_status(self.run_dir) if self.cfg.data.inbox else None, nodes=self.nodes.status())
+        self._view = v
+        return v
 
     def transition(self, dst: State, why: str, now: float) -> None:
         src = self.lifecycle.state
         self.lifecycle.transition(dst, why)
-        if dst.final and self.nodes is not None:
+        self._view = None
+        if dst.final:
             self.nodes.ended(dst.value, why)
         log.info("state", frm=src.value, to=dst.value, why=why, attempt=self.attempt)
         self.status_note(now, force=True)
@@ -386,23 +887,35 @@ class Supervisor:
 
     def _scan_tree(self, now: float) -> None:
         cur = self.current
-        if cur is None or cur.worker.exited or now - cur.last_tree_scan < TREE_SCAN_S or self.lifecycle.state not in WATCHED:
+        if cur is None or cur.worker.exited or now - cur.last_tree_scan < TREE_SCAN_S or not self.lifecycle.state.watched:
             return
         cur.last_tree_scan = now
         if cur.scan_tree(self.table, self._subreaper):
+            self._view = None
             self.write_state(now, force=True)
 
     def status_note(self, now: float, force: bool = False) -> None:
         """systemd's STATUS= line (at most every STATUS_NOTE_S unless forced)."""
         if force or now - self._last_status_note >= STATUS_NOTE_S:
             self._last_status_note = now
-            self.notify("status", status_line(self))
+            self.notify("status", views.status_line(self.view(now)))
 
     def notify(self, what: str, *args) -> None:
         try:
             getattr(self.notifier, what)(*args)
         except Exception:  # systemd notification is a courtesy: never fatal
             log.exception("notify_failed", what=what)
+
+    def _tell_listeners(self, now: float) -> None:
+        """The ops side hears of every pass, with the read model (alerts, the dead-man's ping, metrics)."""
+        if not self.listeners:
+            return
+        v = self.view(now)
+        for listener in self.listeners:
+            try:
+                listener.pass_done(v, now)
+            except Exception:  # an observer must never take the loop down
+                log.exception("listener_failed", listener=type(listener).__name__)
 
     def save_calibration(self, only_if_changed: bool = False, now: Optional[float] = None) -> None:
         """Persist the calibration (`Calibration.persist`: new samples at most every CALIBRATION_SAVE_S)."""
@@ -427,10 +940,20 @@ class Supervisor:
         self._last_state_write = now
         if force or self.lifecycle.state.final or self._healing is None:  # self-healing's record: read when it can change
             self._healing = remediation.state_fields(self.run_dir)
-        data = statefile.of_supervisor(self, self._healing)
-        if self.nodes is not None:
-            self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
+            self._view = None
+        data = views.state_record(self.view(now), self.table.ref_of(os.getpid()))
+        self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
         try:
-            statefile.write(self.state_path, data, fs=self.fs)
+            run_state.write(self.state_path, data, fs=self.fs)
         except OSError as exc:
             self.write_failed(exc, self.state_path)
+
+
+def notifier_due(notifier: Any, now: float) -> Optional[float]:
+    """Seconds until the notifier wants its next `watchdog` call (systemd's WatchdogSec, a ping), if it says."""
+    due = getattr(notifier, "next_due_s", None)
+    try:
+        value = due(now) if callable(due) else getattr(notifier, "watchdog_interval_s", None)
+    except Exception:  # a courtesy: never a reason to stop the loop
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import structlog
 
 from hangwatch.supervisor.episode import rank_evidence
-from hangwatch.supervisor.episode.exit_incidents import own_failure, rank_last_words
+from hangwatch.supervisor.episode.episode import own_failure, rank_last_words
 from hangwatch.supervisor.incidents.verdict import CULPRIT, decide, read_rank
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import structlog
 
 from hangwatch.supervisor.ops.notify import Outbox, Stats
-from hangwatch.supervisor.loop.states import State
+from hangwatch.supervisor.rules.states import State
 
 if TYPE_CHECKING:
     from hangwatch.supervisor.watch.deadlines import RankTrack

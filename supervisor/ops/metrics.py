@@ -1,7 +1,6 @@
 """Prometheus metrics: `/metrics` on `metrics.listen` and/or a textfile for node_exporter (`metrics.textfile`).
 
-The loop takes a `Snapshot` (`take`, at most once a second, on the loop thread where the supervisor's
-state may be read) and swaps it in whole; the scrape thread (prometheus-client's HTTP server) and the
+The loop's read model becomes a `Snapshot` (`take(view)`, at most once a second, on the loop thread) and swaps it in whole; the scrape thread (prometheus-client's HTTP server) and the
 textfile thread only read the latest one, so a scrape never races the loop and never costs it a pass.
 `hangwatch_snapshot_timestamp_seconds` says when the loop last took one: a wedged loop shows as a stale
 timestamp even while the HTTP thread still answers (configs/prometheus/hangwatch-rules.yml alerts on it).
@@ -11,7 +10,7 @@ Counters that must survive a supervisor restart are read from the run dir rather
 facts (state.json).  The durations are histograms observed as they happen (detection: the stall's age when
 its deadline fired; recovery: detection → the next attempt's first step) and start empty with each supervisor.
 
-Every name is listed in `METRICS` (the README's table and the dashboard use them).
+Every name is listed in `METRICS` (docs/alerts-metrics-report.md's table and the dashboard use them).
 """
 from __future__ import annotations
 
@@ -25,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import structlog
 
 from hangwatch.common.inbox_layout import LineCounter, queue_status
-from hangwatch.supervisor.loop.commands import max_steps
+from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.ops.notify import Stats
-from hangwatch.supervisor.loop.states import State
+from hangwatch.supervisor.rules.states import State
 
 if TYPE_CHECKING:
-    from hangwatch.supervisor.loop.supervisor import Supervisor
+    from hangwatch.supervisor.loop.view import View
 
 log = structlog.get_logger("hangwatch")
 
@@ -136,25 +135,21 @@ class Metrics:
         """Seconds until the next snapshot is due (the loop's wait: gauges stay at most ~1 s old)."""
         return max(0.0, self.last_taken + SNAPSHOT_S - now)
 
-    def take(self, sup: "Supervisor", now: float) -> Snapshot:
-        """Read the supervisor's state (loop thread only) into a new snapshot and publish it."""
-        self.last_taken = now
-        dl, facts, cur = sup.deadlines, sup.facts, sup.current
-        tr = dl.ranks.get(dl.main_rank())
-        last = dict(facts.last_step)
-        st = sup.lifecycle.state
-        watching = st in (State.STARTING, State.RUNNING, State.STOPPING) and sup.worker_alive()
-        active = dl.active(now) if watching else []
-        ranks = tuple((r, round(now - t.last_line_at, 3), tuple((d["name"], d["remaining_s"]) for d in active if d["rank"] == r))
-                      for r, t in sorted(dl.ranks.items())) if cur is not None else ()
-        kinds = Counter(d.name.split("-", 1)[1] for d in sup.incidents.dirs() if "-" in d.name)
-        gpu = sup.gpu.summary(now)
+    def take(self, view: "View") -> Snapshot:
+        """Turn the loop's read model (loop thread only) into a new snapshot and publish it."""
+        now = self.last_taken = view.now
+        tr, last = view.main, dict(view.last_step)
+        ranks = tuple((t.rank, round(now - t.last_line_at, 3),
+                       tuple((d["name"], d["remaining_s"]) for d in view.deadlines if d["rank"] == t.rank))
+                      for t in view.ranks) if view.worker is not None else ()
+        kinds = Counter(d.name.split("-", 1)[1] for d in IncidentStore(view.run_dir).dirs())
         gpus = tuple((d.get("index"), d.get("name"), d.get("memory_used_bytes"), d.get("utilization_percent"))
-                     for d in gpu.get("devices", ())) if gpu.get("available") else ()
-        snap = Snapshot(wall=time.time(), state=st.value, attempt=sup.attempt, step=tr.step if tr else last.get("step"),
-                        max_steps=max_steps(sup), last_step=last, step_seconds=self._step_seconds(last), ranks=ranks,
-                        restarts=facts.restarts, incidents=dict(kinds), last_good_step=facts.last_good_step, gpus=gpus,
-                        queue=queue_status(sup.run_dir, self._lines) if sup.cfg.data.inbox else None)
+                     for d in view.gpu.get("devices", ())) if view.gpu.get("available") else ()
+        snap = Snapshot(wall=time.time(), state=view.state.value, attempt=view.attempt,
+                        step=tr.step if tr else last.get("step"), max_steps=view.max_steps, last_step=last,
+                        step_seconds=self._step_seconds(last), ranks=ranks, restarts=view.restarts,
+                        incidents=dict(kinds), last_good_step=view.last_good_step, gpus=gpus,
+                        queue=queue_status(view.run_dir, self._lines) if view.queue is not None else None)
         self.snap = snap  # one reference swap: readers see the old snapshot or the new, never half
         return snap
 

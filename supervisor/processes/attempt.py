@@ -13,7 +13,7 @@ was being torn down (`supervisor.prewarm`): `start` then hands the attempt that 
 instead of spawning one (`prewarmed`).  Until then the standby is one of our children that is not the
 failed attempt's: `foreign` keeps the tree scan from adopting it as an orphan of that tree.
 
-Every worker also gets torch's NCCL flight recorder switched on (`flight_recorder.flight_env`: a
+Every worker also gets torch's NCCL flight recorder switched on (`flight_env`: a
 dump pipe and dump files per rank in the attempt directory, unless the user configured them), and
 each attempt watches its ranks for stragglers (`stragglers.StragglerWatch`).
 """
@@ -31,15 +31,57 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.config import Config, WatchdogCfg
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
-from hangwatch.supervisor.episode.escalation import DumpTarget
 from hangwatch.common.config.rules import torchrun_command
-from hangwatch.supervisor.episode.flight_recorder import FlightPaths, flight_env
 from hangwatch.supervisor.processes.launcher import multinode_argv
 from hangwatch.supervisor.watch.beat_files import HeartbeatTail
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
 from hangwatch.supervisor.watch.stragglers import StragglerWatch
 
 Spawn = Callable[..., Worker]
+
+
+# torch's NCCL flight recorder, switched on in every worker's environment (`episode.flight_recorder` reads the dumps)
+ENV_BUFFER = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+ENV_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+ENV_TRACE_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+ENV_PIPE_FILE = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+ALIASES = {ENV_BUFFER: "TORCH_FR_BUFFER_SIZE", ENV_TRACE_FILE: "TORCH_FR_DUMP_TEMP_FILE"}  # torch's newer names
+TORCH_DEFAULT_TRACE_PREFIX = "/tmp/nccl_trace_rank_"
+BUFFER_ENTRIES = "2000"  # torch's own default size, made explicit: without it the pipe is never created
+TRACE_STEM, PIPE_STEM = "nccl-trace-rank", "nccl-pipe-rank"
+
+def flight_env(attempt_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """The flight-recorder settings to add to a worker's environment `env` (those the user set are kept)."""
+    wanted = {ENV_BUFFER: BUFFER_ENTRIES, ENV_DUMP_ON_TIMEOUT: "1", ENV_TRACE_FILE: str(attempt_dir / TRACE_STEM),
+              ENV_PIPE_FILE: str(attempt_dir / PIPE_STEM)}
+    return {k: v for k, v in wanted.items() if k not in env and ALIASES.get(k) not in env}
+
+
+@dataclass(frozen=True)
+class FlightPaths:
+    """Where a worker's ranks keep their dump pipes and write their dumps (from the environment they got)."""
+
+    pipe_stem: Optional[str]
+    trace_prefix: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "FlightPaths":
+        trace = env.get(ALIASES[ENV_TRACE_FILE]) or env.get(ENV_TRACE_FILE) or TORCH_DEFAULT_TRACE_PREFIX
+        return cls(env.get(ENV_PIPE_FILE) or None, trace)
+
+    def pipe(self, rank: int) -> Optional[Path]:
+        return Path(f"{self.pipe_stem}{rank}.pipe") if self.pipe_stem else None
+
+    def trace(self, rank: int) -> Path:
+        return Path(f"{self.trace_prefix}{rank}")
+
+
+@dataclass
+class DumpTarget:
+    rank: int
+    ref: ProcRef
+    dump_path: Path
+    offset: int = 0  # size before the signal: only what is appended belongs to this dump
 
 
 @dataclass

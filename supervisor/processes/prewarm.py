@@ -33,9 +33,7 @@ told to wait, and a torchrun world is more than one process to hold.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +45,9 @@ from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import WORKER_LOG_NAME
 from hangwatch.supervisor.processes import attempt as attempts
-from hangwatch.supervisor.loop.outcome import Intent
-from hangwatch.supervisor.loop.policy import Decision
-from hangwatch.supervisor.processes.process import ProcessTable, PsutilProcessTable, Worker, _child_setup
+from hangwatch.supervisor.rules.outcome import Intent
+from hangwatch.supervisor.rules.policy import Decision
+from hangwatch.supervisor.processes.process import ProcessTable, Worker, spawn
 
 log = structlog.get_logger("hangwatch")
 
@@ -126,18 +124,14 @@ SpawnStandby = Callable[..., StandbyProcess]
 
 def spawn_standby(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now: float,
                   deathsig: int = signal.SIGKILL) -> StandbyProcess:
-    """`argv` like `process.spawn` starts a worker (own session, dying with us, output to `log_path`,
-    truncated), but with its stdin a pipe for the release.  OSError when it cannot be executed."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as out:
-        popen = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-            start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True,
-        )
-    ct = PsutilProcessTable().create_time(popen.pid)
-    worker = Worker(pid=popen.pid, create_time=ct if ct is not None else time.time(), argv=list(argv),
-                    log_path=log_path, started_at=now, popen=popen)
-    return PipeStandby(worker, popen.stdin)
+    """`argv` started as `process.spawn` starts a worker (own session, dying with us, output to `log_path`,
+    which starts empty), with its stdin a pipe for the release.  OSError when it cannot be executed."""
+    try:
+        log_path.unlink()  # a discarded standby's log is not this one's
+    except FileNotFoundError:
+        pass
+    worker = spawn(argv, env=env, cwd=cwd, log_path=log_path, now=now, deathsig=deathsig, stdin_pipe=True)
+    return PipeStandby(worker, worker.popen.stdin)
 
 
 # ---- the lifecycle ----------------------------------------------------------------------------

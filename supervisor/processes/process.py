@@ -336,16 +336,18 @@ def _child_setup(parent_pid: int, deathsig: int):
 
 
 def spawn(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now: float,
-          deathsig: int = signal.SIGKILL) -> Worker:
-    """Start `argv` in a new session, stdout+stderr appended to `log_path`, dying with us.
+          deathsig: int = signal.SIGKILL, stdin_pipe: bool = False) -> Worker:
+    """Start `argv` in a new session, stdout+stderr appended to `log_path`, dying with us.  `stdin_pipe`:
+    its stdin is a pipe (`Worker.popen.stdin`; a prewarmed standby waits on it for its release), else
+    /dev/null.
 
     Raises OSError (FileNotFoundError, PermissionError, …) when it cannot be executed.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-            start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True,
+            argv, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            cwd=cwd, env=env, start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True,
         )
     ct = PsutilProcessTable().create_time(popen.pid)
     if ct is None:  # exited (or is a zombie) already; identity still needs a value

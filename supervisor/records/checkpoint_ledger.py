@@ -384,3 +384,20 @@ def _log_change(c: Change) -> None:
         log.warning("checkpoints_confirmed_without_loss", **where,
                     note="the worker reports no loss, so later steps alone confirm its checkpoints; send loss= in "
                          "step beats (or announce checkpoint(..., good=True) yourself) to have non-finite losses caught")
+
+
+def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> tuple[str, Optional[int]]:
+    """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on
+    disk as an absolute path — relative ones are the worker's, its cwd —, its step); ("", None) for none.  Good ones
+    that were deleted since are skipped, and said so."""
+    chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
+    for e in skipped:
+        log.warning("good_checkpoint_missing", path=e.path, step=e.step, resolved=resolve(e.path, cwd),
+                    note="no longer on disk: skipped")
+    if chosen is None:
+        log.info("resume_from", attempt=attempt, path=None, checkpoints=book.counts(),
+                 note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
+        return "", None
+    path = resolve(chosen.path, cwd)
+    log.info("resume_from", attempt=attempt, path=path, step=chosen.step, why=chosen.why)
+    return path, chosen.step

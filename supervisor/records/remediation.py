@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hangwatch.common.durable import write_json_atomic
-from hangwatch.common.rundir import read_json
+from hangwatch.common.rundir import QUARANTINE_NAME, read_json, read_jsonl
 
 REMEDIATION_NAME = "remediation.json"
 FORMAT_VERSION = 1
@@ -213,7 +213,7 @@ def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, 
     failure the policy restarts, the remedy is saved and named in the decision's reason and in the incident
     (`remediation`); with every remedy tried the run fails instead, with the message saying what was tried.
     Anything else: `decision` unchanged."""
-    from hangwatch.supervisor.loop.policy import Decision
+    from hangwatch.supervisor.rules.policy import Decision
 
     if decision is None or decision.action != "restart" or kind is None:
         return decision
@@ -257,12 +257,11 @@ class _ConfigLike:
 def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLike | str) -> None:
     """Self-healing on an attempt that ended by itself (`episode` from `Episode.exited`): an OOM gets its remedy
     (`after_exit`, the episode's decision replaced), a non-finite streak's incident lists the examples the
-    worker quarantined (`quarantine_view`)."""
-    from hangwatch.supervisor.records import quarantine_view
+    worker quarantined (below)."""
 
     inc = episode.incident
     if episode.kind == "nan" and inc is not None:
-        inc.data.update(quarantine_view.incident_fields(run_dir, attempt))
+        inc.data.update(quarantine_fields(run_dir, attempt))
     step = inc.data.get("step") if inc is not None else None
     episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step)
 
@@ -270,6 +269,37 @@ def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLi
 def state_fields(run_dir: os.PathLike | str) -> dict:
     """state.json's and `status`'s self-healing fields: `remediation` (the setting in force after OOMs) and
     `quarantine` (the examples kept out after non-finite losses); None each when there is nothing."""
-    from hangwatch.supervisor.records import quarantine_view
 
-    return {"remediation": file_summary(run_dir), "quarantine": quarantine_view.summary(quarantine_view.read(run_dir))}
+    return {"remediation": file_summary(run_dir), "quarantine": quarantine_summary(read_quarantine(run_dir))}
+
+
+# ---- the quarantine: `<run_dir>/quarantine.jsonl`, the training examples the built-in worker set aside after a
+# non-finite streak (written by the worker, `daemon.trainer.quarantine`; one JSON object a line: id, reason, step,
+# attempt, t), read for `status`, state.json and the `nan` incident.
+
+MAX_IDS_SHOWN = 20  # quarantined ids shown in status and state.json
+
+
+def read_quarantine(run_dir: os.PathLike | str) -> list[dict]:
+    """Every well-formed record (a torn last line is skipped)."""
+    return [r for r in read_jsonl(Path(run_dir) / QUARANTINE_NAME) if isinstance(r.get("id"), str)]
+
+
+def quarantined_by(records: list[dict], attempt: int) -> list[dict]:
+    """The records an attempt added (the `nan` incident of that attempt lists them)."""
+    return [r for r in records if r.get("attempt") == attempt]
+
+
+def quarantine_summary(records: list[dict]) -> Optional[dict]:
+    """For `status` and state.json: how many, which (the first `MAX_IDS_SHOWN`), None when none."""
+    if not records:
+        return None
+    ids = [r["id"] for r in records]
+    return {"count": len(ids), "ids": ids[:MAX_IDS_SHOWN], "more": max(0, len(ids) - MAX_IDS_SHOWN),
+            "file": QUARANTINE_NAME}
+
+
+def quarantine_fields(run_dir: os.PathLike | str, attempt: int) -> dict:
+    """The `quarantined` field of attempt `attempt`'s incident (nothing when it quarantined nothing)."""
+    mine = quarantined_by(read_quarantine(run_dir), attempt)
+    return {"quarantined": [{k: r.get(k) for k in ("id", "reason", "step")} for r in mine]} if mine else {}

@@ -14,20 +14,26 @@ system is this machine's, not the writer's.  `written_at` turns it into the read
 before the previous read (the line was not there then) nor after this one; where the file system
 takes its times from a server (NFS, SMB, FUSE: `local_file_times`) the reading time is used instead.
 
-`FileEvents` is Linux inotify, read by the loop itself: its descriptor sits in the loop's selector
-beside the wake-up pipe, so there is no thread and no per-event hand-off.  It watches the current
-attempt's directory for new heartbeat files and each heartbeat file for writes — not the directory
-for writes, so a chatty worker.log wakes nothing.  `drain()` reads every queued event at once and
-says whether a heartbeat file grew; `take()` says which did since the last call, so a pass reads those
-files only (64 ranks are 64 read(2)s a pass otherwise).  File events are only a shortcut to read lines promptly: a hang
-is exactly the absence of events, so the deadlines have their own timer (`Wakeup.wait`'s timeout).
-Where inotify is missing (another OS, the watch limit reached) `FileEvents.open` says why and the
-loop falls back to reading on a short timer.
+`FileEvents` is Linux inotify through watchdog's binding (`watchdog.observers.inotify_c`:
+`inotify_init`, `inotify_add_watch`, `inotify_rm_watch`, `InotifyConstants`), read by the loop itself:
+its descriptor — made non-blocking and close-on-exec here — sits in the loop's selector beside the
+wake-up pipe, so there is no thread and no per-event hand-off.  Neither watchdog's observers nor its
+reader classes: `InotifyFD` (watchdog 7) is built for a reader thread — its read waits in poll() until
+an event comes, its close() frees the descriptor only after that thread has read — and `Inotify`
+(watchdog 4 to 6) reads blocking and gives all its watches one mask, where the directory needs
+another than the files.  It watches the current attempt's directory for new heartbeat files and each
+heartbeat file for writes — not the directory for writes, so a chatty worker.log wakes nothing.
+`drain()` reads every queued event at once (never waiting) and says whether a heartbeat file grew;
+`take()` says which did since the last call, so a pass reads those files only (64 ranks are 64
+read(2)s a pass otherwise).  File events are only a shortcut to read lines promptly: a hang is exactly
+the absence of events, so the deadlines have their own timer (`Wakeup.wait`'s timeout).  Where inotify
+is missing (another OS, the instance limit reached) `FileEvents.open` says why, and where a directory
+cannot be watched (the watch limit reached) `watching` is false: the loop falls back to reading on a
+short timer.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import re
@@ -225,31 +231,23 @@ class HeartbeatTail:
 
 
 # --------------------------------------------------------------------------------------------
-# inotify
+# inotify, through watchdog's binding
 
-IN_MODIFY = 0x00000002
-IN_MOVED_TO = 0x00000080
-IN_CREATE = 0x00000100
-IN_Q_OVERFLOW = 0x00004000
-IN_IGNORED = 0x00008000
-IN_ONLYDIR = 0x01000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
-DIR_MASK = IN_CREATE | IN_MOVED_TO | IN_ONLYDIR  # a new file in the attempt dir (a rank started)
-FILE_MASK = IN_MODIFY  # a heartbeat file grew
-EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then `len` bytes of NUL-padded name
+EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then `len` bytes of NUL-padded name
 READ_EVENTS = 64 * 1024
 
-_libc = None
+_inotify_c = None  # watchdog.observers.inotify_c, once imported
 
 
 def _inotify():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        for name in ("inotify_init1", "inotify_add_watch", "inotify_rm_watch"):
-            getattr(_libc, name)  # AttributeError where the C library has no inotify
-    return _libc
+    """watchdog's inotify binding (`watchdog.observers.inotify_c`: `inotify_init`, `inotify_add_watch`,
+    `inotify_rm_watch`, `InotifyConstants`), imported at first use — watchdog refuses to load it where
+    the C library has no inotify (another OS), and `HeartbeatTail` is needed there too."""
+    global _inotify_c
+    if _inotify_c is None:
+        from watchdog.observers import inotify_c
+        _inotify_c = inotify_c
+    return _inotify_c
 
 
 class FileEvents:
@@ -263,16 +261,30 @@ class FileEvents:
         self._dir_modify = False  # per-file watches failed: the directory watch reports writes (filtered by name)
         self._grown: set[str] = set()  # heartbeat files that grew since `take`
         self._everything = True  # …or read them all (a new watch, lost events)
+        c = _inotify().InotifyConstants
+        self._created = c.IN_CREATE | c.IN_MOVED_TO  # a new file in the attempt dir (a rank started)
+        self._dir_mask = self._created | c.IN_ONLYDIR
+        self._file_mask = c.IN_MODIFY  # a heartbeat file grew
+        self._overflow = c.IN_Q_OVERFLOW
+        self._ignored = c.IN_IGNORED
 
     @classmethod
     def open(cls) -> tuple[Optional["FileEvents"], Optional[str]]:
         """(events, None), or (None, why inotify cannot be used here)."""
         try:
-            fd = _inotify().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        except (OSError, AttributeError) as exc:
+            lib = _inotify()
+        except Exception as exc:  # ImportError, OSError, watchdog's UnsupportedLibcError
             return None, f"no inotify: {exc}"
+        fd = lib.inotify_init()
         if fd < 0:
-            return None, f"inotify_init1: {os.strerror(ctypes.get_errno())}"
+            return None, f"inotify_init: {os.strerror(ctypes.get_errno())}"
+        try:
+            # watchdog binds inotify_init, not inotify_init1: what IN_CLOEXEC | IN_NONBLOCK would do, here.
+            os.set_inheritable(fd, False)  # no worker inherits it
+            os.set_blocking(fd, False)  # `drain` reads until EAGAIN and never waits
+        except OSError as exc:
+            os.close(fd)
+            return None, f"inotify descriptor: {exc}"
         return cls(fd), None
 
     def fileno(self) -> int:
@@ -281,7 +293,7 @@ class FileEvents:
     def _add(self, path: Path, mask: int) -> int:
         wd = _inotify().inotify_add_watch(self.fd, os.fsencode(path), mask)
         if wd < 0:
-            err = ctypes.get_errno()
+            err = ctypes.get_errno()  # watchdog's binding keeps errno (use_errno)
             raise OSError(err, os.strerror(err), str(path))
         return wd
 
@@ -299,7 +311,7 @@ class FileEvents:
         if directory is None:
             return True
         try:
-            self._dir_wd = self._add(directory, DIR_MASK)
+            self._dir_wd = self._add(directory, self._dir_mask)
             for name in os.listdir(directory):
                 if RANK_FILE.match(name):
                     self._watch_file(name)
@@ -316,19 +328,19 @@ class FileEvents:
         if self._dir_modify or self.directory is None:
             return
         try:
-            self._files[self._add(self.directory / name, FILE_MASK)] = name
+            self._files[self._add(self.directory / name, self._file_mask)] = name
         except FileNotFoundError:
             pass  # renamed or removed already
         except OSError as exc:
             if exc.errno != errno.ENOSPC:  # out of watches: the directory watch reports writes instead
                 raise
             self._dir_modify = True
-            self._dir_wd = self._add(self.directory, DIR_MASK | IN_MODIFY)
+            self._dir_wd = self._add(self.directory, self._dir_mask | self._file_mask)
 
     def _unwatch(self) -> None:
-        lib = _inotify()
+        rm = _inotify().inotify_rm_watch
         for wd in [*self._files, *([self._dir_wd] if self._dir_wd is not None else [])]:
-            lib.inotify_rm_watch(self.fd, wd)  # fails harmlessly for a watch the kernel dropped already
+            rm(self.fd, wd)  # fails harmlessly for a watch the kernel dropped already
         self._files.clear()
         self._dir_wd = None
         self._dir_modify = False
@@ -343,7 +355,7 @@ class FileEvents:
 
     def drain(self) -> bool:
         """Read every queued event; True when a heartbeat file was created or grew (or events were
-        lost: then everything must be read)."""
+        lost: then everything must be read).  Never waits: the descriptor is non-blocking."""
         grew = False
         while True:
             try:
@@ -357,9 +369,9 @@ class FileEvents:
                 wd, mask, _cookie, length = EVENT.unpack_from(buf, off)
                 name = buf[off + EVENT.size: off + EVENT.size + length].rstrip(b"\0").decode("utf-8", "replace")
                 off += EVENT.size + length
-                if mask & IN_Q_OVERFLOW:
+                if mask & self._overflow:
                     grew = self._everything = True
-                elif mask & IN_IGNORED:
+                elif mask & self._ignored:
                     self._files.pop(wd, None)
                     if wd == self._dir_wd:
                         self._dir_wd = None  # the directory went away
@@ -367,7 +379,7 @@ class FileEvents:
                     if RANK_FILE.match(name):
                         grew = True
                         self._grown.add(name)
-                        if mask & (IN_CREATE | IN_MOVED_TO):
+                        if mask & self._created:
                             try:
                                 self._watch_file(name)
                             except OSError:

@@ -337,7 +337,7 @@ def test_run_help_ends_with_the_config_reference():
 
 def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_path):
     """After `hangwatch run` returned there is no socket; the incidents are still on disk."""
-    from hangwatch.supervisor.records import statefile
+    from hangwatch.supervisor.records import run_state as statefile
     from hangwatch.supervisor.cli.main import run_summary
     from hangwatch.supervisor.incidents import IncidentStore
 

@@ -6,7 +6,7 @@ import pytest
 from hangwatch.supervisor.watch.deadlines import RankTrack
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger, healthy
 from hangwatch.supervisor.ops.notify import Stats
-from hangwatch.supervisor.loop.states import State
+from hangwatch.supervisor.rules.states import State
 
 
 def track(phase="train", last_step_at=95.0, last_line_at=99.0, phase_since=50.0, budget=None, started=True, stopped=False):

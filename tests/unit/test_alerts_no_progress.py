@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from hangwatch.common.config import RestartCfg
-from hangwatch.supervisor.loop.outcome import Intent, NoProgress, ProgressPolicy, resolve
-from hangwatch.supervisor.loop.states import State
+from hangwatch.supervisor.rules.outcome import Intent, resolve
+from hangwatch.supervisor.rules.policy import NoProgress, ProgressPolicy
+from hangwatch.supervisor.rules.states import State
 
 
 @pytest.mark.parametrize("attempts, limit, stops_at", [
@@ -25,10 +26,10 @@ def test_no_progress_table(attempts, limit, stops_at):
 
 def run_policy(limit, attempt_steps, last_good=6, max_restarts=10):
     """Attempts that each step through `steps` and then fail; → the decisions."""
-    p = ProgressPolicy(RestartCfg(max_restarts=max_restarts, window_s=3600, backoff_initial_s=0), limit, lambda: last_good)
+    p = ProgressPolicy(RestartCfg(max_restarts=max_restarts, window_s=3600, backoff_initial_s=0), limit)
     out, now = [], 0.0
     for steps in attempt_steps:
-        p.attempt_started(now)
+        p.attempt_started(now, last_good_step=last_good)
         for s in steps:
             now += 1
             p.observed_step(s, now)

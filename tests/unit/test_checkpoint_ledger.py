@@ -22,7 +22,7 @@ from hangwatch.common.protocol import ENV_RESUME_FROM
 from hangwatch.supervisor.records import checkpoint_ledger as cl
 from hangwatch.supervisor.processes.attempt import worker_argv, worker_env
 from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger, PersistedLedger, loss_of
-from hangwatch.supervisor.records.statefile import RunFacts
+from hangwatch.supervisor.records.run_state import RunFacts
 
 NAN, INF = float("nan"), float("inf")
 NO_LOSS = object()

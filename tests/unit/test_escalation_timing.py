@@ -15,9 +15,10 @@ import pytest
 from fixtures.fake_supervisor import DUMP, FakeProcessTable, Harness
 from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.episode.escalation import SETTLE_S, DumpCollector, DumpTarget, dump_complete
-from hangwatch.supervisor.loop.policy import RestartPolicy
-from hangwatch.supervisor.loop.pacing import FAST_PASS_S
+from hangwatch.supervisor.episode.dump_collector import SETTLE_S, DumpCollector, dump_complete
+from hangwatch.supervisor.processes.attempt import DumpTarget
+from hangwatch.supervisor.rules.policy import RestartPolicy
+from hangwatch.supervisor.loop.supervisor import FAST_PASS_S
 
 LIB = "/usr/lib/python3.11"
 WORKER_THREAD = f"""Thread 0x00007f0000000002 (most recent call first):

@@ -16,8 +16,9 @@ import pytest
 from fixtures.fake_supervisor import FakeProcessTable
 from hangwatch.common.config import Config
 from hangwatch.supervisor.processes.attempt import worker_env
-from hangwatch.supervisor.episode.flight_recorder import (DataOnlyUnpickler, FlightDumps, FlightPaths, StallDumps, decode,
-                                                  flight_env, into_incident, poke, summarize)
+from hangwatch.supervisor.episode.dump_collector import StallDumps
+from hangwatch.supervisor.episode.flight_recorder import DataOnlyUnpickler, FlightDumps, decode, into_incident, poke, summarize
+from hangwatch.supervisor.processes.attempt import FlightPaths, flight_env
 from hangwatch.supervisor.incidents import IncidentStore
 
 REAL_DUMP = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_fr_trace_gloo.pkl"

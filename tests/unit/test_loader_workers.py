@@ -13,8 +13,9 @@ from rich.console import Console
 from fixtures.fake_supervisor import FakeProcessTable, Harness
 from hangwatch.common.rundir import dump_path_for
 from hangwatch.supervisor.cli import render
-from hangwatch.supervisor.episode.escalation import DumpCollector, DumpTarget
-from hangwatch.supervisor.episode.loader_dumps import WorkerDumps
+from hangwatch.supervisor.episode.dump_collector import DumpCollector
+from hangwatch.supervisor.processes.attempt import DumpTarget
+from hangwatch.supervisor.episode.dump_collector import WorkerDumps
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack
 from hangwatch.supervisor.incidents.loader_workers import WorkerStack, forked_dump_path, forked_workers, judge, read_worker
@@ -275,8 +276,7 @@ def test_a_forks_dump_file_sits_next_to_its_ranks():
 
 
 def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_path, monkeypatch):
-    from hangwatch.supervisor.episode import escalation
-    from hangwatch.supervisor.episode import loader_dumps
+    from hangwatch.supervisor.episode import dump_collector
 
     class Done:  # a py-spy that ran and wrote no stack (no ptrace permission, say)
         def poll(self):
@@ -286,8 +286,7 @@ def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_p
         out.write_text("Error: Permission Denied\n")
         return Done()
 
-    monkeypatch.setattr(escalation, "start_py_spy", fake_py_spy)  # the ranks' py-spy
-    monkeypatch.setattr(loader_dumps, "start_py_spy", fake_py_spy)  # the workers'
+    monkeypatch.setattr(dump_collector, "start_py_spy", fake_py_spy)  # the ranks' py-spy and the workers'
     table, rank, w, dc = _rank_with_workers(tmp_path, MAIN_WAITS)
     dc.py_spy, dc.py_spy_path = True, "/fake/py-spy"  # the rank's py-spy fails too: its faulthandler dump serves
     _drive(dc)

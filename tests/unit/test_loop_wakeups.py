@@ -15,7 +15,6 @@ from fixtures.fake_supervisor import Harness
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import heartbeat_path
-from hangwatch.supervisor.loop import pacing
 from hangwatch.supervisor.loop import supervisor as runner
 from hangwatch.supervisor.watch.beat_files import FILE_TIME_TICK_S, HeartbeatTail, local_file_times, written_at
 from hangwatch.supervisor.loop.wakeup import Wakeup
@@ -229,10 +228,10 @@ def test_a_loop_with_nothing_due_sleeps_long(tmp_path):
     h = harness(tmp_path, watchdog={"startup_timeout_s": 3600})
     h.until(lambda: h.spawn.workers)
     h.sup.wakeup = HeardWakeup()
-    assert h.sup.next_wait(h.clock()) == pacing.IDLE_WAIT_S  # the startup deadline is an hour away
+    assert h.sup.next_wait(h.clock()) == runner.IDLE_WAIT_S  # the startup deadline is an hour away
     h.request(cmd="pause")
     h.until(lambda: h.state == "paused")
-    assert h.sup.next_wait(h.clock()) == pacing.IDLE_WAIT_S
+    assert h.sup.next_wait(h.clock()) == runner.IDLE_WAIT_S
 
 
 def test_a_notifier_that_wants_calling_shortens_the_sleep(tmp_path):

@@ -12,11 +12,14 @@ from hangwatch.common.config.ops_schema import MetricsCfg, host_port
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.loop.view import View, max_steps, sorted_tracks
+from hangwatch.supervisor.processes.process import Worker
+from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.ops.metrics import METRICS, Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Stats
 from hangwatch.supervisor.processes.snapshot import GpuCache
-from hangwatch.supervisor.loop.states import State, StateMachine
-from hangwatch.supervisor.records.statefile import RunFacts
+from hangwatch.supervisor.rules.states import State, StateMachine
+from hangwatch.supervisor.records.run_state import RunFacts
 
 GPU = {"available": True, "devices": [{"index": 0, "name": "H100", "utilization_percent": 46,
                                         "memory_used_bytes": 7 << 30, "memory_total_bytes": 80 << 30, "processes": []}]}
@@ -30,7 +33,23 @@ def fake_sup(tmp_path, inbox=False, gpu=None):
                           incidents=IncidentStore(tmp_path), gpu=GpuCache(lambda: gpu or {"available": False, "reason": "no GPU"}),
                           attempt=1, current=object())
     sup.worker_alive = lambda: True
+    sup.view = lambda now: view_of(sup, now)
     return sup
+
+
+def view_of(sup, now) -> View:
+    """The read model a running worker's loop would hand the metrics (only what they read is filled in)."""
+    dl, facts = sup.deadlines, sup.facts
+    return View(now=now, state=sup.lifecycle.state, intent=Intent.NONE, attempt=sup.attempt, exit_code=0,
+                worker=Worker(pid=9, create_time=1.0, argv=["python"], log_path=sup.run_dir / "w.log", started_at=0.0),
+                watching=True, announced={}, descendants=(), main=View.copy_track(dl.ranks.get(dl.main_rank())),
+                ranks=sorted_tracks(dl.ranks.values()), deadlines=tuple(dl.active(now)), stragglers={},
+                restarts=facts.restarts, last_step=dict(facts.last_step), last_good_checkpoint=facts.last_good_checkpoint,
+                last_good_step=facts.last_good_step, last_incident=None, incidents=sup.incidents.count(),
+                torn_lines=0, max_steps=max_steps(facts.last_step, None), backoff_remaining_s=None,
+                step_budget=dl.step_budget(), calibration_samples=0, uptime_s=now, run_dir=str(sup.run_dir),
+                config="c.yaml", socket="s", gpu=sup.gpu.summary(now),
+                queue={} if sup.cfg.data.inbox else None)
 
 
 def beat(sup, now, event, step=0, **kw):
@@ -57,7 +76,7 @@ def test_a_snapshot_of_a_running_worker(tmp_path):
     beat(sup, 0.1, "phase", phase="train")
     for i, now in enumerate((1.0, 1.5, 2.0), start=1):
         beat(sup, now, "step", step=i, loss=2.0 / i, lr=1e-4, tokens_per_s=900.0, max_steps=100)
-        m.take(sup, now)
+        m.take(sup.view(now))
     s = samples(m)
     assert s[("hangwatch_step", ())] == 3 and s[("hangwatch_max_steps", ())] == 100
     assert s[("hangwatch_state", (("state", "running"),))] == 1 and s[("hangwatch_state", (("state", "failed"),))] == 0
@@ -82,7 +101,7 @@ def test_a_steps_own_time_wins_and_counters_come_from_the_run_dir(tmp_path):
     m = Metrics(None, None, 15, Stats())
     beat(sup, 0.0, "start")
     beat(sup, 1.0, "step", step=5, step_time_s=0.25)
-    m.take(sup, 1.0)
+    m.take(sup.view(1.0))
     s = samples(m)
     assert s[("hangwatch_step_seconds", ())] == 0.25
     assert s[("hangwatch_incidents_total", (("kind", "stall"),))] == 2
@@ -118,7 +137,7 @@ def test_the_textfile_is_written_whole_with_the_final_state(tmp_path):
     sup = fake_sup(tmp_path)
     prom = tmp_path / "textfile" / "hangwatch.prom"
     m = Metrics(None, str(prom), 15, Stats())
-    m.take(sup, 0.0)
+    m.take(sup.view(0.0))
     m.close()
     text = prom.read_text()
     assert 'hangwatch_state{state="starting"} 1.0' in text and "hangwatch_up 0.0" in text

@@ -19,8 +19,8 @@ from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.daemon import prewarm as worker_side
 from hangwatch.supervisor.processes import prewarm
-from hangwatch.supervisor.loop.outcome import Intent
-from hangwatch.supervisor.loop.policy import Decision
+from hangwatch.supervisor.rules.outcome import Intent
+from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.processes.process import Worker
 
 
@@ -177,7 +177,7 @@ def prewarmed(tmp_path, **kw) -> tuple[Harness, FakeStandbySpawn]:
     eligible = c.model_copy(update={"worker": c.worker.model_copy(update={"command": None}),
                                     "restart": c.restart.model_copy(update={"prewarm": True})})
     spawner = FakeStandbySpawn(h.table)
-    h.sup.reconcile.prewarm = prewarm.Prewarm(eligible, h.sup.config_path, h.table, fs=h.sup.fs, spawn=spawner)
+    h.sup.prewarm = prewarm.Prewarm(eligible, h.sup.config_path, h.table, fs=h.sup.fs, spawn=spawner)
     return h, spawner
 
 
@@ -227,7 +227,7 @@ def test_a_standby_that_died_means_a_cold_spawn(tmp_path):
     sb = sp.standbys[0]
     h.table.end(sb.worker.pid, 1)
     h.tick()
-    assert sb.worker.pid in h.table.reaped and h.sup.reconcile.prewarm.standby is None
+    assert sb.worker.pid in h.table.reaped and h.sup.prewarm.standby is None
     h.until(lambda: h.sup.attempt == 2 and h.state == "starting")
     assert len(h.spawn.workers) == 2 and not h.sup.current.prewarmed and sb.lines == []
 
@@ -287,7 +287,7 @@ def test_no_restart_discards_the_standby(tmp_path, request_, end):
     h.until(lambda: h.state == end)
     assert signal.SIGKILL in signalled(h, sb.worker.pid) and sb.closed and sb.lines == []
     h.tick()
-    assert sb.worker.pid in h.table.reaped and h.sup.reconcile.prewarm.pids() == set()
+    assert sb.worker.pid in h.table.reaped and h.sup.prewarm.pids() == set()
     assert not (Path(h.sup.cfg.run_dir) / prewarm.STANDBY_LOG_NAME).exists()
 
 
@@ -300,12 +300,12 @@ def test_a_stall_that_ends_in_a_crash_loop_discards_its_standby(tmp_path):
     assert len(sp.standbys) == 2  # spawned at the second stall, before the policy said fail
     last = sp.standbys[-1]
     assert signal.SIGKILL in signalled(h, last.worker.pid) and last.lines == [] and last.closed
-    assert h.sup.reconcile.prewarm.standby is None
+    assert h.sup.prewarm.standby is None
 
 
 def test_without_prewarm_nothing_is_spawned_beside_the_worker(tmp_path):
     h = Harness(tmp_path)
-    assert h.sup.reconcile.prewarm.why_not == "restart.prewarm is off"
+    assert h.sup.prewarm.why_not == "restart.prewarm is off"
     h.running()
     h.until(lambda: h.sup.attempt == 2 and h.state == "starting")
     assert len(h.spawn.workers) == 2 and not h.sup.current.prewarmed
@@ -317,7 +317,7 @@ def test_a_standby_spawn_that_fails_leaves_the_restart_cold(tmp_path):
     def refuse(*a, **kw) -> Optional[FakeStandby]:
         raise PermissionError(13, "Permission denied")
 
-    h.sup.reconcile.prewarm.spawn = refuse
+    h.sup.prewarm.spawn = refuse
     h.running()
     h.until(lambda: h.sup.attempt == 2 and h.state == "starting")
     assert len(h.spawn.workers) == 2 and not h.sup.current.prewarmed
@@ -328,6 +328,6 @@ def test_closing_kills_and_reaps_the_standby(tmp_path):
     h.running()
     h.until(lambda: sp.standbys)
     (sb,) = sp.standbys
-    h.sup.reconcile.prewarm.close(h.clock())  # the supervisor's teardown (or its failure path)
+    h.sup.prewarm.close(h.clock())  # the supervisor's teardown (or its failure path)
     assert signal.SIGKILL in signalled(h, sb.worker.pid) and sb.worker.pid in h.table.reaped
-    assert h.sup.reconcile.prewarm.pids() == set()
+    assert h.sup.prewarm.pids() == set()

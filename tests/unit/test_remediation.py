@@ -86,7 +86,7 @@ class FakeIncident:
 
 
 def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
-    from hangwatch.supervisor.loop.policy import Decision
+    from hangwatch.supervisor.rules.policy import Decision
 
     handle = OomRemediation(cfg(2, 1), tmp_path)
     restart = Decision("restart", "worker exited with code 1", delay_s=2.0)
@@ -107,14 +107,13 @@ def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
 
 
 def test_quarantine_view(tmp_path):
-    from hangwatch.supervisor.records import quarantine_view as qv
-
-    assert qv.read(tmp_path) == [] and qv.summary([]) is None and qv.incident_fields(tmp_path, 1) == {}
+    assert rem.read_quarantine(tmp_path) == [] and rem.quarantine_summary([]) is None
+    assert rem.quarantine_fields(tmp_path, 1) == {}
     lines = [{"id": f"t.jsonl:{i}", "reason": "r", "step": 3, "attempt": 1 if i < 25 else 2, "t": 0} for i in range(30)]
-    (tmp_path / qv.QUARANTINE_NAME).write_text("".join(__import__("json").dumps(r) + "\n" for r in lines) + '{"id": ')
-    s = qv.summary(qv.read(tmp_path))
+    (tmp_path / rem.QUARANTINE_NAME).write_text("".join(__import__("json").dumps(r) + "\n" for r in lines) + '{"id": ')
+    s = rem.quarantine_summary(rem.read_quarantine(tmp_path))
     assert s["count"] == 30 and len(s["ids"]) == 20 and s["more"] == 10
-    assert [r["id"] for r in qv.incident_fields(tmp_path, 2)["quarantined"]] == [f"t.jsonl:{i}" for i in range(25, 30)]
+    assert [r["id"] for r in rem.quarantine_fields(tmp_path, 2)["quarantined"]] == [f"t.jsonl:{i}" for i in range(25, 30)]
 
 
 def test_state_fields_from_the_files_alone(tmp_path):

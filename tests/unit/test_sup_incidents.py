@@ -9,7 +9,9 @@ import pytest
 from fixtures.fake_supervisor import FakeProcessTable
 from hangwatch.common.rundir import tail_text
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.episode.escalation import DumpCollector, DumpTarget, TreeKiller
+from hangwatch.supervisor.episode.dump_collector import DumpCollector
+from hangwatch.supervisor.episode.tree_killer import TreeKiller
+from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.incidents import (IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
                                             main_stack, parse_faulthandler, stuck_frame)
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.loop.outcome import Intent, Outcome, resolve
-from hangwatch.supervisor.loop.policy import Decision
-from hangwatch.supervisor.loop.states import State
+from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
+from hangwatch.supervisor.rules.policy import Decision
+from hangwatch.supervisor.rules.states import State
 
 FINISH = Decision("finish", "worker exited 0 after stop 'finished'")
 FAIL = Decision("fail", "worker exited 78: configuration error (EX_CONFIG); not restarting")

@@ -10,7 +10,7 @@ import pytest
 
 from fixtures.fake_supervisor import FakeClock, FakeProcessTable
 from hangwatch.supervisor.processes import leftovers
-from hangwatch.supervisor.records import statefile
+from hangwatch.supervisor.records import run_state
 from hangwatch.supervisor.processes.process import ProcRef, PsutilProcessTable, decode_status
 from hangwatch.supervisor.loop.wakeup import Wakeup
 
@@ -106,18 +106,20 @@ def test_signals_are_recorded_in_order_and_wake_the_wait(tmp_path):
 
 
 def test_the_state_record_drops_pids_once_the_tree_is_gone():
-    facts = statefile.RunFacts(restarts=2, last_good_checkpoint="ckpt-4", last_good_step=4)
+    facts = run_state.RunFacts(restarts=2, last_good_checkpoint="ckpt-4", last_good_step=4)
     common = dict(state="backoff", final=False, supervisor=None, worker=None, announced={0: ProcRef(5, 1.0)},
-                  descendants=[ProcRef(6, 2.0)], attempt=3, incidents=1, socket="/s", run_dir="/r", exit_code=0, wall=7.0)
-    gone = statefile.record(facts, tree_gone=True, **common)
+                  descendants=[ProcRef(6, 2.0)], attempt=3, incidents=1, socket="/s", run_dir="/r", exit_code=0, wall=7.0,
+                  restarts=facts.restarts, last_good_checkpoint=facts.last_good_checkpoint,
+                  last_good_step=facts.last_good_step, last_incident=None, torn_lines=0)
+    gone = run_state.record(tree_gone=True, **common)
     assert gone["pids"] == {} and gone["descendants"] == [] and gone["exit_code"] is None and gone["restarts"] == 2
-    live = statefile.record(facts, tree_gone=False, **common)
+    live = run_state.record(tree_gone=False, **common)
     assert live["pids"] == {"0": {"pid": 5, "create_time": 1.0}} and live["supervisor"] == {"pid": os.getpid()}
-    assert statefile.RunFacts.from_previous(gone).last_good_checkpoint == "ckpt-4"
+    assert run_state.RunFacts.from_previous(gone).last_good_checkpoint == "ckpt-4"
 
 
 def test_py_spy_is_found_next_to_the_interpreter_before_path(tmp_path):
-    from hangwatch.supervisor.episode.escalation import find_py_spy
+    from hangwatch.supervisor.episode.dump_collector import find_py_spy
 
     venv_bin, other = tmp_path / "venv" / "bin", tmp_path / "elsewhere"
     venv_bin.mkdir(parents=True)

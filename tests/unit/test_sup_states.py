@@ -5,8 +5,8 @@ import pytest
 
 from hangwatch.common import transitions as common_transitions
 from hangwatch.common.config import RestartCfg
-from hangwatch.supervisor.loop.policy import RestartPolicy
-from hangwatch.supervisor.loop.states import FINAL, TRANSITIONS, IllegalTransition, State, StateMachine
+from hangwatch.supervisor.rules.policy import RestartPolicy
+from hangwatch.supervisor.rules.states import FINAL, TRANSITIONS, IllegalTransition, State, StateMachine
 
 
 def test_every_state_has_a_row_and_final_states_have_no_exit():
@@ -133,7 +133,7 @@ def test_the_supervisor_never_imports_the_training_stack():
     import subprocess
     import sys
 
-    code = ("import sys, hangwatch.supervisor.loop.supervisor, hangwatch.supervisor.processes.snapshot, hangwatch.supervisor.episode.escalation;"
+    code = ("import sys, hangwatch.supervisor.loop.supervisor, hangwatch.supervisor.processes.snapshot, hangwatch.supervisor.episode.dump_collector;"
             "bad = {'torch', 'transformers', 'peft', 'numpy'} & set(sys.modules); print(sorted(bad)); sys.exit(bool(bad))")
     from pathlib import Path
 

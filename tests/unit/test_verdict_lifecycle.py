@@ -14,6 +14,7 @@ from rich.console import Console
 from fixtures.fake_supervisor import FakeProc, Harness
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
+from hangwatch.supervisor.loop.commands import dispatch
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.cli import render
 
@@ -134,7 +135,7 @@ def straggler_is_warned(tmp_path):
         r1.step(step_time_s=0.4)
         h.tick()
     assert h.state == "running" and not [s for _, s in h.table.sent if s in (signal.SIGTERM, signal.SIGKILL)]
-    st = h.sup.commands.handle({"cmd": "status"}, h.clock())["result"]
+    st = dispatch({"cmd": "status"}, h.sup.requests, h.clock())["result"]
     rows = {r["rank"]: r for r in st["ranks"]}
     assert set(rows) == {0, 1} and rows[1]["pid"] == r1.proc.pid and rows[0]["step"] == 6 and rows[1]["phase"] == "train"
     assert rows[0]["last_beat_age_s"] >= 0 and [d["name"] for d in rows[1]["deadlines"]] == ["silence", "step"]

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 from hangwatch.common.transitions import IllegalTransition
 
-__all__ = ["FINAL", "TRANSITIONS", "IllegalTransition", "State", "StateMachine"]
+__all__ = ["ESCALATING", "FINAL", "TRANSITIONS", "WATCHED", "IllegalTransition", "State", "StateMachine"]
 
 
 class State(enum.Enum):
@@ -52,8 +52,20 @@ class State(enum.Enum):
     def final(self) -> bool:
         return self in FINAL
 
+    @property
+    def watched(self) -> bool:
+        """A worker runs (or is about to) and its deadlines apply."""
+        return self in WATCHED
+
+    @property
+    def escalating(self) -> bool:
+        """An episode is under way: snapshot, dumps, the kill."""
+        return self in ESCALATING
+
 
 FINAL = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
+WATCHED = frozenset({State.STARTING, State.RUNNING, State.STOPPING})
+ESCALATING = frozenset({State.STALLED, State.DUMPING, State.KILLING})
 
 S = State
 TRANSITIONS: dict[State, frozenset[State]] = {

@@ -3,7 +3,8 @@
 It records enough for the next supervisor to find what this one leaves behind if it dies:
 its own pid and start time, the worker's pid, process group, session and start time, the pids
 each rank announced and the descendants seen, each with its start time (see `leftovers`).
-`hangwatch status` without a socket and `hangwatch report` read it too.
+`hangwatch status` without a socket and `hangwatch report` read it too.  The loop fills it from its
+read model (`loop.view.state_record`).
 """
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
 from hangwatch.supervisor.processes.process import ProcRef, Worker
-
-if TYPE_CHECKING:
-    from hangwatch.supervisor.loop.supervisor import Supervisor
 
 FORMAT_VERSION = 1
 
@@ -62,14 +60,15 @@ class RunFacts:
         self.last_incident = {"id": inc.id, "kind": inc.kind, "summary": inc.data.get("summary")}
 
 
-def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef],
-           worker: Optional[Worker], announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int,
-           incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
+def record(*, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef], worker: Optional[Worker],
+           announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int, restarts: int,
+           last_good_checkpoint: Optional[str], last_good_step: Optional[int], last_incident: Optional[dict],
+           torn_lines: int, incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
            wall: Optional[float] = None) -> dict:
     """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
     until then the worker stays recorded even after its exit, since its group may still hold processes.
-    `intent`: an operator's request that must outlive this supervisor (a pause: the next supervisor on
-    this run dir starts paused, not training)."""
+    `paused`: an operator's pause must outlive this supervisor (the next supervisor on this run dir
+    starts paused, not training)."""
     return {
         "state": state,
         "updated_wall": time.time() if wall is None else wall,
@@ -78,37 +77,17 @@ def record(facts: RunFacts, *, state: str, final: bool, tree_gone: bool, supervi
         "pids": {} if tree_gone else {str(rank): ref.as_dict() for rank, ref in announced.items()},
         "descendants": [] if tree_gone else [r.as_dict() for r in descendants],
         "attempt": attempt,
-        "restarts": facts.restarts,
-        "last_good_checkpoint": facts.last_good_checkpoint,
-        "last_good_step": facts.last_good_step,
+        "restarts": restarts,
+        "last_good_checkpoint": last_good_checkpoint,
+        "last_good_step": last_good_step,
         "incidents": incidents,
-        "last_incident": facts.last_incident,
-        "torn_lines": facts.torn_lines,
+        "last_incident": last_incident,
+        "torn_lines": torn_lines,
         "socket": socket,
         "run_dir": run_dir,
         "exit_code": exit_code if final else None,
         "intent": "pause" if paused and not final else None,
     }
-
-
-def of_supervisor(sup: "Supervisor", healing: dict) -> dict:
-    """state.json's record of a supervisor as it is now (`healing`: self-healing's fields, read by the caller)."""
-    from hangwatch.supervisor.control import socket_path_for
-    from hangwatch.supervisor.loop.outcome import Intent
-    from hangwatch.supervisor.loop.states import State
-
-    st, cur = sup.lifecycle.state, sup.current
-    data = record(
-        sup.facts, state=st.value, final=st.final, tree_gone=st.final or st in (State.BACKOFF, State.PAUSED),
-        supervisor=sup.table.ref_of(os.getpid()), worker=cur.worker if cur else None,
-        announced=cur.announced_refs() if cur else {}, descendants=cur.tree.values() if cur else (),
-        attempt=sup.attempt, incidents=sup.incidents.count(), run_dir=str(sup.run_dir), exit_code=sup.exit_code,
-        paused=st is State.PAUSED or sup.after_teardown is Intent.PAUSE,
-        socket=str(getattr(sup.control, "path", None) or socket_path_for(sup.cfg, sup.run_dir)))
-    data.update(healing)
-    if sup.nodes is not None:
-        data["nodes"] = sup.nodes.status()  # multi-node: generation, peers, torchrun rounds
-    return data
 
 
 def paused_before(previous: Optional[dict]) -> bool:

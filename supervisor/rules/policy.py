@@ -50,7 +50,8 @@ class RestartPolicy:
         self.attempt_stepped = False
         self.total_restarts = 0
 
-    def attempt_started(self, now: float) -> None:
+    def attempt_started(self, now: float, last_good_step: Optional[int] = None) -> None:
+        """An attempt was spawned; `last_good_step`: the step it resumes from (what `ProgressPolicy` judges by)."""
         self.attempt_started_at = now
         self.attempt_stepped = False
 
@@ -102,3 +103,68 @@ class RestartPolicy:
         self.consecutive += 1
         self.total_restarts += 1
         return Decision("restart", reason, delay_s=self.backoff_s(self.consecutive), rollback=rollback)
+
+
+# ---- the no-progress stop: restarts that fail `restart.no_progress_restarts` times in a row without stepping past
+# the last good step — the step the attempt resumed from — end the run `failed` before the restart budget is spent
+# on hopeless attempts (a resume that never steps, a crash at the same place after every resume).  Unlike the crash
+# loop it does not depend on how fast the attempts fail.  The loop records the `no_progress` incident.
+
+@dataclass
+class NoProgress:
+    """Counts the restarts in a row that ended without a step past their reference step.  `limit` 0: off."""
+
+    limit: int
+    streak: int = 0
+
+    def attempt_ended(self, restart: bool, reference: Optional[int], top: Optional[int]) -> bool:
+        """An attempt failed; `restart`: it was started by a restart (not the run's first); `reference`: the last
+        good step when it started (None: no good checkpoint, step 0); `top`: its highest step (None: none).
+        True when the limit is reached."""
+        if not restart:
+            return False
+        if top is not None and top > (reference if reference is not None else 0):
+            self.streak = 0
+            return False
+        self.streak += 1
+        return self.limit > 0 and self.streak >= self.limit
+
+    def words(self, reference: Optional[int]) -> str:
+        past = f"step {reference}, the last good checkpoint" if reference is not None else "step 0 (no good checkpoint yet)"
+        return f"no progress: {self.streak} restart(s) in a row ended without stepping past {past}"
+
+
+class ProgressPolicy(RestartPolicy):
+    """The restart policy with the no-progress stop: a failure that reaches the limit is a `fail` decision,
+    and `gave_up` says why (the loop turns it into the `no_progress` incident; the alert follows from it).
+
+    The loop hands each attempt's reference step to `attempt_started`: the last good step it resumes from."""
+
+    def __init__(self, cfg: RestartCfg, limit: int):
+        super().__init__(cfg)
+        self.no_progress = NoProgress(limit)
+        self.started = 0
+        self.reference: Optional[int] = None
+        self.attempt_top: Optional[int] = None
+        self.gave_up: Optional[dict] = None
+
+    def attempt_started(self, now: float, last_good_step: Optional[int] = None) -> None:
+        super().attempt_started(now, last_good_step)
+        self.started += 1
+        self.reference = last_good_step
+        self.attempt_top = None
+
+    def observed_step(self, step: int, now: float) -> bool:
+        self.attempt_top = step if self.attempt_top is None else max(self.attempt_top, step)
+        return super().observed_step(step, now)
+
+    def on_failure(self, now: float, reason: str, *, rollback: bool = False) -> Decision:
+        decision = super().on_failure(now, reason, rollback=rollback)
+        hopeless = self.no_progress.attempt_ended(self.started > 1, self.reference, self.attempt_top)
+        if decision.action != "restart" or not hopeless:
+            return decision
+        why = f"{self.no_progress.words(self.reference)} (restart.no_progress_restarts {self.no_progress.limit}); " \
+              f"last failure: {reason}"
+        self.gave_up = {"reason": why, "restarts": self.no_progress.streak, "last_good_step": self.reference,
+                        "attempt_top_step": self.attempt_top, "last_failure": reason}
+        return Decision("fail", why)

@@ -25,8 +25,9 @@ said it restarted first.  Ranks that only waited in (or broke out of) a collecti
 restart is free, so a healthy node's budget is never burnt by a crash-looping peer — which fails cleanly
 on its own budget, and its record saying `failed` ends the others `failed` too.
 
-Pure decisions (`peer_rules`: `peer_cause`, `missing_words`) are functions of what the link saw; `Nodes` keeps the
-little state there is (the attempt's generation, the rendezvous wait) and every method takes `now`.
+Pure decisions (`peer_cause`, `missing_words`, `present_nodes`, at the end of this module) are functions of what
+the link saw; `MultiNode` keeps the little state there is (the attempt's generation, the rendezvous wait) and every
+method takes `now`.  The loop sees it only through the `nodes.seam.Nodes` interface.
 """
 from __future__ import annotations
 
@@ -38,9 +39,13 @@ from typing import Optional
 import structlog
 
 from hangwatch.common.config import Config
-from hangwatch.supervisor.processes.attempt import rdzv_id_for
-from hangwatch.supervisor.nodes.peer_rules import missing_words, present_nodes
+from hangwatch.common.exitcodes import NO_RESTART_CODES
+from hangwatch.supervisor.nodes.node_incident import (amend_exit, amend_late, amend_stall, exit_own_culprit,
+                                                      lost_peer_incident, peer_words)
 from hangwatch.supervisor.nodes.peers import HELPER_LOG_NAME, PeerLink, SpawnHelper, default_node_name, helper_argv, spawn_helper
+from hangwatch.supervisor.nodes.seam import Nodes
+from hangwatch.supervisor.processes.attempt import rdzv_id_for
+from hangwatch.supervisor.rules.policy import FINISH_REASONS, Decision
 
 log = structlog.get_logger("hangwatch")
 
@@ -59,7 +64,7 @@ class Wait:
     startup_armed: bool = False  # every node is here: the startup deadline counts from then
 
 
-class Nodes:
+class MultiNode(Nodes):
     def __init__(self, cfg: Config, run_dir: Path, *, spawn: SpawnHelper = spawn_helper, poke=lambda: None):
         w = cfg.worker
         self.cfg = w
@@ -84,6 +89,10 @@ class Nodes:
         self.outage: Optional[str] = None  # the store went away during the current attempt
 
     # ---- life
+
+    @property
+    def helper_pid(self) -> Optional[int]:
+        return self.link.pid
 
     def start(self, now: float) -> None:
         self.link.start(now)
@@ -164,6 +173,10 @@ class Nodes:
             self.resume_id = self.link.agree_resume(gen, {"path": best["path"], "step": best["step"]} if best else None)
             self.resume_sent_gen, self.resume_sent_at = gen, now
         return False, None
+
+    def resume_point(self, own: Optional[dict], now: float) -> tuple[bool, str]:
+        settled, agreed = self.agreed_resume(own, now)
+        return settled, (agreed or {}).get("path") or ""
 
     def rdzv_id(self) -> str:
         return rdzv_id_for(self.cfg.rdzv_id, self.gen or 0)
@@ -351,6 +364,78 @@ class Nodes:
         due = [d for d in due if d is not None]
         return min(due) if due else None
 
+    # ---- what the loop asks at each turn of an attempt (the `Nodes` seam)
+
+    def while_running(self, now: float, incidents, facts, attempt: int) -> tuple[bool, Optional[str]]:
+        late = self.late_notice(now)
+        if late is not None:
+            amend_late(*late)
+        changed = False
+        words = self.overdue_wait(now)
+        if words:
+            lost_peer_incident(incidents, facts, self, attempt, words)
+            changed = True
+        return changed, self.failed_peer()
+
+    def stall_read(self, ep, attempt, now: float) -> None:
+        """A stall's dumps are read: the incident says what the local ranks and the peers say; the peers hear
+        of it before anything is killed, so a peer whose ranks break when ours go already knows why."""
+        amend_stall(ep, attempt, self.name, ep.peer_notice or self.newer_notice(), now)
+        # Only victims here: leave the bump to the culprit's node (its notice names the culprit); if nobody
+        # bumps, this node does when it restarts (`ready_for_attempt`).
+        if ep.kind != "peer_restart" and ep.own_culprit is not False:
+            inc = ep.incident
+            self.local_failure(ep.kind or "stall", inc.data.get("summary") if inc else ep.reason,
+                               step=inc.data.get("step") if inc else None, rank=inc.data.get("culprit_rank") if inc else None)
+
+    def exit_cause(self, attempt, code: Optional[int], stop_reason: Optional[str]) -> Optional[Decision]:
+        """A worker exit that is not this node's failure (`peer_cause`): a restart at once that leaves the restart
+        budget alone.  None: the policy decides (a finish, a do-not-restart code, this node's own failure)."""
+        if (code == 0 and stop_reason in FINISH_REASONS) or code in NO_RESTART_CODES:
+            return None
+        if code == 0 and stop_reason == "terminated":  # no stop was asked here: a peer node's stop reached our ranks
+            return Decision("restart", f"the ranks stopped at a step boundary without a request on node {self.name} "
+                            "(a peer node was stopped); waiting for it at a new rendezvous (this node's restart budget "
+                            "is untouched)")
+        cause = peer_cause(exit_own_culprit(attempt), self.newer_notice(), None, self.store_lost())
+        if cause is None:
+            return None
+        return Decision("restart", f"{cause}; not a failure of node {self.name} (its restart budget is untouched)")
+
+    def exit_read(self, ep, decision: Decision, attempt, now: float) -> None:
+        """After an exit: the incident says what the local ranks' last words and the peers say; a node that
+        restarts for a reason of its own tells its peers."""
+        own = exit_own_culprit(attempt)
+        ep.own_culprit = own
+        notice = self.newer_notice()
+        amend_exit(ep, self.name, own, notice, None if own else (decision.reason if decision.action == "restart" else None))
+        if notice is None and own is False and ep.incident is not None:
+            self.await_notice(ep.incident, now)
+        if decision.action != "finish" and notice is None and own is not False:
+            self.local_failure(ep.kind or "exit", ep.incident.data.get("summary") if ep.incident else ep.reason,
+                               step=ep.incident.data.get("step") if ep.incident else None)
+
+    def stall_cause(self, ep, now: float) -> None:
+        """A stall's end: free when the evidence puts the culprit elsewhere (`peer_cause`)."""
+        notice = ep.peer_notice or self.newer_notice()
+        cause = peer_cause(ep.own_culprit, notice, self.bump_won(), self.store_lost())
+        if ep.kind == "peer_restart" and ep.peer_notice is not None:
+            cause = f"peer node {ep.peer_notice.get('node')} restarted"  # the peer's doing, whatever ours were in
+        inc = ep.incident
+        if inc is not None and notice is not None and "peer_notice" not in inc.data:
+            inc.data.update(peer_notice=notice)
+            if not ep.own_culprit:
+                inc.data["summary"] = f"{peer_words(notice)}; {inc.data.get('summary')}"
+        if inc is not None and notice is not None and ep.own_culprit is False and inc.kind != "peer_restart":
+            # Only victims here, and a peer said it restarted: this node's incident is a victim's, whichever
+            # deadline fired first (they tie).
+            inc.rekind("peer_restart")
+            ep.kind = "peer_restart"
+        if cause is not None:
+            ep.decision = Decision("restart", f"{cause}; not a failure of node {self.name} (its restart budget is untouched)")
+        if inc is not None and notice is None and ep.own_culprit is False:
+            self.await_notice(inc, now)  # the culprit's node may say why a moment later: the incident is amended then
+
     def status(self) -> dict:
         v = self.link.view
         return {"node": self.name, "nnodes": self.cfg.nnodes, "endpoint": self.endpoint, "generation": v.gen,
@@ -361,3 +446,58 @@ class Nodes:
                 "peers": {name: {"age_s": info.get("age_s"), **{k: (info.get("record") or {}).get(k)
                                                                  for k in ("state", "gen", "attempt")}}
                           for name, info in sorted(v.nodes.items())}}
+
+
+# ---- pure rules, from what the peer link saw (no state, no I/O)
+
+STALE_S = 3.0  # a node whose record has not changed for this long is not present (the helper writes it every 0.5 s)
+
+
+def present_nodes(nodes: dict, gen: int, stale_s: float = STALE_S) -> list[str]:
+    """The nodes alive (their record changed within `stale_s`) whose attempt runs in generation `gen` or later."""
+    out = []
+    for name, info in nodes.items():
+        rec = info.get("record") or {}
+        age = info.get("age_s")
+        if isinstance(age, (int, float)) and age < stale_s and isinstance(rec.get("gen"), int) and rec["gen"] >= gen:
+            out.append(name)
+    return sorted(out)
+
+
+def missing_words(nnodes: int, present: list[str], nodes: dict, since_wall: float, where: str,
+                  stale_s: float = STALE_S) -> str:
+    """"waiting for 1 of 2 nodes at the rendezvous since 10:02:03 (…); missing: b (last seen 4.1 s ago, gen 2)"."""
+    absent = nnodes - len(present)
+    since = time.strftime("%H:%M:%S", time.localtime(since_wall))
+    gone = []
+    for name, info in sorted(nodes.items()):
+        if name in present:
+            continue
+        rec = info.get("record") or {}
+        age = info.get("age_s")
+        seen = f"last seen {age:.1f} s ago" if isinstance(age, (int, float)) else "never seen"
+        gone.append(f"{name} ({seen}, generation {rec.get('gen')}, state {rec.get('state')})")
+    never = absent - len(gone)
+    tail = "; missing: " + ", ".join(gone) if gone else ""
+    if never > 0:
+        tail += f"{'; ' if not gone else ', and '}{never} node(s) never seen at this store"
+    return f"waiting for {absent} of {nnodes} nodes at the rendezvous since {since} ({where}){tail}"
+
+
+def peer_cause(own_culprit: Optional[bool], peer_notice: Optional[dict], own_bump_won: Optional[bool],
+               store_lost: Optional[str] = None) -> Optional[str]:
+    """Why an attempt's end is not this node's fault, or None when it counts against this node's budget.
+
+    `own_culprit`: the node's own ranks hold the culprit (True), only victims — waiting in, or broken out
+    of, a collective — (False), or the evidence cannot tell (None).  `peer_notice`: a peer's notice of a
+    restart newer than this attempt.  `own_bump_won`: this node's bump made the new generation.  `store_lost`: the
+    rendezvous store went away during the attempt (its host node was lost), which ends every node's torchrun."""
+    if own_culprit:
+        return None
+    if peer_notice is not None and not own_bump_won:
+        return f"peer node {peer_notice.get('node')} restarted first"
+    if own_culprit is False:
+        return "local ranks were only waiting for their peers (victims)"
+    if store_lost:
+        return f"the rendezvous store was lost ({store_lost})"
+    return None

@@ -1,4 +1,4 @@
-"""The escalation ladder, as steps the main loop advances without blocking it.
+"""A stall's stack dumps, as steps the main loop advances without blocking it.
 
     DumpCollector: SIGUSR1 to the processes that announced a dump signal (never to a launcher) and, at
                    the same moment, `py-spy dump --native --locals` per pid when installed (time-boxed
@@ -7,17 +7,17 @@
                    file stopped growing for SETTLE_S, bounded by `dump_grace_s`; py-spy holds the step
                    only while it runs.  The `gate` (the stall's process snapshot, taken while the
                    dumps are written) must be passed too; then, for a rank whose main thread waits on
-                   its DataLoader, the workers' stacks (`loader_dumps.WorkerDumps`).
-    TreeKiller:    SIGTERM to the process group → the grace it was given (`term_grace_s` for a
-                   graceful stop, `stuck_term_grace_s` for a worker a deadline found stuck: its main
-                   thread cannot run the handler) → SIGKILL to the group and to every descendant
-                   that left it → the tree gone (or, after `kill_wait_s`, its survivors recorded) →
-                   wait (bounded) until NVML no longer lists the dead pids as holding GPU memory.
+                   its DataLoader, the workers' stacks (`WorkerDumps`).
+    StallDumps:    the same, together with the NCCL flight recorder's dumps (`flight_recorder.FlightDumps`).
+    WorkerDumps:   the second step: the stacks of a rank's DataLoader workers, when its main thread waits on
+                   them — py-spy per worker, time-boxed, or faulthandler through the heartbeat's at-fork hook,
+                   a worker's dump in as soon as it is whole (a fork keeps the stack of the thread that forked
+                   it, down to `<module>` when that was the main thread) or once its file stopped growing.
+                   What the stacks say (which worker is stuck) is `incidents/loader_workers.py`.
 
-Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control
-socket and draining events while a stall is being handled.  Both see processes only through the
-injected `ProcessTable`; neither reaps: the supervisor's loop reaps children in one place each pass
-and records the worker's exit on `Worker`, which is what `TreeKiller` reads.
+Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control socket
+and draining events while a stall is being handled.  Processes are seen only through the injected
+`ProcessTable`; nothing here reaps or kills (that is `tree_killer`).
 """
 from __future__ import annotations
 
@@ -28,15 +28,26 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import structlog
 
-from hangwatch.supervisor.incidents.dumps import parse_faulthandler
-from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
+from hangwatch.common.rundir import forked_dump_path
+from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
+from hangwatch.supervisor.incidents.dumps import main_stack, parse_faulthandler
+from hangwatch.supervisor.incidents.landmarks import read_stack
+from hangwatch.supervisor.incidents.loader_workers import WorkerStack, forked_workers
+from hangwatch.supervisor.processes.attempt import DumpTarget
+from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 
-if TYPE_CHECKING:
-    from hangwatch.supervisor.episode.loader_dumps import WorkerDumps
+
+class SideDumps(Protocol):
+    """Dumps taken beside the stacks within the same grace (the NCCL flight recorder's)."""
+
+    def trigger(self, now: float) -> None: ...
+
+    def settled(self, now: float) -> bool: ...
+
 
 log = structlog.get_logger("hangwatch")
 
@@ -54,14 +65,6 @@ def dump_complete(text: str) -> bool:
         return False
     threads = parse_faulthandler(text)
     return bool(threads) and threads[-1].is_main() and not threads[-1].truncated
-
-
-@dataclass
-class DumpTarget:
-    rank: int
-    ref: ProcRef
-    dump_path: Path
-    offset: int = 0  # size before the signal: only what is appended belongs to this dump
 
 
 @dataclass
@@ -169,7 +172,7 @@ class DumpCollector:
             if size != self._sizes.get(t.rank):
                 self._sizes[t.rank] = size
                 self._changed_at[t.rank] = now
-                self._complete[t.rank] = size > t.offset and dump_complete(_read(t.dump_path, t.offset))
+                self._complete[t.rank] = size > t.offset and dump_complete(read_appended(t.dump_path, t.offset))
             if not self.signalled.get(t.rank) or self._complete.get(t.rank) or self.table.is_gone(t.ref):
                 continue  # nothing to wait for: never signalled, whole already, or gone
             if size <= t.offset or now - self._changed_at[t.rank] < SETTLE_S:
@@ -248,7 +251,7 @@ def py_spy_running(procs, elapsed_s: float, timeout_s: float) -> bool:
     return running
 
 
-def _read(path: Path, offset: int) -> str:
+def read_appended(path: Path, offset: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -258,105 +261,25 @@ def _read(path: Path, offset: int) -> str:
 
 
 @dataclass
-class TreeKiller:
-    """Brings a worker's whole tree down; `refs` are extra processes known to belong to it."""
+class StallDumps(DumpCollector):
+    """The stack dumps of a stall together with the flight-recorder dumps (`flight_recorder.FlightDumps`): both
+    within `grace_s`."""
 
-    worker: Worker
-    refs: list[ProcRef]
-    table: ProcessTable
-    term_grace_s: float
-    gpu_release_timeout_s: float
-    kill_wait_s: float = 30.0  # after SIGKILL, how long to wait for the tree to go before recording survivors
-    gpu_pids: Callable[[], Optional[set[int]]] = lambda: None
-    send_term: bool = True
-    term_at: Optional[float] = None
-    kill_at: Optional[float] = None
-    gone_at: Optional[float] = None
-    done_at: Optional[float] = None
-    killed: list[int] = field(default_factory=list)
-    survivors: list[dict] = field(default_factory=list)
-    gpu_release: dict = field(default_factory=dict)
-    _dead: set[int] = field(default_factory=set)
-
-    def _tree(self) -> list[ProcRef]:
-        members = {r.pid: r for r in self.table.group_members(self.worker.pgid)}
-        for r in self.refs:
-            members.setdefault(r.pid, r)
-        if not self.worker.exited:
-            members.setdefault(self.worker.pid, self.worker.ref)
-        return self.table.alive(members.values())
+    flight: Optional[SideDumps] = None
 
     def begin(self, now: float) -> None:
-        self.term_at = now
-        self.refs = list({r.pid: r for r in self.refs + self.table.descendants(self.worker.pid)}.values())
-        self._dead = {r.pid for r in self.refs} | {self.worker.pid}
-        if self.send_term:
-            self.table.signal_group(self.worker.pgid, signal.SIGTERM)
-        else:
-            self.kill_now(now)
-
-    def kill_now(self, now: float) -> None:
-        self.kill_at = now
-        # the group first, then whoever left it (setsid, double fork), each checked by start time
-        self.table.signal_group(self.worker.pgid, signal.SIGKILL)
-        for r in self._tree():
-            self._dead.add(r.pid)
-            if self.table.signal(r, signal.SIGKILL):
-                self.killed.append(r.pid)
+        super().begin(now)
+        if self.flight is not None:
+            self.flight.trigger(now)
 
     def advance(self, now: float) -> bool:
-        if self.done_at is not None:
+        if self.done:
             return True
-        if self.gone_at is None:
-            # new descendants may still appear until the parent dies: keep collecting them
-            if not self.worker.exited:
-                for r in self.table.descendants(self.worker.pid):
-                    if r.pid not in {x.pid for x in self.refs}:
-                        self.refs.append(r)
-                        self._dead.add(r.pid)
-            left = self._tree()
-            if not left and self.worker.exited:
-                self.gone_at = now
-            elif self.kill_at is None and self.term_at is not None and now - self.term_at >= self.term_grace_s:
-                log.info("sigkill", pids=[r.pid for r in left], grace_s=self.term_grace_s)
-                self.kill_now(now)
-                return False
-            elif self.kill_at is not None and now - self.kill_at >= self.kill_wait_s:
-                # SIGKILL cannot end a process in uninterruptible sleep (state D): record it and go on,
-                # rather than leave the run stuck in `killing` for ever.
-                self.survivors = [self.table.describe(r) for r in left]
-                log.error("sigkill_survivors", survivors=self.survivors, waited_s=round(now - self.kill_at, 3))
-                self.gone_at = now
-            else:
-                return False
-        holding = self.gpu_pids()
-        if holding is None:
-            self.gpu_release = {"checked": False, "reason": "no GPU"}
-            self.done_at = now
-            return True
-        still = sorted(holding & self._dead)
-        if not still or now - self.gone_at >= self.gpu_release_timeout_s:
-            self.gpu_release = {"checked": True, "released": not still, "waited_s": round(now - self.gone_at, 3),
-                                "pids_still_holding": still}
-            self.done_at = now
-            return True
-        return False
-
-    def next_due(self) -> Optional[float]:
-        """The earliest time this killer acts on its own clock — SIGKILL when the grace runs out, the survivors
-        recorded, the GPU wait ended — or None.  (Exits are events: SIGCHLD wakes the loop.)"""
-        if self.done_at is not None or self.term_at is None:
-            return None
-        if self.gone_at is None:
-            return self.term_at + self.term_grace_s if self.kill_at is None else self.kill_at + self.kill_wait_s
-        return self.gone_at + self.gpu_release_timeout_s
-
-    def timings(self) -> dict:
-        t0 = self.term_at
-        rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
-        return {"term_grace_s": self.term_grace_s if self.send_term else None, "sigkill_after_s": rel(self.kill_at),
-                "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
-                "sigterm_sent": self.send_term, "sigkilled_pids": self.killed, "survivors": self.survivors}
+        stacks = super().advance(now)
+        if stacks and self.flight is not None and now - self.started_at < self.grace_s and not self.flight.settled(now):
+            self.done = False  # the stacks are in; the flight recorder is still writing (bounded by grace_s)
+            return False
+        return stacks
 
 
 def find_py_spy(interpreter: str = sys.executable, path: Optional[str] = None) -> Optional[str]:
@@ -366,3 +289,139 @@ def find_py_spy(interpreter: str = sys.executable, path: Optional[str] = None) -
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("py-spy", path=path)
+
+
+@dataclass
+class WorkerTarget:
+    rank: DumpTarget  # the rank it was forked from
+    ref: ProcRef
+    via: str  # "py-spy" | "faulthandler" | "none"
+    dump_path: Optional[Path] = None  # its own faulthandler file (via faulthandler)
+    offset: int = 0
+    spy: Optional[tuple[subprocess.Popen, Path]] = None
+    note: str = ""
+
+    def add_note(self, text: str) -> None:
+        self.note = f"{self.note}; {text}" if self.note else text
+
+
+@dataclass
+class WorkerDumps:
+    """The second step of a stall's dumps: the DataLoader workers of each rank whose main thread waits on its
+    DataLoader (its landmark, `landmarks.read_stack`).  Workers are the rank's forks in the stall's process
+    snapshot (`loader_workers.forked_workers`).  py-spy dumps each (time-boxed) when enabled and found; else
+    faulthandler: the heartbeat's at-fork hook registers it in every child forked from a rank, into a file of
+    its own — a worker is signalled only when that file exists for its pid AND it still runs the rank's
+    command line, checked again just before the signal (a fork that exec'd something else may die of SIGUSR1).
+    A worker py-spy gave no Python stack for falls back to faulthandler.  Bounded like the ranks' dumps:
+    `grace_s` for the files (from the last signal), the py-spy time box for py-spy."""
+
+    procs: list[dict]
+    landmarks: tuple = ()  # the user's (watchdog.landmarks) as `landmarks.Landmark` entries
+    targets: dict[int, WorkerTarget] = field(default_factory=dict)  # by pid
+    begun: bool = False
+    started_at: float = 0.0
+    note: str = ""
+    _table: Optional[ProcessTable] = None
+    _grace_s: float = 0.0
+    _py_spy_timeout_s: float = 0.0
+    _sizes: dict[int, int] = field(default_factory=dict)
+    _changed_at: dict[int, float] = field(default_factory=dict)
+    _complete: dict[int, bool] = field(default_factory=dict)
+
+    def begin(self, now: float, dc: DumpCollector) -> None:
+        self.begun = True
+        self.started_at = now
+        self._table, self._grace_s, self._py_spy_timeout_s = dc.table, dc.grace_s, dc.py_spy_timeout_s
+        texts, spy = dc.texts(), dc.py_spy_texts()
+        exe = dc.py_spy_exe()
+        notes = []
+        for t in dc.targets:
+            stack, truncated = main_stack(texts.get(t.rank, ""))
+            spy_stack, native = py_spy_main_thread(spy.get(t.rank, ""))
+            reading = read_stack(stack or spy_stack, native=native, extra=self.landmarks,
+                                 truncated=truncated and not spy_stack)
+            if reading.kind != "dataloader":
+                continue
+            workers = forked_workers(t.ref.pid, self.procs)
+            notes.append(f"rank {t.rank}: {len(workers)} worker(s)")
+            for rec in workers:
+                self._start(t, rec, exe, dc.out_dir)
+        self.note = "; ".join(notes) or "no rank waits on a DataLoader"
+
+    def _start(self, rank: DumpTarget, rec: dict, exe: Optional[str], out_dir: Optional[Path]) -> None:
+        pid = rec["pid"]
+        ref = ProcRef(pid, rec["create_time"]) if rec.get("create_time") else self._table.ref_of(pid)
+        if ref is None:
+            return
+        target = self.targets[pid] = WorkerTarget(rank, ref, "none")
+        out = out_dir / f"py-spy-rank{rank.rank}-pid{pid}.txt" if out_dir is not None else None
+        spy = start_py_spy(exe, pid, out, []) if exe is not None and out is not None else None
+        if spy is not None:
+            target.via, target.spy = "py-spy", (spy, out)
+        else:
+            self._faulthandler(target)
+
+    def _faulthandler(self, target: WorkerTarget) -> None:
+        path = forked_dump_path(target.rank.dump_path, target.ref.pid)
+        if not path.exists():
+            target.add_note(f"no {path.name}: the rank did not register faulthandler for its forks (hangwatch's heartbeat does)")
+        elif not self._still_a_fork(target.rank.ref, target.ref):
+            target.add_note("not signalled: its command line is no longer the rank's (it may have exec'd another program)")
+        else:
+            target.dump_path, target.offset = path, path.stat().st_size
+            self._sizes[target.ref.pid] = target.offset
+            target.via = "faulthandler" if self._table.signal(target.ref, signal.SIGUSR1) else "none"
+            if target.via == "none":
+                target.add_note("gone before its signal")
+
+    def _still_a_fork(self, rank: ProcRef, worker: ProcRef) -> bool:
+        """The worker runs the rank's command line now, both still the processes recorded."""
+        if not (self._table.matches(rank) and self._table.matches(worker)):
+            return False
+        mine, theirs = self._table.describe(worker).get("cmdline"), self._table.describe(rank).get("cmdline")
+        return bool(mine) and mine == theirs
+
+    def advance(self, now: float) -> bool:
+        elapsed = now - self.started_at
+        spying = py_spy_running([t.spy for t in self.targets.values() if t.spy], elapsed, self._py_spy_timeout_s)
+        for t in self.targets.values():
+            if t.via == "py-spy" and t.spy[0].poll() is not None and not py_spy_main_thread(read_appended(t.spy[1], 0))[0]:
+                t.via, t.spy = "none", None
+                t.add_note("py-spy gave no Python stack")  # e.g. no ptrace permission: faulthandler instead
+                self._faulthandler(t)
+                self.started_at = now  # its grace starts with its signal
+        waiting = False
+        for pid, t in self.targets.items():
+            if t.via != "faulthandler":
+                continue
+            try:
+                size = t.dump_path.stat().st_size
+            except OSError:
+                size = t.offset
+            if size != self._sizes.get(pid):
+                self._sizes[pid] = size
+                self._changed_at[pid] = now
+                self._complete[pid] = size > t.offset and dump_complete(read_appended(t.dump_path, t.offset))
+            if self._complete.get(pid) or self._table.is_gone(t.ref):
+                continue
+            if size <= t.offset or now - self._changed_at[pid] < SETTLE_S:
+                waiting = True  # not written yet, or still growing
+        return (not waiting or now - self.started_at >= self._grace_s) and not spying
+
+    def stacks(self) -> dict[int, list[tuple[WorkerStack, str]]]:
+        """Per rank: each worker's evidence and the raw text of its dump (to keep in the incident)."""
+        by_pid = {p.get("pid"): p for p in self.procs}
+        out: dict[int, list[tuple[WorkerStack, str]]] = {}
+        for pid, t in sorted(self.targets.items()):
+            text, frames, dump, missing = "", [], None, ""
+            if t.via == "py-spy":
+                dump, text = t.spy[1].name, read_appended(t.spy[1], 0)
+                frames, missing = py_spy_main_thread(text)[0], "py-spy gave no Python stack"
+            elif t.via == "faulthandler":
+                dump, text = f"stack-rank{t.rank.rank}-pid{pid}.txt", read_appended(t.dump_path, t.offset)
+                frames, missing = main_stack(text)[0], "its faulthandler file did not grow"
+            note = t.note if frames or not missing else (f"{t.note}; {missing}" if t.note else missing)
+            out.setdefault(t.rank.rank, []).append(
+                (WorkerStack(pid, by_pid.get(pid), frames, t.via if frames else None, dump, note), text))
+        return out

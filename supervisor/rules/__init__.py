@@ -1,0 +1,7 @@
+"""The supervisor's rules: pure decisions and their vocabulary, table-tested, with no I/O.
+
+Owns: the lifecycle states (an Enum whose members know whether they are watched, escalating or final)
+and the only transitions allowed between them; what follows a worker's end (`outcome.resolve`: an
+operator's intent against the restart policy's decision); the restart policy (backoff, crash loop,
+no progress).  May import: `hangwatch.common` only — every other part of the supervisor may import it.
+"""

@@ -1,0 +1,71 @@
+"""What follows once no worker process is left: the one decision, pure and table-tested.
+
+Two things can decide it.  An explicit request (`after_teardown`: stop → STOPPED, pause → PAUSED,
+restart/resume → STARTING at once) always wins.  Without one, the restart policy's `Decision` on
+how the worker ended does: finish → FINISHED, fail → FAILED (with the worker's own do-not-restart
+code as the exit code, else 1), restart → BACKOFF for its delay.  With neither (a backoff or a
+pause that is still running) nothing changes.
+
+The same function serves the three places that ask: the end of a failure episode (the tree is
+gone), a request during BACKOFF, and a request while PAUSED.
+
+The no-progress stop is the restart policy's (`rules.policy.ProgressPolicy`).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK, NO_RESTART_CODES
+from hangwatch.supervisor.rules.policy import Decision
+from hangwatch.supervisor.rules.states import State
+
+
+class Intent(enum.Enum):
+    """What an operator asked to follow the current worker (`none`: let the restart policy decide)."""
+
+    NONE = None
+    EXIT = "exit"  # SIGTERM/SIGINT to the supervisor, `stop`
+    PAUSE = "pause"
+    RESTART = "restart"  # `restart`, `resume`
+    FAIL = "fail"  # the supervisor cannot go on (the disk refused its writes): stop the worker, end failed
+    PEER_FAILED = "peer_failed"  # several nodes: a peer's supervisor ended failed (its crash loop): the run cannot go on
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: State
+    why: str
+    exit_code: int = EXIT_OK
+    delay_s: float = 0.0  # BACKOFF only: how long before the next attempt
+
+
+REQUESTED = {
+    Intent.EXIT: (State.STOPPED, "stop requested", EXIT_OK),
+    Intent.PAUSE: (State.PAUSED, "pause requested", EXIT_OK),
+    Intent.RESTART: (State.STARTING, "restart requested", EXIT_OK),
+    Intent.FAIL: (State.FAILED, "the run cannot go on", EXIT_IOERR),
+    Intent.PEER_FAILED: (State.FAILED, "a peer node failed", EXIT_FAILED),
+}
+
+
+def resolve(intent: Intent, decision: Optional[Decision], exit_code: Optional[int] = None,
+            during: Optional[str] = None, reason: Optional[str] = None) -> Optional[Outcome]:
+    """(request, policy decision, the worker's exit code) → what comes next; None: stay as it is.
+
+    `during` names the state a request arrived in ("backoff", "paused"), for the reason given;
+    `reason` replaces the request's generic words (why a FAIL: "no space left on device at PATH").
+    """
+    if intent is not Intent.NONE:
+        state, why, code = REQUESTED[intent]
+        why = reason or why
+        return Outcome(state, f"{why} during {during}" if during else why, code)
+    if decision is None:
+        return None
+    if decision.action == "finish":
+        return Outcome(State.FINISHED, decision.reason)
+    if decision.action == "fail":
+        return Outcome(State.FAILED, decision.reason, exit_code if exit_code in NO_RESTART_CODES else EXIT_FAILED)
+    when = f"next attempt in {decision.delay_s:g}s" if decision.delay_s > 0 else "restarting at once"
+    return Outcome(State.BACKOFF, f"{decision.reason}; {when}", delay_s=decision.delay_s)
