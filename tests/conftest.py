@@ -1,9 +1,10 @@
-"""pytest fixtures; the helpers themselves live in tests/fixtures/ (imported as `fixtures.*`)."""
+"""pytest fixtures; the helpers themselves live in tests/fixtures/: fakes/ (imported as `fixtures.fakes.*`) and workers/
+(programs run as worker subprocesses)."""
 from __future__ import annotations
 
 import pytest
 
-from fixtures.workers import PYTHON, make_config
+from fixtures.fakes.workers import PYTHON, make_config
 
 
 @pytest.fixture

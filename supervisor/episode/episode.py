@@ -125,7 +125,7 @@ class Episode:
     def peer(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict,
              gen: int) -> "Episode":
         """A peer node restarted (it bumped the generation): dump where the local ranks wait, then restart into
-        generation `gen` with it (multi-node, `supervisor.nodes`)."""
+        generation `gen` with it (multi-node, `nodes.multi_node`)."""
         tr = deadlines.ranks.get(deadlines.main_rank())
         phase, step = (tr.phase, tr.step) if tr else (None, None)
         why = f"peer node {notice.get('node')} restarted (generation {gen}): {notice.get('summary') or notice.get('kind')}"

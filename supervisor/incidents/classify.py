@@ -71,7 +71,7 @@ def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[
 
     Last words (exit.json) first, then the exit code or signal, then what a launcher (torchrun's root
     cause report, `launcher`) says of its failed rank, then the log tail.  A SIGKILL hangwatch did not
-    send is described by `sigkill_cause` (`evidence.sigkill_cause`: the kernel's word, or "unknown").
+    send is described by `sigkill_cause` (`episode.kernel_evidence.sigkill_cause`: the kernel's word, or "unknown").
     """
     lw = last_words or {}
     lw_kind = str(lw.get("kind") or "")

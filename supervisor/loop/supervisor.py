@@ -581,7 +581,7 @@ class Supervisor:
             self._read_beats(now)
             self._read_all = True
             expired = self.deadlines.check(now)
-        if expired is not None and self.nodes.holds(expired, now, self.deadlines, self.current, self.table):
+        if expired is not None and self.nodes.excuses(expired, now, self.deadlines, self.current, self.table):
             return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes`)
         return expired
 

@@ -3,7 +3,7 @@ the earliest deadline.
 
 The loop sleeps in one selector on:
   * a self-pipe: `signal.set_wakeup_fd` writes the signal number into it (and `poke()` a byte);
-  * inotify on the current attempt's heartbeat files (`heartbeats.FileEvents`), read right here —
+  * inotify on the current attempt's heartbeat files (`watch.beat_files.FileEvents`), read right here —
     no thread;
   * the control server's descriptor, when it has one (`extra` in `open`), so a request is answered
     at once however long the loop would sleep;
@@ -15,7 +15,7 @@ Heartbeat writes are coalesced: one pass reads every new line of every rank, and
 after a quiet stretch is read at once; one that comes sooner after the previous read waits for the
 rest of the interval (while signals and control requests still wake the loop).  The wait costs no
 detection time: a line counts from when it was written (its file's modification time,
-`heartbeats.written_at`), and the pass at a deadline reads every pending line before it checks.
+`watch.beat_files.written_at`), and the pass at a deadline reads every pending line before it checks.
 Writes to other files (worker.log) wake nothing.
 
 The one signal recorder lives here: SIGTERM, SIGINT, SIGCHLD, SIGHUP and SIGCONT are only *recorded*

@@ -210,7 +210,7 @@ class MultiNode(Nodes):
                 note = f"torchrun restarted rank {rank} within attempt {attempt} (round {count + 1}); not a fault"
         return note
 
-    def holds(self, expired, now: float, deadlines, attempt, table) -> bool:
+    def excuses(self, expired, now: float, deadlines, attempt, table) -> bool:
         """Whether a deadline that fired is not a stall on a multi-node run (True: `deadlines` were re-armed):
         * torchrun (`worker.max_restarts`) ended the rank and starts a new rendezvous round by itself: like a new
           start, the startup deadline from when every node is back, the lost-peer report before;

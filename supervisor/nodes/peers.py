@@ -14,7 +14,7 @@ drain step (`poll`), so the loop itself never blocks on the helper or the networ
 started again (after RESPAWN_S); what it said stays the view until the new one speaks.
 
 `LinkView` is what the helper said last; `PeerLink` keeps it and sends orders.  The decisions made from
-it are `supervisor.nodes`.
+it are `nodes.multi_node`.
 """
 from __future__ import annotations
 

@@ -79,9 +79,9 @@ class Nodes(abc.ABC):
         """A `start` beat; returns a note for the log when it is torchrun's own restart of a rank."""
 
     @abc.abstractmethod
-    def holds(self, expired: "Expired", now: float, deadlines: "Deadlines", attempt: "Attempt",
+    def excuses(self, expired: "Expired", now: float, deadlines: "Deadlines", attempt: "Attempt",
               table: "ProcessTable") -> bool:
-        """Whether a deadline that fired is no stall (True: `deadlines` were re-armed)."""
+        """Whether the evidence excuses a deadline that fired — it is no stall (True: `deadlines` were re-armed)."""
 
     @abc.abstractmethod
     def while_running(self, now: float, incidents: "IncidentStore", facts: "RunFacts",
@@ -152,7 +152,7 @@ class SingleNode(Nodes):
     def rank_started(self, rec: dict, now: float, attempt: int) -> Optional[str]:
         return None
 
-    def holds(self, expired, now, deadlines, attempt, table) -> bool:
+    def excuses(self, expired, now, deadlines, attempt, table) -> bool:
         return False
 
     def while_running(self, now, incidents, facts, attempt) -> tuple[bool, Optional[str]]:

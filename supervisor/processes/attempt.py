@@ -213,7 +213,7 @@ TakeStandby = Callable[[int, Path, str, float], Optional[Worker]]  # (number, it
 
 
 def rdzv_id_for(base: str, gen: int) -> str:
-    """The rendezvous id of generation `gen` (see `supervisor.nodes`)."""
+    """The rendezvous id of generation `gen` (see `nodes.multi_node`)."""
     return f"{base}-g{gen}"
 
 

@@ -7,8 +7,8 @@ examples/ links to the repo's: the command's relative paths reach the repo's scr
 (`../../runs/examples/...`) and whatever else the config puts beside it land in the scratch tree.  A test
 run leaves nothing in the repo, and checks that no example writes there.
 
-The lines an example adds for hangwatch end with `# hangwatch`; the issue allows at most 3 for an HF
-Trainer or Lightning script, and examples/README.md states each example's count.  Those checks read files
+The lines an example adds for hangwatch end with `# hangwatch`; an HF Trainer or Lightning script may have at
+most 3, and examples/README.md states each example's count.  Those checks read files
 only.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ CONFIGS = REPO / "configs" / "examples"
 
 E2E = [pytest.mark.e2e, pytest.mark.slow]
 
-# The issue: examples for a plain loop, an HF Trainer, Lightning and accelerate, each with a config.
+# The examples there must be: a plain loop, an HF Trainer, Lightning and accelerate, each with a config.
 REQUIRED = {"plain_loop.py", "hf_trainer.py", "lightning_train.py", "accelerate_loop.py"}
 # "Lines a user adds to an existing Trainer or Lightning script: at most 3."
 AT_MOST_3 = ("hf_trainer.py", "lightning_train.py")
@@ -103,7 +103,7 @@ def test_hangwatch_lines_are_marked_and_few_enough(script):
     lines = hangwatch_lines(script)
     assert lines, f"{script.name}: no line ends with `# hangwatch` (mark every line hangwatch adds)"
     if script.name in AT_MOST_3:
-        assert len(lines) <= 3, f"{script.name}: {len(lines)} hangwatch lines, the issue allows 3:\n" + "\n".join(lines)
+        assert len(lines) <= 3, f"{script.name}: {len(lines)} hangwatch lines, at most 3 are allowed:\n" + "\n".join(lines)
 
 
 def test_examples_readme_states_each_examples_line_count():

@@ -1,11 +1,11 @@
-"""The issue's Must-show for transformers: a real `Trainer` run (tiny Llama built from a config, CPU) under
+"""A hung eval under transformers: a real `Trainer` run (tiny Llama built from a config, CPU) under
 `hangwatch run` with the shipped HangwatchCallback, whose eval `generate()` never finishes on attempt 1 (EOS
 suppressed, `max_new_tokens` of a million) after a newer checkpoint was made not-good by a NaN loss.
 
 It must be caught by the generate budget (a livelock or stall of the `generate` phase), the incident's
 summary must name `generate` and the user's callback that called it, attempt 2 must be handed the last
 *good* checkpoint through HANGWATCH_RESUME_FROM (checkpoint-4, not the newer checkpoint-8) and resume there,
-and the run must finish.  The script is tests/fixtures/hf_hung_eval.py; it records what each attempt got.
+and the run must finish.  The script is tests/fixtures/workers/hf_hung_eval.py; it records what each attempt got.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import yaml
 from hangwatch.common.protocol import decode_line
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "tests" / "fixtures" / "hf_hung_eval.py"
+FIXTURE = REPO / "tests" / "fixtures" / "workers" / "hf_hung_eval.py"
 GENERATE_BUDGET_S = 6
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

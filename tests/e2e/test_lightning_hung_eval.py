@@ -1,6 +1,6 @@
 """The hung-eval scenario for Lightning, under `hangwatch run` as a user starts it: examples/lightning_train.py
 (HangwatchCallback, ModelCheckpoint every 2 steps, a validation that generates) with the faults of
-tests/fixtures/lightning_hung_eval.py in attempt 1:
+tests/fixtures/workers/lightning_hung_eval.py in attempt 1:
 
   step 7's loss is NaN             → the step-6 checkpoint, newer than step 4's, is not good;
   validation after step 8 generates with EOS suppressed and a huge max_new_tokens → generate() never returns.
@@ -24,7 +24,7 @@ import yaml
 from hangwatch.common.protocol import decode_line
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "tests" / "fixtures" / "lightning_hung_eval.py"
+FIXTURE = REPO / "tests" / "fixtures" / "workers" / "lightning_hung_eval.py"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fixtures.nodes import (incidents_of, node_configs, run_dir_of, shared_dir_of, start_node, steps_seen, wait_all,
-                            wait_for)
+from fixtures.fakes.nodes import (incidents_of, node_configs, run_dir_of, shared_dir_of, start_node, steps_seen,
+                                  wait_all, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from hangwatch.supervisor.cli.main import main
 from hangwatch.common.config import reference_text
-from fixtures.polled_server import PolledServer
+from fixtures.fakes.polled_server import PolledServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -366,7 +366,7 @@ def test_usage_errors_exit_64(argv):
     assert r.exit_code == 64, r.output
 
 
-# ---- what each command loads (issue 17: a client command pays only for what it needs) ------------------
+# ---- what each command loads (a client command pays only for what it needs) ----------------------------
 
 HEAVY = ("pydantic", "yaml", "structlog", "rich", "torch", "transformers", "numpy", "jinja2", "tokenizers")
 

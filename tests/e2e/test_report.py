@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures.sup_harness import FAST_WATCHDOG, PY, ROOT, env, incidents, run_supervisor, state
+from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
+from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "scripts" / "install-service.sh"
 HANGWATCH = REPO / ".venv" / "bin" / "hangwatch"
-MAX_EXPOSURE = 5.0  # the bar; the README quotes the measured figure
+MAX_EXPOSURE = 5.0  # the most exposure the shipped unit may rate; the README quotes the measured figure
 
 
 def install(*args, check: bool = False) -> subprocess.CompletedProcess:

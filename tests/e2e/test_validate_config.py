@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures.sup_harness import attempts, state, write_config
-from fixtures.workers import make_config
+from fixtures.fakes.sup_harness import attempts, state, write_config
+from fixtures.fakes.workers import make_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from fixtures.sup_harness import incidents, run_supervisor, start_supervisor, state, wait_for, write_config
+from fixtures.fakes.sup_harness import incidents, run_supervisor, start_supervisor, state, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.continuous_support import example_ids, good_file, inbox_config, leftovers, ledger, names_in, replay_log
-from fixtures.workers import read_beats, start_worker, wait_for_beat
+from fixtures.fakes.continuous_support import example_ids, good_file, inbox_config, leftovers, ledger, names_in, replay_log
+from fixtures.fakes.workers import read_beats, start_worker, wait_for_beat
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.inbox.publish import publish

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 
-from fixtures.workers import ROOT, read_beats, safetensors_raw, start_worker, wait_for_beat, worker_env  # noqa: E402
+from fixtures.fakes.workers import ROOT, read_beats, safetensors_raw, start_worker, wait_for_beat, worker_env  # noqa: E402
 from hangwatch.common.inbox_layout import Stage  # noqa: E402
-from fixtures.continuous_support import (  # noqa: E402
+from fixtures.fakes.continuous_support import (  # noqa: E402
     drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, replay_log,
 )
 

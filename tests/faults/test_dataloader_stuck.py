@@ -2,7 +2,7 @@
 DataLoader and names the stuck worker process and its frame — through py-spy, and through the faulthandler the
 heartbeat registers in every fork of the rank (watchdog.py_spy: false).
 
-The fixture (tests/fixtures/dataloader_stuck.py, a plain PyTorch loop with `DataLoader(num_workers=2)`) writes
+The fixture (tests/fixtures/workers/dataloader_stuck.py, a plain PyTorch loop with `DataLoader(num_workers=2)`) writes
 the pid of the worker that blocks to a file: the truth the incident is compared with.  One attempt per row:
 `max_restarts: 0` ends the run at the first incident instead of paying for a second torch import."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures.sup_harness import FAST_WATCHDOG, PY, ROOT, incidents, run_supervisor, wait_no_strays
+from fixtures.fakes.sup_harness import PY, ROOT, incidents, run_supervisor, wait_no_strays
+from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
-FIXTURE = ROOT / "tests" / "fixtures" / "dataloader_stuck.py"
+FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "dataloader_stuck.py"
 
 pytestmark = pytest.mark.slow
 

@@ -30,8 +30,8 @@ from typing import Optional
 import pytest
 import yaml
 
-from fixtures.sup_harness import PY, ROOT, alive, env, incidents, spawned_pids, state, wait_no_strays
-from fixtures.workers import make_config
+from fixtures.fakes.sup_harness import PY, ROOT, alive, env, incidents, spawned_pids, state, wait_no_strays
+from fixtures.fakes.workers import make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the shared run is awaited by the first test
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.workers import (end_torchrun, losses_by_step, make_config, rank_pids, read_beats, run_worker,
-                              safetensors_raw, seeded_rng, start_torchrun_worker, wait_for_beat)
+from fixtures.fakes.workers import (end_torchrun, losses_by_step, make_config, rank_pids, read_beats, run_worker,
+                                    safetensors_raw, seeded_rng, start_torchrun_worker, wait_for_beat)
 
 NPROC = 2
 MAX_STEPS = 16

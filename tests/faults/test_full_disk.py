@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.workers import make_config
+from fixtures.fakes.workers import make_config
 from hangwatch.common.exitcodes import EXIT_IOERR
 from hangwatch.daemon import checkpoint as ck
 

@@ -1,7 +1,7 @@
 """Twenty stack dumps of a real transformers model in the middle of a `generate()` that never returns, taken at
 random moments: every one reads `generate`, called from the script's `on_evaluate` — wherever the sample landed
 (the model's forward, attention, a logits processor, the stopping criterion's heartbeat write, the streamer's
-tokenizer decode).  One subprocess (tests/fixtures/landmark_generate.py, a LoRA-wrapped tiny Llama) is signalled
+tokenizer decode).  One subprocess (tests/fixtures/workers/landmark_generate.py, a LoRA-wrapped tiny Llama) is signalled
 20 times; each dump is read from the bytes it appended, once they stop growing, by the supervisor's own code."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.sup_harness import PY, ROOT, env
+from fixtures.fakes.sup_harness import PY, ROOT, env
 from hangwatch.supervisor.incidents import main_stack
 from hangwatch.supervisor.incidents.landmarks import read_stack
 
-FIXTURE = ROOT / "tests" / "fixtures" / "landmark_generate.py"
+FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "landmark_generate.py"
 SAMPLES = 20
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ from pathlib import Path
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon.inbox.intake import Inbox
 
-from fixtures.inbox_support import CountingOps, jsonl, sim_intake, sim_train, validator, where, write  # noqa: E402
+from fixtures.fakes.inbox_support import CountingOps, jsonl, sim_intake, sim_train, validator, where, write  # noqa: E402
 
-SUPPORT = Path(__file__).resolve().parents[1] / "fixtures" / "inbox_support.py"
+SUPPORT = Path(__file__).resolve().parents[1] / "fixtures" / "fakes" / "inbox_support.py"
 
 
 def run_child(*args: str) -> subprocess.CompletedProcess:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from fixtures.sup_harness import (FAST_WATCHDOG, PY, ROOT, alive, attempt_pids, incidents, spawned_pids, start_supervisor,
-                                  wait_no_strays)
+from fixtures.fakes.sup_harness import (PY, ROOT, alive, attempt_pids, incidents, spawned_pids, start_supervisor,
+                                        wait_no_strays)
+from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
-FIXTURE = ROOT / "tests" / "fixtures" / "ddp_spin.py"
+FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "ddp_spin.py"
 STALLS = 10
 
 def config(tmp_path: Path) -> tuple[Path, Path]:

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 import pytest
 
-from fixtures.sup_harness import ROOT, env
-from fixtures.workers import PYTHON
+from fixtures.fakes.sup_harness import ROOT, env
+from fixtures.fakes.workers import PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures.sup_harness import PY, ROOT, env, incidents, state, wait_no_strays
-from fixtures.workers import safetensors_raw
+from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, state, wait_no_strays
+from fixtures.fakes.workers import safetensors_raw
 
 pytestmark = pytest.mark.slow
 

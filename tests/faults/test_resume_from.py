@@ -1,5 +1,5 @@
 """Resume from the last *good* checkpoint, for a script that is not the built-in worker: the real
-supervisor (`python -m hangwatch.supervisor run`) runs tests/fixtures/ckpt_worker.py, which announces
+supervisor (`python -m hangwatch.supervisor run`) runs tests/fixtures/workers/ckpt_worker.py, which announces
 two checkpoints and spoils the newer one with a NaN loss before dying; the next attempt must be
 handed the older one in HANGWATCH_RESUME_FROM, and the record must say why the newer one is not good.
 """
@@ -10,11 +10,12 @@ import json
 import pytest
 import yaml
 
-from fixtures.sup_harness import FAST_WATCHDOG, ROOT, attempts, run_supervisor, state, wait_no_strays
+from fixtures.fakes.sup_harness import ROOT, attempts, run_supervisor, state, wait_no_strays
+from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
 pytestmark = pytest.mark.slow
 
-CKPT_WORKER = ROOT / "tests" / "fixtures" / "ckpt_worker.py"
+CKPT_WORKER = ROOT / "tests" / "fixtures" / "workers" / "ckpt_worker.py"
 
 
 def test_a_foreign_worker_resumes_from_the_last_good_checkpoint_not_the_newest(tmp_path):

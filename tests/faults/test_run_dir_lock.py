@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from fixtures.sup_harness import PY, start_supervisor, write_config
+from fixtures.fakes.sup_harness import PY, start_supervisor, write_config
 from hangwatch.common.exitcodes import EX_CANTCREAT
 from hangwatch.supervisor.records.runlock import LOCK_NAME, RunDirBusy, RunLock
 

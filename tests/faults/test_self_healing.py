@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from fixtures.sup_harness import incidents, run_supervisor
-from fixtures.workers import make_config, read_beats
+from fixtures.fakes.sup_harness import incidents, run_supervisor
+from fixtures.fakes.workers import make_config, read_beats
 
 pytestmark = pytest.mark.slow
 

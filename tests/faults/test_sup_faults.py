@@ -1,4 +1,4 @@
-"""Fault injection on real subprocesses: small heartbeat-writing scripts (tests/fixtures/hbworker.py).
+"""Fault injection on real subprocesses: small heartbeat-writing scripts (tests/fixtures/workers/hbworker.py).
 
 Each test runs `python -m hangwatch.supervisor run` on a config whose worker misbehaves on attempt 1 and
 behaves on attempt 2, then checks the deadline that fired, the incident (kind, classification,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.sup_harness import attempts, incidents, recorded_pids, run_supervisor, state, wait_no_strays, write_config
+from fixtures.fakes.sup_harness import attempts, incidents, recorded_pids, run_supervisor, state, wait_no_strays, write_config
 
 pytestmark = pytest.mark.slow
 

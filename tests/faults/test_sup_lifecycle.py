@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from fixtures.sup_harness import (HBWORKER, PY, attempts, run_supervisor, start_supervisor, state, strays,
-                                  wait_for, wait_no_strays, write_config)
+from fixtures.fakes.sup_harness import (HBWORKER, PY, attempts, run_supervisor, start_supervisor, state, strays,
+                                        wait_for, wait_no_strays, write_config)
 from hangwatch.common.config import load_config
 from hangwatch.supervisor.loop.supervisor import Supervisor
 

@@ -24,8 +24,8 @@ import psutil
 import pytest
 import yaml
 
-from fixtures.workers import safetensors_raw
-from fixtures.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
+from fixtures.fakes.workers import safetensors_raw
+from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
 
 pytestmark = pytest.mark.slow
 

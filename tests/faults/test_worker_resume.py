@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.workers import make_config, read_beats, start_worker, wait_for_beat
+from fixtures.fakes.workers import make_config, read_beats, start_worker, wait_for_beat
 
 MAX_STEPS = 36
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fixtures.workers import make_config, read_beats, start_worker, wait_for_beat
+from fixtures.fakes.workers import make_config, read_beats, start_worker, wait_for_beat
 
 
 @pytest.mark.slow

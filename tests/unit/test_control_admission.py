@@ -2,7 +2,7 @@
 per-process cap, over-long lines closed at once, empty lines answered, refused peers let go.
 
 The decisions are table-tested as pure functions; the server's use of them runs against real Unix
-sockets, polled from the test's own thread on a fake clock (fixtures.control_peers)."""
+sockets, polled from the test's own thread on a fake clock (fixtures.fakes.control_peers)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,8 @@ from typing import Optional
 import pytest
 import structlog
 
-from fixtures.control_peers import Deferred, Peer, raw
-from fixtures.polled_server import PolledServer
+from fixtures.fakes.control_peers import Deferred, Peer, raw
+from fixtures.fakes.polled_server import PolledServer
 from hangwatch.supervisor.cli.client import Client, DaemonUnavailable
 from hangwatch.supervisor.control import PeerCred, PeerPolicy
 from hangwatch.supervisor.control.admission import Limits, admit, eviction_key, oldest_idle

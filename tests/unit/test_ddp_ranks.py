@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fixtures.workers import make_config
+from fixtures.fakes.workers import make_config
 from hangwatch.common.config import ConfigError, load_config
 from hangwatch.daemon.distributed import World, ordered_sum, wait_beating, world_size_from_env
 from hangwatch.daemon.resume_compat import check_resume_compatible, fingerprint

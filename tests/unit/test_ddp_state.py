@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 
-from fixtures.workers import make_config
+from fixtures.fakes.workers import make_config
 from hangwatch.common.config import FaultCfg, load_config
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ShuffledEpochs, validate_file

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import pytest
 
-from fixtures.fake_supervisor import DUMP, FakeProcessTable, Harness
+from fixtures.fakes.fake_supervisor import DUMP, FakeProcessTable, Harness
 from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.processes import process
 from hangwatch.supervisor.episode.dump_collector import SETTLE_S, DumpCollector, dump_complete

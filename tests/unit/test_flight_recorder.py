@@ -1,7 +1,7 @@
 """The NCCL flight recorder, with fakes (no GPU here): the environment a worker gets, the pipe poke (a FIFO made in
 tmp_path, read back the way torch reads it: O_RDONLY|O_NONBLOCK), the dump settle, the data-only decoding.
 
-tests/fixtures/ddp_fr_trace_gloo.pkl is a real flight-recorder dump from torch 2.13 (gloo, 2 ranks, rank 0 with an
+tests/fixtures/workers/ddp_fr_trace_gloo.pkl is a real flight-recorder dump from torch 2.13 (gloo, 2 ranks, rank 0 with an
 all_reduce that rank 1 never joined), written by torch's own `_dump_fr_trace`: the same dump code that serves the
 NCCL dump pipe."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fake_supervisor import FakeProcessTable
+from fixtures.fakes.fake_supervisor import FakeProcessTable
 from hangwatch.common.config import Config
 from hangwatch.supervisor.processes.attempt import worker_env
 from hangwatch.supervisor.episode.dump_collector import StallDumps
@@ -21,7 +21,7 @@ from hangwatch.supervisor.episode.flight_recorder import DataOnlyUnpickler, Flig
 from hangwatch.supervisor.processes.attempt import FlightPaths, flight_env
 from hangwatch.supervisor.incidents import IncidentStore
 
-REAL_DUMP = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_fr_trace_gloo.pkl"
+REAL_DUMP = Path(__file__).resolve().parents[1] / "fixtures" / "workers" / "ddp_fr_trace_gloo.pkl"
 
 
 def test_the_worker_gets_torchs_flight_recorder_settings_unless_the_user_set_them(tmp_path):

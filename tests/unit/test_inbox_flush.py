@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from fixtures.continuous_support import good_file, inbox_config, ledger, leftovers, names_in
-from fixtures.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox
-from fixtures.workers import make_config
+from fixtures.fakes.continuous_support import good_file, inbox_config, ledger, leftovers, names_in
+from fixtures.fakes.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox
+from fixtures.fakes.workers import make_config
 from hangwatch.common.config import load_config
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon import checkpoint as ckpt

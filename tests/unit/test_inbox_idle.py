@@ -14,7 +14,7 @@ from hangwatch.daemon.inbox.idle import FLUSH, IDLE, IdlePolicy
 from hangwatch.daemon.inbox.source import ContinuousSource
 from hangwatch.daemon.signals import StopRequest
 
-from fixtures.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox, jsonl, validator  # noqa: E402
+from fixtures.fakes.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox, jsonl, validator  # noqa: E402
 
 STEP = 4  # examples in a full step
 

@@ -14,7 +14,7 @@ from hangwatch.daemon.inbox.assess import validate_only
 from hangwatch.daemon.inbox.intake import Inbox
 from hangwatch.daemon.inbox.publish import publish
 
-from fixtures.inbox_support import jsonl, validator, write  # noqa: E402
+from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 
 def start(run_dir: Path, **kw) -> Inbox:

@@ -12,7 +12,7 @@ from hangwatch.daemon.inbox.intake import Inbox
 from hangwatch.daemon.inbox.position import PositionError
 from hangwatch.daemon.inbox.source import ContinuousSource
 
-from fixtures.inbox_support import jsonl, validator, write  # noqa: E402
+from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 
 def queue_files(run: Path, files: dict[str, str], on_bad_lines: str = "reject_file") -> dict[str, str]:

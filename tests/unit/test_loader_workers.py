@@ -10,7 +10,7 @@ import signal
 import pytest
 from rich.console import Console
 
-from fixtures.fake_supervisor import FakeProcessTable, Harness
+from fixtures.fakes.fake_supervisor import FakeProcessTable, Harness
 from hangwatch.common.rundir import dump_path_for
 from hangwatch.supervisor.cli import render
 from hangwatch.supervisor.episode.dump_collector import DumpCollector
@@ -33,7 +33,7 @@ FORKED_FROM = f"""\
   File "{TRAIN}", line 59 in main
   File "{TRAIN}", line 69 in <module>
 """
-# What faulthandler wrote in the two workers of tests/fixtures/dataloader_stuck.py (torch 2.13), abridged.
+# What faulthandler wrote in the two workers of tests/fixtures/workers/dataloader_stuck.py (torch 2.13), abridged.
 IDLE_DUMP = f"""Current thread 0x00007f94a7021b80 (most recent call first):
   File "{LIB}/selectors.py", line 415 in select
   File "{LIB}/multiprocessing/connection.py", line 947 in wait

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fake_supervisor import Harness
+from fixtures.fakes.fake_supervisor import Harness
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import heartbeat_path

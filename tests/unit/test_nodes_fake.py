@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from fixtures.fake_supervisor import FakeHelper, Harness
+from fixtures.fakes.fake_supervisor import FakeHelper, Harness
 from hangwatch.supervisor.nodes.multi_node import missing_words, peer_cause, present_nodes
 
 NODE = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "rdzv_id": "pair", "node_name": "a", "rdzv_timeout_s": 20}

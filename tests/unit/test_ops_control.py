@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
-from fixtures.control_peers import Deferred, Later, Peer, raw
-from fixtures.polled_server import PolledServer
-from fixtures.sup_harness import wait_for
+from fixtures.fakes.control_peers import Deferred, Later, Peer, raw
+from fixtures.fakes.polled_server import PolledServer
+from fixtures.fakes.sup_harness import wait_for
 from hangwatch.supervisor.cli.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
 from hangwatch.supervisor.control import (
     SOCKET_PATH_FILE,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import pytest
 
-from fixtures.fake_supervisor import FakeProcessTable, FakeWorker, Harness
+from fixtures.fakes.fake_supervisor import FakeProcessTable, FakeWorker, Harness
 from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures.workers import make_config, read_beats, run_in_process
+from fixtures.fakes.workers import make_config, read_beats, run_in_process
 
 from hangwatch.daemon.data import Example, ShuffledEpochs
 from hangwatch.daemon.errors import DataError

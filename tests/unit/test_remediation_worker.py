@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from fixtures.workers import make_config, read_beats, run_in_process
+from fixtures.fakes.workers import make_config, read_beats, run_in_process
 
 from hangwatch.common.config import load_config
 from hangwatch.supervisor.records.remediation import OomRemediation, Setting

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from fixtures.fake_supervisor import Harness
+from fixtures.fakes.fake_supervisor import Harness
 from hangwatch.supervisor.ops import logsetup
 
 

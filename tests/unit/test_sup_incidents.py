@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from fixtures.fake_supervisor import FakeProcessTable
+from fixtures.fakes.fake_supervisor import FakeProcessTable
 from hangwatch.common.rundir import tail_text
 from hangwatch.supervisor.processes import process
 from hangwatch.supervisor.episode.dump_collector import DumpCollector
@@ -295,7 +295,7 @@ def test_an_incident_can_change_kind_once_the_evidence_is_in(tmp_path):
 
 
 def test_a_stall_without_a_landmark_says_so_and_names_the_users_frame(tmp_path):
-    from fixtures.fake_supervisor import Harness
+    from fixtures.fakes.fake_supervisor import Harness
 
     h = Harness(tmp_path, proc={"term": "die", "stuck_in": "_poll_shard_ready"})
     h.running()
@@ -310,7 +310,7 @@ def test_a_stall_without_a_landmark_says_so_and_names_the_users_frame(tmp_path):
 
 
 def test_a_fatal_signals_dump_names_the_call_it_died_in(tmp_path):
-    from fixtures.fake_supervisor import Harness
+    from fixtures.fakes.fake_supervisor import Harness
 
     h = Harness(tmp_path, proc={"term": "die"})
     w = h.running()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fixtures.fake_supervisor import FakeClock, FakeProcessTable
+from fixtures.fakes.fake_supervisor import FakeClock, FakeProcessTable
 from hangwatch.supervisor.processes import leftovers
 from hangwatch.supervisor.records import run_state
 from hangwatch.supervisor.processes.process import ProcRef, PsutilProcessTable, decode_status

@@ -11,7 +11,7 @@ from hangwatch.supervisor.episode.rank_evidence import source_line
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 
-# What faulthandler wrote for rank 0 of tests/fixtures/ddp_spin.py under torchrun (gloo, torch 2.13), and for rank 1.
+# What faulthandler wrote for rank 0 of tests/fixtures/workers/ddp_spin.py under torchrun (gloo, torch 2.13), and for rank 1.
 RANK0_ALL_REDUCE = f"""\
 Current thread 0x00007ff92aff3b80 (most recent call first):
   File "{TORCH}/distributed/distributed_c10d.py", line 3252 in all_reduce
@@ -114,7 +114,7 @@ def test_py_spys_main_thread_is_found_and_split_into_python_and_native_frames():
 
 CASES = [
     # name, evidence, culprit, roles, summary start
-    ("the issue's job: rank 1 spins, rank 0 waits in all_reduce",
+    ("a foreign job: rank 1 spins, rank 0 waits in all_reduce",
      [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))], 1, ["victim", "culprit"],
      "rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); rank 0 waiting in all_reduce"),
     ("the culprit blocked in C, not spinning",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fixtures.fake_supervisor import FakeProc, Harness
+from fixtures.fakes.fake_supervisor import FakeProc, Harness
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
 from hangwatch.supervisor.loop.commands import dispatch

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures.workers import make_config, read_beats, run_in_process
+from fixtures.fakes.workers import make_config, read_beats, run_in_process
 from hangwatch.daemon import checkpoint as ckpt
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fixtures.workers import make_config, run_in_process, write_jsonl
+from fixtures.fakes.workers import make_config, run_in_process, write_jsonl
 from hangwatch.daemon.data import IGNORE_INDEX, ShuffledEpochs, validate_file
 from hangwatch.daemon.model import build_tiny_tokenizer
 from hangwatch.common.config import load_config

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from fixtures.workers import losses_by_step, make_config, read_beats, run_in_process
+from fixtures.fakes.workers import losses_by_step, make_config, read_beats, run_in_process
 
 from hangwatch.common.config import ConfigError, load_config
 from hangwatch.daemon import model as M

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 
-from fixtures.workers import make_config, read_beats, run_in_process
+from fixtures.fakes.workers import make_config, read_beats, run_in_process
 
 
 def exit_words(run, attempt=1):

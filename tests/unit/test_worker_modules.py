@@ -7,7 +7,7 @@ import io
 import torch
 from safetensors.torch import load_file
 
-from fixtures.workers import make_config, run_in_process
+from fixtures.fakes.workers import make_config, run_in_process
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.faults import FaultPlan
 from hangwatch.daemon.export import load_final

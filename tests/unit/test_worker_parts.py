@@ -15,7 +15,7 @@ from hangwatch.daemon.heartbeat import Heartbeat, NullHeartbeat
 from hangwatch.daemon.resume_compat import check_resume_compatible, fingerprint, fingerprint_differences
 from hangwatch.daemon.trainer.schedule import WarmupCosine
 
-from fixtures.workers import make_config
+from fixtures.fakes.workers import make_config
 
 
 def public_methods(cls) -> set[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fake_supervisor import Harness
+from fixtures.fakes.fake_supervisor import Harness
 from hangwatch.common.durable import TMP_PREFIX, FsOps
 from hangwatch.common.exitcodes import EXIT_IOERR
 

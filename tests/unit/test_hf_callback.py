@@ -25,8 +25,6 @@ from hangwatch.daemon.integrations.transformers import (HangwatchCallback, check
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 MAX_STEPS, EVERY, NAN_AT_STEP, PREDICT_AT_STEP, NEW_TOKENS, PROGRESS_EVERY = 8, 4, 6, 3, 10, 4
 
 

@@ -124,6 +124,7 @@ def test_sampling_2048_tokens_with_an_eos_never_emitted(tmp_path):
     assert "never emitted" in f.summary and "2048" in f.summary and "suppress_tokens" in f.fix
 
 
+@pytest.mark.e2e
 def test_lr_one_fails_and_stops_the_run(tmp_path):
     path = config(tmp_path, "lr", train={"lr": 1.0})
     f = findings(path, cheap=True)["learning rate"]

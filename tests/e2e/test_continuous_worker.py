@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 
-from fixtures.workers import read_beats, run_worker, start_worker, wait_for_beat  # noqa: E402
+from fixtures.fakes.workers import read_beats, run_worker, start_worker, wait_for_beat  # noqa: E402
 from hangwatch.common.inbox_layout import Stage, queue_status  # noqa: E402
 from hangwatch.daemon.inbox.publish import publish  # noqa: E402
-from fixtures.continuous_support import (  # noqa: E402
+from fixtures.fakes.continuous_support import (  # noqa: E402
     drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, read_jsonl, report, sha16,
 )
 

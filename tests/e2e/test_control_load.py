@@ -1,6 +1,5 @@
-"""The control socket of a real `hangwatch run` under load (issue 11, defect 7): idle connections by
-the hundred, a full connection table, 200 requests at once and 8 MB lines; `status` is answered
-throughout."""
+"""The control socket of a real `hangwatch run` under load: idle connections by the hundred, a full connection
+table, 200 requests at once and 8 MB lines; `status` is answered throughout, each time within STATUS_BOUND_S."""
 from __future__ import annotations
 
 import json
@@ -12,12 +11,14 @@ import time
 
 import pytest
 
-from fixtures.sup_harness import PY, env, start_supervisor, wait_for, wait_no_strays, write_config
+from fixtures.fakes.sup_harness import PY, env, start_supervisor, wait_for, wait_no_strays, write_config
 from hangwatch.supervisor.cli.client import Client, ClientError
 from hangwatch.supervisor.control import socket_path_in
 from hangwatch.supervisor.control.admission import Limits
 
-STATUS_BOUND_S = 2.0  # the issue's bound for `hangwatch status` and for dropping an 8 MB line
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+STATUS_BOUND_S = 2.0  # the most a `hangwatch status` may take under this load, and the most dropping an 8 MB line may
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
