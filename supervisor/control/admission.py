@@ -8,8 +8,8 @@ is at its cap, anyone's when the table is full), so a new `status` is always ans
 
 Idle means nothing is owed either way: no deferred reply being waited for (a `dump`) and no reply
 bytes unsent.  Among the idle, connections already let go (their replies out, being closed) leave
-first, then the ones silent the longest, and a connection holding part of a line leaves last: it is
-in the middle of asking.  Only when every candidate is owed something is the newcomer refused.
+first, then the ones already answered, then the ones silent the longest, and a connection holding part
+of a line leaves last: it is in the middle of asking.  Only when every candidate is owed something is the newcomer refused.
 """
 from __future__ import annotations
 
@@ -83,8 +83,10 @@ def eviction_key(slot: Slot) -> Optional[tuple]:
         standing = 2  # part of a line: in the middle of asking
     else:
         standing = 1
-    # At equal silence a connection already answered leaves before one that has not asked yet.
-    return standing, slot.last_active, 0 if slot.replies else 1, slot.seq
+    # A connection already answered leaves before one that has not asked yet, however long either was silent:
+    # a burst of clients that connect and then write would otherwise lose the earliest of them to eviction
+    # before their line arrives, while the ones served a moment ago wait only to be closed.
+    return standing, 0 if slot.replies else 1, slot.last_active, slot.seq
 
 
 def oldest_idle(slots: Sequence[Slot]) -> Optional[Slot]:

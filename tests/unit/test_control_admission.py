@@ -59,6 +59,8 @@ VICTIMS = [
     ([silent("asking", 0, inbuf=bytearray(b'{"cmd"')), silent("quiet", 9)], "quiet"),  # half a line leaves last
     ([silent("asking", 0, inbuf=bytearray(b'{"cmd"'))], "asking"),  # ... but it does leave
     ([silent("new", 4), silent("answered", 4, replies=1)], "answered"),  # equal silence: the one served already
+    ([silent("new", 1), silent("answered", 5, replies=1)], "answered"),  # served leaves before not yet asked, however new
+    ([silent("a", 5, replies=1), silent("b", 1, replies=2)], "b"),  # among the served: the longest silent
     ([silent("second", 4, seq=2), silent("first", 4, seq=1)], "first"),  # equal in all: accept order
     ([waiting("dump", 0), unsent("slow", 0), silent("idle", 9)], "idle"),  # owed something: never
     ([waiting("dump", 0), unsent("slow", 1)], None),
