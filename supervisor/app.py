@@ -87,7 +87,7 @@ def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = mak
 
 
 class Ops:
-    """Alerts, the dead-man's ping, metrics and the no-progress incident of one supervisor.
+    """Alerts, the dead-man's ping and metrics of one supervisor.
 
     A listener of the loop: `pass_done(view, now)` once a pass, at its end, with the loop's read model; it
     is also in the notifier fan-out, for `next_due_s` (when the loop must pass again on its account).

@@ -172,6 +172,7 @@ class Supervisor:
         self._ready_sent = False
         self._last_state_write = self._last_status_note = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
+        self._socket: Optional[str] = None  # where the control socket is (fixed for this supervisor's life)
         self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
@@ -851,27 +852,29 @@ class Supervisor:
             return v
         st, cur, dl, facts = self.lifecycle.state, self.current, self.deadlines, self.facts
         watching = st.watched and self.worker_alive()
-        main = dl.ranks.get(dl.main_rank())
         last = dict(facts.last_step)
         if self._healing is None:
             self._healing = remediation.state_fields(self.run_dir)
+        if self._socket is None:
+            self._socket = str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir))
+        readers = views.Readers(
+            ranks=lambda: tuple(t for _, t in sorted(dl.ranks.items())) if cur else (),
+            deadlines=lambda: tuple(dl.active(now)) if watching else (),
+            announced=lambda: cur.announced_refs() if cur else {},
+            descendants=lambda: tuple(cur.tree.values()) if cur else (),
+            stragglers=lambda: cur.stragglers.status() if cur else {},
+            incidents=self.incidents.count, gpu=lambda: self.gpu.summary(now),
+            queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None)
         v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
-                 worker=cur.worker if cur else None, watching=watching,
-                 announced=cur.announced_refs() if cur else {}, descendants=tuple(cur.tree.values()) if cur else (),
-                 main=View.copy_track(main), ranks=views.sorted_tracks(dl.ranks.values()) if cur else (),
-                 deadlines=tuple(dl.active(now)) if watching else (),
-                 stragglers=cur.stragglers.status() if cur else {}, restarts=facts.restarts, last_step=last,
-                 last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step,
-                 last_incident=facts.last_incident, incidents=self.incidents.count(), torn_lines=facts.torn_lines,
+                 worker=cur.worker if cur else None, watching=watching, main=dl.ranks.get(dl.main_rank()),
+                 restarts=facts.restarts, last_step=last, last_good_checkpoint=facts.last_good_checkpoint,
+                 last_good_step=facts.last_good_step, last_incident=facts.last_incident, torn_lines=facts.torn_lines,
                  max_steps=views.max_steps(last, self.cfg.train.max_steps if self.cfg.worker.command is None else None),
                  backoff_remaining_s=round(max(0.0, self.backoff_until - now), 3)
                  if self.backoff_until is not None and st is State.BACKOFF else None,
                  step_budget=dl.step_budget(), calibration_samples=len(self.calibration.step_samples),
-                 uptime_s=now - self.started_at, run_dir=str(self.run_dir),
-                 config=str(self.cfg._source or self.config_path),
-                 socket=str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir)),
-                 healing=dict(self._healing), gpu=self.gpu.summary(now),
-                 queue=queue_status(self.run_dir) if self.cfg.data.inbox else None, nodes=self.nodes.status())
+                 uptime_s=now - self.started_at, run_dir=str(self.run_dir), config=str(self.cfg._source or self.config_path),
+                 socket=self._socket, readers=readers, healing=dict(self._healing), nodes=self.nodes.status())
         self._view = v
         return v
 

@@ -1,21 +1,54 @@
 """The one read model of the supervisor: a `View`, built by the loop from its own state, once per pass
 (again only when the state moved within the pass), and the three renderings that read it — the
 `status` reply, the `state.json` record and the one-line status systemd shows.  Prometheus' snapshot
-(`ops.metrics.Snapshot.of`) reads the same view.  Nothing here reads the supervisor: the loop hands
+(`ops.metrics.Metrics.take`) reads the same view.  Nothing here reads the supervisor: the loop hands
 the facts over (`Supervisor.view`), so a reader can never reach into the loop's state.
+
+A view is built every pass (the ops side reads its state, attempt and main rank), so what costs more
+than a lookup — every rank's row and deadlines, the process tree, the incident count, the GPUs, the
+inbox — is read through the loop's `Readers` on first use only, once per view: a pass that nobody asks
+for a status, a state.json or a metrics snapshot pays for none of it.  A view is read in the pass that
+built it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Callable, Optional
 
 from hangwatch.supervisor.processes.process import ProcRef, Worker
 from hangwatch.supervisor.records.run_state import record
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.states import State
 from hangwatch.supervisor.watch.deadlines import RankTrack
+
+
+@dataclass(frozen=True)
+class Readers:
+    """Where a view's costlier fields come from, each read on first use (`_Read`)."""
+
+    ranks: Callable[[], tuple]  # every rank's tracker, by rank
+    deadlines: Callable[[], tuple]  # the armed deadlines (dicts: name, rank, budget, elapsed, remaining, source)
+    announced: Callable[[], dict]  # rank → ProcRef of each rank that announced itself
+    descendants: Callable[[], tuple]  # ProcRefs of the tree seen so far
+    stragglers: Callable[[], dict]  # rank → straggler record
+    incidents: Callable[[], int]  # how many incidents the run has
+    gpu: Callable[[], dict]
+    queue: Callable[[], Optional[dict]]  # continuous mode: the inbox
+
+
+class _Read:
+    """A view field read through its `Readers` entry on first use, then kept on the view."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, view: Any, owner: Optional[type] = None) -> Any:
+        if view is None:
+            return self
+        value = getattr(view.readers, self.name)()
+        view.__dict__[self.name] = value  # a frozen dataclass still has its __dict__: the next read is a lookup
+        return value
 
 
 @dataclass(frozen=True)
@@ -27,18 +60,12 @@ class View:
     exit_code: int
     worker: Optional[Worker]  # the current (or last) attempt's worker
     watching: bool  # a worker runs and its deadlines apply
-    announced: dict  # rank → ProcRef of each rank that announced itself
-    descendants: tuple  # ProcRefs of the tree seen so far
-    main: Optional[RankTrack]  # a copy of the main rank's tracker (phase, step, beat times)
-    ranks: tuple  # RankTrack copies, by rank
-    deadlines: tuple  # the armed deadlines (dicts: name, rank, budget, elapsed, remaining, source)
-    stragglers: dict  # rank → straggler record
+    main: Optional[RankTrack]  # the main rank's tracker (phase, step, beat times)
     restarts: int
     last_step: dict  # the last `step` line
     last_good_checkpoint: Optional[str]
     last_good_step: Optional[int]
     last_incident: Optional[dict]
-    incidents: int
     torn_lines: int
     max_steps: Optional[int]
     backoff_remaining_s: Optional[float]
@@ -48,10 +75,18 @@ class View:
     run_dir: str
     config: str
     socket: str
+    readers: Readers = field(repr=False, compare=False)
     healing: dict = field(default_factory=dict)  # self-healing's record (remediation, quarantine)
-    gpu: dict = field(default_factory=dict)
-    queue: Optional[dict] = None  # continuous mode: the inbox
     nodes: Optional[dict] = None  # several machines: generation, peers, torchrun rounds
+
+    ranks = _Read()
+    deadlines = _Read()
+    announced = _Read()
+    descendants = _Read()
+    stragglers = _Read()
+    incidents = _Read()
+    gpu = _Read()
+    queue = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -61,10 +96,6 @@ class View:
     def paused(self) -> bool:
         """Paused, or on the way to a pause: the next supervisor on this run dir must start paused."""
         return self.state is State.PAUSED or self.intent is Intent.PAUSE
-
-    @staticmethod
-    def copy_track(track: Optional[RankTrack]) -> Optional[RankTrack]:
-        return dataclasses.replace(track) if track is not None else None
 
 
 def status_reply(v: View) -> dict:
@@ -147,7 +178,3 @@ def max_steps(last_step: dict, configured: Optional[int]) -> Optional[int]:
     if isinstance(last_step.get("max_steps"), int):
         return last_step["max_steps"]
     return configured
-
-
-def sorted_tracks(tracks: Iterable[RankTrack]) -> tuple:
-    return tuple(dataclasses.replace(t) for t in sorted(tracks, key=lambda t: t.rank))

@@ -12,7 +12,7 @@ from hangwatch.common.config.ops_schema import MetricsCfg, host_port
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.incidents import IncidentStore
-from hangwatch.supervisor.loop.view import View, max_steps, sorted_tracks
+from hangwatch.supervisor.loop.view import Readers, View, max_steps
 from hangwatch.supervisor.processes.process import Worker
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.ops.metrics import METRICS, Metrics, Recovery
@@ -40,16 +40,16 @@ def fake_sup(tmp_path, inbox=False, gpu=None):
 def view_of(sup, now) -> View:
     """The read model a running worker's loop would hand the metrics (only what they read is filled in)."""
     dl, facts = sup.deadlines, sup.facts
+    readers = Readers(ranks=lambda: tuple(t for _, t in sorted(dl.ranks.items())), deadlines=lambda: tuple(dl.active(now)),
+                      announced=dict, descendants=tuple, stragglers=dict, incidents=sup.incidents.count,
+                      gpu=lambda: sup.gpu.summary(now), queue=lambda: {} if sup.cfg.data.inbox else None)
     return View(now=now, state=sup.lifecycle.state, intent=Intent.NONE, attempt=sup.attempt, exit_code=0,
                 worker=Worker(pid=9, create_time=1.0, argv=["python"], log_path=sup.run_dir / "w.log", started_at=0.0),
-                watching=True, announced={}, descendants=(), main=View.copy_track(dl.ranks.get(dl.main_rank())),
-                ranks=sorted_tracks(dl.ranks.values()), deadlines=tuple(dl.active(now)), stragglers={},
-                restarts=facts.restarts, last_step=dict(facts.last_step), last_good_checkpoint=facts.last_good_checkpoint,
-                last_good_step=facts.last_good_step, last_incident=None, incidents=sup.incidents.count(),
+                watching=True, main=dl.ranks.get(dl.main_rank()), restarts=facts.restarts, last_step=dict(facts.last_step),
+                last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step, last_incident=None,
                 torn_lines=0, max_steps=max_steps(facts.last_step, None), backoff_remaining_s=None,
                 step_budget=dl.step_budget(), calibration_samples=0, uptime_s=now, run_dir=str(sup.run_dir),
-                config="c.yaml", socket="s", gpu=sup.gpu.summary(now),
-                queue={} if sup.cfg.data.inbox else None)
+                config="c.yaml", socket="s", readers=readers)
 
 
 def beat(sup, now, event, step=0, **kw):
