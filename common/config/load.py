@@ -33,13 +33,21 @@ def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None) ->
     return _load(path, run_dir)[0]
 
 
-def load_checked(path: Union[str, os.PathLike], run_dir: Optional[str] = None,
-                 environ: Optional[Mapping[str, str]] = None) -> tuple[Config, list[str]]:
+COMMAND_LINE = "<command line>"  # the source named in problems when there is no config file
+
+
+def load_checked(path: Union[str, os.PathLike, None], run_dir: Optional[str] = None,
+                 environ: Optional[Mapping[str, str]] = None,
+                 command: Optional[list[str]] = None) -> tuple[Config, list[str]]:
     """`load_config`, then the checks against this machine (files, model, command, directories):
     what `validate-config` and `run` use.  Returns (config, warnings); raises ConfigError with every
-    problem.  `environ` is the supervisor's environment (the worker's is it plus `worker.env`)."""
-    cfg, lines = _load(path, run_dir)
-    source = str(path)
+    problem.  `environ` is the supervisor's environment (the worker's is it plus `worker.env`).
+
+    `command` (`hangwatch run [CONFIG] -- CMD…`) replaces `worker.command`; `path` None: no config file, every
+    setting at its default, relative paths against the working directory.  Either way a config that names no
+    `run_dir` of its own runs in `runs/<script name>` (`script_name`)."""
+    cfg, lines = _load(path, run_dir, command)
+    source = str(path) if path is not None else COMMAND_LINE
     found = deep.check(cfg, os.environ if environ is None else environ)
     if found.errors:
         raise ConfigError(_in_file_order(found.errors, source, lines))
@@ -52,12 +60,21 @@ def _in_file_order(findings: list[rules.Finding], source: str, lines: Lines) -> 
     return [located(loc, msg, source, lines) for loc, msg in order]
 
 
-def _parse(text: str, source: str, base_dir: Optional[Path]) -> tuple[Config, Lines]:
+def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[list[str]] = None) -> tuple[Config, Lines]:
     data, lines = read_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"{source}: expected a mapping of settings at the top level, got {type(data).__name__}"])
+    if command is not None:
+        worker = data.setdefault("worker", {})
+        if not isinstance(worker, dict):
+            raise ConfigError([located(("worker",), f"expected a mapping of settings, got {type(worker).__name__}",
+                                       source, lines)])
+        worker["command"] = list(command)
+        lines = {k: v for k, v in lines.items() if k[:2] != ("worker", "command")}  # not the file's any more
+        if "run_dir" not in data:
+            data["run_dir"] = str(Path("runs") / script_name(command))
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -70,7 +87,13 @@ def _parse(text: str, source: str, base_dir: Optional[Path]) -> tuple[Config, Li
     return cfg, lines
 
 
-def _load(path: Union[str, os.PathLike], run_dir: Optional[str]) -> tuple[Config, Lines]:
+def _load(path: Union[str, os.PathLike, None], run_dir: Optional[str],
+          command: Optional[list[str]] = None) -> tuple[Config, Lines]:
+    if path is None:  # `hangwatch run -- CMD`: the defaults, relative to where the command is run
+        cfg, lines = _parse("", COMMAND_LINE, Path.cwd(), command)
+        if run_dir is not None:
+            cfg.run_dir = str(Path(run_dir).expanduser().resolve())
+        return cfg, lines
     p = Path(path)
     if p.is_dir():
         raise ConfigError([f"{p}: is a directory; give the config file (a .yaml) inside it"])
@@ -80,12 +103,41 @@ def _load(path: Union[str, os.PathLike], run_dir: Optional[str]) -> tuple[Config
         raise ConfigError([f"{p}: no such config file"]) from None
     except (PermissionError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError([f"{p}: cannot read config: {exc}"]) from None
-    cfg, lines = _parse(text, str(p), p.resolve().parent)
+    cfg, lines = _parse(text, str(p), p.resolve().parent, command)
     if run_dir is not None:
         cfg.run_dir = str(Path(run_dir).expanduser().resolve())
         lines = {k: v for k, v in lines.items() if k != ("run_dir",)}  # the file's line is not where it came from
     cfg._source = p.resolve()
     return cfg, lines
+
+
+LAUNCHERS = {"torchrun": 0, "accelerate": 1, "deepspeed": 0, "python": 0, "env": 0}  # words before the script (+ subcommand)
+SCRIPT_SUFFIXES = (".py", ".sh", ".bash")
+
+
+def script_name(argv: list[str]) -> str:
+    """What a command runs, as a run directory name: `python train.py` → train, `python -m pkg.train` → pkg.train,
+    `torchrun --nproc-per-node 2 train.py` → train, `accelerate launch train.py` → train, `bash run.sh` → run,
+    `trl sft …` → trl-sft, `./train` → train."""
+    words = [w for w in argv if w]
+    for i, word in enumerate(words):
+        if word == "-m" and i + 1 < len(words):
+            return _safe(words[i + 1])
+        name = Path(word).name
+        if name.endswith(SCRIPT_SUFFIXES) and not word.startswith("-"):
+            return _safe(Path(name).stem)
+    if not words:
+        return "command"
+    first = Path(words[0]).name
+    sub = next((w for w in words[1:] if not w.startswith("-")), None)
+    if first not in LAUNCHERS and not first.startswith("python") and sub and "/" not in sub and "=" not in sub:
+        return _safe(f"{first}-{sub}")  # a console script's subcommand: `trl sft` → trl-sft
+    return _safe(first)
+
+
+def _safe(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip(".-")
+    return cleaned or "command"
 
 
 def resolve_paths(cfg: Config, base: Path) -> Config:

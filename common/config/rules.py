@@ -109,6 +109,13 @@ def nodes_fit(cfg: Config) -> Iterator[Finding]:
                "give the script as [python, train.py, …] (or a torchrun command line, whose rendezvous options hangwatch sets)")
 
 
+def resume_args_need_a_command(cfg: Config) -> Iterator[Finding]:
+    # The built-in worker resumes from HANGWATCH_RESUME_FROM by itself; arguments would be appended to nothing.
+    if builtin_worker(cfg) and cfg.worker.resume_args:
+        yield (("worker", "resume_args"), "appended to worker.command, which is null (the built-in worker, which resumes "
+               "by itself): set worker.command or drop worker.resume_args")
+
+
 def torchrun_command(argv: list) -> bool:
     """`torchrun …` or `python -m torch.distributed.run …`."""
     return bool(argv) and (Path(argv[0]).name == "torchrun" or argv[1:3] == ["-m", "torch.distributed.run"])
@@ -119,7 +126,7 @@ def python_command(argv: list) -> bool:
 
 
 ERROR_RULES: tuple[Rule, ...] = (backoff_order, step_clamp_order, eval_has_something_to_do, faults_can_fire, ranks_fit,
-                                 nodes_fit)
+                                 nodes_fit, resume_args_need_a_command)
 
 
 # ---- advice ----------------------------------------------------------------------------------

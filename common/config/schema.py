@@ -10,6 +10,7 @@ another live in `rules.py`; checks against the filesystem (files, model, command
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -70,6 +71,27 @@ class WorkerCfg(Section):
         "restarts its ranks in a new rendezvous round by itself; a new set of rank pids within an attempt is not a fault "
         "and shows in `status` as the round. 0: every failure is hangwatch's (an incident, a coordinated restart).")
 
+    instrument: Literal["auto", "off"] = Field(
+        "auto", description="With `worker.command`: `auto` instruments every Python process of the worker without an edit "
+        "of your files (a bootstrap `sitecustomize` on PYTHONPATH that chains to yours): heartbeats and stack dumps, a step "
+        "beat per optimizer step (loss, lr), HangwatchCallback added to HF/TRL and Lightning Trainers, `generate`, `eval` "
+        "and `checkpoint` phases, checkpoint announcements, the last good checkpoint handed to `Trainer.train()` / "
+        "`fit()`. `off`: nothing enters the worker; it is watched by its output, py-spy and NVML only.")
+    resume_args: list[str] = Field(
+        default_factory=list, description="With `worker.command`: arguments appended to the command when an attempt has a "
+        "checkpoint to resume from, `{checkpoint}` replaced by its path and `{step}` by its step, e.g. "
+        "[--resume, \"{checkpoint}\"]. Nothing is appended when there is none (the first attempt).")
+
+    @field_validator("resume_args")
+    @classmethod
+    def _placeholders(cls, v):
+        for arg in v:
+            try:
+                arg.format(checkpoint="", step=0)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"{arg!r}: only {{checkpoint}} and {{step}} can be filled in ({exc})") from None
+        return v
+
     @field_validator("rdzv_endpoint")
     @classmethod
     def _endpoint(cls, v):
@@ -101,9 +123,26 @@ class LandmarkCfg(Section):
 
 
 
+# Progress in a worker's output: a step number (`step 12`, `global_step=12`, `Step 12/100`), a trainer's loss
+# line (`{'loss': 1.2, …}`, `loss=1.2`, `loss: 1.2`), an epoch, or a tqdm counter (`12/100 [00:03<00:20, …]`).
+DEFAULT_PROGRESS_PATTERN = (r"(?i)(?:\b(?:global[_ ])?step\b\s*[:=#]?\s*(?P<step>\d+)"
+                            r"|['\"]?\bloss\b['\"]?\s*[:=]\s*[-+]?(?:\d|nan|inf)"
+                            r"|\bepoch\b\s*[:=]?\s*\d"
+                            r"|\d+/\d+\s*\[\d+:\d+)")
+
+
 class WatchdogCfg(Section):
     startup_timeout_s: float = Field(300, gt=0, description="Spawn → first `start` heartbeat.")
     silence_timeout_s: float = Field(120, gt=0, description="No heartbeat line at all (progress lines count).")
+    output_silence_timeout_s: float = Field(
+        600, gt=0, description="No new output (stdout/stderr, the attempt's worker.log) for this long is a stall — while "
+        "no rank sends heartbeats (an uninstrumented worker: `worker.instrument: off`, a non-Python program, a Python "
+        "too old to instrument). Once a rank beats, the heartbeat deadlines govern.")
+    progress_pattern: Optional[str] = Field(
+        DEFAULT_PROGRESS_PATTERN, description="A regular expression that marks a line of the worker's output as progress "
+        "(optional named group `step`: the step number). A worker whose output shows progress is not killed by the "
+        "startup deadline, and progress lines keep a `load` phase alive. The default matches `step N`, `global_step=N`, "
+        "`Step N/M`, HF Trainer's `{'loss': …}` lines, `Epoch N` and tqdm counters (`12/100 [00:03<…`). null: none.")
     step_timeout_s: Optional[float] = Field(
         None, gt=0, description="Fixed step deadline while in `train`; null: calibrated from observed step times."
     )
@@ -149,6 +188,19 @@ class WatchdogCfg(Section):
         default_factory=list, description="Your own landmark frames, added to the built-in registry (generate, collectives, "
         "DataLoader, checkpoint saving, backward, optimizer.step, tokenizer calls): an incident names the deepest landmark "
         "of the stuck stack first.")
+
+    @field_validator("progress_pattern")
+    @classmethod
+    def _regex(cls, v):
+        if v is None:
+            return v
+        try:
+            compiled = re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"not a regular expression: {exc}") from None
+        if compiled.groups and "step" not in compiled.groupindex and compiled.groupindex:
+            raise ValueError(f"named groups {sorted(compiled.groupindex)}: the only one read is `step`")
+        return v
 
     @field_validator("phase_budgets_s", mode="before")
     @classmethod
@@ -362,6 +414,7 @@ class Config(Section):
 
     # Where the config came from; not a key.
     _source: Optional[Path] = None
+    _instrument_note: Optional[str] = None  # what instrumentation the worker gets, once asked (the start line)
 
     @model_validator(mode="after")
     def _needs_data(self):

@@ -1,6 +1,7 @@
 """`hangwatch`: run the supervisor, and talk to a running one.
 
     hangwatch run CONFIG [--run-dir DIR]          the supervisor, in the foreground
+    hangwatch run [CONFIG] -- CMD ARGS…           the same for a command you already run (no config needed)
     hangwatch validate-config CONFIG              OK and a summary, or the problems (exit 78)
     hangwatch doctor CONFIG [--json] [--cheap]    preflight checks of the built-in worker (exit 1 on a FAIL)
     hangwatch status [--json] [--watch]           (every client command: --run-dir DIR or --socket PATH)
@@ -25,6 +26,7 @@ builds its config reference only when it is shown.
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -91,13 +93,14 @@ def run_summary(run_dir: str, code: int) -> list[str]:
     return summarise(run_dir, code)
 
 
-def check_or_exit(config: str, run_dir: Optional[str]):
+def check_or_exit(config: Optional[str], run_dir: Optional[str], command: Optional[list[str]] = None):
     """The config checked against this machine too (data files, model, command, directories): its
-    problems exit 78 before anything starts; its warnings go to stderr and the command goes on."""
+    problems exit 78 before anything starts; its warnings go to stderr and the command goes on.
+    `command`: `-- CMD…` of `hangwatch run`, over `worker.command` (`config` None: no file, the defaults)."""
     from hangwatch.common.config import ConfigError, load_checked
 
     try:
-        cfg, warnings = load_checked(config, run_dir)
+        cfg, warnings = load_checked(config, run_dir, command=command)
     except ConfigError as exc:
         report_config_error(exc)
         sys.exit(EXIT_CONFIG)
@@ -116,7 +119,15 @@ def report_config_error(exc: ConfigError) -> None:
 
 class _RunCommand(click.Command):
     """`run`, whose help ends with the configuration reference: built from the schema (pydantic) only
-    when the help is shown, so that no other command pays for it."""
+    when the help is shown, so that no other command pays for it.  Everything after `--` is the worker's
+    command line, taken aside before click parses (its options are the command's, never ours)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            ctx.meta["worker_command"] = args[cut + 1:]
+            args = args[:cut]
+        return super().parse_args(ctx, args)
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         from hangwatch.common.config import reference_text
@@ -125,12 +136,24 @@ class _RunCommand(click.Command):
         super().format_epilog(ctx, formatter)
 
 
-@main.command(cls=_RunCommand, short_help="Run the supervisor in the foreground.")
-@click.argument("config")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Use this run directory instead of the config's run_dir.")
+@main.command(cls=_RunCommand, short_help="Run the supervisor in the foreground (a config, or -- your command).")
+@click.argument("config", required=False)
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Use this run directory (default: the config's run_dir; with `-- CMD` and no run_dir in a config: "
+                   "runs/<script name>).")
 @click.option("--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt.")
-def run(config: str, run_dir: Optional[str], no_doctor: bool) -> None:
+@click.pass_context
+def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_doctor: bool) -> None:
     """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
+
+    \b
+        hangwatch run CONFIG                     the worker the config names
+        hangwatch run -- python train.py …       a command you already run: no config, no edit
+        hangwatch run CONFIG -- torchrun … train.py   the config's settings, this command
+
+    With `-- CMD`, every Python process of the command is instrumented without an edit (worker.instrument:
+    auto; `off` leaves it to its output, py-spy and NVML), the effective config is written to the run
+    directory, and how to keep it is printed.
 
     Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
     The config is checked as by `validate-config` first (files, model, command): nothing starts for a
@@ -143,11 +166,23 @@ def run(config: str, run_dir: Optional[str], no_doctor: bool) -> None:
     from hangwatch.supervisor import app
     from hangwatch.supervisor.cli.summary import finished_hint
 
-    cfg = check_or_exit(config, run_dir)  # nothing is started for a bad config
-    hint = finished_hint(cfg, config)
+    command = ctx.meta.get("worker_command")
+    if command is not None and not command:
+        raise click.UsageError("nothing after `--`: give the command to supervise, e.g. `hangwatch run -- python train.py`")
+    if config is None and command is None:
+        raise click.UsageError("give a config file, or the command to supervise after `--` "
+                               "(e.g. `hangwatch run -- python train.py`)")
+    cfg = check_or_exit(config, run_dir, command)  # nothing is started for a bad config
+    again = " ".join(x for x in (config, "-- " + shlex.join(command) if command else None) if x)
+    hint = finished_hint(cfg, again)
     if hint is not None:
         say_finished(hint)
         sys.exit(EXIT_OK)
+    if command is not None:
+        from hangwatch.supervisor.cli.summary import command_preamble
+
+        for line in command_preamble(cfg, config):
+            click.echo(line, err=True)
     if not no_doctor and cfg.worker.command is None:
         preflight(config, cfg.run_dir)
     code = app.run(cfg)

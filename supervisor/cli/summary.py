@@ -80,6 +80,42 @@ def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
     return lines
 
 
+def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
+    """What `hangwatch run [CONFIG] -- CMD` says before it starts: the effective config in short (what differs
+    from the defaults: the rest is in <run dir>/config.yaml), what instrumentation the worker gets, and the
+    one line that keeps the config for next time."""
+    import shlex
+
+    import yaml
+
+    from hangwatch.common.rundir import CONFIG_NAME
+
+    shown = _shown(cfg.run_dir)
+    own = cfg.model_dump(mode="json", exclude_defaults=True)
+    lines = [f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {shown}",
+             f"hangwatch: instrumentation: {instrument_words(cfg)}",
+             f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):"]
+    lines += ["    " + line for line in yaml.safe_dump(own, sort_keys=False).splitlines()]
+    if config_arg is None:
+        lines.append(f"hangwatch: to keep it: cp {shown}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml")
+    else:
+        lines.append(f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
+                     f"hangwatch run {shown}/{CONFIG_NAME}")
+    return lines
+
+
+def instrument_words(cfg: Config) -> str:
+    """The start line's word on instrumentation (asked once: the interpreter probe runs a child)."""
+    note = getattr(cfg, "_instrument_note", None)
+    if note is None:
+        from hangwatch.supervisor.processes.interpreter import instrument_note
+
+        env = {**os.environ, **cfg.worker.env}
+        note = instrument_note(cfg.worker.command, cfg.worker.instrument, cfg.worker.cwd, env)
+        cfg._instrument_note = note
+    return note
+
+
 def checkpoint_text(cfg: Config) -> str:
     """The `checkpoint` row: the built-in worker's schedule, or what the supervisor does with the
     checkpoints a script announces."""

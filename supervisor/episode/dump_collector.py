@@ -51,6 +51,7 @@ class SideDumps(Protocol):
 
 log = structlog.get_logger("hangwatch")
 
+MAX_UNANNOUNCED = 16  # unannounced Python processes py-spy reads at one stall (each is a process stopped briefly)
 SETTLE_S = 0.3  # a dump that does not read as whole is complete once unchanged this long after growing
 
 
@@ -81,6 +82,10 @@ class DumpCollector:
     # which also names the DataLoader workers): asked each pass once no py-spy holds a process stopped
     # (whether or not the dump files are in yet); True when done.
     gate: Optional[Callable[[float], bool]] = None
+    # Python processes of the tree that never announced themselves (an uninstrumented worker, a launcher, a
+    # shell script's python): no signal reaches them, py-spy alone reads their stacks (`py-spy-pid<PID>.txt`)
+    unannounced: list[ProcRef] = field(default_factory=list)
+    py_spy_pids: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
     started_at: float = 0.0
     signalled: dict[int, bool] = field(default_factory=dict)
     py_spy_procs: dict[int, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
@@ -132,10 +137,16 @@ class DumpCollector:
             p = start_py_spy(exe, t.ref.pid, out, ["--native", "--locals"])
             if p is not None:
                 self.py_spy_procs[t.rank] = (p, out)
+        for ref in self.unannounced[:MAX_UNANNOUNCED]:
+            out = self.out_dir / f"py-spy-pid{ref.pid}.txt"
+            p = start_py_spy(exe, ref.pid, out, ["--locals"])
+            if p is not None:
+                self.py_spy_pids[ref.pid] = (p, out)
         self.py_spy_note = f"ran {exe}"
 
     def _py_spy_running(self, now: float) -> bool:
-        return py_spy_running(self.py_spy_procs.values(), now - self.started_at, self.py_spy_timeout_s)
+        return py_spy_running([*self.py_spy_procs.values(), *self.py_spy_pids.values()], now - self.started_at,
+                              self.py_spy_timeout_s)
 
     def advance(self, now: float) -> bool:
         """One loop pass; True once every step is done: the ranks' stacks and the gate, then the DataLoader workers."""
@@ -190,14 +201,15 @@ class DumpCollector:
             due.append(self.started_at + self.grace_s)
             due += [self._changed_at[t.rank] + SETTLE_S for t in self.targets
                     if t.rank in self._changed_at and not self._complete.get(t.rank)]
-        if self.py_spy_done_at is None and self.py_spy_procs:
+        if self.py_spy_done_at is None and (self.py_spy_procs or self.py_spy_pids):
             due.append(self.started_at + self.py_spy_timeout_s)
         return min(due) if due else None
 
     def timings(self) -> dict:
         """When each part was in, in seconds after the signals (None: not reached)."""
         rel = lambda x: None if x is None else round(x - self.started_at, 3)  # noqa: E731
-        return {"dump_files_s": rel(self.files_at), "py_spy_s": rel(self.py_spy_done_at) if self.py_spy_procs else None,
+        spied = self.py_spy_procs or self.py_spy_pids
+        return {"dump_files_s": rel(self.files_at), "py_spy_s": rel(self.py_spy_done_at) if spied else None,
                 "stacks_s": rel(self.stacks_at)}
 
     def texts(self) -> dict[int, str]:
@@ -210,6 +222,16 @@ class DumpCollector:
                     out[t.rank] = f.read(4 << 20).decode("utf-8", "replace")
             except OSError:
                 out[t.rank] = ""
+        return out
+
+    def pid_texts(self) -> dict[int, str]:
+        """py-spy's stacks of the unannounced Python processes, by pid."""
+        out = {}
+        for pid, (_, path) in self.py_spy_pids.items():
+            try:
+                out[pid] = path.read_text(errors="replace")
+            except OSError:
+                pass
         return out
 
     def py_spy_texts(self) -> dict[int, str]:

@@ -37,6 +37,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pathlib import Path
+
 import structlog
 
 from hangwatch.common.config import RestartCfg, WatchdogCfg
@@ -51,7 +53,7 @@ from hangwatch.supervisor.episode.flight_recorder import FlightDumps, into_incid
 from hangwatch.supervisor.incidents import (Incident, IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
                                             main_stack, signal_name, stuck_frame)
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
-from hangwatch.supervisor.incidents.landmarks import Reading, read_stack, user_landmarks
+from hangwatch.supervisor.incidents.landmarks import Reading, is_own_code, read_stack, user_landmarks
 from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
@@ -112,6 +114,11 @@ class Episode:
         on_rank = f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
         why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
                f" in phase {phase!r} at step {step}" if expired else "restart now requested")
+        if expired is not None and expired.name == "output_silence":
+            out = attempt.output
+            last = f"; its last line: {out.last_line[:120]!r}" if out is not None and out.last_line else ""
+            why = (f"no output for {expired.elapsed_s:.1f}s (output_silence_timeout_s {expired.budget_s:g}), "
+                   f"no heartbeat from any rank{last}")
         inc = tools.incidents.create(kind, attempt=attempt.number, phase=phase, step=step, deadline=deadline,
                                      summary=why, status="in progress", worker_pid=attempt.worker.pid,
                                      last_good_checkpoint=facts.last_good_checkpoint, **stragglers_field(attempt))
@@ -149,7 +156,8 @@ class Episode:
             self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
                                     py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path,
                                     out_dir=self.incident.dir, flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
-                                    gate=lambda t: self._take_snapshot(tools, attempt, t))
+                                    gate=lambda t: self._take_snapshot(tools, attempt, t),
+                                    unannounced=unannounced_pythons(tools.table, attempt) if wd.py_spy else [])
             self.dumps.begin(now)
             self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
         self.dumps.advance(now)
@@ -165,7 +173,9 @@ class Episode:
         for p in self.procs:
             if p.get("create_time") and p["pid"] != w.pid:
                 attempt.tree.setdefault(p["pid"], ProcRef(p["pid"], p["create_time"]))
-        self.incident.data.update(process_snapshot=self.procs, gpu=tools.gpu.fresh(now))
+        gpu = tools.gpu.fresh(now)
+        self.incident.data.update(process_snapshot=self.procs, gpu=gpu,
+                                  gpu_processes=gpu_processes(gpu, {p["pid"] for p in self.procs}))
         self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
         self.dumps.loader_workers = WorkerDumps(self.procs, self.landmarks)
         return True
@@ -198,6 +208,15 @@ class Episode:
         reading, read = self._reading(attempt, rank, texts, spy)
         if not stack and read:  # no faulthandler dump: py-spy's frames stand in
             frame, stack = read[0], read
+        by_pid = self.dumps.pid_texts()
+        for pid in by_pid:
+            inc.data.setdefault("py_spy_pids", {})[pid] = f"py-spy-pid{pid}.txt"
+        dump_pid = None
+        if rank is None and by_pid:  # no rank announced itself: the stacks py-spy read of the tree's Python processes
+            dump_pid, reading, read = self._unannounced_reading(attempt, by_pid)
+            if read:
+                frame, stack = read[0], read
+                user = next((f for f in read if is_own_code(f.get("file"))), None)
         if verdict is None:
             announced = {ref.pid for ref in attempt.announced_refs().values()}
             own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
@@ -216,6 +235,9 @@ class Episode:
                             ranks=[{**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
                                    for f in verdict.ranks])
         summary += self._loader_workers(inc, rank)
+        inc.data.update(evidence=self.evidence(attempt, texts, spy, by_pid, now))
+        if dump_pid is not None:
+            inc.data["dump_pid"] = dump_pid
         inc.data.update(
             stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, **reading.fields(),
             dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
@@ -241,6 +263,44 @@ class Episode:
         if stack and isinstance(stack[0].get("line"), int):
             line = rank_evidence.source_line(stack[0]["file"], stack[0]["line"], attempt.cwd)
         return read_stack(stack, native=native, source_line=line, extra=self.landmarks, truncated=truncated), stack
+
+    def _unannounced_reading(self, attempt: Attempt, by_pid: dict[int, str]) -> tuple[Optional[int], Reading, list]:
+        """The process whose stack stands for the worker when none announced itself: among the Python processes py-spy
+        read, the busiest (CPU in the stall's snapshot), then the deepest in the tree — a launcher or a shell waits on
+        the process that does the work."""
+        cpu = {p["pid"]: p.get("cpu_percent") or 0.0 for p in self.procs}
+        depth = {p["pid"]: i for i, p in enumerate(self.procs)}
+        best = None
+        for pid, text in by_pid.items():
+            stack, native = py_spy_main_thread(text)
+            if not stack:
+                continue
+            key = (cpu.get(pid, 0.0), depth.get(pid, -1))
+            if best is None or key > best[0]:
+                best = (key, pid, stack, native)
+        if best is None:
+            return None, read_stack([]), []
+        _, pid, stack, native = best
+        line = None
+        if isinstance(stack[0].get("line"), int):
+            line = rank_evidence.source_line(stack[0]["file"], stack[0]["line"], attempt.cwd)
+        return pid, read_stack(stack, native=native, source_line=line, extra=self.landmarks), stack
+
+    def evidence(self, attempt: Attempt, texts: dict, spy: dict, by_pid: dict, now: float) -> dict:
+        """What this incident's verdict stood on, so that a reader knows what it could and could not see."""
+        dumps = self.dumps
+        gpu = self.incident.data.get("gpu") or {}
+        ev = {
+            "heartbeats": bool(self.deadlines and self.deadlines.ranks),
+            "instrumentation": attempt.instrumentation,
+            "stacks": {"faulthandler": sorted(r for r, t in texts.items() if t.strip()),
+                       "py_spy_ranks": sorted(r for r, t in spy.items() if t.strip()),
+                       "py_spy": sorted(by_pid), "py_spy_note": dumps.py_spy_note or "not run"},
+            "gpu": "NVML, per process" if gpu.get("available") else f"none: {gpu.get('reason') or 'not read'}",
+        }
+        if attempt.output is not None:
+            ev["output"] = attempt.output.evidence(now)
+        return ev
 
     def _loader_workers(self, inc: Incident, rank: Optional[int]) -> str:
         """The DataLoader workers of the dump rank, when it waits on them: into the incident, and the summary's words."""
@@ -533,3 +593,35 @@ def crash_loop_incident(incidents: IncidentStore, attempt: int, decision: Decisi
     facts.note_incident(inc)
     log.error("crash_loop", incident=inc.id, reason=decision.reason)
     return inc
+
+
+def unannounced_pythons(table: ProcessTable, attempt: Attempt) -> list[ProcRef]:
+    """The tree's Python processes that sent no `start` line (nor descend from one that did: a rank's DataLoader
+    workers have their own step), the worker itself first: py-spy is the only way to their stacks."""
+    w = attempt.worker
+    announced = {ref.pid for ref in attempt.announced_refs().values()}
+    below_ranks = {d.pid for pid in announced for d in table.descendants(pid)}
+    refs = ([] if w.exited else [w.ref]) + table.descendants(w.pid)
+    found, seen = [], set()
+    for ref in refs:
+        if ref.pid in seen or ref.pid in announced or ref.pid in below_ranks:
+            continue
+        seen.add(ref.pid)
+        info = table.describe(ref)
+        words = [info.get("name") or "", *(info.get("cmdline") or [])[:1]]
+        if any(Path(word).name.startswith("python") for word in words if word):
+            found.append(ref)
+    return found
+
+
+def gpu_processes(gpu: dict, pids: set) -> list[dict]:
+    """The worker tree's processes on the GPUs (NVML): device, memory, and SM utilisation where the driver samples
+    it per process; [] without a GPU or when none of them holds one."""
+    out = []
+    for dev in gpu.get("devices") or []:
+        for p in dev.get("processes") or []:
+            if p.get("pid") in pids:
+                out.append({"pid": p["pid"], "device": dev.get("index"), "used_memory_bytes": p.get("used_memory_bytes"),
+                            "sm_util_percent": p.get("sm_util_percent"),
+                            "device_utilization_percent": dev.get("utilization_percent")})
+    return out

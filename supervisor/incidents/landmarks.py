@@ -68,7 +68,7 @@ _LIBRARY_DIR = re.compile(r"/(?:torch|transformers|peft|accelerate|lightning|pyt
 # of hangwatch's worker (the built-in trainer) is, for an incident, the user's code.
 HANGWATCH_DAEMON_DIR = str(Path(__file__).resolve().parents[2] / "daemon")  # this install's (a source checkout's too)
 _HANGWATCH_DAEMONS = (HANGWATCH_DAEMON_DIR, "/hangwatch/daemon")
-_HANGWATCH_INTERNAL = ("heartbeat.py", "integrations/")
+_HANGWATCH_INTERNAL = ("heartbeat.py", "integrations/", "autoinstrument/")  # hangwatch's own hooks in a user's process
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
 from hangwatch.supervisor.processes import attempt as attempts, leftovers, prewarm, process, snapshot as snapshots
 from hangwatch.supervisor.records import remediation, run_state
-from hangwatch.supervisor.records.checkpoint_ledger import BAD, PersistedLedger, resolve as resolve_path, resume_choice
+from hangwatch.supervisor.records.checkpoint_ledger import (BAD, PersistedLedger, resolve as resolve_path, resume_choice,
+                                                            set_aside_bad)
 from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
@@ -98,6 +99,7 @@ STATE_WRITE_S = 5.0
 STATUS_NOTE_S = 10.0
 REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
 CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most this often (and at every attempt end)
+OUTPUT_READ_S = 1.0  # the worker's output is read at most this often (and always before a deadline is believed)
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
 _UNASKED = object()
@@ -369,6 +371,7 @@ class Supervisor:
             grown = None  # an ended worker's last lines (its last step, its stop) decide what its end means
         self._read_beats(now, grown)
         self._read_all = grown is None
+        self._read_output(now)
         if self.control is not None:
             try:
                 self.control.poll(lambda req: commands.dispatch(req, self.requests, now))
@@ -468,6 +471,22 @@ class Supervisor:
         if state_changed:
             self.write_state(now, force=True)
         self.save_calibration(only_if_changed=True, now=now)
+
+    def _read_output(self, now: float, force: bool = False) -> None:
+        """The current attempt's new output (at most every OUTPUT_READ_S unless `force`d: a chatty log is not read
+        on every heartbeat): when it grew, and progress lines, into the deadlines.  A worker that never beat but
+        shows progress in its output is running."""
+        cur = self.current
+        if cur is None or cur.output is None or (not force and now - cur.output_read_at < OUTPUT_READ_S):
+            return
+        cur.output_read_at = now
+        grew, progressed = cur.output.read(now, time.time() if self.file_times_now else None)
+        if not grew:
+            return
+        self.deadlines.output_seen(cur.output.last_output_at, progressed)
+        self._view = None
+        if progressed and self.lifecycle.state is State.STARTING and not self.deadlines.started:
+            self.transition(State.RUNNING, f"progress in its output: {cur.output.last_progress_line[:80]!r}", now)
 
     def _resumed(self, cur: attempts.Attempt, rec: dict) -> None:
         """Compare the worker's `resumed_from` (its first `start` beat) with what it was handed.  Resuming
@@ -581,6 +600,9 @@ class Supervisor:
         if expired is not None and not self._read_all:
             self._read_beats(now)
             self._read_all = True
+            expired = self.deadlines.check(now)
+        if expired is not None and self.current.output is not None and self.current.output_read_at < now:
+            self._read_output(now, force=True)  # output written since the last read must not look like silence
             expired = self.deadlines.check(now)
         if expired is not None and self.nodes.excuses(expired, now, self.deadlines, self.current, self.table):
             return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes`)
@@ -705,11 +727,15 @@ class Supervisor:
             # exists (the old one's rendezvous may be closed); the peer link wakes the loop when it is.
             self._await_rendezvous(f"attempt {number}: waiting for the rendezvous store and a new generation", now)
             return
+        if self.cfg.worker.command is not None and set_aside_bad(self.ledger.ledger, self.cfg.worker.cwd):
+            self.ledger.save()  # where they went, on record (the built-in worker skips bad ones itself: left in place)
         resume, step = resume_choice(self.ledger.ledger, self.cfg.worker.cwd, number)
+        chosen = resume
         settled, resume = self.nodes.resume_point({"path": resume, "step": step} if resume else None, now)
         if not settled:  # the store answers within a pass or two; the peer link wakes the loop
             self._await_rendezvous(f"attempt {number}: agreeing on the resume point", now)
             return
+        resume_step = step if resume == chosen else None  # the peers agreed on another: its step is theirs
         self.awaiting_rendezvous = False
         if self.current is not None:
             self.facts.restarts += 1
@@ -720,7 +746,7 @@ class Supervisor:
         try:
             self.current = attempts.start(self.cfg, number, self.config_path, self.spawn, now, fs=self.fs,
                                           resume_from=resume, take_standby=self.prewarm.take,
-                                          rdzv_id=self.nodes.rdzv_id())
+                                          rdzv_id=self.nodes.rdzv_id(), resume_step=resume_step)
             self.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
             if self.nodes.helper_pid:
                 self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
@@ -771,7 +797,7 @@ class Supervisor:
             stop_reason = cur.last_stop.get(self.deadlines.main_rank())
             code = w.exit_code if w.exit_signal is None else None
             free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
-            decision = free or self.policy.on_exit(now, code, stop_reason)
+            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None)
             if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
                 ep = Episode(None, None, now, decision=decision, reason=decision.reason)
             else:
@@ -792,6 +818,8 @@ class Supervisor:
         """The tree is gone: decide what follows, complete the incident, go there."""
         ep, cur = self.episode, self.current
         cur.tail.finish()
+        if cur.output is not None:
+            cur.output.close()
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
         self.save_calibration()
         if ep.decision is None and self.after_teardown is Intent.NONE and ep.kind:
@@ -864,7 +892,8 @@ class Supervisor:
             descendants=lambda: tuple(cur.tree.values()) if cur else (),
             stragglers=lambda: cur.stragglers.status() if cur else {},
             incidents=self.incidents.count, gpu=lambda: self.gpu.summary(now),
-            queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None)
+            queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
+            output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None)
         v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
                  worker=cur.worker if cur else None, watching=watching, main=dl.ranks.get(dl.main_rank()),
                  restarts=facts.restarts, last_step=last, last_good_checkpoint=facts.last_good_checkpoint,

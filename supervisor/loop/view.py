@@ -35,6 +35,7 @@ class Readers:
     incidents: Callable[[], int]  # how many incidents the run has
     gpu: Callable[[], dict]
     queue: Callable[[], Optional[dict]]  # continuous mode: the inbox
+    output: Callable[[], Optional[dict]] = lambda: None  # the worker's output as evidence (`output_tail.evidence`)
 
 
 class _Read:
@@ -87,6 +88,7 @@ class View:
     incidents = _Read()
     gpu = _Read()
     queue = _Read()
+    output = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -134,6 +136,7 @@ def status_reply(v: View) -> dict:
         "torn_lines": v.torn_lines,
         "calibration": {"step_budget_s": v.step_budget[0], "source": v.step_budget[1], "samples": v.calibration_samples},
         "queue": v.queue,
+        "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
         **v.healing,  # self-healing: the micro-batch after OOMs, quarantined examples
         "nodes": v.nodes,  # multi-node: generation, peers, torchrun rounds
     }

@@ -29,11 +29,13 @@ from typing import Callable, Mapping, Optional
 
 from hangwatch.common.durable import FsOps
 from hangwatch.common.config import Config, WatchdogCfg
+from hangwatch.common.instrumentation import instrument_env
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.common.config.rules import torchrun_command
 from hangwatch.supervisor.processes.launcher import multinode_argv
 from hangwatch.supervisor.watch.beat_files import HeartbeatTail
+from hangwatch.supervisor.watch.output_tail import OutputTail
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
 from hangwatch.supervisor.watch.stragglers import StragglerWatch
 
@@ -113,6 +115,9 @@ class Attempt:
     prewarmed: bool = False  # its worker was a standby, released (restart.prewarm), not spawned cold
     foreign: set[int] = field(default_factory=set)  # our children that are not this attempt's (a standby for the next)
     started_wall: float = field(default_factory=time.time)  # wall clock: only to tell this attempt's files from older ones
+    output: Optional[OutputTail] = None  # its worker.log as evidence: output and progress lines (`watch.output_tail`)
+    instrumentation: str = "built-in"  # "built-in" (the daemon beats itself), or worker.instrument: "auto" | "off"
+    output_read_at: float = float("-inf")  # the loop's clock at the last read of it
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
         """A `start` line: remember the rank's process (by identity) and where its dumps go."""
@@ -169,7 +174,8 @@ def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int
 BARE_PYTHONS = ("python", "python3")
 
 
-def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None) -> list[str]:
+def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None, resume_from: str = "",
+                resume_step: Optional[int] = None) -> list[str]:
     """The worker's command line: `worker.command` as configured, or the built-in daemon (under torchrun
     when `worker.nproc_per_node` > 1).  Several nodes (`worker.nnodes` > 1): under torchrun's c10d rendezvous
     as `rdzv_id` (`launcher.multinode_argv`: the generation's id).
@@ -177,15 +183,19 @@ def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None) -
     A bare `python` or `python3` as the first word of `worker.command` means the supervisor's own
     interpreter (`sys.executable`): configs and examples say `python train.py`, and under systemd PATH
     holds no virtual environment, so PATH's python would lack hangwatch and the user's packages.  Any
-    other first word — `python3.11`, `/usr/bin/python`, `torchrun`, `accelerate` — is used as given."""
+    other first word — `python3.11`, `/usr/bin/python`, `torchrun`, `accelerate` — is used as given.
+
+    `worker.resume_args` follow the command when the attempt has a checkpoint to resume from (`resume_from`),
+    `{checkpoint}` and `{step}` filled in: an unedited script's own `--resume PATH`."""
     if cfg.worker.nnodes > 1:
-        return multinode_argv(cfg, config_path, rdzv_id or rdzv_id_for(cfg.worker.rdzv_id, 0),
+        argv = multinode_argv(cfg, config_path, rdzv_id or rdzv_id_for(cfg.worker.rdzv_id, 0),
                               bool(cfg.worker.command) and torchrun_command(list(cfg.worker.command)))
+        return argv + resume_args(cfg, resume_from, resume_step)
     if cfg.worker.command:
         argv = list(cfg.worker.command)
         if argv[0] in BARE_PYTHONS:
             argv[0] = sys.executable
-        return argv
+        return argv + resume_args(cfg, resume_from, resume_step)
     daemon = ["-m", "hangwatch.daemon", "--config", str(config_path), "--run-dir", str(cfg.run_dir)]
     n = cfg.worker.nproc_per_node
     if n > 1:  # torch's own launcher, never a home-made one (it is only named here: no torch import)
@@ -193,13 +203,25 @@ def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None) -
     return [sys.executable, *daemon]
 
 
-def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None, resume_from: str = "") -> dict:
+def resume_args(cfg: Config, resume_from: str, step: Optional[int]) -> list[str]:
+    """`worker.resume_args` with the checkpoint filled in; none without a checkpoint to resume from."""
+    if not resume_from or not cfg.worker.command:
+        return []
+    return [arg.format(checkpoint=resume_from, step="" if step is None else step) for arg in cfg.worker.resume_args]
+
+
+def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None, resume_from: str = "",
+               resume_step: Optional[int] = None) -> dict:
     """The supervisor's environment, the configured additions, where this attempt writes, and what it
     resumes from: `HANGWATCH_RESUME_FROM` is the last good checkpoint (`checkpoint_ledger`), or empty
     when there is none — set for every attempt, over any value inherited or configured, so a worker
-    never resumes from a checkpoint the supervisor did not choose."""
+    never resumes from a checkpoint the supervisor did not choose.  A `worker.command` of the user's
+    gets the bootstrap that instruments its Python processes (`worker.instrument: auto`,
+    `common.instrumentation`), told the step it resumes from so its step beats count on from there."""
     env = dict(os.environ if environ is None else environ)
     env.update(cfg.worker.env)
+    if cfg.worker.command and cfg.worker.instrument == "auto":
+        env.update(instrument_env(env, resume_step if resume_from else None))
     env[ENV_RUN_DIR] = str(cfg.run_dir)
     env[ENV_ATTEMPT] = str(number)
     env[ENV_HEARTBEAT_DIR] = str(attempt_dir(cfg.run_dir, number))
@@ -218,16 +240,20 @@ def rdzv_id_for(base: str, gen: int) -> str:
 
 
 def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None,
-          resume_from: str = "", take_standby: Optional[TakeStandby] = None, rdzv_id: Optional[str] = None) -> Attempt:
+          resume_from: str = "", take_standby: Optional[TakeStandby] = None, rdzv_id: Optional[str] = None,
+          resume_step: Optional[int] = None) -> Attempt:
     """Create the attempt's directory and give it a worker, handing it `resume_from` (the last good
     checkpoint, "" for none): the standby `take_standby` releases (`prewarm.Prewarm.take`), or a worker
     spawned now when there is none.  OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
     (fs or FsOps()).mkdir(adir)
-    env = worker_env(cfg, number, resume_from=resume_from)  # the standby got the same, less HANGWATCH_RESUME_FROM
+    env = worker_env(cfg, number, resume_from=resume_from, resume_step=resume_step)  # a standby: the same, less the resume
     worker = take_standby(number, adir, resume_from, now) if take_standby is not None else None
     prewarmed = worker is not None
     if worker is None:
-        worker = spawn(worker_argv(cfg, config_path, rdzv_id), env=env, cwd=cfg.worker.cwd, log_path=adir / WORKER_LOG_NAME, now=now)
+        worker = spawn(worker_argv(cfg, config_path, rdzv_id, resume_from, resume_step), env=env, cwd=cfg.worker.cwd,
+                       log_path=adir / WORKER_LOG_NAME, now=now)
     return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
-                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from, prewarmed=prewarmed)
+                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from, prewarmed=prewarmed,
+                   output=OutputTail(adir / WORKER_LOG_NAME, cfg.watchdog.progress_pattern),
+                   instrumentation=cfg.worker.instrument if cfg.worker.command else "built-in")

@@ -160,11 +160,21 @@ def _driver(nv) -> Optional[str]:
 
 
 def _compute_processes(nv, handle) -> list[dict]:
+    """The device's compute processes: pid, memory, and SM utilisation (%) where the driver samples it per process
+    (`nvmlDeviceGetProcessUtilization`, the newest sample of each pid; None where it has none)."""
     try:
         procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
     except Exception:
         return []
-    return [{"pid": p.pid, "used_memory_bytes": getattr(p, "usedGpuMemory", None)} for p in procs]
+    util: dict[int, tuple[int, int]] = {}
+    try:
+        for sample in nv.nvmlDeviceGetProcessUtilization(handle, 0):
+            if sample.pid not in util or sample.timeStamp > util[sample.pid][0]:
+                util[sample.pid] = (sample.timeStamp, sample.smUtil)
+    except Exception:  # NVML_ERROR_NOT_FOUND (no samples yet), NOT_SUPPORTED (older boards, MIG)
+        pass
+    return [{"pid": p.pid, "used_memory_bytes": getattr(p, "usedGpuMemory", None),
+             "sm_util_percent": util[p.pid][1] if p.pid in util else None} for p in procs]
 
 
 def gpu_pids() -> Optional[set[int]]:

@@ -96,6 +96,7 @@ class Entry:
     why: str = ""  # how it got its status: "confirmed by finite loss at steps 6, 7", "loss nan at step 5"
     confirmed_by: list[int] = field(default_factory=list)  # the later steps counted so far
     announced_t: Optional[float] = None  # the worker's clock (`t` of the beat)
+    set_aside: Optional[str] = None  # where a bad one was renamed to, out of the script's own "latest" search
 
     @property
     def good(self) -> bool:
@@ -401,3 +402,37 @@ def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> t
     path = resolve(chosen.path, cwd)
     log.info("resume_from", attempt=attempt, path=path, step=chosen.step, why=chosen.why)
     return path, chosen.step
+
+
+ASIDE_SUFFIX = ".hangwatch-bad"  # a bad checkpoint's new name: `checkpoint-8` → `checkpoint-8.hangwatch-bad`
+
+
+def set_aside_bad(book: CheckpointLedger, cwd: Optional[str],
+                  rename: Callable[[str, str], None] = os.rename) -> list[tuple[Entry, str]]:
+    """Rename every checkpoint the ledger holds bad that is still on disk to `<path>.hangwatch-bad` (a free name:
+    `.2`, `.3`, … after it), so that an unedited script's own "resume from the latest" logic (HF's
+    `checkpoint-N` search, a glob of `*.pt`) finds the last good one instead.  Never deleted: the entry records
+    where it went (`set_aside`).  Returns what was moved; a rename that fails is logged and left (the run goes
+    on: the script may still find the bad one, as it would without hangwatch)."""
+    moved = []
+    for e in book.entries.values():
+        if e.status != BAD or e.set_aside:
+            continue
+        src = resolve(e.path, cwd)
+        if not os.path.lexists(src):
+            continue
+        dst, n = src.rstrip(os.sep) + ASIDE_SUFFIX, 1
+        while os.path.lexists(dst):
+            n += 1
+            dst = f"{src.rstrip(os.sep)}{ASIDE_SUFFIX}.{n}"
+        try:
+            rename(src, dst)
+        except OSError as exc:
+            log.warning("bad_checkpoint_not_set_aside", path=src, error=str(exc),
+                        note="the script's own search for its latest checkpoint may still find it")
+            continue
+        e.set_aside = dst
+        moved.append((e, dst))
+        log.warning("bad_checkpoint_set_aside", path=src, to=dst, step=e.step, why=e.why,
+                    note="renamed, not deleted, so the script's own resume logic finds the last good one")
+    return moved

@@ -71,10 +71,15 @@ class RestartPolicy:
         delay = self.cfg.backoff_initial_s * (2 ** (failures - 2))
         return float(min(delay, self.cfg.backoff_max_s))
 
-    def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None) -> Decision:
-        """The worker exited by itself with `code` (None: killed by a signal)."""
+    def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None,
+                own_command: bool = False) -> Decision:
+        """The worker exited by itself with `code` (None: killed by a signal).  `own_command`: the worker is the
+        user's command (`worker.command`), which owes hangwatch no `stop` line: exit 0 without one is a command
+        that completed, as it would be in a shell (the built-in worker always says why it stops)."""
         if code == 0 and stop_reason in FINISH_REASONS:
             return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
+        if code == 0 and stop_reason is None and own_command:
+            return Decision("finish", "worker exited 0: the command completed")
         if code in NO_RESTART_CODES:
             what = {EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)",
                     EXIT_IOERR: "the disk refused a write (EX_IOERR): make room, then `hangwatch run` resumes from "

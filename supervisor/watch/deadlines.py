@@ -10,6 +10,12 @@ read the line or checks.  The writer's own `t` is only recorded, never trusted f
 * **step** — while in `train`: time since the later of the last `step` and entering `train`;
   `step_timeout_s` when fixed, else the calibrated budget, else `first_steps_timeout_s`.
 * **silence** — time since the rank's last line of any kind.
+* **output_silence** — while no rank has sent `start` (a worker that does not beat): time since its
+  output last grew (`output_tail`), else since spawn; `output_silence_timeout_s`.
+
+Output that shows progress (`watchdog.progress_pattern`) ends the startup deadline as a `start` line
+does (a worker that clearly works is not killed for not beating), and keeps a rank's `load` phase alive:
+its budget counts from the later of entering `load` and the last progress line.
 
 `load` (after `start`, while the worker imports its framework and loads the model: one long
 call that cannot beat) is part of starting up: silence does not apply in it, and its phase
@@ -115,6 +121,8 @@ class Deadlines:
         self._new_samples = 0  # step samples added here since the budget was last computed
         self._samples_seen: Optional[int] = None  # how many samples there were as this object left them
         self._step_cached: tuple[float, str] = (0.0, "")
+        self.output_at: Optional[float] = None  # the worker's output last grew (this attempt)
+        self.output_progress_at: Optional[float] = None  # …with a progress line
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -124,6 +132,24 @@ class Deadlines:
         self.started = False
         self.ranks.clear()
         self.extra.clear()
+        self.output_at = self.output_progress_at = None
+
+    def output_seen(self, at: float, progress: bool) -> None:
+        """The worker's output grew at `at` (with a progress line when `progress`)."""
+        self._version += 1
+        self.output_at = at if self.output_at is None else max(self.output_at, at)
+        if progress:
+            self.output_progress_at = at if self.output_progress_at is None else max(self.output_progress_at, at)
+
+    @property
+    def startup_armed(self) -> bool:
+        return not self.started and self.spawned_at is not None and self.output_progress_at is None
+
+    def _quiet_anchor(self, tr: RankTrack) -> float:
+        """A `load` phase's budget counts from entering it, or from the last progress in the output after that."""
+        if self.output_progress_at is not None and self.output_progress_at > tr.phase_since:
+            return self.output_progress_at
+        return tr.phase_since
 
     def arm_extra(self, name: str, now: float, budget_s: float, source: str = "") -> None:
         self._version += 1
@@ -233,6 +259,10 @@ class Deadlines:
         self._version += 1
         if self.spawned_at is not None:
             self.spawned_at += gap
+        if self.output_at is not None:
+            self.output_at += gap
+        if self.output_progress_at is not None:
+            self.output_progress_at += gap
         self.extra = {k: (a + gap, b, s) for k, (a, b, s) in self.extra.items()}
         for tr in self.ranks.values():
             tr.last_line_at += gap
@@ -249,8 +279,11 @@ class Deadlines:
 
     def _candidates(self, now: float) -> list[Expired]:
         out: list[Expired] = []
-        if not self.started and self.spawned_at is not None:
+        if self.startup_armed:
             out.append(Expired("startup", float(self.wd.startup_timeout_s), now - self.spawned_at, source="config"))
+        if not self.started and self.spawned_at is not None:
+            out.append(Expired("output_silence", float(self.wd.output_silence_timeout_s),
+                               now - max(self.spawned_at, self.output_at or self.spawned_at), source="config"))
         for name, (anchor, budget, source) in self.extra.items():
             out.append(Expired(name, budget, now - anchor, source=source))
         for tr in self.ranks.values():
@@ -261,8 +294,9 @@ class Deadlines:
             if tr.phase not in QUIET_PHASES:
                 out.append(Expired("silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common))
             if tr.phase_budget is not None:
+                since = self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since
                 out.append(
-                    Expired("phase", tr.phase_budget, now - tr.phase_since, source=tr.phase_budget_source,
+                    Expired("phase", tr.phase_budget, now - since, source=tr.phase_budget_source,
                             progress_lines=tr.progress_since_step, last_progress_age_s=age, **common)
                 )
             if tr.phase == "train":
@@ -293,8 +327,10 @@ class Deadlines:
             return self._due_cache[1]
         silence = self.wd.silence_timeout_s
         times: list[float] = []
-        if not self.started and self.spawned_at is not None:
+        if self.startup_armed:
             times.append(self.spawned_at + self.wd.startup_timeout_s)
+        if not self.started and self.spawned_at is not None:
+            times.append(max(self.spawned_at, self.output_at or self.spawned_at) + self.wd.output_silence_timeout_s)
         for anchor, budget, _source in self.extra.values():
             times.append(anchor + budget)
         for tr in self.ranks.values():
@@ -303,7 +339,7 @@ class Deadlines:
             if tr.phase not in QUIET_PHASES:
                 times.append(tr.last_line_at + silence)
             if tr.phase_budget is not None:
-                times.append(tr.phase_since + tr.phase_budget)
+                times.append((self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since) + tr.phase_budget)
             if tr.phase == "train":
                 anchor = tr.phase_since
                 if tr.train_since is not None and tr.train_since > anchor:
