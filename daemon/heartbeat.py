@@ -17,6 +17,12 @@
 `NullHeartbeat` is the null object: the same interface, nothing written (a baseline for benchmarks,
 in-process tools that need a heartbeat nobody reads).
 
+One heartbeat per process: `Heartbeat.shared()` is the instance every writer in this process uses for
+its rank (the integrations' callbacks, the automatic instrumentation), so phase and step are one view
+written once, never two interleaved.  `WRITERS` records who beats what in this process: the automatic
+instrumentation (hangwatch.daemon.autoinstrument) stays quiet about steps once a callback or the
+script's own code beats them, and altogether once the script drives a heartbeat of its own.
+
 One append-only JSONL file per rank and attempt (`attempts/NNNN/heartbeat-rank<R>.jsonl`); each
 line is one `os.write` on an O_APPEND descriptor and shorter than PIPE_BUF, so lines from several
 writers never interleave or tear.  Beats must come from the thread that does the work: a timer
@@ -29,9 +35,10 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from hangwatch.common.protocol import (DUMP_SIGNAL, ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM,  # noqa: F401
                                        ENV_RUN_DIR, EVENTS, REQUIRED, VERSION, decode_line, encode, rank_from_env)
@@ -97,6 +104,83 @@ def _dump_handler_in_forked_child() -> None:
     _forked_dumps["file"] = f
 
 
+def target_from_env(env: Mapping[str, str], run_dir: os.PathLike | str | None = None) -> tuple[str, int, int]:
+    """(heartbeat directory, rank, attempt) the environment names: where the supervisor said to write; without
+    it, a fresh attempt in `run_dir` (or ./runs/standalone)."""
+    rank = rank_from_env(env)
+    rd = env.get(ENV_RUN_DIR) or (str(run_dir) if run_dir is not None else os.path.join(os.getcwd(), "runs", "standalone"))
+    attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(rd)
+    directory = env.get(ENV_HEARTBEAT_DIR) or str(attempt_dir(rd, attempt))
+    return directory, rank, attempt
+
+
+class Writers:
+    """Who beats this process's heartbeat besides the automatic instrumentation (one instance: `WRITERS`).
+
+    steps_elsewhere  a HangwatchCallback exists, or someone called `Heartbeat.step` / `start`: the optimizer
+                     hook writes no `step` line (one source of truth per step)
+    manual           the script drives a heartbeat of its own (`start` on an instance that is not the shared
+                     one): the automatic instrumentation writes nothing but its own `start`
+    phase_owners     the callbacks now driving phases (between their start and end): the automatic eval
+                     phase stays out of their way
+    """
+
+    __slots__ = ("steps_elsewhere", "manual", "phase_owners")
+
+    def __init__(self):
+        self.steps_elsewhere = False
+        self.manual = False
+        self.phase_owners: set[int] = set()
+
+    def note_start(self, hb: "Heartbeat") -> None:
+        self.steps_elsewhere = True
+        if not hb.is_shared():
+            self.manual = True
+
+    def own_phases(self, owner: object) -> None:
+        self.phase_owners.add(id(owner))
+
+    def release_phases(self, owner: object) -> None:
+        self.phase_owners.discard(id(owner))
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+WRITERS = Writers()
+
+
+def claim_steps() -> None:
+    """Say that something other than the automatic instrumentation beats this process's steps (a
+    HangwatchCallback does, from its constructor): the optimizer hook then stays quiet."""
+    WRITERS.steps_elsewhere = True
+
+
+_shared_lock = threading.Lock()
+_shared: dict[str, Any] = {"hb": None, "key": None, "pid": None}
+_shared_fork_hook = False
+
+
+def _shared_key(env: Mapping[str, str]) -> tuple:
+    return (rank_from_env(env), env.get(ENV_RUN_DIR), env.get(ENV_ATTEMPT), env.get(ENV_HEARTBEAT_DIR))
+
+
+def _register_fork_reset() -> None:
+    global _shared_fork_hook
+    if not _shared_fork_hook and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_reset_in_forked_child)
+        _shared_fork_hook = True
+
+
+def _reset_in_forked_child() -> None:
+    """A forked child (a DataLoader worker) is not its parent's rank: it inherits no shared heartbeat (whose
+    lines would carry the parent's pid) and none of the parent's knowledge of who beats what."""
+    global _shared_lock
+    _shared_lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    _shared.update(hb=None, key=None, pid=None)
+    WRITERS.reset()
+
+
 class Heartbeat:
     """Writes heartbeat lines for one rank of one attempt."""
 
@@ -121,19 +205,37 @@ class Heartbeat:
         self.current_step = 0
         self.current_phase = "init"
         self.current_budget_s: Optional[float] = None  # the current phase's own budget (restored after a nested phase)
+        self.phase_changes = 0  # `phase` lines so far: a step interval that spans one is no step time
+        self.stopped = False  # the last of `start`/`stop` written was a `stop`: the script said it is done
 
     @classmethod
     def from_env(cls, run_dir: os.PathLike | str | None = None, environ: Optional[dict] = None, **kw) -> "Heartbeat":
         """Where the supervisor said to write; without it, a fresh attempt in `run_dir` (or ./runs/standalone)."""
-        env = os.environ if environ is None else environ
-        rank = rank_from_env(env)
-        rd = env.get(ENV_RUN_DIR) or (str(run_dir) if run_dir is not None else os.path.join(os.getcwd(), "runs", "standalone"))
-        if env.get(ENV_ATTEMPT):
-            attempt = int(env[ENV_ATTEMPT])
-        else:
-            attempt = next_attempt(rd)
-        directory = env.get(ENV_HEARTBEAT_DIR) or str(attempt_dir(rd, attempt))
+        directory, rank, attempt = target_from_env(os.environ if environ is None else environ, run_dir)
         return cls(heartbeat_path(directory, rank), rank=rank, attempt=attempt, **kw)
+
+    @classmethod
+    def shared(cls, environ: Optional[Mapping[str, str]] = None) -> "Heartbeat":
+        """This process's heartbeat for the rank and attempt `environ` names (default: os.environ), created on
+        first use; every later call for the same rank and attempt returns the same instance, so the callbacks
+        and the automatic instrumentation write one view of phase and step.  A call for another rank or
+        attempt than the shared one gets an instance of its own (it writes another file).  A forked child
+        shares nothing with its parent: its first call creates its own."""
+        env = os.environ if environ is None else environ
+        key = _shared_key(env)
+        with _shared_lock:
+            hb = _shared["hb"]
+            if hb is not None and not hb.closed and _shared["pid"] == os.getpid():
+                if _shared["key"] == key:
+                    return hb
+                return cls.from_env(environ=dict(env))
+            hb = cls.from_env(environ=dict(env))
+            _shared.update(hb=hb, key=key, pid=os.getpid())
+            _register_fork_reset()
+            return hb
+
+    def is_shared(self) -> bool:
+        return _shared["hb"] is self and _shared["pid"] == os.getpid()
 
     @staticmethod
     def resume_from(environ: Optional[dict] = None) -> Optional[str]:
@@ -168,9 +270,22 @@ class Heartbeat:
 
     def start(self, *, resumed_from: Optional[str] = None, skipped_checkpoints: list | tuple = (),
               install_dump: bool = True, **extra: Any) -> dict:
-        """Announce the process; registers the SIGUSR1 stack-dump handler unless told not to."""
+        """Announce the process; registers the SIGUSR1 stack-dump handler unless told not to.
+
+        Under automatic instrumentation this is the script's own start (a callback's, or its own code's), after
+        the bootstrap's (`instrumented: "auto"`, written at interpreter start-up, before anything was chosen to
+        resume from): it carries what the bootstrap's could not, and tells the automatic instrumentation that
+        someone else now beats this process's steps."""
+        WRITERS.note_start(self)
+        return self._start(resumed_from=resumed_from, skipped_checkpoints=skipped_checkpoints,
+                           install_dump=install_dump, **extra)
+
+    def _start(self, *, resumed_from: Optional[str] = None, skipped_checkpoints: list | tuple = (),
+               install_dump: bool = True, **extra: Any) -> dict:
+        """The `start` line itself, leaving `WRITERS` alone (the automatic instrumentation's own start)."""
         if install_dump and self._dump_file is None:
             self._dump_file = install_dump_handler(self.dump_path)
+        self.stopped = False
         return self.emit(
             "start",
             dump_signal=DUMP_SIGNAL if self._dump_file is not None else None,
@@ -182,6 +297,7 @@ class Heartbeat:
         )
 
     def enter_phase(self, name: str, budget_s: Optional[float] = None, **extra: Any) -> dict:
+        self.phase_changes += 1
         self.current_phase = name
         self.current_budget_s = budget_s
         if budget_s is not None:
@@ -200,6 +316,12 @@ class Heartbeat:
                 self.enter_phase(previous, previous_budget)  # an eval's own budget survives a nested generate
 
     def step(self, step: int, **metrics: Any) -> dict:
+        WRITERS.steps_elsewhere = True  # whoever calls this beats the steps: the automatic step beats stay quiet
+        self.current_step = int(step)
+        return self.emit("step", **metrics)
+
+    def _step(self, step: int, **metrics: Any) -> dict:
+        """A `step` line from the automatic instrumentation's optimizer hook (does not silence it)."""
         self.current_step = int(step)
         return self.emit("step", **metrics)
 
@@ -214,7 +336,9 @@ class Heartbeat:
         return self.emit("warn", message=message, **extra)
 
     def stop(self, reason: str, **extra: Any) -> dict:
-        return self.emit("stop", reason=reason, **extra)
+        rec = self.emit("stop", reason=reason, **extra)
+        self.stopped = True  # the automatic instrumentation writes nothing after the script's own `stop`
+        return rec
 
     def release_dump_handler(self) -> None:
         """Undo `start`'s faulthandler set-up: SIGUSR1 unregistered, fatal-signal dumps back to stderr,
@@ -258,6 +382,8 @@ class NullHeartbeat(Heartbeat):
         self.current_step = 0
         self.current_phase = "init"
         self.current_budget_s = None
+        self.phase_changes = 0
+        self.stopped = False
 
     @property
     def closed(self) -> bool:
@@ -268,6 +394,10 @@ class NullHeartbeat(Heartbeat):
             raise ValueError(f"unknown heartbeat event {event!r}")
         return {}
 
+    # Writing nothing, it beats nothing: it leaves the automatic instrumentation's bookkeeping alone.
     def start(self, **kw: Any) -> dict:
         kw["install_dump"] = False
-        return super().start(**kw)
+        return self._start(**kw)
+
+    def step(self, step: int, **metrics: Any) -> dict:
+        return self._step(step, **metrics)

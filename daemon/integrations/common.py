@@ -19,10 +19,11 @@ def supervised(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def heartbeat_or_none(environ: Optional[Mapping[str, str]] = None) -> Optional[Heartbeat]:
-    """The heartbeat of this rank of this attempt when hangwatch runs the script, else None."""
+    """The heartbeat of this rank of this attempt when hangwatch runs the script, else None: the process's
+    shared one (`Heartbeat.shared`), so a callback and the automatic instrumentation write one view."""
     if not supervised(environ):
         return None
-    return Heartbeat.from_env(environ=dict(os.environ if environ is None else environ))
+    return Heartbeat.shared(dict(os.environ if environ is None else environ))
 
 
 def as_float(value: Any) -> Optional[float]:

@@ -41,7 +41,11 @@ _local = threading.local()  # .active: the criterion of this thread's outermost 
 class GenerateWatch:
     """Puts every `generate` call of the installed modules in the `generate` phase, with progress beats."""
 
-    def __init__(self, hb, *, budget_s: Optional[float] = None, progress_every: int = 8):
+    def __init__(self, hb, *, budget_s: Optional[float] = None, progress_every: int = 8,
+                 on_error: Optional[Callable[[BaseException], None]] = None):
+        """`on_error`: None — an error of the watch's own (a heartbeat that cannot be written) propagates, as a
+        callback the script added should fail loudly; a callable — the error is handed to it and the call runs
+        on unwatched (the automatic instrumentation, which must never break a run)."""
         if progress_every < 1:
             raise ValueError(f"progress_every must be at least 1 (got {progress_every})")
         if budget_s is not None and budget_s <= 0:
@@ -49,6 +53,7 @@ class GenerateWatch:
         self.hb = hb
         self.budget_s = budget_s
         self.progress_every = int(progress_every)
+        self.on_error = on_error
         self._classed: "weakref.WeakSet[Any]" = weakref.WeakSet()   # instances watched through their class
         self._own: list[tuple[weakref.ref, Callable]] = []          # instances whose own attribute was wrapped
 
@@ -101,6 +106,8 @@ class GenerateWatch:
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, takes_criteria: bool) -> Any:
         """Run `fn(*args, **kwargs)` (a watched `generate`) in the `generate` phase."""
+        if self.on_error is not None:
+            return self._call_guarded(fn, args, kwargs, takes_criteria)
         active = getattr(_local, "active", None)
         if active is not None:  # an inner generate of a call already watched: same phase, same criterion
             if takes_criteria:
@@ -117,6 +124,51 @@ class GenerateWatch:
                 return fn(*args, **kwargs)
         finally:
             _local.active = None
+
+    def _call_guarded(self, fn: Callable, args: tuple, kwargs: dict, takes_criteria: bool) -> Any:
+        """`call` for a watch with `on_error`: the watch's own work (the criterion, the phase lines) is fenced
+        off from `fn`, whose exceptions propagate untouched; an error of the watch's own goes to `on_error`
+        and `fn` runs (or goes on) unwatched."""
+        active = getattr(_local, "active", None)
+        if active is not None:
+            if takes_criteria:
+                try:
+                    args, kwargs = with_criterion(args, kwargs, active)
+                except Exception as exc:
+                    self.on_error(exc)
+            return fn(*args, **kwargs)
+        if getattr(self.hb, "closed", False):
+            return fn(*args, **kwargs)
+        try:
+            criterion = make_progress_criterion(self.hb, self.progress_every, self.on_error)
+            watched_args, watched_kwargs = with_criterion(args, kwargs, criterion) if takes_criteria else (args, kwargs)
+            phase = self.hb.phase("generate", self.budget_s)
+            phase.__enter__()
+        except Exception as exc:
+            self.on_error(exc)
+            return fn(*args, **kwargs)
+        _local.active = criterion
+        try:
+            result = fn(*watched_args, **watched_kwargs)
+        except BaseException as user_error:
+            _local.active = None
+            try:
+                phase.__exit__(type(user_error), user_error, user_error.__traceback__)
+            except BaseException as exc:  # the phase line failed (the user's own error is re-raised below)
+                if exc is not user_error and isinstance(exc, Exception):
+                    self.on_error(exc)
+            raise
+        _local.active = None
+        try:
+            phase.__exit__(None, None, None)
+        except Exception as exc:
+            self.on_error(exc)
+        return result
+
+
+def generating() -> bool:
+    """Whether this thread is inside a watched `generate` (any watch's): an inner one adds no phase."""
+    return getattr(_local, "active", None) is not None
 
 
 # ---- the stopping criterion ---------------------------------------------------------------------
@@ -145,8 +197,10 @@ def _merged(user, criterion):
     return out
 
 
-def make_progress_criterion(hb, every: int):
-    return _criterion_class()(hb, every)
+def make_progress_criterion(hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None):
+    """The criterion that beats `progress` every `every` new tokens; with `on_error`, a beat that fails is handed
+    to it and the criterion beats no more (generation goes on), else the error propagates."""
+    return _criterion_class()(hb, every, on_error)
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,9 +212,10 @@ def _criterion_class():
     class ProgressCriterion(StoppingCriteria):
         """Beats `progress` (tokens=N) every `every` new tokens; never says stop."""
 
-        def __init__(self, hb, every: int):
+        def __init__(self, hb, every: int, on_error=None):
             self.hb = hb
             self.every = every
+            self.on_error = on_error
             self.prompt_len: Optional[int] = None
             self.next_at = every
             self._no = None
@@ -170,9 +225,16 @@ def _criterion_class():
             if self.prompt_len is None:  # first call: one token has been generated
                 self.prompt_len = length - 1
             new = length - self.prompt_len
-            if new >= self.next_at and not getattr(self.hb, "closed", False):
-                self.hb.progress(tokens=new)
+            if new >= self.next_at and self.hb is not None and not getattr(self.hb, "closed", False):
                 self.next_at = (new // self.every + 1) * self.every
+                if self.on_error is None:
+                    self.hb.progress(tokens=new)
+                else:
+                    try:
+                        self.hb.progress(tokens=new)
+                    except Exception as exc:
+                        self.hb = None  # reported once; generation goes on without beats
+                        self.on_error(exc)
             rows = int(input_ids.shape[0])
             no = self._no
             if no is None or no.shape[0] != rows or no.device != input_ids.device:
@@ -284,4 +346,4 @@ def _is_own_wrapper(obj) -> bool:
     return getattr(_instance_dict(obj).get("generate"), "__hangwatch_own__", False)
 
 
-__all__ = ["GenerateWatch", "make_progress_criterion", "with_criterion"]
+__all__ = ["GenerateWatch", "generating", "make_progress_criterion", "with_criterion"]

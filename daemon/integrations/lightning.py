@@ -17,7 +17,8 @@ Under `hangwatch run` it writes, from the thread that does the work:
               finite steps that follow, and hands the last good one to the next attempt as
               HANGWATCH_RESUME_FROM, which `resume_from()` returns);
   stop        `finished` at fit end; `terminated` (SIGTERM), `interrupted` or `error` when the fit raises,
-              the error's last words in the attempt's exit.json.
+              the error's last words in the attempt's exit.json (with `stop_beat=False`, as hangwatch adds
+              the callback to an unedited script: the last words, no `stop` line: the exit is judged).
 Outside hangwatch (no HANGWATCH_RUN_DIR) it does nothing at all: no file, no signal handler, no patch.
 
 Checkpoints: `ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)` keeps one file per step, so the last
@@ -40,8 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from hangwatch.daemon.integrations import resume_from
-from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite
+from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
 from hangwatch.daemon.integrations.generation import GenerateWatch
+from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 INSTALL_HINT = ("hangwatch.daemon.integrations.lightning needs Lightning: pip install hangwatch[lightning] "
@@ -156,11 +158,12 @@ class HangwatchCallback(*_callback_bases()):
 
     Budgets (seconds) for the phases it enters; None leaves each to the supervisor's
     `watchdog.phase_budgets_s` (`eval` covers validation and test).  `progress_every`: new tokens
-    between `progress` beats inside `generate`."""
+    between `progress` beats inside `generate`.  `stop_beat`: say `stop` when the fit ends (False: the
+    supervisor judges the process by its exit, as when hangwatch added the callback itself)."""
 
     def __init__(self, *, eval_budget_s: Optional[float] = None, predict_budget_s: Optional[float] = None,
                  checkpoint_budget_s: Optional[float] = None, generate_budget_s: Optional[float] = None,
-                 progress_every: int = 8):
+                 progress_every: int = 8, stop_beat: bool = True):
         super().__init__()
         for name, value in (("eval_budget_s", eval_budget_s), ("predict_budget_s", predict_budget_s),
                             ("checkpoint_budget_s", checkpoint_budget_s), ("generate_budget_s", generate_budget_s)):
@@ -171,6 +174,9 @@ class HangwatchCallback(*_callback_bases()):
         self.budgets = {"eval": eval_budget_s, "predict": predict_budget_s, "checkpoint": checkpoint_budget_s}
         self.generate_budget_s = generate_budget_s
         self.progress_every = progress_every
+        self.stop_beat = stop_beat
+        if supervised():
+            claim_steps()  # this callback beats the steps: the automatic optimizer hook stays quiet
         self._hb = None
         self._live = False          # between our `start` and `stop`
         self._watch: Optional[GenerateWatch] = None
@@ -350,13 +356,16 @@ class HangwatchCallback(*_callback_bases()):
         self._returns = []
         self._hb.current_phase = "init"  # a second start (trainer.test after fit) begins afresh too
         self._hb.start(resumed_from=resumed_from, integration="lightning")
+        WRITERS.own_phases(self)
 
     def _finish(self, reason: str, **extra: Any) -> None:
         if not self._live:
             return
         self._announce_pending()
         self._live = False
-        self._hb.stop(reason, **extra)
+        WRITERS.release_phases(self)
+        if self.stop_beat:
+            self._hb.stop(reason, **extra)
 
     def _release(self, trainer) -> None:
         if self._watch is not None:

@@ -16,7 +16,8 @@ What it writes (one heartbeat file per rank; every rank beats its own):
                 finite steps that follow), from the local main process that wrote it
     warn        a non-finite loss
     stop        `finished` at train end: what the script does after `train()` returns must end within
-                `watchdog.exit_after_stop_s`
+                `watchdog.exit_after_stop_s` (not with `stop_beat=False`, as hangwatch adds it to an unedited
+                script: the supervisor then judges the process by its exit)
 
 Outside hangwatch (no HANGWATCH_RUN_DIR) the callback does nothing at all: no file, no signal handler, nothing
 wrapped.
@@ -46,6 +47,7 @@ from transformers import TrainerCallback
 from hangwatch.daemon.integrations import resume_from
 from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
 from hangwatch.daemon.integrations.generation import GenerateWatch
+from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, stable since v2
 
@@ -56,9 +58,12 @@ class HangwatchCallback(TrainerCallback):
     def __init__(self, *, eval_budget_s: Optional[float] = None, predict_budget_s: Optional[float] = None,
                  checkpoint_budget_s: Optional[float] = None, generate_budget_s: Optional[float] = None,
                  train_budget_s: Optional[float] = None, progress_every: int = 8,
-                 environ: Optional[Mapping[str, str]] = None):
+                 environ: Optional[Mapping[str, str]] = None, stop_beat: bool = True):
         """Budgets in seconds; None: the supervisor's budget for that phase name.  `train` is normally governed
-        by the step deadline, not a budget.  `progress_every`: new tokens between progress beats in generate."""
+        by the step deadline, not a budget.  `progress_every`: new tokens between progress beats in generate.
+        `stop_beat`: say `stop` when training ends (False: the supervisor judges the process by its exit, as
+        when hangwatch added the callback itself: what the script does after `train()` is then not bounded by
+        `watchdog.exit_after_stop_s`)."""
         self.budgets = {"train": train_budget_s, "eval": eval_budget_s, "predict": predict_budget_s,
                         "checkpoint": checkpoint_budget_s, "generate": generate_budget_s}
         for name, value in self.budgets.items():
@@ -67,8 +72,11 @@ class HangwatchCallback(TrainerCallback):
         if progress_every < 1:
             raise ValueError(f"progress_every must be at least 1 (got {progress_every})")
         self.progress_every = progress_every
+        self.stop_beat = stop_beat
         self._environ = environ
         self.active = supervised(environ)
+        if self.active:
+            claim_steps()  # this callback beats the steps: the automatic optimizer hook stays quiet
         self.hb = None
         self._phases: Optional[_Phases] = None
         self._watch: Optional[GenerateWatch] = None
@@ -90,6 +98,7 @@ class HangwatchCallback(TrainerCallback):
         self.hb.current_step = int(state.global_step)
         resumed = resumed_checkpoint(int(state.global_step), resume_from(self._environ), args.output_dir)
         self.hb.start(resumed_from=resumed, integration="transformers")
+        WRITERS.own_phases(self)
         self.hb.enter_phase("train", self.budgets["train"])
         self._meter.restart(time.monotonic())
         self._watch = GenerateWatch(self._phases, budget_s=self.budgets["generate"], progress_every=self.progress_every)
@@ -105,8 +114,10 @@ class HangwatchCallback(TrainerCallback):
         if self.hb is None:
             return
         self._unwrap()
+        WRITERS.release_phases(self)
         self.hb.current_step = int(state.global_step)
-        self.hb.stop("finished")
+        if self.stop_beat:
+            self.hb.stop("finished")
 
     def _unwrap(self) -> None:
         self._patches.restore()

@@ -30,6 +30,12 @@ Sections (all by default, in this order; `--only` picks some), one module each:
                 while the stuck tree is torn down vs a cold spawn (demo model, block_c).
   multinode     (multinode.py) a hang on global rank 1 → every rank stepping again: one node with 2 ranks
                 vs two `hangwatch run` as two nodes on loopback (c10d rendezvous, 1 rank each).
+  instrument    (instrument_cost.py) what automatic instrumentation costs an unedited script per optimizer
+                step: the same plain loop (tiny Llama) with the bootstrap environment and without, alternating
+                runs, median step times and the cost in % (target ≤ 0.5 %); the hooks' own work per step timed
+                in process; the interpreter start-up each way.
+  own_command   (own_command.py) launch → first optimizer step of the same unedited script bare, under
+                `hangwatch run -- python train.py` (instrument auto) and with instrument off.
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -53,11 +59,13 @@ from typing import Optional
 if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; import it as the package `bench`
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench import cli_latency, detection, footprint, heartbeat_cost, multinode, prewarm, recovery, side_by_side  # noqa: E402
+from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
+                   prewarm, recovery, side_by_side)
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
-SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode")
+SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
+            "instrument", "own_command")
 
 
 def parse_only(text: Optional[str]) -> list[str]:
@@ -85,6 +93,10 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return prewarm.section(work, args.quick)
     if name == "multinode":
         return multinode.section(work, args.quick)
+    if name == "instrument":
+        return instrument_cost.section(work, args.quick)
+    if name == "own_command":
+        return own_command.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

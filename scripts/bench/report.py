@@ -249,9 +249,23 @@ def multinode_render(p: dict) -> tuple:
 
     return render(p)
 
+
+def instrument_render(p: dict) -> tuple:
+    from bench.instrument_cost import render
+
+    return render(p)
+
+
+def own_command_render(p: dict) -> tuple:
+    from bench.own_command import render
+
+    return render(p)
+
+
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
-    "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render}
+    "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render,
+    "instrument": instrument_render, "own_command": own_command_render}
 
 
 def header(res: dict) -> list[str]:

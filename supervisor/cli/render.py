@@ -127,6 +127,9 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("torn_lines"):
         beat += f"   ({st['torn_lines']} torn/invalid lines skipped)"
     grid.add_row("heartbeat", beat)
+    out = st.get("output")
+    if isinstance(out, dict) and out.get("last_output_age_s") is not None:
+        grid.add_row("output", Text(output_text(out)))
 
     deadlines = st.get("deadlines") or []
     ranks = [r for r in st.get("ranks") or [] if isinstance(r, dict)]
@@ -152,6 +155,16 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
+
+
+def output_text(out: dict) -> str:
+    """The worker's output as evidence: when it last wrote, and its last progress line."""
+    text = f"last line {duration(out.get('last_output_age_s'))} ago"
+    if out.get("last_progress_line"):
+        text += f"; progress {duration(out.get('last_progress_age_s'))} ago: {str(out['last_progress_line'])[:80]}"
+    if out.get("step") is not None:
+        text += f" (step {out['step']})"
+    return text
 
 
 def nodes_text(n: dict) -> str:
@@ -295,7 +308,7 @@ def incident_view(inc: dict) -> Group:
     head.add_column(style="bold", no_wrap=True)
     head.add_column()
     for key in ("id", "kind", "time", "attempt", "phase", "step", "deadline", "culprit_rank", "classification", "summary",
-                "stuck_frame"):
+                "stuck_frame", "evidence"):
         if inc.get(key) not in (None, "", [], {}):
             value = inc[key]
             head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))

@@ -219,7 +219,8 @@ class Episode:
                 user = next((f for f in read if is_own_code(f.get("file"))), None)
         if verdict is None:
             announced = {ref.pid for ref in attempt.announced_refs().values()}
-            own = [p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == attempt.worker.pid]
+            own = ([p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == dump_pid]
+                   or [p for p in self.procs if p["pid"] == attempt.worker.pid])
             classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
             # The call it hung in first; without a landmark, what fired and what the process does lead.  The
             # reading names the innermost frame: the classification joins it without its own "at <frame>".

@@ -96,7 +96,8 @@ def source_wait(stack: list[dict], source_line: Optional[str]) -> Optional[str]:
 
 
 def _is_library(path: str) -> bool:
-    return path.startswith("<") or "/lib/python3" in path or "site-packages" in path
+    return (path.startswith("<") or "/lib/python3" in path or "site-packages" in path
+            or any(part in path for part in ("/daemon/autoinstrument/", "/daemon/integrations/", "/daemon/heartbeat.py")))
 
 
 def waits_in(stack: list[dict], native: list[str] = (), source_line: Optional[str] = None) -> Optional[str]:

@@ -89,7 +89,13 @@ def main_stack(text: str) -> tuple[list[dict], bool]:
 
 
 def _is_library(path: str) -> bool:
-    return path.startswith("<") or "/lib/python3" in path or "site-packages" in path
+    """Not the user's frame: the standard library, an installed package, `<…>` code, or hangwatch's own hooks in the
+    user's process (the bootstrap's wrappers, the callbacks, the heartbeat) from a source checkout."""
+    return (path.startswith("<") or "/lib/python3" in path or "site-packages" in path
+            or any(part in path for part in HANGWATCH_HOOKS))
+
+
+HANGWATCH_HOOKS = ("/daemon/autoinstrument/", "/daemon/integrations/", "/daemon/heartbeat.py")
 
 
 def fatal_error(text: str) -> Optional[str]:

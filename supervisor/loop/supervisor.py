@@ -81,7 +81,9 @@ from hangwatch.supervisor.nodes.peers import SpawnHelper, spawn_helper
 from hangwatch.supervisor.nodes.seam import Nodes, SingleNode
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
-from hangwatch.supervisor.processes import attempt as attempts, leftovers, prewarm, process, snapshot as snapshots
+from hangwatch.supervisor.processes import attempt as attempts
+from hangwatch.supervisor.processes import leftovers, prewarm, process, snapshot as snapshots
+from hangwatch.supervisor.processes.interpreter import instrument_note
 from hangwatch.supervisor.records import remediation, run_state
 from hangwatch.supervisor.records.checkpoint_ledger import (BAD, PersistedLedger, resolve as resolve_path, resume_choice,
                                                             set_aside_bad)
@@ -114,11 +116,13 @@ class Supervisor:
                  cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None,
                  policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None,
                  peer_spawn: Optional[SpawnHelper] = None, spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby,
-                 listeners: tuple = ()):
+                 listeners: tuple = (), probe: Callable[..., str] = instrument_note):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
         how the peer-link helper of a multi-node run is started.
-        `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side."""
+        `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side.
+        `probe`: what instrumentation a `worker.command` gets, in words (`processes.interpreter.instrument_note`:
+        asks the command's Python for its version)."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
@@ -176,6 +180,8 @@ class Supervisor:
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
         self._socket: Optional[str] = None  # where the control socket is (fixed for this supervisor's life)
         self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
+        self.instrumentation = ""  # what instrumentation the worker gets, in words (the start line; `prepare`)
+        self._probe = probe
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
             State.STALLED: self.stalled, State.DUMPING: self.dumping, State.KILLING: self.killing,
@@ -223,6 +229,10 @@ class Supervisor:
         if self._subreaper:
             process.set_child_subreaper()
         self.nodes.start(now)
+        if self.cfg.worker.command is not None and self.cfg._instrument_note is None:  # asked once, before the loop
+            self.cfg._instrument_note = self._probe(self.cfg.worker.command, self.cfg.worker.instrument,
+                                                        self.cfg.worker.cwd, {**os.environ, **self.cfg.worker.env})
+        self.instrumentation = self.cfg._instrument_note or "built-in worker (instrumented by itself)"
         return None
 
     def run(self) -> int:
@@ -437,12 +447,20 @@ class Supervisor:
                 note = self.nodes.rank_started(rec, now, cur.number)
                 if note:
                     log.info("torchrun_round", attempt=cur.number, rank=a.rank, pid=rec.get("pid"), note=note)
-                if not cur.resume_checked:
+                # The bootstrap's own start (instrumented: auto) comes before the script has chosen what to resume from;
+                # the start line of the script's callback or heartbeat, which says so, is the one compared.
+                if not cur.resume_checked and (rec.get("instrumented") != "auto" or rec.get("resumed_from")):
                     cur.resume_checked = True
                     self._resumed(cur, rec)
                 if self.lifecycle.state is State.STARTING:
                     self.transition(State.RUNNING, f"start beat from rank {a.rank}", now)
                 state_changed = True
+            elif ev != "stop" and cur.announced:
+                back = cur.follow(rec, self.table)
+                if back is not None:
+                    log.info("rank_process_changed", attempt=cur.number, rank=back.rank, pid=rec.get("pid"),
+                             note="the process that announced the rank last is gone; this one, which announced it "
+                                  "before, goes on")
             if ev in ("step", "checkpoint", "warn") and self.ledger.observe(rec, cur.number):
                 state_changed = True  # a checkpoint announced, confirmed or spoiled: state.json says so at once
             if ev == "step":
@@ -766,7 +784,7 @@ class Supervisor:
         self.nodes.spawned(number, now)
         w = self.current.worker
         log.info("worker_spawned", attempt=number, pid=w.pid, argv=w.argv, log=str(w.log_path),
-                 prewarmed=self.current.prewarmed)
+                 prewarmed=self.current.prewarmed, instrumentation=self.instrumentation)
         if not self._ready_sent:  # systemd hears READY once
             self._ready_sent = True
             self.notify("ready")

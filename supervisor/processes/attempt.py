@@ -103,6 +103,7 @@ class Attempt:
     worker: Worker
     tail: HeartbeatTail
     announced: dict[int, Announced] = field(default_factory=dict)
+    starts: dict[int, dict] = field(default_factory=dict)  # pid → its `start` line (every process that announced)
     tree: dict[int, ProcRef] = field(default_factory=dict)  # descendants seen, by pid
     last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
     last_tree_scan: float = float("-inf")
@@ -127,7 +128,21 @@ class Attempt:
         a = Announced(rank, table.ref_of(pid) if isinstance(pid, int) else None, Path(dump_path) if dump_path else None,
                       rec.get("dump_signal"))
         self.announced[rank] = a
+        if isinstance(pid, int):
+            self.starts[pid] = rec
         return a
+
+    def follow(self, rec: dict, table: ProcessTable) -> Optional[Announced]:
+        """A line of a rank from another process than the one it announced last: when that one is gone and this one
+        announced itself before (a subprocess took the rank over from a wrapper, then ended, while the wrapper's
+        own training went on), this one is the rank's again.  The announced process when it changed, else None."""
+        rank, pid = rec.get("rank"), rec.get("pid")
+        a = self.announced.get(rank) if isinstance(rank, int) else None
+        if a is None or a.ref is None or a.ref.pid == pid or pid not in self.starts:
+            return None
+        if not table.is_gone(a.ref):
+            return None
+        return self.announce(self.starts[pid], table)
 
     def announced_refs(self) -> dict[int, ProcRef]:
         return {rank: a.ref for rank, a in self.announced.items() if a.ref}

@@ -124,6 +124,11 @@ def heartbeats(attempt_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
+def own_start(recs: list[dict]) -> dict:
+    """The script's own start line (its callback's or heartbeat's), after the bootstrap's (`instrumented: auto`)."""
+    return next(r for r in recs if r["event"] == "start" and r.get("instrumented") != "auto")
+
+
 def place_config(tmp_path: Path, config: Path, **worker_changes) -> tuple[Path, Path]:
     """A verbatim copy of `config` (`worker_changes` update its `worker`) at the same depth of a scratch
     tree whose examples/ is a link to the repo's: the command's relative paths reach the repo's scripts,
@@ -190,7 +195,7 @@ def assert_ran_cleanly(run_dir: Path, r: subprocess.CompletedProcess, script: Pa
     assert sorted(beats) == list(range(ranks)), f"heartbeat files for ranks {sorted(beats)}, expected {ranks}"
     last_steps = set()
     for rank, recs in beats.items():
-        assert recs[0]["event"] == "start" and recs[0]["resumed_from"] is None, recs[0]
+        assert recs[0]["event"] == "start" and own_start(recs)["resumed_from"] is None, recs[0]
         assert recs[-1]["event"] == "stop" and recs[-1]["reason"] == "finished", recs[-1]
         steps = [b["step"] for b in recs if b["event"] == "step"]
         assert steps and steps == list(range(1, len(steps) + 1)), f"rank {rank} beat steps {steps}"
@@ -269,7 +274,7 @@ def test_plain_loop_killed_mid_run_resumes_from_the_last_good_checkpoint(tmp_pat
     assert len(handed) == 1 and handed[0], log_events(run_dir, "resume_from")
     good = [e for e in log_events(run_dir, "good_checkpoint") if e["attempt"] == 1]
     assert handed[0] == good[-1]["path"]  # the newest GOOD one of attempt 1
-    assert second[0]["event"] == "start" and second[0]["resumed_from"] == handed[0]
+    assert second[0]["event"] == "start" and own_start(second)["resumed_from"] == handed[0]
 
     steps1 = [b["step"] for b in first if b["event"] == "step"]
     steps2 = [b["step"] for b in second if b["event"] == "step"]

@@ -6,6 +6,7 @@ handed the older one in HANGWATCH_RESUME_FROM, and the record must say why the n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -33,7 +34,7 @@ def test_a_foreign_worker_resumes_from_the_last_good_checkpoint_not_the_newest(t
     assert len(attempts(run_dir)) == 2 and not wait_no_strays(str(run_dir))
 
     good, spoiled = tmp_path / "ckpts" / "step-2", tmp_path / "ckpts" / "step-4"
-    assert spoiled.is_dir()  # the newer one is there on disk, and is not what attempt 2 got
+    assert Path(f"{spoiled}.hangwatch-bad").is_dir()  # the newer one: renamed aside (never deleted), not handed over
     assert json.loads(got.read_text()) == {"env": str(good), "resume_from": str(good)}
 
     record = {c["path"]: c for c in json.loads((run_dir / "checkpoints.json").read_text())["checkpoints"]}

@@ -270,3 +270,31 @@ def test_the_interpreter_of_a_command_is_read_from_python_or_a_shebang(tmp_path)
     assert instrument_note(["python", "t.py"], "off", None, env).startswith("off")
     old = script(tmp_path / "python2.7", "#!/bin/sh\necho 2 7\n")
     assert "too old" in instrument_note([str(old), "t.py"], "auto", None, env)
+
+
+class GoneTable:
+    def __init__(self, gone=()):
+        self.gone = set(gone)
+
+    def ref_of(self, pid):
+        return ProcRef(pid, 1.0)
+
+    def is_gone(self, ref):
+        return ref.pid in self.gone
+
+
+def start_line(pid, rank=0):
+    return {"event": "start", "rank": rank, "pid": pid, "dump_path": f"/d/stack-{pid}.txt", "dump_signal": "SIGUSR1"}
+
+
+def test_a_rank_goes_back_to_its_older_process_once_the_newer_one_is_gone(tmp_path):
+    a = attempts.Attempt(1, tmp_path, worker=None, tail=None)
+    table = GoneTable()
+    a.announce(start_line(10), table)  # the wrapper
+    a.announce(start_line(11), table)  # a child that took the rank over
+    step_from_10 = {"event": "step", "rank": 0, "pid": 10}
+    assert a.follow(step_from_10, table) is None and a.announced[0].ref.pid == 11  # 11 lives: it stays the rank
+    table.gone.add(11)
+    assert a.follow({"event": "step", "rank": 0, "pid": 99}, table) is None  # never announced: not followed
+    back = a.follow(step_from_10, table)
+    assert back.ref.pid == 10 and str(back.dump_path) == "/d/stack-10.txt" and a.announced[0].ref.pid == 10
