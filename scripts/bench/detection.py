@@ -35,7 +35,9 @@ def detection_config(tmp: Path, deadline: str, budget: float) -> tuple[Path, Pat
           "dump_grace_s": 0.5, "term_grace_s": 0.5, "py_spy": False, "poll_interval_s": POLL_INTERVAL_S}
     run_dir = tmp / "run"
     cfg = {"run_dir": str(run_dir),
-           "worker": {"command": [PY, str(STALL_WORKER), STALL_MODE[deadline], "--phase-budget", str(budget)]},
+           # the stall worker speaks the heartbeat protocol itself (each deadline on its own): no bootstrap beside it
+           "worker": {"command": [PY, str(STALL_WORKER), STALL_MODE[deadline], "--phase-budget", str(budget)],
+                      "instrument": "off"},
            "watchdog": wd, "restart": {"backoff_initial_s": 0, "max_restarts": 3}}
     return write_yaml(tmp / "cfg.yaml", cfg), run_dir
 

@@ -59,7 +59,8 @@ def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) 
     run_dir = work / "run"
     cfg = {"run_dir": str(run_dir),
            "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
-                                  "--seconds", str(window + settle + 60)]},
+                                  "--seconds", str(window + settle + 60)],
+                      "instrument": "off"},  # one process writing 8 ranks' beats: the supervisor's cost alone
            "watchdog": {"py_spy": False}}
     proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
     sup = psutil.Process(proc.pid)

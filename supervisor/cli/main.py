@@ -122,6 +122,9 @@ class _RunCommand(click.Command):
     when the help is shown, so that no other command pays for it.  Everything after `--` is the worker's
     command line, taken aside before click parses (its options are the command's, never ours)."""
 
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- CMD ARGS…]"]
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if "--" in args:
             cut = args.index("--")

@@ -226,22 +226,22 @@ class DumpCollector:
 
     def pid_texts(self) -> dict[int, str]:
         """py-spy's stacks of the unannounced Python processes, by pid."""
-        out = {}
-        for pid, (_, path) in self.py_spy_pids.items():
-            try:
-                out[pid] = path.read_text(errors="replace")
-            except OSError:
-                pass
-        return out
+        return _outputs(self.py_spy_pids)
 
     def py_spy_texts(self) -> dict[int, str]:
-        out = {}
-        for rank, (_, path) in self.py_spy_procs.items():
-            try:
-                out[rank] = path.read_text(errors="replace")
-            except OSError:
-                pass
-        return out
+        """py-spy's stacks of the ranks, by rank."""
+        return _outputs(self.py_spy_procs)
+
+
+def _outputs(procs: dict[int, tuple[subprocess.Popen, Path]]) -> dict[int, str]:
+    """What each py-spy run wrote, by its key (those whose file cannot be read are left out)."""
+    out = {}
+    for key, (_, path) in procs.items():
+        try:
+            out[key] = path.read_text(errors="replace")
+        except OSError:
+            pass
+    return out
 
 
 def start_py_spy(exe: str, pid: int, out: Path, options: list[str]) -> Optional[subprocess.Popen]:

@@ -160,9 +160,11 @@ def ledger(run_dir: Path) -> list[tuple[int, int]]:
 
 
 def beats(run_dir: Path, attempt: int, event: str) -> list[dict]:
-    """The complete heartbeat lines of one event (a line being written is skipped, as the supervisor does)."""
+    """The complete heartbeat lines of one event (a line being written is skipped, as the supervisor does); the
+    worker's own, not the bootstrap's `start` (instrumented: auto) that precedes it."""
     p = run_dir / "attempts" / f"{attempt:04d}" / "heartbeat-rank0.jsonl"
-    return [r for r in map(decode_line, p.read_bytes().splitlines()) if r is not None and r["event"] == event]
+    return [r for r in map(decode_line, p.read_bytes().splitlines())
+            if r is not None and r["event"] == event and r.get("instrumented") != "auto"]
 
 
 class NotifySocket:
