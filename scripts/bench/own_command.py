@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .cli_latency import hangwatch_argv
 from .harness import PY, ROOT, env, summary, write_yaml
 
 SCRIPT = '''\
@@ -32,11 +33,6 @@ opt.step()
 print(f"step 1 loss {{loss.item():.4f}} t={{time.time():.6f}}", flush=True)
 '''
 STEP = re.compile(r"step 1 loss \S+ t=([0-9.]+)")
-
-
-def hangwatch_argv() -> list[str]:
-    script = Path(PY).parent / "hangwatch"
-    return [str(script)] if script.exists() else [PY, "-m", "hangwatch.supervisor"]
 
 
 def first_step_s(argv: list[str], log: Path, cwd: Path) -> float:

@@ -89,11 +89,12 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
     import yaml
 
     from hangwatch.common.rundir import CONFIG_NAME
+    from hangwatch.supervisor.processes.interpreter import note_for
 
     shown = _shown(cfg.run_dir)
     own = cfg.model_dump(mode="json", exclude_defaults=True)
     lines = [f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {shown}",
-             f"hangwatch: instrumentation: {instrument_words(cfg)}",
+             f"hangwatch: instrumentation: {note_for(cfg)}",
              f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):"]
     lines += ["    " + line for line in yaml.safe_dump(own, sort_keys=False).splitlines()]
     if config_arg is None:
@@ -102,18 +103,6 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
         lines.append(f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
                      f"hangwatch run {shown}/{CONFIG_NAME}")
     return lines
-
-
-def instrument_words(cfg: Config) -> str:
-    """The start line's word on instrumentation (asked once: the interpreter probe runs a child)."""
-    note = getattr(cfg, "_instrument_note", None)
-    if note is None:
-        from hangwatch.supervisor.processes.interpreter import instrument_note
-
-        env = {**os.environ, **cfg.worker.env}
-        note = instrument_note(cfg.worker.command, cfg.worker.instrument, cfg.worker.cwd, env)
-        cfg._instrument_note = note
-    return note
 
 
 def checkpoint_text(cfg: Config) -> str:

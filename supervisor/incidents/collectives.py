@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from hangwatch.supervisor.incidents.dumps import is_library
+
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
     "all_gather_coalesced", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
@@ -90,14 +92,11 @@ def native_wait(native: list[str]) -> Optional[str]:
 
 def source_wait(stack: list[dict], source_line: Optional[str]) -> Optional[str]:
     """`wait()` when the innermost frame is user code whose line calls `.wait()` (a C call: no frame of its own)."""
-    if not stack or not source_line or _is_library(stack[0].get("file") or ""):
+    if not stack or not source_line or is_library(stack[0].get("file") or ""):
         return None
     return "wait" if SOURCE_WAIT.search(source_line) else None
 
 
-def _is_library(path: str) -> bool:
-    return (path.startswith("<") or "/lib/python3" in path or "site-packages" in path
-            or any(part in path for part in ("/daemon/autoinstrument/", "/daemon/integrations/", "/daemon/heartbeat.py")))
 
 
 def waits_in(stack: list[dict], native: list[str] = (), source_line: Optional[str] = None) -> Optional[str]:

@@ -78,7 +78,7 @@ def stuck_frame(text: str) -> tuple[Optional[dict], list[dict], Optional[dict]]:
     t = main_thread(parse_faulthandler(text))
     if t is None:
         return None, [], None
-    user = next((f for f in t.frames if not _is_library(f["file"])), None)
+    user = next((f for f in t.frames if not is_library(f["file"])), None)
     return t.frames[0], t.frames, user
 
 
@@ -88,7 +88,7 @@ def main_stack(text: str) -> tuple[list[dict], bool]:
     return (t.frames, t.truncated) if t is not None else ([], False)
 
 
-def _is_library(path: str) -> bool:
+def is_library(path: str) -> bool:
     """Not the user's frame: the standard library, an installed package, `<…>` code, or hangwatch's own hooks in the
     user's process (the bootstrap's wrappers, the callbacks, the heartbeat) from a source checkout."""
     return (path.startswith("<") or "/lib/python3" in path or "site-packages" in path

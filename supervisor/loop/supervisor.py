@@ -83,7 +83,7 @@ from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
 from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.processes import leftovers, prewarm, process, snapshot as snapshots
-from hangwatch.supervisor.processes.interpreter import instrument_note
+from hangwatch.supervisor.processes.interpreter import instrument_note, note_for
 from hangwatch.supervisor.records import remediation, run_state
 from hangwatch.supervisor.records.checkpoint_ledger import (BAD, PersistedLedger, resolve as resolve_path, resume_choice,
                                                             set_aside_bad)
@@ -229,10 +229,7 @@ class Supervisor:
         if self._subreaper:
             process.set_child_subreaper()
         self.nodes.start(now)
-        if self.cfg.worker.command is not None and self.cfg._instrument_note is None:  # asked once, before the loop
-            self.cfg._instrument_note = self._probe(self.cfg.worker.command, self.cfg.worker.instrument,
-                                                        self.cfg.worker.cwd, {**os.environ, **self.cfg.worker.env})
-        self.instrumentation = self.cfg._instrument_note or "built-in worker (instrumented by itself)"
+        self.instrumentation = note_for(self.cfg, self._probe)  # asked once, before the loop
         return None
 
     def run(self) -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from hangwatch.common.instrumentation import MIN_PYTHON
+from hangwatch.supervisor.processes.attempt import BARE_PYTHONS
 
 PROBE_TIMEOUT_S = 10.0
-BARE_PYTHONS = ("python", "python3")
 
 
 def resolve(program: str, cwd: Optional[str], env: Mapping[str, str]) -> Optional[Path]:
@@ -95,3 +95,12 @@ def instrument_note(command: Optional[list[str]], instrument: str, cwd: Optional
         return (f"none: {python} is Python {version[0]}.{version[1]}, too old for instrumentation (needs "
                 f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}+): watched by its output, py-spy and NVML only")
     return f"auto: {python} (Python {version[0]}.{version[1]}) and every Python process it starts"
+
+
+def note_for(cfg, probe=instrument_note) -> str:
+    """`instrument_note` for a config, asked once (kept on the config: the CLI's preamble and the supervisor's start
+    line say the same without a second probe)."""
+    if cfg._instrument_note is None:
+        cfg._instrument_note = probe(cfg.worker.command, cfg.worker.instrument, cfg.worker.cwd,
+                                     {**os.environ, **cfg.worker.env})
+    return cfg._instrument_note
