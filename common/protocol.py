@@ -24,6 +24,16 @@ ENV_ATTEMPT = "HANGWATCH_ATTEMPT"
 ENV_HEARTBEAT_DIR = "HANGWATCH_HEARTBEAT_DIR"
 ENV_RESUME_FROM = "HANGWATCH_RESUME_FROM"
 
+# The supervisor's order to end a runaway generate() (watchdog.generate_overrun: truncate), in the attempt's
+# directory beside the heartbeat files, replaced atomically:
+#   {"order": N, "tokens": LIMIT, "issued_unix": T, "budget_s": B}
+# A rank's generate that was running when the order appeared stops once it has produced LIMIT new tokens
+# (at once, if it already has), then says so in a `progress` line carrying `generate_truncated`
+# ({"order", "limit", "tokens", ...}) before it leaves the phase.  Orders written before a generate began
+# are not its orders.
+GENERATE_STOP_NAME = "generate-stop.json"
+TRUNCATED_FIELD = "generate_truncated"
+
 
 def rank_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     env = os.environ if environ is None else environ

@@ -44,6 +44,7 @@ from hangwatch.common.durable import write_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_OK
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR, rank_from_env
 from hangwatch.common.rundir import CONFIG_NAME, next_attempt
+from hangwatch.common.config.rules import GENERATE_FAULTS
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource
 from hangwatch.daemon.distributed import world_size_from_env
@@ -134,13 +135,13 @@ def _warn_faults(cfg, hb, faults, world) -> None:
     if not world.is_main:
         return  # said once, by rank 0
     for f in faults:
-        if (f.at_eval is not None or f.kind == "hang_generate") and not cfg.eval.every_steps:
+        if (f.at_eval is not None or f.kind in GENERATE_FAULTS) and not cfg.eval.every_steps:
             hb.warn(f"fault {f.kind} waits for an eval, but eval.every_steps is 0: it will never fire", fault=f.kind)
         if f.rank >= world.size:
             hb.warn(f"fault {f.kind} is for rank {f.rank}, but the run has {world.size} rank(s): it will never fire",
                     fault=f.kind)
-        elif f.kind == "hang_generate" and f.rank != 0:
-            hb.warn(f"fault hang_generate is for rank {f.rank}, but only rank 0 generates: it will never fire",
+        elif f.kind in GENERATE_FAULTS and f.rank != 0:
+            hb.warn(f"fault {f.kind} is for rank {f.rank}, but only rank 0 generates: it will never fire",
                     fault=f.kind)
 
 

@@ -6,6 +6,12 @@ Generation is its own heartbeat phase (`generate`, with the configured budget) a
 a generate() that stops producing tokens also stops beating.  The training RNG is set aside for
 the whole eval, so evaluating (or not) never changes the training trajectory.
 
+The supervisor may end a runaway generate (`watchdog.generate_overrun: truncate`) with an order file in the
+attempt's directory (`integrations.generation.StopOrder`, read from the phase's start): the prompt being
+generated stops once its generate() has produced the order's LIMIT new tokens, a `progress` line carries
+`generate_truncated` (the prompt, the output's tail), its evolution record says `"truncated": true` with
+`tokens`, `limit` and `skipped_prompts` (the eval's prompts not generated after it), and the eval ends there.
+
 In a multi-rank run every rank scores its share of the held-out examples and the sums are added
 across ranks (`World.sum`); generation runs on rank 0 alone, and the other ranks wait for it in phase
 `wait` (`World.on_main`), so a hung generate() names rank 0 and shows the others as waiting.
@@ -16,14 +22,17 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from hangwatch.common.durable import append_durable
+from hangwatch.common.protocol import TRUNCATED_FIELD
 from hangwatch.daemon.data import Example, collate, prompt_ids_for
 from hangwatch.daemon.distributed import World
+from hangwatch.daemon.integrations.generation import StopOrder, truncation_report
 from hangwatch.daemon.trainer.ranks import eval_shard
 
 EVOLUTION = "evolution.jsonl"
@@ -52,30 +61,62 @@ def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Option
     return total / count
 
 
-def _progress_criterion(hb, every: int, prompt_len: int, should_stop: Callable[[], bool]):
+def _progress_criterion(hb, every: int, prompt_len: int, should_stop: Callable[[], bool],
+                        order: Optional[StopOrder] = None):
     from transformers import StoppingCriteria
 
     class BeatEveryTokens(StoppingCriteria):
-        """Beats `progress` every `every` new tokens; stops early when the worker is asked to stop."""
+        """Beats `progress` every `every` new tokens; stops early when the worker is asked to stop, or when the
+        supervisor's order (`order`) ends this generate (what it did: `truncated`)."""
+
+        truncated: Optional[dict] = None
 
         def __call__(self, input_ids, scores, **kwargs):
-            produced = input_ids.shape[-1] - prompt_len
+            produced = int(input_ids.shape[-1]) - prompt_len
             if produced > 0 and produced % every == 0:
-                hb.progress(tokens=int(produced))
+                hb.progress(tokens=produced)
             done = should_stop()
+            if not done and order is not None:
+                limit = order.poll()
+                if limit is not None and produced >= limit:
+                    done = True
+                    if self.truncated is None:
+                        self.truncated = {"order": order.order, "limit": limit, "tokens": produced, "prompt_tokens": prompt_len}
             return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
     return BeatEveryTokens()
 
 
+@dataclass
+class Generated:
+    text: str
+    truncated: Optional[dict] = None  # {"order", "limit", "tokens", "prompt_tokens"}: the supervisor's order ended it
+
+
+def max_new_tokens_for(eval_cfg, extra_processors=()) -> int:
+    """The configured cap, unless a processor carries its own `max_new_tokens` (the runaway_generate fault's,
+    which must outlast any budget): the largest wins."""
+    caps = [n for n in (getattr(p, "max_new_tokens", None) for p in extra_processors)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return max([eval_cfg.max_new_tokens, *caps])
+
+
 def generate_one(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False) -> str:
+    """The output text of `prompt` (see `generate_prompt`)."""
+    return generate_prompt(bundle, prompt, eval_cfg, hb, extra_processors=extra_processors, should_stop=should_stop).text
+
+
+def generate_prompt(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False,
+                    order: Optional[StopOrder] = None) -> Generated:
+    """One prompt's generation, beating `progress`; `order`: the supervisor's stop order of the current phase."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     tok = bundle.tokenizer
     ids = torch.tensor([prompt_ids_for(tok, prompt)], device=bundle.device)
-    criteria = StoppingCriteriaList([_progress_criterion(hb, eval_cfg.progress_every_tokens, ids.shape[-1], should_stop)])
+    criterion = _progress_criterion(hb, eval_cfg.progress_every_tokens, ids.shape[-1], should_stop, order)
+    criteria = StoppingCriteriaList([criterion])
     kwargs = dict(
-        max_new_tokens=eval_cfg.max_new_tokens, do_sample=eval_cfg.do_sample,
+        max_new_tokens=max_new_tokens_for(eval_cfg, extra_processors), do_sample=eval_cfg.do_sample,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         attention_mask=torch.ones_like(ids), stopping_criteria=criteria,
         logits_processor=LogitsProcessorList(list(extra_processors)),
@@ -84,7 +125,7 @@ def generate_one(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), shou
         kwargs.update(temperature=None, top_p=None, top_k=None)
     with bundle.autocast():
         out = bundle.model.generate(input_ids=ids, **kwargs)
-    return tok.decode(out[0, ids.shape[-1]:], skip_special_tokens=True)
+    return Generated(tok.decode(out[0, ids.shape[-1]:], skip_special_tokens=True), criterion.truncated)
 
 
 def append_evolution(run_dir: os.PathLike | str, records: list[dict]) -> None:
@@ -125,15 +166,25 @@ def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], 
 
     def generate_all() -> list[dict]:
         records = []
+        prompts = list(cfg.eval.prompts)
         with hb.phase("generate", budget_s=budgets.get("generate")):
-            for item in cfg.eval.prompts:
+            order = StopOrder.of(hb)  # orders older than this phase are not its orders
+            for i, item in enumerate(prompts):
                 if should_stop():
                     break
                 prompt = item if isinstance(item, str) else item.prompt
                 reference = None if isinstance(item, str) else item.reference
-                output = generate_one(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop)
-                records.append({"step": step, "prompt": prompt, "reference": reference, "output": output,
-                                "loss": loss, "attempt": attempt, "t": time.time()})
+                gen = generate_prompt(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop,
+                                      order=order)
+                record = {"step": step, "prompt": prompt, "reference": reference, "output": gen.text,
+                          "loss": loss, "attempt": attempt, "t": time.time()}
+                records.append(record)
+                if gen.truncated is not None:
+                    # The supervisor ended this phase: the prompts after this one are not generated.
+                    record.update(truncated=True, tokens=gen.truncated["tokens"], limit=gen.truncated["limit"],
+                                  skipped_prompts=len(prompts) - i - 1)
+                    hb.progress(**{TRUNCATED_FIELD: truncation_report(gen.truncated, prompt=prompt, output=gen.text)})
+                    break
         return records
 
     with set_aside(bundle):

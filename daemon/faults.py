@@ -6,8 +6,8 @@ JSON list of the same objects).  Each fires once per run: it is recorded in `<ru
 `repeat: true` fires it once per attempt instead.
 
 Trigger points (the first opportunity at or after the given moment):
-  - `at_step: N` — at the start of optimizer step N (1-based); `hang_generate` waits for the first
-    eval at or after step N and hangs its generate();
+  - `at_step: N` — at the start of optimizer step N (1-based); `hang_generate` and `runaway_generate` wait
+    for the first eval at or after step N and act on its generate();
   - `at_eval: K` — at the K-th eval of the run (eval number = step // eval.every_steps).
 
 `poison` is not an event but bad data: the training examples it names (`example_ids`) have a non-finite loss
@@ -21,7 +21,11 @@ beside their shared checkpoints (`checkpoint.dir`): `rank` is the global rank, w
 
 What each kind does is written so that the evidence looks like the real thing: a pure-Python loop
 inside the model's forward (`busy_loop`), a read on a pipe nobody writes (`block_c`), a loop that
-keeps beating `progress` (`livelock`), a wait inside a generate() logits processor (`hang_generate`).
+keeps beating `progress` (`livelock`), a wait inside a generate() logits processor (`hang_generate`: generate
+stuck, no tokens), a generate() that never ends while tokens keep coming (`runaway_generate`: a logits
+processor that takes EOS away, and that eval's `max_new_tokens` raised to RUNAWAY_MAX_NEW_TOKENS, which
+the processor carries as its `max_new_tokens` for `evaluate.generate_prompt`).  The eval-time kinds are
+handed to the eval as the logits processors `before_eval` returns.
 """
 from __future__ import annotations
 
@@ -45,6 +49,11 @@ ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"
 FIRED_LOCK = ".faults-fired.lock"
 TRAIN_KINDS = ("busy_loop", "block_c", "livelock", "crash", "segfault", "oom", "nan", "exit")
+GENERATE_KINDS = ("hang_generate", "runaway_generate")  # act on an eval's generate(): at_step waits for an eval
+# Far beyond any budget.  A model with rotary positions (the tiny Llama, most local pretrained ones) generates
+# past `max_position_embeddings` (transformers only logs a reminder); one with learned positions cannot
+# (`_runaway_cap`).
+RUNAWAY_MAX_NEW_TOKENS = 1_000_000
 CHILD_MARK = "hangwatch-fault-child"
 
 
@@ -142,6 +151,48 @@ def _never_ending_logits():
     return NeverEndingLogits()
 
 
+def _runaway_logits(eos_ids, max_new_tokens: int = RUNAWAY_MAX_NEW_TOKENS):
+    """A logits processor that takes every EOS id away: with `max_new_tokens` (which it carries, for the eval
+    to honour) far beyond any budget, generate() keeps producing tokens and never ends by itself."""
+    from transformers import LogitsProcessor
+
+    class RunawayLogits(LogitsProcessor):
+        def __init__(self, ids, cap):
+            self.eos_ids = sorted(ids)
+            self.max_new_tokens = cap
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[..., self.eos_ids] = float("-inf")
+            return scores
+
+    return RunawayLogits(eos_ids, max_new_tokens)
+
+
+def _runaway_cap(model) -> int:
+    """RUNAWAY_MAX_NEW_TOKENS, or for a model with learned positions (no rotary parameters in its config: GPT-2's
+    kind), half its positions, so that the eval's short prompts plus the generation stay inside the table
+    (an index past it is an IndexError on the CPU, a device-side assert on a GPU)."""
+    config = getattr(model, "config", None)
+    rotary = ("rope_parameters", "rope_theta", "rope_scaling")
+    if config is None or any(getattr(config, name, None) is not None for name in rotary):
+        return RUNAWAY_MAX_NEW_TOKENS
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return max(1, int(positions) // 2) if isinstance(positions, int) else RUNAWAY_MAX_NEW_TOKENS
+
+
+def _eos_ids(bundle) -> set:
+    """Every id that would end a generation: the tokenizer's eos and the model's generation config's."""
+    ids = set()
+    sources = [getattr(bundle.tokenizer, "eos_token_id", None),
+               getattr(getattr(bundle.model, "generation_config", None), "eos_token_id", None)]
+    for value in sources:
+        for i in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(i, int) and i >= 0:
+                ids.add(i)
+    return ids
+
+
 class FaultPlan:
     """Decides when each fault fires and records it durably first.
 
@@ -222,7 +273,7 @@ class FaultPlan:
     def before_step(self, step: int, bundle) -> None:
         """Called at the start of optimizer step `step` (1-based), before any forward."""
         for fault, key in self.entries:
-            if fault.kind == "hang_generate" or fault.at_eval is not None or fault.at_step is None:
+            if fault.kind in GENERATE_KINDS or fault.at_eval is not None or fault.at_step is None:
                 continue
             if step >= fault.at_step and self._due(fault, key):
                 self._record(fault, key, step)
@@ -230,19 +281,22 @@ class FaultPlan:
                 self._fire(fault, step, bundle)
 
     def before_eval(self, step: int, eval_number: int, bundle) -> list:
-        """Called at each eval; fires eval-time faults and returns logits processors for generate()."""
+        """Called at each eval; fires eval-time faults and returns logits processors for generate() (one with a
+        `max_new_tokens` attribute raises that eval's cap to it)."""
         processors = []
         for fault, key in self.entries:
             if fault.at_eval is not None:
                 hit = eval_number >= fault.at_eval and (fault.at_step is None or step >= fault.at_step)
             else:
-                hit = fault.kind == "hang_generate" and step >= fault.at_step
+                hit = fault.kind in GENERATE_KINDS and step >= fault.at_step
             if not hit or not self._due(fault, key):
                 continue
             self._record(fault, key, step)
             self._announce(fault, step, f"eval {eval_number} (step {step})")
             if fault.kind == "hang_generate":
                 processors.append(_never_ending_logits())
+            elif fault.kind == "runaway_generate":
+                processors.append(_runaway_logits(_eos_ids(bundle), _runaway_cap(bundle.model)))
             else:
                 self._fire(fault, step, bundle)
         return processors

@@ -10,7 +10,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ALERT_EVENTS = ("incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer")
+ALERT_EVENTS = ("incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged",
+                "generate_truncated")
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
@@ -28,7 +29,9 @@ class AlertsCfg(_Section):
         description="Events that alert: incident (a stall or a crash, once handled: what fired, the culprit and its "
         "frame, what hangwatch did), recovered (training went past the step where the incident hit), failed (the run "
         "ended failed), crash_loop, no_progress (`restart.no_progress_restarts` restarts never stepped past the last good "
-        "step), lost_peer (another node's failure made this one recover).")
+        "step), lost_peer (another node's failure made this one recover), resume_diverged (a step replayed after a restart "
+        "differs from the same step before it: sent at once, never held), generate_truncated (a runaway generate() was "
+        "ended at a token limit, nothing restarted: the first of the run is sent, later ones are counted into summaries).")
     command: Optional[list[str]] = Field(
         None, description="An argv run per alert with the alert as one JSON object on stdin (exit 0: delivered).")
     timeout_s: float = Field(10, gt=0, description="Most time one delivery (a URL, the command, a ping) may take.")

@@ -28,7 +28,7 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
             default_s = "required"
         else:
             default = f.default_factory() if f.default_factory is not None else f.default
-            default_s = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            default_s = yaml.safe_dump(default, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
         rows.append((key, type_name(f.annotation), default_s, f.description or ""))
     return rows
 

@@ -53,17 +53,20 @@ def eval_has_something_to_do(cfg: Config) -> Iterator[Finding]:
                "evaluate: set data.eval (held-out loss) and/or eval.prompts (generations), or eval.every_steps: 0")
 
 
+GENERATE_FAULTS = ("hang_generate", "runaway_generate")  # they act on the built-in worker's eval generate()
+
+
 def faults_can_fire(cfg: Config) -> Iterator[Finding]:
     # A fault that can never fire makes a test or a demo pass for the wrong reason.
     if not builtin_worker(cfg):
         return
     for i, f in enumerate(cfg.faults):
-        waits_for_eval = f.kind == "hang_generate" or f.at_eval is not None
+        waits_for_eval = f.kind in GENERATE_FAULTS or f.at_eval is not None
         if waits_for_eval and not cfg.eval.every_steps:
             yield (("faults", i, "at_eval" if f.at_eval is not None else "kind"),
                    f"{f.kind} waits for an eval, but eval.every_steps is 0: it would never fire")
-        elif f.kind == "hang_generate" and not cfg.eval.prompts:
-            yield (("faults", i, "kind"), "hang_generate hangs eval's generate(), which runs only for eval.prompts, "
+        elif f.kind in GENERATE_FAULTS and not cfg.eval.prompts:
+            yield (("faults", i, "kind"), f"{f.kind} acts on eval's generate(), which runs only for eval.prompts, "
                    "and there are none: it would never fire")
         if f.at_step is not None and f.at_step > cfg.train.max_steps:
             yield (("faults", i, "at_step"),
@@ -86,8 +89,8 @@ def ranks_fit(cfg: Config) -> Iterator[Finding]:
                     if cfg.worker.nnodes > 1 else f"worker.nproc_per_node {n}")
             yield (("faults", i, "rank"), f"{f.rank} is not a rank of this run ({size}: ranks 0-{n - 1}): "
                    "it would never fire")
-        elif f.kind == "hang_generate" and f.rank != 0:
-            yield (("faults", i, "rank"), f"{f.rank}: hang_generate hangs generate(), which runs on rank 0 only: "
+        elif f.kind in GENERATE_FAULTS and f.rank != 0:
+            yield (("faults", i, "rank"), f"{f.rank}: {f.kind} acts on generate(), which runs on rank 0 only: "
                    "it would never fire")
     if n > 1 and cfg.data.inbox:
         yield (("worker", "nproc_per_node"), f"{n}: continuous mode (data.inbox: true) trains on one process; "

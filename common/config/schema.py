@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hangwatch.common.config.ops_schema import AlertsCfg, MetricsCfg
 
 FAULT_KINDS = (
-    "hang_generate",  # generate() never returns
+    "hang_generate",  # generate() never returns and produces no token (blocked in a call)
     "busy_loop",  # pure-Python spin inside the model's forward, one core at 100%
     "block_c",  # blocked in a C call, CPU idle
     "livelock",  # keeps sending progress, never finishes the step
@@ -28,6 +28,7 @@ FAULT_KINDS = (
     "oom",  # raises the framework's out-of-memory error
     "nan",  # loss non-finite for `steps` steps
     "exit",  # hard exit with `code`
+    "runaway_generate",  # generate() keeps producing tokens: EOS suppressed, max_new_tokens huge
     "poison",  # the loss of the training examples `example_ids` is non-finite whenever they are trained
 )
 
@@ -131,6 +132,19 @@ DEFAULT_PROGRESS_PATTERN = (r"(?i)(?:\b(?:global[_ ])?step\b\s*[:=#]?\s*(?P<step
                             r"|\d+/\d+\s*\[\d+:\d+)")
 
 
+class ResumeAuditCfg(Section):
+    enabled: bool = Field(True, description="After a restart, compare each replayed step's loss (and learning rate, gradient "
+                          "norm when the beats carry them) with the beat of the same step before the restart.")
+    rtol: Optional[float] = Field(
+        None, ge=0, le=1, description="Relative tolerance of loss and gradient-norm comparisons; 0: bitwise equal. null: 0 for "
+        "the built-in worker (deterministic), 0.01 for your own command (nondeterministic GPU kernels move a replayed loss "
+        "by well under 1 %; a changed data order or a lost accumulation moves it by far more). The learning rate is "
+        "computed, not measured: it is compared within min(rtol, 1e-6).")
+    on_divergence: Literal["warn", "stop"] = Field(
+        "warn", description="A replayed step that differs: `warn` — a `resume_diverged` incident and an alert, training goes "
+        "on; `stop` — the same, then the run ends failed before more GPU time goes into a broken resume.")
+
+
 class WatchdogCfg(Section):
     startup_timeout_s: float = Field(300, gt=0, description="Spawn → first `start` heartbeat.")
     silence_timeout_s: float = Field(120, gt=0, description="No heartbeat line at all (progress lines count).")
@@ -184,6 +198,12 @@ class WatchdogCfg(Section):
         "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a step line "
         "carries, else the time between the rank's step lines.")
     straggler_steps: int = Field(20, ge=1, description="Consecutive slow steps before a rank is recorded as a straggler.")
+    generate_overrun: Literal["truncate", "restart"] = Field(
+        "truncate", description="A `generate` phase past its budget while tokens still arrive: `truncate` — the generation "
+        "is ended at the next token in the worker's own process (generate() returns what it has; every rank stops at the "
+        "same token), recorded as a `generate_truncated` incident, nothing restarted; `restart` — a livelock, killed and "
+        "restarted. A generate that produces no tokens (blocked in C, a kernel, a collective) is a stall either way.")
+    resume_audit: ResumeAuditCfg = Field(default_factory=ResumeAuditCfg, description="The resume audit.")
     landmarks: list[LandmarkCfg] = Field(
         default_factory=list, description="Your own landmark frames, added to the built-in registry (generate, collectives, "
         "DataLoader, checkpoint saving, backward, optimizer.step, tokenizer calls): an incident names the deepest landmark "
@@ -374,7 +394,7 @@ class FaultCfg(Section):
         "is non-finite every time they are trained, from `at_step` on (default: from the start), on every attempt.")
     rank: int = Field(
         0, ge=0, description="The rank it fires on (only that one) in a multi-rank run (`worker.nproc_per_node` > 1); "
-        "`hang_generate` needs rank 0, the only rank that generates.")
+        "`hang_generate` and `runaway_generate` need rank 0, the only rank of the built-in worker that generates.")
 
     @model_validator(mode="after")
     def _when(self):

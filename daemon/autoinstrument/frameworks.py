@@ -83,9 +83,12 @@ class Frameworks:
             handler = getattr(trainer, "callback_handler", None)
             if handler is None or has_callback(handler.callbacks):
                 return
+            from hangwatch.daemon.integrations.generation import tokenizer_of
             from hangwatch.daemon.integrations.transformers import HangwatchCallback
 
-            trainer.add_callback(HangwatchCallback(stop_beat=False))
+            # The tokenizer decodes the prompt and output of a generate the supervisor ends, for its report.
+            tokenizer = tokenizer_of(getattr(trainer, "processing_class", None))
+            trainer.add_callback(HangwatchCallback(stop_beat=False, tokenizer=tokenizer))
 
         self._each(ctx.hook("HF Trainer callback"), lambda hook: self._after_init(cls, hook, add))
         self._each(ctx.hook("HF Trainer resume"), lambda hook: self._resume(

@@ -14,6 +14,20 @@ anything: it returns "not done" for every row, and it is merged with the caller'
 replacing them.  It runs in the generating thread, once per decoding step, so the beats stop exactly when
 generation stops advancing (no timer thread: a timer would hide the hang).
 
+The one exception is the supervisor's order to end a runaway generate (`watchdog.generate_overrun: truncate`):
+`<attempt dir>/generate-stop.json` (`StopOrder`, looked at no more than every 50 ms), written while the call
+runs, with `tokens: LIMIT`.  Once this call has produced LIMIT new tokens (at once, if it already has) the
+criterion says "done" for every row, so `generate()` returns what it has; every rank reads the same file and
+counts its own tokens, so ranks that generate in lockstep stop at the same token.  Before leaving the phase
+the watch says so in one `progress` line:
+
+    {"event": "progress", "phase": "generate", ..., "generate_truncated": {"order": N, "limit": LIMIT,
+     "tokens": 812, "prompt_tokens": 40, "prompt": "...", "output_tail": "..."}}
+
+(`prompt` and `output_tail` decoded from row 0 with `GenerateWatch.tokenizer`; without one, `prompt_ids`: the
+first ids of row 0).  `GenerateWatch.last_truncated` and `last_truncation()` give the same to the caller.
+An order that was there before the call began is not this call's.
+
 Re-entrant calls — `PeftModel.generate` → the base model's `generate`, a LightningModule's own `generate`
 calling its transformer's — make one phase, not two: the outermost watched call owns the phase, and the
 first inner call that takes a `stopping_criteria` argument carries the criterion.
@@ -28,24 +42,38 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
+
+from hangwatch.common.protocol import GENERATE_STOP_NAME, MAX_LINE, TRUNCATED_FIELD
+
+POLL_INTERVAL_S = 0.05  # how stale a stop order may be read: a stat per 50 ms, not one per token
+PROMPT_CHARS = 500      # of the prompt in a `generate_truncated` report
+TAIL_CHARS = 200        # of the output's end in a `generate_truncated` report
+PROMPT_IDS = 32         # ids of the prompt reported when no tokenizer can decode them
+TAIL_TOKENS = 400       # decoded for the output's tail: a runaway output can be far too long to decode whole
+REPORT_BYTES = MAX_LINE - 1000  # the report's JSON; the rest of the `progress` line stays well inside MAX_LINE
 
 _lock = threading.RLock()
 _owners: "weakref.WeakKeyDictionary[Any, GenerateWatch]" = weakref.WeakKeyDictionary()  # watched instance → its watch
 _patched: dict[type, "_ClassPatch"] = {}
-_local = threading.local()  # .active: the criterion of this thread's outermost watched generate (None: none running)
+_local = threading.local()  # .active: the criterion of this thread's outermost watched generate (None: none running);
+#                             .last: the truncation report of its last outermost watched generate (None: not truncated)
 
 
 class GenerateWatch:
     """Puts every `generate` call of the installed modules in the `generate` phase, with progress beats."""
 
     def __init__(self, hb, *, budget_s: Optional[float] = None, progress_every: int = 8,
-                 on_error: Optional[Callable[[BaseException], None]] = None):
+                 on_error: Optional[Callable[[BaseException], None]] = None, tokenizer: Any = None):
         """`on_error`: None — an error of the watch's own (a heartbeat that cannot be written) propagates, as a
         callback the script added should fail loudly; a callable — the error is handed to it and the call runs
-        on unwatched (the automatic instrumentation, which must never break a run)."""
+        on unwatched (the automatic instrumentation, which must never break a run).  `tokenizer` (also settable
+        later as an attribute): decodes the prompt and the output's tail of a truncated generate for its report."""
         if progress_every < 1:
             raise ValueError(f"progress_every must be at least 1 (got {progress_every})")
         if budget_s is not None and budget_s <= 0:
@@ -54,6 +82,8 @@ class GenerateWatch:
         self.budget_s = budget_s
         self.progress_every = int(progress_every)
         self.on_error = on_error
+        self.tokenizer = tokenizer
+        self.last_truncated: Optional[dict] = None  # the report of this watch's last truncated outermost call
         self._classed: "weakref.WeakSet[Any]" = weakref.WeakSet()   # instances watched through their class
         self._own: list[tuple[weakref.ref, Callable]] = []          # instances whose own attribute was wrapped
 
@@ -115,13 +145,18 @@ class GenerateWatch:
             return fn(*args, **kwargs)
         if getattr(self.hb, "closed", False):
             return fn(*args, **kwargs)
-        criterion = make_progress_criterion(self.hb, self.progress_every)
+        criterion = make_progress_criterion(self.hb, self.progress_every, order=StopOrder.of(self.hb))
         if takes_criteria:
             args, kwargs = with_criterion(args, kwargs, criterion)
+        _local.last = self.last_truncated = None
         _local.active = criterion
         try:
             with self.hb.phase("generate", self.budget_s):
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                _local.active = None
+                if criterion.truncated is not None:
+                    self._report(criterion, result)  # inside the phase: before the line that leaves it
+                return result
         finally:
             _local.active = None
 
@@ -139,8 +174,9 @@ class GenerateWatch:
             return fn(*args, **kwargs)
         if getattr(self.hb, "closed", False):
             return fn(*args, **kwargs)
+        _local.last = self.last_truncated = None
         try:
-            criterion = make_progress_criterion(self.hb, self.progress_every, self.on_error)
+            criterion = make_progress_criterion(self.hb, self.progress_every, self.on_error, order=StopOrder.of(self.hb))
             watched_args, watched_kwargs = with_criterion(args, kwargs, criterion) if takes_criteria else (args, kwargs)
             phase = self.hb.phase("generate", self.budget_s)
             phase.__enter__()
@@ -159,16 +195,181 @@ class GenerateWatch:
                     self.on_error(exc)
             raise
         _local.active = None
+        if criterion.truncated is not None:
+            try:
+                self._report(criterion, result)
+            except Exception as exc:
+                self.on_error(exc)
         try:
             phase.__exit__(None, None, None)
         except Exception as exc:
             self.on_error(exc)
         return result
 
+    def _report(self, criterion, result) -> None:
+        """The `progress` line of a generate the supervisor's order ended: what it was, what it made.  Decoding
+        is a courtesy: when it fails the line goes out without the text (the error goes to `on_error`, if set)."""
+        texts: dict = {}
+        try:
+            texts = _row_zero(result, criterion.prompt_len, self.tokenizer)
+        except Exception as exc:
+            if self.on_error is not None:
+                self.on_error(exc)
+        report = truncation_report(criterion.truncated, **texts)
+        self.last_truncated = _local.last = report
+        self.hb.progress(**{TRUNCATED_FIELD: report})
+
 
 def generating() -> bool:
     """Whether this thread is inside a watched `generate` (any watch's): an inner one adds no phase."""
     return getattr(_local, "active", None) is not None
+
+
+def last_truncation() -> Optional[dict]:
+    """The `generate_truncated` report of this thread's last watched outermost `generate` (any watch's), None
+    when the supervisor's order did not end it (or none ran)."""
+    return getattr(_local, "last", None)
+
+
+def tokenizer_of(*candidates: Any) -> Any:
+    """The first of `candidates` that can decode ids — a tokenizer, or a processor's `.tokenizer` (a Trainer's
+    `processing_class` may be either) — else None.  Never raises: it only looks."""
+    for candidate in candidates:
+        for obj in (candidate, _attr(candidate, "tokenizer")):
+            if obj is not None and callable(_attr(obj, "decode")):
+                return obj
+    return None
+
+
+def _attr(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # a property that raises is no attribute to use
+        return None
+
+
+# ---- the supervisor's stop order ------------------------------------------------------------------
+
+class StopOrder:
+    """Reads the supervisor's order to end a runaway generate: `GENERATE_STOP_NAME` in the attempt's directory,
+    `{"order": N, "tokens": LIMIT, ...}`, replaced atomically by the supervisor.
+
+    Made when a generate (or the built-in eval's `generate` phase) begins; the order file as it is then is the
+    baseline, and only a file that differs from it (inode, mtime, size) is an order for this generate.  `poll`
+    runs once per decoded token, so it stats the file at most every `POLL_INTERVAL_S` and reads it only when it
+    changed; a file that cannot be read or is not a valid order (a writer that did not replace it atomically)
+    is read again at the next poll.  The first valid order is kept: every rank then stops at the same LIMIT."""
+
+    __slots__ = ("path", "order", "limit", "_baseline", "_next_poll", "_clock")
+
+    def __init__(self, directory: "os.PathLike[str] | str | None", *, clock: Callable[[], float] = time.monotonic):
+        """`directory`: the attempt's directory (None: no orders ever).  `clock`: monotonic seconds."""
+        self.path = os.path.join(os.fspath(directory), GENERATE_STOP_NAME) if directory is not None else None
+        self.order: Optional[int] = None
+        self.limit: Optional[int] = None  # LIMIT, once a valid order was read
+        self._clock = clock
+        self._next_poll = float("-inf") if self.path is not None else float("inf")  # no file: never time to look
+        self._baseline = self._identity() if self.path is not None else None
+
+    @classmethod
+    def of(cls, hb, **kw: Any) -> "StopOrder":
+        """The reader for `hb`'s attempt: the directory of its file; none for a heartbeat that writes no file
+        (`NullHeartbeat`) or is closed."""
+        try:
+            path = None if getattr(hb, "closed", False) else getattr(hb, "path", None)
+        except Exception:  # a heartbeat-like object with odd attributes: it gets no orders
+            path = None
+        return cls(os.path.dirname(os.fspath(path)) if path is not None else None, **kw)
+
+    def poll(self, now: Optional[float] = None) -> Optional[int]:
+        """LIMIT once an order for this generate has been read, else None; `now`: monotonic seconds."""
+        if self.limit is not None or self.path is None:
+            return self.limit
+        if now is None:
+            now = self._clock()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + POLL_INTERVAL_S
+        identity = self._identity()
+        if identity is None or identity == self._baseline:
+            return None
+        parsed = _read_order(self.path)
+        if parsed is not None:
+            self.order, self.limit = parsed
+        return self.limit
+
+    def _identity(self) -> Optional[tuple]:
+        try:
+            st = os.stat(self.path)
+        except (OSError, ValueError):
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _read_order(path: str) -> Optional[tuple[int, int]]:
+    """(order, LIMIT) of a valid order file, None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(65536))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    order, tokens = data.get("order"), data.get("tokens")
+    if type(order) is not int or type(tokens) is not int or tokens < 1:  # bool is no count
+        return None
+    return order, tokens
+
+
+def truncation_report(truncated: dict, *, prompt: Optional[str] = None, output: Optional[str] = None,
+                      prompt_ids: Optional[list] = None) -> dict:
+    """`truncated` ({"order", "limit", "tokens", "prompt_tokens"}) with the prompt (at most PROMPT_CHARS, its
+    middle elided), the output's last TAIL_CHARS (`output_tail`), and, when there is no text, the first
+    PROMPT_IDS `prompt_ids`: shortened further until the whole report fits REPORT_BYTES, so the `progress`
+    line that carries it stays one atomic write (an over-long line would lose the report whole)."""
+    prompt_chars, tail_chars = PROMPT_CHARS, TAIL_CHARS
+    while True:
+        report = dict(truncated)
+        if prompt is not None:
+            report["prompt"] = _clip_middle(prompt, prompt_chars)
+        if output is not None:
+            report["output_tail"] = output[len(output) - tail_chars:] if tail_chars < len(output) else output
+        if prompt_ids is not None:
+            report["prompt_ids"] = [int(i) for i in list(prompt_ids)[:PROMPT_IDS]]
+        if len(json.dumps(report, separators=(",", ":"), default=str)) <= REPORT_BYTES or prompt_chars + tail_chars == 0:
+            return report
+        if prompt_chars >= tail_chars:
+            prompt_chars //= 2
+        else:
+            tail_chars //= 2
+
+
+def _clip_middle(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    if limit < 8:
+        return text[:limit]
+    head = limit * 2 // 5
+    return text[:head] + "…" + text[len(text) - (limit - head - 1):]
+
+
+def _row_zero(result, prompt_len: Optional[int], tokenizer) -> dict:
+    """`truncation_report`'s text arguments for row 0 of `generate`'s result (a tensor of ids, or an output
+    object with `.sequences`); {} when there is nothing to read."""
+    seq = getattr(result, "sequences", result)
+    shape = getattr(seq, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] == 0 or prompt_len is None:
+        return {}
+    row = seq[0]
+    prompt_len = min(int(prompt_len), int(shape[1]))
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return {"prompt_ids": row[:min(prompt_len, PROMPT_IDS)].tolist()}
+    new = row[prompt_len:]
+    return {"prompt": decode(row[:prompt_len].tolist(), skip_special_tokens=True),
+            "output": decode(new[max(0, int(new.shape[0]) - TAIL_TOKENS):].tolist(), skip_special_tokens=True)}
 
 
 # ---- the stopping criterion ---------------------------------------------------------------------
@@ -197,10 +398,12 @@ def _merged(user, criterion):
     return out
 
 
-def make_progress_criterion(hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None):
+def make_progress_criterion(hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None,
+                            order: Optional[StopOrder] = None):
     """The criterion that beats `progress` every `every` new tokens; with `on_error`, a beat that fails is handed
-    to it and the criterion beats no more (generation goes on), else the error propagates."""
-    return _criterion_class()(hb, every, on_error)
+    to it and the criterion beats no more (generation goes on), else the error propagates.  With `order` (a
+    `StopOrder`) it also ends the generation the supervisor's order names, and keeps what it did in `truncated`."""
+    return _criterion_class()(hb, every, on_error, order)
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,12 +413,14 @@ def _criterion_class():
     from transformers.generation import StoppingCriteria
 
     class ProgressCriterion(StoppingCriteria):
-        """Beats `progress` (tokens=N) every `every` new tokens; never says stop."""
+        """Beats `progress` (tokens=N) every `every` new tokens; says stop only on the supervisor's order."""
 
-        def __init__(self, hb, every: int, on_error=None):
+        def __init__(self, hb, every: int, on_error=None, order: Optional[StopOrder] = None):
             self.hb = hb
             self.every = every
             self.on_error = on_error
+            self.order = order
+            self.truncated: Optional[dict] = None  # {"order", "limit", "tokens", "prompt_tokens"} once ordered to stop
             self.prompt_len: Optional[int] = None
             self.next_at = every
             self._no = None
@@ -235,12 +440,34 @@ def _criterion_class():
                     except Exception as exc:
                         self.hb = None  # reported once; generation goes on without beats
                         self.on_error(exc)
+            order = self.order
+            # `poll`'s own test, inline: the common case (no order, not yet time to look) is one clock read.
+            if (order is not None and (order.limit is not None or order._clock() >= order._next_poll)
+                    and self._ordered(new)):
+                return torch.ones(int(input_ids.shape[0]), dtype=torch.bool, device=input_ids.device)
             rows = int(input_ids.shape[0])
             no = self._no
             if no is None or no.shape[0] != rows or no.device != input_ids.device:
                 # Reused: StoppingCriteriaList ORs it into a fresh tensor, so sharing it is safe.
                 no = self._no = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
             return no
+
+        def _ordered(self, new: int) -> bool:
+            """Whether the supervisor's order ends the generation at `new` tokens (recorded the first time)."""
+            try:
+                limit = self.order.poll()
+            except Exception as exc:  # the order cannot be read: generation goes on, never stopped by mistake
+                self.order = None
+                if self.on_error is None:
+                    raise
+                self.on_error(exc)
+                return False
+            if limit is None or new < limit:
+                return False
+            if self.truncated is None:
+                self.truncated = {"order": self.order.order, "limit": limit, "tokens": new,
+                                  "prompt_tokens": self.prompt_len}
+            return True
 
     return ProgressCriterion
 
@@ -346,4 +573,5 @@ def _is_own_wrapper(obj) -> bool:
     return getattr(_instance_dict(obj).get("generate"), "__hangwatch_own__", False)
 
 
-__all__ = ["GenerateWatch", "generating", "make_progress_criterion", "with_criterion"]
+__all__ = ["GenerateWatch", "StopOrder", "generating", "last_truncation", "make_progress_criterion", "tokenizer_of",
+           "truncation_report", "with_criterion"]

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from hangwatch.daemon.integrations import resume_from
 from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
-from hangwatch.daemon.integrations.generation import GenerateWatch
+from hangwatch.daemon.integrations.generation import GenerateWatch, tokenizer_of
 from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -204,6 +204,11 @@ class HangwatchCallback(*_callback_bases()):
             return
         self._watch = self._watch or GenerateWatch(self._hb, budget_s=self.generate_budget_s,
                                                    progress_every=self.progress_every)
+        if self._watch.tokenizer is None:  # decodes what a generate the supervisor ended was given and made
+            try:
+                self._watch.tokenizer = tokenizer_of(getattr(pl_module, "tokenizer", None))
+            except Exception:  # the module's own property raised: no text in that report, nothing else lost
+                pass
         self._watch.install(pl_module)
         self._wrap_save(trainer)
         if stage != "fit":

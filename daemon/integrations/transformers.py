@@ -46,7 +46,7 @@ from transformers import TrainerCallback
 
 from hangwatch.daemon.integrations import resume_from
 from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
-from hangwatch.daemon.integrations.generation import GenerateWatch
+from hangwatch.daemon.integrations.generation import GenerateWatch, tokenizer_of
 from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, stable since v2
@@ -58,12 +58,13 @@ class HangwatchCallback(TrainerCallback):
     def __init__(self, *, eval_budget_s: Optional[float] = None, predict_budget_s: Optional[float] = None,
                  checkpoint_budget_s: Optional[float] = None, generate_budget_s: Optional[float] = None,
                  train_budget_s: Optional[float] = None, progress_every: int = 8,
-                 environ: Optional[Mapping[str, str]] = None, stop_beat: bool = True):
+                 environ: Optional[Mapping[str, str]] = None, stop_beat: bool = True, tokenizer: Any = None):
         """Budgets in seconds; None: the supervisor's budget for that phase name.  `train` is normally governed
         by the step deadline, not a budget.  `progress_every`: new tokens between progress beats in generate.
         `stop_beat`: say `stop` when training ends (False: the supervisor judges the process by its exit, as
         when hangwatch added the callback itself: what the script does after `train()` is then not bounded by
-        `watchdog.exit_after_stop_s`)."""
+        `watchdog.exit_after_stop_s`).  `tokenizer`: decodes the prompt and output of a generate the supervisor
+        ended (None: the Trainer's `processing_class`)."""
         self.budgets = {"train": train_budget_s, "eval": eval_budget_s, "predict": predict_budget_s,
                         "checkpoint": checkpoint_budget_s, "generate": generate_budget_s}
         for name, value in self.budgets.items():
@@ -73,6 +74,7 @@ class HangwatchCallback(TrainerCallback):
             raise ValueError(f"progress_every must be at least 1 (got {progress_every})")
         self.progress_every = progress_every
         self.stop_beat = stop_beat
+        self.tokenizer = tokenizer
         self._environ = environ
         self.active = supervised(environ)
         if self.active:
@@ -101,7 +103,9 @@ class HangwatchCallback(TrainerCallback):
         WRITERS.own_phases(self)
         self.hb.enter_phase("train", self.budgets["train"])
         self._meter.restart(time.monotonic())
-        self._watch = GenerateWatch(self._phases, budget_s=self.budgets["generate"], progress_every=self.progress_every)
+        self._watch = GenerateWatch(self._phases, budget_s=self.budgets["generate"], progress_every=self.progress_every,
+                                    tokenizer=tokenizer_of(self.tokenizer, kwargs.get("processing_class"),
+                                                           kwargs.get("tokenizer"), getattr(trainer, "processing_class", None)))
         for target in {id(m): m for m in (model, getattr(trainer, "model", None)) if m is not None}.values():
             self._watch.install(target)
         if trainer is None:

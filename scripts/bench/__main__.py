@@ -36,6 +36,8 @@ Sections (all by default, in this order; `--only` picks some), one module each:
                 in process; the interpreter start-up each way.
   own_command   (own_command.py) launch → first optimizer step of the same unedited script bare, under
                 `hangwatch run -- python train.py` (instrument auto) and with instrument off.
+  overrun       (overrun.py) a runaway eval generate() on the demo model: the run's wall time with no fault,
+                with the generation truncated in process (generate_overrun: truncate) and restarted instead.
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -60,12 +62,12 @@ if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; impor
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
-                   prewarm, recovery, side_by_side)
+                   overrun, prewarm, recovery, side_by_side)
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
 SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
-            "instrument", "own_command")
+            "instrument", "own_command", "overrun")
 
 
 def parse_only(text: Optional[str]) -> list[str]:
@@ -97,6 +99,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return instrument_cost.section(work, args.quick)
     if name == "own_command":
         return own_command.section(work, args.quick)
+    if name == "overrun":
+        return overrun.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

@@ -256,6 +256,12 @@ def instrument_render(p: dict) -> tuple:
     return render(p)
 
 
+def overrun_render(p: dict) -> tuple:
+    from bench.overrun import render
+
+    return render(p)
+
+
 def own_command_render(p: dict) -> tuple:
     from bench.own_command import render
 
@@ -265,7 +271,7 @@ def own_command_render(p: dict) -> tuple:
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
     "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render,
-    "instrument": instrument_render, "own_command": own_command_render}
+    "instrument": instrument_render, "own_command": own_command_render, "overrun": overrun_render}
 
 
 def header(res: dict) -> list[str]:

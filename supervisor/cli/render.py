@@ -15,6 +15,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from hangwatch.supervisor.records.goodput import goodput_line
+
 STATE_STYLES = {
     "starting": "cyan",
     "running": "green",
@@ -140,6 +142,8 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     good = st.get("last_good_checkpoint")
     grid.add_row("checkpoint", f"{good} (last good)" if good else "no good checkpoint yet")
     grid.add_row("restarts", number(st.get("restarts")))
+    if isinstance(st.get("goodput"), dict):
+        grid.add_row("goodput", Text(goodput_text(st["goodput"])))
     grid.add_row("incidents", incident_line(st.get("incidents"), st.get("last_incident")))
     grid.add_row("gpu", gpu_text(st.get("gpu")))
     if isinstance(st.get("queue"), dict):
@@ -155,6 +159,12 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
+
+
+def goodput_text(snap: dict) -> str:
+    """The ledger's line as the supervisor wrote it; worded here only from a snapshot that lacks one."""
+    line = snap.get("line")
+    return line if isinstance(line, str) and line else goodput_line(snap)
 
 
 def output_text(out: dict) -> str:

@@ -14,13 +14,16 @@ from hangwatch.common.config import Config
 from hangwatch.common.rundir import STATE_NAME, read_json
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.control.paths import socket_path_for
+from hangwatch.supervisor.cli.report.data import read_resume_audits
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.records.goodput import goodput_line, read_goodput
 
 
 def run_summary(run_dir: str, code: int) -> list[str]:
     """What a person wants to know when `hangwatch run` returns: how it ended, what went wrong on the
-    way (each incident and where its evidence is), which checkpoint a new run would resume from and
-    which newer ones are not good (and why), and where the result is."""
+    way (each incident and where its evidence is), what it cost (the goodput line) and whether each
+    resumed attempt was the same training (the resume audits), which checkpoint a new run would resume
+    from and which newer ones are not good (and why), and where the result is."""
     rd = Path(run_dir)
     state = read_json(rd / STATE_NAME) or {}
     lines = [f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
@@ -28,11 +31,27 @@ def run_summary(run_dir: str, code: int) -> list[str]:
     store = IncidentStore(rd)
     for inc, d in zip(store.list(), store.dirs()):
         lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+    lines += goodput_lines(rd)
     lines += checkpoint_lines(rd)
     final = rd / "final"
     if final.is_dir():
         lines.append(f"  final adapter: {final}  (PeftModel.from_pretrained(base, '{final}'))")
     return lines
+
+
+def goodput_lines(run_dir: Path) -> list[str]:
+    """The goodput line (goodput.json), then one line per resume audit: "resume after incident 0003: resume
+    verified: steps 31–39 replayed, loss bitwise equal"; nothing for what the run dir does not hold."""
+    out = []
+    snap = read_goodput(run_dir)
+    if snap is not None:
+        line = snap.get("line")
+        out.append(f"  {line if isinstance(line, str) and line else goodput_line(snap)}")
+    for a in read_resume_audits(run_dir):
+        where = f"after incident {a['incident']}" if a.get("incident") else f"of attempt {a.get('attempt', '?')}"
+        raised = f" (incident {a['diverged_incident']})" if a.get("diverged_incident") else ""
+        out.append(f"  resume {where}: {a.get('text') or a.get('verdict') or 'not audited'}{raised}")
+    return out
 
 
 SHOWN_BAD = 3  # the newest not-good checkpoints a summary names

@@ -54,6 +54,7 @@ discarded by any outcome that is not a restart.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -67,6 +68,7 @@ from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_OK
 from hangwatch.common.inbox_layout import queue_status
+from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
@@ -85,6 +87,7 @@ from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.processes import leftovers, prewarm, process, snapshot as snapshots
 from hangwatch.supervisor.processes.interpreter import instrument_note, note_for
 from hangwatch.supervisor.records import remediation, run_state
+from hangwatch.supervisor.records.goodput import GOODPUT_NAME, Goodput, activity, read_goodput
 from hangwatch.supervisor.records.checkpoint_ledger import (BAD, PersistedLedger, resolve as resolve_path, resume_choice,
                                                             set_aside_bad)
 from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
@@ -93,6 +96,7 @@ from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
+from hangwatch.supervisor.watch.resume_audit import AUDITS_NAME, ReplayAudit, default_rtol, earlier_beats
 
 log = structlog.get_logger("hangwatch")
 
@@ -104,6 +108,9 @@ CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most thi
 OUTPUT_READ_S = 1.0  # the worker's output is read at most this often (and always before a deadline is believed)
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
+TOKENS_FLOWING_S = 10.0  # a generate whose last token beat is at most this old (or half its budget) still produces
+ORDER_LEAD_S = 0.5  # a truncation's token limit lies this far ahead of the fastest rank (time for it to read the order)
+TRUNCATE_GRACE_MIN_S = 5.0  # the least time a truncated generate gets to stop before it is treated as stuck
 _UNASKED = object()
 
 
@@ -176,11 +183,21 @@ class Supervisor:
         self._last_reap = float("-inf")
         self._control_fd_value: Any = _UNASKED
         self._ready_sent = False
-        self._last_state_write = self._last_status_note = float("-inf")
+        self._last_state_write = self._last_status_note = self._last_goodput_write = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
         self._socket: Optional[str] = None  # where the control socket is (fixed for this supervisor's life)
         self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
         self.instrumentation = ""  # what instrumentation the worker gets, in words (the start line; `prepare`)
+        self.goodput = Goodput(clock())  # replaced in `prepare` by one that goes on from goodput.json
+        self.audit: Optional[ReplayAudit] = None  # the current attempt's resume audit, while it replays
+        self.audits: list[dict] = []  # resume-audit.json: one record per resumed attempt
+        self._failure_incident: Any = None  # the incident of the failure the next attempt recovers from
+        self.after_failure = False  # the current attempt follows a failure (its start-up is recovery)
+        self.stepped = False  # the current attempt has beaten a step
+        self.abort: Optional[str] = None  # end the run at once (a diverged resume under on_divergence: stop)
+        self.truncation: Optional[dict] = None  # a runaway generate's truncation order, until it is settled
+        self._orders = 0  # truncation orders written by this supervisor
+        self._gen_tokens: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
         self._probe = probe
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
@@ -218,6 +235,9 @@ class Supervisor:
         if problem:
             log.warning("calibration_ignored", problem=problem)
         self.attempt = next_attempt(self.run_dir) - 1
+        self.goodput = Goodput(now, previous=read_goodput(self.run_dir))
+        audits = run_state.read(self.run_dir / AUDITS_NAME)[0] or {}
+        self.audits = [a for a in audits.get("audits") or [] if isinstance(a, dict)]
         try:
             self.fs.write_file(self.config_path, dump_config(self.cfg).encode())
         except OSError as exc:
@@ -265,6 +285,7 @@ class Supervisor:
             if self.ledger.dirty:
                 self.ledger.save()
             now = self.clock()
+            self._goodput_tick(now)
             self.write_state(now, force=True)
             self._tell_listeners(now)  # the final view: the last metrics snapshot, the last alerts
             self._teardown()
@@ -434,8 +455,11 @@ class Supervisor:
         cur.tail.read_at = now
         for mtime, rec in lines:
             at = written_at(mtime, wall_now, now, lo) if exact else now
+            before = self.deadlines.ranks.get(rec.get("rank") if isinstance(rec.get("rank"), int) else 0)
+            left = before.phase if before is not None else None
             tr = self.deadlines.observe(rec, at)
             ev = rec["event"]
+            self._account_line(tr, rec, left, at, now)
             if ev == "start":
                 a = cur.announce(rec, self.table)
                 log.info("worker_started", attempt=cur.number, rank=a.rank, pid=rec.get("pid"),
@@ -464,6 +488,8 @@ class Supervisor:
                 self.facts.last_step = rec
                 self.policy.observed_step(int(rec["step"]), now)
                 self._straggler(cur, tr.rank, int(rec["step"]), at, rec.get("step_time_s"))
+                if self.audit is not None and self.audit.open:
+                    self._audit_step(cur, tr.rank, int(rec["step"]), rec, now)
             elif ev == "phase":
                 if tr.phase != "train":
                     cur.stragglers.left_train(tr.rank)
@@ -487,6 +513,32 @@ class Supervisor:
             self.write_state(now, force=True)
         self.save_calibration(only_if_changed=True, now=now)
 
+    def _account_line(self, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+        """What one heartbeat line means for the goodput ledger and a generate truncation under way: the main rank's
+        steps, phase changes, checkpoints, starts and stops prove progress; `generate` progress points give the
+        token rate a truncation's limit is set from; a rank's report of its truncation is kept for the incident."""
+        ev = rec["event"]
+        if ev == "step":
+            self.stepped = True
+        if tr.rank == self.deadlines.main_rank() and ev in ("start", "phase", "step", "checkpoint", "stop"):
+            # Placed at the line's own time (the writer's clock, the same machine's): a checkpoint or an eval shorter
+            # than a pass still shows, and the activity from then on follows the phase the line entered.
+            t = rec.get("t")
+            at_line = now
+            if isinstance(t, (int, float)) and not isinstance(t, bool):
+                at_line = min(max(float(t) - self.goodput.offset, self.goodput.last), now)
+            self.goodput.progress(at_line, int(rec["step"]) if ev == "step" else None)
+            self._goodput_tick(at_line)
+        if ev == "phase" and tr.phase == "generate":
+            self._gen_tokens[tr.rank] = []
+        elif ev == "progress" and tr.phase == "generate" and isinstance(rec.get("tokens"), int):
+            pts = self._gen_tokens.setdefault(tr.rank, [])
+            pts[:] = (pts + [(at, int(rec["tokens"]))])[-2:]
+        if ev == "progress" and isinstance(rec.get(TRUNCATED_FIELD), dict) and self.truncation is not None:
+            self.truncation["reports"][tr.rank] = rec[TRUNCATED_FIELD]
+        if left == "generate" and tr.phase != "generate" and self.truncation is not None:
+            self.truncation["left"].add(tr.rank)
+
     def _read_output(self, now: float, force: bool = False) -> None:
         """The current attempt's new output (at most every OUTPUT_READ_S unless `force`d: a chatty log is not read
         on every heartbeat): when it grew, and progress lines, into the deadlines.  A worker that never beat but
@@ -500,6 +552,9 @@ class Supervisor:
             return
         self.deadlines.output_seen(cur.output.last_output_at, progressed)
         self._view = None
+        if progressed and not self.deadlines.started:
+            self.stepped = True
+            self.goodput.progress(now)  # a worker that does not beat: its progress lines are the proof
         if progressed and self.lifecycle.state is State.STARTING and not self.deadlines.started:
             self.transition(State.RUNNING, f"progress in its output: {cur.output.last_progress_line[:80]!r}", now)
 
@@ -641,12 +696,15 @@ class Supervisor:
         self._record_no_progress(now)
         self._scan_tree(now)
         self.notify("watchdog", now)
+        self._goodput_tick(now)
         self.write_state(now)
         self._tell_listeners(now)
 
     # ---- per state
 
     def running(self, now: float) -> None:  # STARTING, RUNNING
+        if self.truncation is not None:
+            self._truncation_settled(now)
         changed, failed = self.nodes.while_running(now, self.incidents, self.facts, self.attempt)
         if changed:
             self.write_state(now, force=True)
@@ -685,20 +743,197 @@ class Supervisor:
                 self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
                                 now, why=why)
                 return True
+            self.goodput.detected(now)
+            self.after_failure = True
             self.episode = Episode.peer(self.tools, cur, self.deadlines, self.facts, now, notice, gen)
             self.deadlines.disarm_extra("stop")
             self.transition(State.STALLED, self.episode.reason, now)
+        elif self.abort is not None and not self.escalate_now:
+            why = self.abort
+            self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("fail", why)), now, send_term=False,
+                            why=f"ending the run: {why}")
         elif self.escalate_now or self.expired is not None:
             ex = None if self.escalate_now else self.expired
+            if ex is not None and self._truncate(cur, ex, now):
+                return False  # a runaway generate is ended in the worker's process: nothing to escalate
             self.escalate_now = False
+            self.goodput.detected(now)
+            self.after_failure = True
             self.episode = Episode.stall(self.tools, cur, self.deadlines, self.facts, now,
                                          ex.incident_kind if ex else "manual", ex)
+            self._truncation_failed(now)
             self.deadlines.disarm_extra("stop")
             self.transition(State.STALLED, self.episode.reason, now)
             self.prewarm.begin(cur, self.after_teardown, None, now, why=self.episode.kind or "stall")
         else:
             return False
         return True
+
+    # ---- a runaway generate, ended in the worker's process
+
+    def _truncate(self, cur: attempts.Attempt, ex: Expired, now: float) -> bool:
+        """`watchdog.generate_overrun: truncate`: a `generate` phase past its budget while tokens still arrive is
+        ordered to end (`GENERATE_STOP_NAME` in the attempt's directory: every rank whose generate began before the
+        order stops at the same token, a little ahead of the fastest) and given a grace to do so; True when the
+        order was written.  A generate that produced no token lately, one already ordered, or an order that cannot
+        be written: False, escalated as any overdue phase."""
+        if self.watchdog_cfg.generate_overrun != "truncate" or ex.name != "phase" or ex.phase != "generate":
+            return False
+        tr = self.deadlines.ranks.get(ex.rank)
+        t = self.truncation
+        if tr is None or (t is not None and t["attempt"] == cur.number and tr.phase_since <= t["issued_at"]):
+            return False
+        age = ex.last_progress_age_s
+        if not ex.progress_lines or age is None or age > max(ex.budget_s / 2, TOKENS_FLOWING_S):
+            return False
+        ranks = [r for r in self.deadlines.ranks.values() if r.phase == "generate" and not r.stopped]
+        limit, interval = 1, 1.0
+        for r in ranks:
+            pts = self._gen_tokens.get(r.rank) or []
+            if not pts:
+                continue
+            at, tokens = pts[-1]
+            if len(pts) == 2 and at > pts[0][0]:
+                interval = max(interval, at - pts[0][0])
+                rate = (tokens - pts[0][1]) / (at - pts[0][0])
+            else:
+                rate = tokens / (at - r.phase_since) if at > r.phase_since else 0.0
+            limit = max(limit, tokens + int(math.ceil(max(rate, 0.0) * (now - at + ORDER_LEAD_S))) + 1)
+        self._orders += 1
+        order = {"order": self._orders, "tokens": limit, "issued_unix": round(time.time(), 3),
+                 "budget_s": round(ex.budget_s, 3)}
+        try:
+            self.fs.write_json(cur.dir / GENERATE_STOP_NAME, order, durable=False)
+        except OSError as exc:
+            log.warning("generate_order_failed", error=str(exc), note="the runaway generate is escalated instead")
+            return False
+        grace = max(TRUNCATE_GRACE_MIN_S, 4 * interval)
+        self.deadlines.grant_grace(now, grace)
+        self.truncation = {"attempt": cur.number, "issued_at": now, "order": order["order"], "limit": limit,
+                           "ranks": sorted(r.rank for r in ranks), "reports": {}, "left": set(), "grace_s": grace,
+                           "budget_s": round(ex.budget_s, 3), "elapsed_s": round(ex.elapsed_s, 3), "rank": ex.rank,
+                           "step": tr.step, "budget_source": ex.source}
+        log.warning("generate_overrun", attempt=cur.number, rank=ex.rank, budget_s=round(ex.budget_s, 3),
+                    elapsed_s=round(ex.elapsed_s, 3), limit=limit, ranks=self.truncation["ranks"], grace_s=round(grace, 3),
+                    note="tokens still arrive: ending the generation in the worker's process")
+        return True
+
+    def _truncation_settled(self, now: float) -> None:
+        """Once every rank the order reached has left its generate: the `generate_truncated` incident (nothing is
+        restarted), or, when none of them reports a truncation (each generate ended by itself meanwhile), a note."""
+        t = self.truncation
+        if t is None or self.current is None or t["attempt"] != self.current.number:
+            self.truncation = None
+            return
+        for rank in t["ranks"]:
+            tr = self.deadlines.ranks.get(rank)
+            if tr is not None and not tr.stopped and rank not in t["left"] and tr.phase == "generate":
+                return
+        self.truncation = None
+        reports = t["reports"]
+        if not reports:
+            log.info("generate_ended_before_order", attempt=t["attempt"], ranks=t["ranks"])
+            return
+        first = reports[min(reports)]
+        tokens = {str(r): rep.get("tokens") for r, rep in sorted(reports.items())}
+        where = f"rank {t['rank']}" if len(self.deadlines.ranks) > 1 else "the worker"
+        stopped_at = sorted({v for v in tokens.values() if v is not None})
+        at = (f"token {stopped_at[0]}" if len(stopped_at) == 1 else
+              "tokens " + ", ".join(f"{v} (rank {r})" for r, v in tokens.items()))
+        summary = (f"generate() on {where} ran past its {t['budget_s']:g} s budget while still producing tokens; ended at "
+                   f"{at} in the worker's own process after {now - t['issued_at'] + t['elapsed_s']:.1f} s — nothing "
+                   "restarted, training went on")
+        inc = self.incidents.create(
+            "generate_truncated", attempt=t["attempt"], phase="generate", step=t["step"], classification="runaway generate",
+            summary=summary, status="final", ranks=t["ranks"], tokens=tokens, limit=t["limit"], order=t["order"],
+            prompt=first.get("prompt"), prompt_ids=first.get("prompt_ids"), prompt_tokens=first.get("prompt_tokens"),
+            output_tail=first.get("output_tail"), budget_s=t["budget_s"], budget_source=t["budget_source"],
+            elapsed_s=t["elapsed_s"], reports={str(r): v for r, v in sorted(reports.items())},
+            last_good_checkpoint=self.facts.last_good_checkpoint)
+        self.facts.note_incident(inc)
+        self._view = None
+        log.warning("generate_truncated", incident=inc.id, attempt=t["attempt"], step=t["step"], tokens=tokens,
+                    limit=t["limit"], text=summary)
+
+    def _truncation_failed(self, now: float) -> None:
+        """A truncation was under way when the episode opened: the generate did not stop; the incident says so."""
+        t, self.truncation = self.truncation, None
+        ep = self.episode
+        if t is None or ep is None or ep.incident is None:
+            return
+        ep.incident.data["truncation_ordered"] = {
+            "limit": t["limit"], "order": t["order"], "ranks": t["ranks"], "grace_s": round(t["grace_s"], 3),
+            "ordered_s_ago": round(now - t["issued_at"], 3), "reports": {str(r): v for r, v in t["reports"].items()},
+            "note": f"the generate was ordered to stop at token {t['limit']} and did not within {t['grace_s']:.1f} s"}
+        ep.incident.write()
+
+    # ---- the resume audit
+
+    def _audit_begin(self, cur: attempts.Attempt, resume: Optional[str], step: Optional[int]) -> None:
+        """A new attempt after an earlier one: audit its replay of the steps the earlier attempts beat after its
+        resume point (step 0 when it starts from scratch; none when the resume point's step is unknown)."""
+        self.audit = None
+        ra = self.watchdog_cfg.resume_audit
+        if not ra.enabled or cur.number <= 1 or (resume and step is None):
+            return
+        resumed = int(step or 0)
+        before = earlier_beats(self.run_dir, cur.number, resumed)
+        if not before:
+            return
+        inc = self._failure_incident
+        self.audit = ReplayAudit(cur.number, resumed, before, default_rtol(ra.rtol, self.cfg.worker.command is not None),
+                                 incident=inc.id if inc is not None else None)
+        self.audits.append(self.audit.record())
+        self._save_audit()
+
+    def _audit_step(self, cur: attempts.Attempt, rank: int, step: int, rec: dict, now: float) -> None:
+        verdict = self.audit.observe(rank, step, rec)
+        if verdict is None:
+            return
+        self._save_audit()
+        if verdict != "diverged":
+            log.info("resume_verified", attempt=cur.number, text=self.audit.text, incident=self.audit.incident)
+            return
+        ra, a = self.watchdog_cfg.resume_audit, self.audit
+        stop = ra.on_divergence == "stop"
+        then = ("the run ends here (watchdog.resume_audit.on_divergence: stop)" if stop else
+                "training goes on (watchdog.resume_audit.on_divergence: warn)")
+        inc = self.incidents.create(
+            "resume_diverged", attempt=cur.number, phase="train", step=step, classification="resume diverged",
+            summary=f"{a.text}; {then}", status="final", resume_audit=a.record(), on_divergence=ra.on_divergence,
+            resumed_from=cur.resume_from, last_incident=self.facts.last_incident,
+            last_good_checkpoint=self.facts.last_good_checkpoint)
+        self.facts.note_incident(inc)
+        self._view = None
+        self.audits[-1]["diverged_incident"] = inc.id
+        self._save_audit()
+        d = a.difference or {}
+        log.error("resume_diverged", incident=inc.id, attempt=cur.number, step=step, figure=d.get("figure"),
+                  now=d.get("now"), before=d.get("before"), text=a.text, on_divergence=ra.on_divergence)
+        if stop and self.abort is None:
+            self.abort = f"resume diverged — {a.text}"
+
+    def _audit_end(self) -> None:
+        """The attempt ended: an audit still open says what it did compare."""
+        if self.audit is not None and self.audit.ended() is not None:
+            self._save_audit()
+        self.audit = None
+
+    def _save_audit(self) -> None:
+        a = self.audit
+        if a is None:
+            return
+        rec = a.record()
+        extra = {k: v for k, v in self.audits[-1].items() if k not in rec}
+        self.audits[-1] = {**rec, **extra}
+        try:
+            self.fs.write_json(self.run_dir / AUDITS_NAME, {"audits": self.audits})
+        except OSError as exc:
+            self.write_failed(exc, self.run_dir / AUDITS_NAME)
+        inc = self._failure_incident
+        if inc is not None and a.incident == inc.id:
+            inc.data["resume_audit"] = self.audits[-1]
+            inc.write()
 
     def stalled(self, now: float) -> None:
         if self.episode.sample_then_dump(self.tools, self.current, now):
@@ -766,6 +1001,8 @@ class Supervisor:
             if self.nodes.helper_pid:
                 self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
             self.current.oom_kills_at_start = self.tools.kernel.oom_kills()
+            self.stepped, self._gen_tokens, self.truncation = False, {}, None
+            self._audit_begin(self.current, resume, resume_step)
         except OSError as exc:
             self.current = None
             if disk_error(exc):  # the attempt's directory or log cannot be made: the disk, not the config
@@ -806,6 +1043,8 @@ class Supervisor:
     def worker_exited(self, now: float) -> None:
         cur, w = self.current, self.current.worker
         if self.lifecycle.state is State.STOPPING:
+            self.goodput.progress(now)
+            self.after_failure = False
             ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now,
                                 stopping=f"graceful stop ({self.after_teardown.value})")
         else:
@@ -819,6 +1058,11 @@ class Supervisor:
                 ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, decision=decision)
             if ep.incident is not None:
                 self.nodes.exit_read(ep, decision, cur, now)
+                self.goodput.detected(now)
+                self.after_failure = True
+            else:
+                self.goodput.progress(now)
+                self.after_failure = False
             remediation.on_episode(self.remediation, ep, cur.number, self.run_dir)  # an OOM: a smaller micro-batch, or failed
             self.prewarm.begin(cur, self.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
         self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
@@ -836,6 +1080,8 @@ class Supervisor:
         if cur.output is not None:
             cur.output.close()
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
+        self._audit_end()
+        self._failure_incident = ep.incident  # the failure the next attempt recovers from (None: a clean end)
         self.save_calibration()
         if ep.decision is None and self.after_teardown is Intent.NONE and ep.kind:
             self.nodes.stall_cause(ep, now)  # several nodes: free when the evidence puts the culprit elsewhere
@@ -908,7 +1154,8 @@ class Supervisor:
             stragglers=lambda: cur.stragglers.status() if cur else {},
             incidents=self.incidents.count, gpu=lambda: self.gpu.summary(now),
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
-            output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None)
+            output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
+            goodput=self.goodput.snapshot)
         v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
                  worker=cur.worker if cur else None, watching=watching, main=dl.ranks.get(dl.main_rank()),
                  restarts=facts.restarts, last_step=last, last_good_checkpoint=facts.last_good_checkpoint,
@@ -940,6 +1187,15 @@ class Supervisor:
         if cur.scan_tree(self.table, self._subreaper):
             self._view = None
             self.write_state(now, force=True)
+
+    def _goodput_tick(self, now: float) -> None:
+        """The goodput ledger learns what the time from `now` on is (the state settled in this pass)."""
+        ep = self.episode
+        tr = self.deadlines.ranks.get(self.deadlines.main_rank()) if self.current is not None else None
+        self.goodput.tick(now, activity(
+            self.lifecycle.state.value, phase=tr.phase if tr is not None else None, stepped=self.stepped,
+            after_failure=self.after_failure, failing=ep is None or ep.incident is not None,
+            tree_gone=ep is not None and ep.killer is not None and ep.killer.gone_at is not None))
 
     def status_note(self, now: float, force: bool = False) -> None:
         """systemd's STATUS= line (at most every STATUS_NOTE_S unless forced)."""
@@ -994,6 +1250,12 @@ class Supervisor:
             run_state.write(self.state_path, data, fs=self.fs)
         except OSError as exc:
             self.write_failed(exc, self.state_path)
+        if now - self._last_goodput_write >= STATE_WRITE_S or self.lifecycle.state.final:
+            self._last_goodput_write = now
+            try:  # a record for `report` and the end summary; status reads the ledger itself
+                self.fs.write_json(self.run_dir / GOODPUT_NAME, self.goodput.record(), durable=self.lifecycle.state.final)
+            except OSError as exc:
+                self.write_failed(exc, self.run_dir / GOODPUT_NAME)
 
 
 def notifier_due(notifier: Any, now: float) -> Optional[float]:

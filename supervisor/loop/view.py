@@ -36,6 +36,7 @@ class Readers:
     gpu: Callable[[], dict]
     queue: Callable[[], Optional[dict]]  # continuous mode: the inbox
     output: Callable[[], Optional[dict]] = lambda: None  # the worker's output as evidence (`output_tail.evidence`)
+    goodput: Callable[[], Optional[dict]] = lambda: None  # the goodput ledger's snapshot (`records.goodput`)
 
 
 class _Read:
@@ -89,6 +90,7 @@ class View:
     gpu = _Read()
     queue = _Read()
     output = _Read()
+    goodput = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -137,6 +139,7 @@ def status_reply(v: View) -> dict:
         "calibration": {"step_budget_s": v.step_budget[0], "source": v.step_budget[1], "samples": v.calibration_samples},
         "queue": v.queue,
         "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
+        "goodput": v.goodput,  # where the run's time went, by category (`records.goodput`)
         **v.healing,  # self-healing: the micro-batch after OOMs, quarantined examples
         "nodes": v.nodes,  # multi-node: generation, peers, torchrun rounds
     }

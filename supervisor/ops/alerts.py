@@ -11,7 +11,9 @@
 Events (`alerts.on`): `incident` once the failure is handled (tree gone: what fired, the culprit and its
 frame, the step, what hangwatch did and how long it took, where the incident is); `recovered` when training
 goes past the step where the incident hit; `failed`, `crash_loop`, `no_progress` when the run ends failed
-(one of the three, the most specific); `lost_peer` when a multi-node supervisor logs `peer_lost`.
+(one of the three, the most specific); `lost_peer` when a multi-node supervisor logs `peer_lost`;
+`resume_diverged` when the resume audit finds a replayed step that differs from the same step before the
+restart; `generate_truncated` when a runaway generate() was ended at a token limit (nothing restarted).
 
 Storm control (`Throttle`, pure): the first incident is sent; while it is not recovered, and for
 `alerts.min_interval_s` after an incident alert, later incidents are held and counted.  What is held
@@ -19,6 +21,13 @@ goes out with the next alert (recovered, or the run's end) or, at the latest, as
 `min_interval_s`.  A crash loop is therefore one incident alert plus the crash-loop alert that
 summarises the rest.  Nothing here blocks: the desk runs on the loop and only decides; the courier
 does the slow part on its own thread.
+
+Two events stand apart from the incidents' storm control.  `resume_diverged` is sent at once, always: it
+happens at most once per resumed attempt, and held or summarised it would let a run spend its GPU time on
+training that is no longer the run it replaced.  `generate_truncated` is a warning with a throttle of its
+own: the first of the run is sent; a model that lost its EOS truncates at every eval, so the later ones are
+held and go out with the next alert, or as one summary at most every `min_interval_s` — never delaying,
+and never delayed by, an incident alert.
 """
 from __future__ import annotations
 
@@ -42,16 +51,19 @@ log = structlog.get_logger("hangwatch")
 TERMINAL = ("crash_loop", "no_progress", "failed")  # most specific first
 # Log events the desk reads (the tap hands over only these).
 EVENTS = frozenset({"stall_detected", "restart_now", "worker_failed", "stack_dumped", "tree_gone", "crash_loop",
-                    "no_progress", "state", "peer_lost"})
+                    "no_progress", "state", "peer_lost", "resume_diverged", "generate_truncated"})
 LEVEL = {"incident": "failure", "crash_loop": "failure", "no_progress": "failure", "failed": "failure",
-         "lost_peer": "warning", "summary": "warning", "recovered": "success"}
+         "resume_diverged": "failure", "lost_peer": "warning", "generate_truncated": "warning", "summary": "warning",
+         "recovered": "success"}
+WARNINGS = frozenset({"generate_truncated"})  # throttled by `Throttle.warning`, apart from the incidents
 
 
 @dataclass
 class Notice:
     """One alert decided on the loop: what happened, and the facts the courier words it from."""
 
-    event: str  # incident | recovered | failed | crash_loop | no_progress | lost_peer | summary
+    event: str  # incident | recovered | failed | crash_loop | no_progress | lost_peer | resume_diverged |
+    # generate_truncated | summary
     facts: dict = field(default_factory=dict)
     held: list = field(default_factory=list)  # incidents not sent one by one: [{"id", "kind", "step"}]
     wall: float = field(default_factory=time.time)
@@ -66,14 +78,30 @@ class Throttle:
         self.last_sent_at: Optional[float] = None
         self.held: list[dict] = []
         self.suppressed = 0  # incidents held in all (a metric)
+        self.warned: set[str] = set()  # warning kinds already alerted in this run
+        self.warned_at: Optional[float] = None  # the last warning alert, or summary of held warnings
 
     def _quiet(self, now: float) -> bool:
         return self.last_sent_at is None or now - self.last_sent_at >= self.min_interval_s
+
+    def _quiet_warnings(self, now: float) -> bool:
+        return self.warned_at is None or now - self.warned_at >= self.min_interval_s
 
     def incident(self, notice: Notice, now: float) -> list[Notice]:
         if not self.open and self._quiet(now):
             self.open, self.last_sent_at = True, now
             notice.held, self.held = self.held, []
+            return [notice]
+        self.held.append({k: notice.facts.get(k) for k in ("id", "kind", "step")})
+        self.suppressed += 1
+        return []
+
+    def warning(self, notice: Notice, now: float) -> list[Notice]:
+        """The first warning of its kind in the run is sent; the rest are held.  Neither opens the incidents' storm
+        window: a stall after a truncation is alerted as if the truncation had not been."""
+        if notice.event not in self.warned:
+            self.warned.add(notice.event)
+            self.warned_at = now
             return [notice]
         self.held.append({k: notice.facts.get(k) for k in ("id", "kind", "step")})
         self.suppressed += 1
@@ -92,9 +120,15 @@ class Throttle:
         return [notice]
 
     def tick(self, now: float) -> list[Notice]:
-        """Incidents held for `min_interval_s` since the last incident alert go out as one summary."""
-        if self.held and self._quiet(now):
-            self.last_sent_at = now
+        """Incidents held for `min_interval_s` since the last incident alert (and the last warning alert or summary,
+        when warnings are held) go out as one summary.  A summary of warnings alone leaves the incidents' window
+        shut."""
+        warnings = any(h.get("kind") in WARNINGS for h in self.held)
+        if self.held and self._quiet(now) and (not warnings or self._quiet_warnings(now)):
+            if any(h.get("kind") not in WARNINGS for h in self.held):
+                self.last_sent_at = now
+            if warnings:
+                self.warned_at = now
             notice = Notice("summary", {})
             notice.held, self.held = self.held, []
             return [notice]
@@ -154,6 +188,10 @@ class AlertDesk:
             self.failed = {"why": ev.get("why"), "attempt": ev.get("attempt")}  # sent by `tick`, after the pass's events
         elif name == "peer_lost" and "lost_peer" in self.enabled:
             self._out([Notice("lost_peer", {k: v for k, v in ev.items() if k not in ("timestamp", "level", "logger")})])
+        elif name == "resume_diverged" and "resume_diverged" in self.enabled:
+            self._out([Notice(name, _facts(ev, "figure", "now", "before", "text", "on_divergence"))])  # never held
+        elif name == "generate_truncated" and "generate_truncated" in self.enabled:
+            self._out(self.throttle.warning(Notice(name, _facts(ev, "tokens", "limit", "text")), now))
 
     def observe(self, attempt: int, step: Optional[int], now: float) -> None:
         """Once a pass: the current attempt and its step (recovered: past the step the incident hit)."""
@@ -179,6 +217,13 @@ class AlertDesk:
             if kind is not None:
                 self._out(self.throttle.terminal(Notice(kind, {**self.failed, **self.ending.get(kind, {})}), now))
         self._out(self.throttle.tick(now))
+
+
+def _facts(ev: dict, *keys: str) -> dict:
+    """What an event of an incident that restarts nothing says: its id, kind, attempt, step and `keys`."""
+    inc = ev.get("incident")
+    return {"id": str(inc) if inc else None, "kind": ev.get("event"), "attempt": ev.get("attempt"),
+            "step": ev.get("step"), **{k: ev.get(k) for k in keys}}
 
 
 # ================================================================================ the courier's side
@@ -227,6 +272,44 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         lines = [f"run: {run} ({out['run_dir']}) on {host}", f"attempt {f.get('attempt')} is training again: step "
                  f"{f.get('step')}, past step {f.get('hit_step')} where incident {f.get('id')} hit"]
         out.update(step=f.get("step"), attempt=f.get("attempt"))
+    elif notice.event == "resume_diverged":
+        audit = rec.get("resume_audit") if isinstance(rec.get("resume_audit"), dict) else rec
+        diff = audit.get("difference") if isinstance(audit.get("difference"), dict) else {}
+        step = f.get("step") if f.get("step") is not None else diff.get("step")
+        figure = f.get("figure") or diff.get("figure") or "a figure"
+        text = f.get("text") or audit.get("text") or rec.get("summary") or "a replayed step differs"
+        attempt = f.get("attempt") if f.get("attempt") is not None else audit.get("attempt")
+        title = f"hangwatch {run}: resume DIVERGED at step {step} — {figure} differs from before the restart"
+        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}", f"audit: {text}"]
+        if diff:
+            lines.append(f"difference: step {diff.get('step')}, rank {diff.get('rank')}: {diff.get('figure')} "
+                         f"{diff.get('now')} now, {diff.get('before')} before")
+        then = f.get("on_divergence") or rec.get("on_divergence")
+        if then:
+            lines.append("then: " + ("the run ends failed (watchdog.resume_audit.on_divergence: stop)" if then == "stop"
+                                     else "training goes on (watchdog.resume_audit.on_divergence: warn)"))
+        lines.append(f"incident: {out['incident_dir'] or f.get('id')}")
+        out.update(kind="resume_diverged", step=step, attempt=attempt, figure=figure, text=text, difference=diff or None,
+                   on_divergence=then)
+    elif notice.event == "generate_truncated":
+        step = rec.get("step", f.get("step"))
+        tokens = f.get("tokens") if f.get("tokens") is not None else rec.get("tokens")
+        limit = f.get("limit") if f.get("limit") is not None else rec.get("limit")
+        attempt = f.get("attempt") if f.get("attempt") is not None else rec.get("attempt")
+        text = f.get("text") or rec.get("summary") or "a generate phase overran its budget while tokens still arrived"
+        title = f"hangwatch {run}: generate truncated at step {step} — {_tokens(tokens)}"
+        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}", f"what: {text}"]
+        if rec.get("elapsed_s") is not None or rec.get("budget_s") is not None:
+            lines.append(f"took: {rec.get('elapsed_s')} s in phase {rec.get('phase') or 'generate'}, budget "
+                         f"{rec.get('budget_s')} s; ended at {_tokens(tokens)} (limit {limit})"
+                         + (f" on rank(s) {', '.join(str(r) for r in rec['ranks'])}" if rec.get("ranks") else ""))
+        if rec.get("prompt"):
+            lines.append(f"prompt: {_clip(rec['prompt'])}")
+        if rec.get("output_tail"):
+            lines.append(f"output ends: {_clip(rec['output_tail'], tail=True)}")
+        lines += ["done: nothing restarted; the generation returned what it had and training goes on",
+                  f"incident: {out['incident_dir'] or f.get('id')}"]
+        out.update(kind="generate_truncated", step=step, attempt=attempt, tokens=tokens, limit=limit, text=text)
     elif notice.event == "summary":
         title = f"hangwatch {run}: {len(notice.held)} more incident(s) not sent one by one"
         lines = [f"run: {run} ({out['run_dir']}) on {host}"]
@@ -247,6 +330,24 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
                      + " (" + ", ".join(str(h.get("id")) for h in notice.held) + ")")
     out.update(title=title, body="\n".join(lines), level=LEVEL.get(notice.event, "info"))
     return out
+
+
+def _tokens(tokens: Any) -> str:
+    """"512 tokens"; per rank ({"0": 512, "1": 498}) only where the ranks stopped at different counts."""
+    if isinstance(tokens, dict):
+        counts = {str(r): n for r, n in tokens.items() if n is not None}
+        if len(set(counts.values())) > 1:
+            return ", ".join(f"{n} tokens (rank {r})" for r, n in counts.items())
+        tokens = next(iter(counts.values()), None)
+    return f"{tokens} tokens" if tokens is not None else "an unknown number of tokens"
+
+
+def _clip(text: Any, n: int = 200, tail: bool = False) -> str:
+    """One line of at most `n` characters (the end of it with `tail`): a chat message, not a transcript."""
+    s = " ".join(str(text).split())
+    if len(s) <= n:
+        return s
+    return "…" + s[-(n - 1):] if tail else s[: n - 1] + "…"
 
 
 def _culprit(rec: dict, f: dict) -> str:

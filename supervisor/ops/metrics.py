@@ -9,6 +9,8 @@ Counters that must survive a supervisor restart are read from the run dir rather
 `hangwatch_incidents_total{kind}` from the incident directories, `hangwatch_restarts_total` from the run
 facts (state.json).  The durations are histograms observed as they happen (detection: the stall's age when
 its deadline fired; recovery: detection → the next attempt's first step) and start empty with each supervisor.
+The goodput ledger's seconds per category (`hangwatch_seconds_total{category}`) are the ledger's own totals,
+which it keeps in goodput.json across supervisor restarts: served as they are, never counted here.
 
 Every name is listed in `METRICS` (docs/alerts-metrics-report.md's table and the dashboard use them).
 """
@@ -61,6 +63,9 @@ METRICS = {
     "hangwatch_alerts_held_total": "Incidents not alerted one by one (storm control): counted into summaries.",
     "hangwatch_deadman_pings_total": "Dead-man's pings delivered (result=sent) or failed (result=failed).",
     "hangwatch_dropped_total": "Deliveries dropped because their queue was full (a dead endpoint), per outbox.",
+    "hangwatch_seconds_total": "The run's wall time by goodput category (the goodput ledger: training, redone, eval, "
+                               "detection, …; the categories add up to the wall time).",
+    "hangwatch_goodput_ratio": "Kept training time over the run's wall time, 0..1.",
 }
 
 
@@ -79,6 +84,7 @@ class Snapshot:
     last_good_step: Optional[int] = None
     gpus: tuple = ()  # (index, name, memory used, utilisation %)
     queue: Optional[dict] = None
+    goodput: Optional[dict] = None  # the goodput ledger's snapshot (categories, goodput_pct), as status shows it
 
 
 class Recovery:
@@ -149,7 +155,8 @@ class Metrics:
                         step=tr.step if tr else last.get("step"), max_steps=view.max_steps, last_step=last,
                         step_seconds=self._step_seconds(last), ranks=ranks, restarts=view.restarts,
                         incidents=dict(kinds), last_good_step=view.last_good_step, gpus=gpus,
-                        queue=queue_status(view.run_dir, self._lines) if view.queue is not None else None)
+                        queue=queue_status(view.run_dir, self._lines) if view.queue is not None else None,
+                        goodput=_goodput(getattr(view, "goodput", None)))
         self.snap = snap  # one reference swap: readers see the old snapshot or the new, never half
         return snap
 
@@ -297,6 +304,24 @@ class _Collector:
                 if isinstance(s.queue.get(stage), int):
                     q.add_metric([stage], s.queue[stage])
             yield q
+        if s.goodput is not None:
+            spent = CounterMetricFamily("hangwatch_seconds", METRICS["hangwatch_seconds_total"], labels=["category"])
+            for category, seconds in s.goodput["categories"].items():
+                spent.add_metric([category], seconds)
+            yield spent
+            pct = s.goodput.get("goodput_pct")
+            yield gauge("hangwatch_goodput_ratio", pct / 100.0 if pct is not None else None)
+
+
+def _goodput(snap: Any) -> Optional[dict]:
+    """The ledger's figures the collector serves, copied: the scrape thread must not read a dict the loop goes on
+    filling."""
+    if not isinstance(snap, dict) or not isinstance(snap.get("categories"), dict):
+        return None
+    # A counter must never go down: the settled seconds, not the pending time a detection may yet reclassify.
+    source = snap["settled"] if isinstance(snap.get("settled"), dict) else snap["categories"]
+    cats = {str(c): v for c, v in ((c, _num(v)) for c, v in source.items()) if v is not None}
+    return {"categories": cats, "goodput_pct": _num(snap.get("goodput_pct"))}
 
 
 def _num(v: Any) -> Optional[float]:

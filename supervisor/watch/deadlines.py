@@ -17,6 +17,11 @@ Output that shows progress (`watchdog.progress_pattern`) ends the startup deadli
 does (a worker that clearly works is not killed for not beating), and keeps a rank's `load` phase alive:
 its budget counts from the later of entering `load` and the last progress line.
 
+A runaway `generate` the supervisor ordered to end in-process (`watchdog.generate_overrun: truncate`) gets a
+grace (`grant_grace`): every phase that began before the order may run until the order's time plus the grace —
+the generate itself, and the ranks waiting for it — so the truncation has time to land; a generate that does
+not stop by then fires as any overdue phase does.
+
 `load` (after `start`, while the worker imports its framework and loads the model: one long
 call that cannot beat) is part of starting up: silence does not apply in it, and its phase
 budget is the configured one for `load`, else `startup_timeout_s`.
@@ -123,6 +128,7 @@ class Deadlines:
         self._step_cached: tuple[float, str] = (0.0, "")
         self.output_at: Optional[float] = None  # the worker's output last grew (this attempt)
         self.output_progress_at: Optional[float] = None  # …with a progress line
+        self.grace: Optional[tuple[float, float]] = None  # (order time, seconds): a generate truncation under way
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -133,6 +139,7 @@ class Deadlines:
         self.ranks.clear()
         self.extra.clear()
         self.output_at = self.output_progress_at = None
+        self.grace = None
 
     def output_seen(self, at: float, progress: bool) -> None:
         """The worker's output grew at `at` (with a progress line when `progress`)."""
@@ -154,6 +161,21 @@ class Deadlines:
     def arm_extra(self, name: str, now: float, budget_s: float, source: str = "") -> None:
         self._version += 1
         self.extra[name] = (now, budget_s, source)
+
+    def grant_grace(self, now: float, grace_s: float) -> None:
+        """A truncation was ordered at `now`: phases begun before it may run until `now + grace_s`."""
+        self._version += 1
+        self.grace = (now, grace_s)
+
+    def _phase_limit(self, tr: RankTrack) -> tuple[Optional[float], str]:
+        """The rank's phase budget, extended by a truncation's grace where the phase began before the order."""
+        budget, source = tr.phase_budget, tr.phase_budget_source
+        g = self.grace
+        if g is not None and budget is not None and tr.phase not in QUIET_PHASES and tr.phase_since <= g[0]:
+            extended = g[0] - tr.phase_since + g[1]
+            if extended > budget:
+                return extended, f"{source} + truncation grace"
+        return budget, source
 
     def disarm_extra(self, name: str) -> None:
         self._version += 1
@@ -264,6 +286,8 @@ class Deadlines:
         if self.output_progress_at is not None:
             self.output_progress_at += gap
         self.extra = {k: (a + gap, b, s) for k, (a, b, s) in self.extra.items()}
+        if self.grace is not None:
+            self.grace = (self.grace[0] + gap, self.grace[1])
         for tr in self.ranks.values():
             tr.last_line_at += gap
             tr.phase_since += gap
@@ -293,10 +317,11 @@ class Deadlines:
             age = now - tr.last_progress_at if tr.progress_since_step and tr.last_progress_at is not None else None
             if tr.phase not in QUIET_PHASES:
                 out.append(Expired("silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common))
-            if tr.phase_budget is not None:
+            budget, source = self._phase_limit(tr)
+            if budget is not None:
                 since = self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since
                 out.append(
-                    Expired("phase", tr.phase_budget, now - since, source=tr.phase_budget_source,
+                    Expired("phase", budget, now - since, source=source,
                             progress_lines=tr.progress_since_step, last_progress_age_s=age, **common)
                 )
             if tr.phase == "train":
@@ -338,8 +363,9 @@ class Deadlines:
                 continue
             if tr.phase not in QUIET_PHASES:
                 times.append(tr.last_line_at + silence)
-            if tr.phase_budget is not None:
-                times.append((self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since) + tr.phase_budget)
+            budget = self._phase_limit(tr)[0]
+            if budget is not None:
+                times.append((self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since) + budget)
             if tr.phase == "train":
                 anchor = tr.phase_since
                 if tr.train_since is not None and tr.train_since > anchor:

@@ -4,7 +4,8 @@ The run: `hangwatch run` over a stdlib training script that beats like a real on
 tokens/s, step time, a good checkpoint every 10 steps, eval generations into evolution.jsonl) and resumes
 from HANGWATCH_RESUME_FROM; attempt 1 hangs in C at step 23 (a stall), attempt 2 crashes at step 41, attempt
 3 finishes.  The page must open without a network (no external script), and Chromium must draw the four
-charts with both incidents marked; its screenshot is kept (HANGWATCH_SAVE_SCREENSHOT=1 copies it to
+charts with both incidents marked and the goodput section (its timeline, a row for every category); the
+resume audit of attempt 2 (it replayed steps 21–22) is listed; its screenshot is kept (HANGWATCH_SAVE_SCREENSHOT=1 copies it to
 docs/report-screenshot.png, the README's picture).  Skips where no Chromium is installed.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 
 from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
+from hangwatch.supervisor.records.goodput import CATEGORIES, GOODPUT_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -116,6 +118,12 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
                       r"<td class=\"num\">(\d+)</td>.*?<td class=\"num\">(\d+)</td><td class=\"num\">([\d.]+) s</td></tr>",
                       page)
     assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("0001", "stall", "1", "22", "2"), ("0002", "crash", "2", "40", "0")]
+    # where the time went: the ledger the supervisor kept, one row per category; the resume after the stall, audited
+    assert (run_dir / GOODPUT_NAME).exists()
+    assert re.findall(r'data-category="(\w+)"', page) == list(CATEGORIES)
+    audits = page.split("<h2>Resume audits</h2>", 1)[1].split("<h2>", 1)[0]
+    assert re.search(r'<td class="num">2</td><td class="num">20</td><td class="num">21–22</td>'
+                     r'<td class="verdict-verified">resume verified: steps 21–22 replayed, [^<]+</td><td>0001</td>', audits)
 
     if BROWSER is None:
         pytest.skip("no Chromium installed (Debian: apt-get install chromium): the page was checked, not drawn")
@@ -127,6 +135,10 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
         assert f">{title}<" in drawn, title
     assert ">0001 stall<" in drawn and ">0002 crash<" in drawn, "the incidents are not marked on the charts"
     assert drawn.count("attempt 3") >= 1
+    goodput = drawn.split('<section id="goodput">', 1)[1].split("</section>", 1)[0]
+    assert re.findall(r'data-category="(\w+)"', goodput) == list(CATEGORIES)
+    assert goodput.count('class="main-svg"') >= 1, "plotly drew no timeline"
+    assert ">training (kept steps)<" in goodput, "the timeline's legend names no category"
 
     png = tmp_path / "report-screenshot.png"
     shot = chromium(f"--screenshot={png}", "--window-size=1100,2300", out.resolve().as_uri())

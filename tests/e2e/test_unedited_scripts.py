@@ -394,3 +394,25 @@ def test_script_with_its_own_hangwatch_callback_beats_each_step_once(tmp_path):
     dupes = {s: n for s, n in collections.Counter(steps).items() if n > 1}
     assert not dupes, f"duplicate step beats: {dupes} in {steps}"
     assert steps == list(range(1, 9)), steps
+
+
+# ---- torchrun, 2 ranks: a synced eval generate() that never stops is ended at the same token on both ------------
+
+
+def test_a_runaway_synced_generate_on_two_ranks_is_ended_at_the_same_token_without_a_restart(tmp_path):
+    torchrun = "torchrun" if (VENV_BIN / "torchrun").exists() else None
+    launcher = [torchrun] if torchrun else ["python", "-m", "torch.distributed.run"]
+    cfg = config(watchdog={"startup_timeout_s": 180, "phase_budgets_s": {"generate": 5}})
+    r, run_dir = run_hangwatch(tmp_path, cfg, [
+        *launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ddp_runaway_generate.py"), "--steps", "8",
+        "--eval-at", "4"], timeout=300)
+    assert_finished(r, run_dir)
+    _, inc = the_incident(run_dir)
+    assert inc["kind"] == "generate_truncated" and inc["ranks"] == [0, 1], inc
+    assert inc["tokens"] == {"0": inc["limit"], "1": inc["limit"]}, inc  # the same token on both ranks
+    log = worker_logs(run_dir)
+    assert f"rank 0 generated {inc['limit']} tokens" in log and f"rank 1 generated {inc['limit']} tokens" in log, log
+    assert "done" in log
+    st = json.loads((run_dir / "state.json").read_text())
+    assert st["restarts"] == 0 and st["attempt"] == 1
+    assert step_beats(run_dir, 1, rank=0) == list(range(1, 9)) and step_beats(run_dir, 1, rank=1) == list(range(1, 9))

@@ -11,10 +11,10 @@ import pytest
 import structlog
 
 from hangwatch.supervisor.ops import logsetup
-from hangwatch.supervisor.ops.alerts import AlertDesk, Courier, Notice, Throttle, compose
+from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, Courier, Notice, Throttle, compose
 from hangwatch.supervisor.ops.notify import Fanout, Outbox, Stats
 
-ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer"}
+ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged", "generate_truncated"}
 
 
 def desk(on=ALL, interval=300.0):
@@ -291,3 +291,150 @@ def test_a_lost_peer_is_one_warning_alert_with_the_wait_in_words(tmp_path):
     msg = compose(n, tmp_path / "job", "gpu01")
     assert msg["title"] == "hangwatch job: a peer node is missing" and msg["level"] == "warning"
     assert f"why: {words}" in msg["body"]
+
+
+# ---------------------------------------------------------------------------------------------- incidents that restart nothing
+
+
+def diverged(d, ident, now, attempt=3, step=41):
+    d.feed({"event": "resume_diverged", "incident": ident, "attempt": attempt, "step": step, "figure": "lr",
+            "now": 1.2e-4, "before": 2.0e-4, "on_divergence": "warn",
+            "text": f"resume diverged at step {step}: lr 0.00012 now, 0.0002 before"}, now)
+
+
+def truncated(d, ident, now, attempt=1, step=50):
+    d.feed({"event": "generate_truncated", "incident": ident, "attempt": attempt, "step": step, "tokens": {"0": 512},
+            "limit": 512, "text": "generate ran past its 60 s budget still producing tokens: ended at token 512"}, now)
+
+
+def test_alert_events_known_to_the_config_are_the_ones_the_desk_can_send():
+    from hangwatch.common.config.ops_schema import ALERT_EVENTS, AlertsCfg
+
+    assert set(ALERT_EVENTS) == ALL and set(AlertsCfg().on) == ALL
+    assert {"resume_diverged", "generate_truncated"} <= EVENTS
+
+
+def test_a_diverged_resume_is_sent_at_once_even_inside_an_incident_storm():
+    d, sent = desk()
+    stall(d, "0001", 0.0)
+    gone(d, 1.0)  # an incident alert: the storm window is open
+    stall(d, "0002", 2.0, attempt=2)
+    gone(d, 3.0, attempt=2)  # held
+    diverged(d, "0003", 4.0)
+    assert [n.event for n in sent] == ["incident", "resume_diverged"]
+    n = sent[1]
+    assert n.facts == {"id": "0003", "kind": "resume_diverged", "attempt": 3, "step": 41, "figure": "lr", "now": 1.2e-4,
+                       "before": 2.0e-4, "on_divergence": "warn",
+                       "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before"}
+    assert n.held == [] and [h["id"] for h in d.throttle.held] == ["0002"]  # the storm's count is the storm's
+    diverged(d, "0004", 5.0, attempt=4)
+    assert [n.event for n in sent] == ["incident", "resume_diverged", "resume_diverged"]  # never held
+
+
+def test_a_diverged_resume_leaves_the_storm_window_shut():
+    d, sent = desk()
+    diverged(d, "0002", 0.0)
+    stall(d, "0003", 1.0, attempt=3)
+    gone(d, 2.0, attempt=3)
+    assert [n.event for n in sent] == ["resume_diverged", "incident"]
+
+
+def test_generate_truncated_is_one_warning_then_counted_into_summaries():
+    d, sent = desk(interval=60)
+    truncated(d, "0001", 0.0, step=50)
+    truncated(d, "0002", 10.0, step=100)  # every eval: the same lost EOS
+    truncated(d, "0003", 20.0, step=150)
+    d.tick(30.0)
+    assert [n.event for n in sent] == ["generate_truncated"]
+    assert sent[0].facts["tokens"] == {"0": 512} and sent[0].facts["limit"] == 512 and sent[0].facts["step"] == 50
+    d.tick(61.0)
+    assert [n.event for n in sent] == ["generate_truncated", "summary"]
+    assert [(h["id"], h["kind"]) for h in sent[1].held] == [("0002", "generate_truncated"), ("0003", "generate_truncated")]
+    truncated(d, "0004", 70.0, step=200)
+    d.tick(100.0)
+    assert len(sent) == 2  # within the interval of the last summary
+    d.tick(122.0)
+    assert [n.event for n in sent][-1] == "summary" and [h["id"] for h in sent[-1].held] == ["0004"]
+    assert d.throttle.suppressed == 3
+
+
+def test_a_truncation_never_holds_back_an_incident_alert_nor_the_other_way_round():
+    d, sent = desk(interval=300)
+    truncated(d, "0001", 0.0)
+    stall(d, "0002", 5.0)
+    gone(d, 6.0)  # a real stall seconds after a truncation: alerted
+    truncated(d, "0003", 7.0, attempt=2)  # the second truncation: held however quiet the incidents are
+    assert [n.event for n in sent] == ["generate_truncated", "incident"]
+    d.observe(2, 60, 8.0)  # recovered: what was held rides along
+    assert [n.event for n in sent] == ["generate_truncated", "incident", "recovered"]
+    assert [h["id"] for h in sent[-1].held] == ["0003"]
+
+
+def test_a_summary_of_truncations_alone_leaves_the_incident_window_shut():
+    d, sent = desk(interval=60)
+    truncated(d, "0001", 0.0)
+    truncated(d, "0002", 1.0)
+    d.tick(61.0)
+    stall(d, "0003", 62.0)
+    gone(d, 63.0)
+    assert [n.event for n in sent] == ["generate_truncated", "summary", "incident"]
+
+
+def test_the_new_events_are_not_sent_when_not_in_alerts_on():
+    d, sent = desk({"incident"})
+    diverged(d, "0001", 0.0)
+    truncated(d, "0002", 1.0)
+    truncated(d, "0003", 2.0)
+    d.tick(1000.0)
+    assert sent == [] and d.throttle.suppressed == 0
+
+
+def test_the_diverged_resume_alert_names_step_figure_the_audit_and_the_first_difference(tmp_path):
+    run_dir = tmp_path / "demo"
+    audit = {"attempt": 3, "previous_attempt": 2, "resumed_step": 40, "replayed": [41, 44], "verdict": "diverged",
+             "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
+             "difference": {"step": 41, "rank": 0, "figure": "lr", "now": 1.2e-4, "before": 2.0e-4}}
+    inc_dir = write_incident(run_dir, "0005", "resume_diverged", step=41, attempt=3, resume_audit=audit,
+                             on_divergence="stop")
+    n = Notice("resume_diverged", {"id": "0005", "kind": "resume_diverged", "attempt": 3, "step": 41, "figure": "lr",
+                                   "text": audit["text"]})
+    msg = compose(n, run_dir, "box1")
+    assert msg["title"] == "hangwatch demo: resume DIVERGED at step 41 — lr differs from before the restart"
+    assert msg["level"] == "failure" and msg["kind"] == "resume_diverged" and msg["figure"] == "lr"
+    assert msg["difference"] == audit["difference"]
+    for needle in (f"run: demo ({run_dir.resolve()}) on box1, attempt 3", f"audit: {audit['text']}",
+                   "difference: step 41, rank 0: lr 0.00012 now, 0.0002 before",
+                   "then: the run ends failed (watchdog.resume_audit.on_divergence: stop)", f"incident: {inc_dir.resolve()}"):
+        assert needle in msg["body"], (needle, msg["body"])
+
+
+def test_the_truncation_alert_names_tokens_limit_budget_prompt_and_output(tmp_path):
+    run_dir = tmp_path / "demo"
+    inc_dir = write_incident(run_dir, "0002", "generate_truncated", step=50, attempt=1, ranks=[0, 1],
+                             tokens={"0": 512, "1": 512}, limit=512,
+                             prompt="reverse: cat", output_tail="tac tac tac " * 40, budget_s=60.0, elapsed_s=61.2,
+                             phase="generate", summary="generate truncated")
+    n = Notice("generate_truncated", {"id": "0002", "kind": "generate_truncated", "attempt": 1, "step": 50,
+                                      "tokens": {"0": 512, "1": 512}, "limit": 512, "text": "ended at 512 tokens"})
+    msg = compose(n, run_dir, "box1")
+    assert msg["title"] == "hangwatch demo: generate truncated at step 50 — 512 tokens"
+    assert msg["level"] == "warning" and msg["tokens"] == {"0": 512, "1": 512} and msg["limit"] == 512
+    body = msg["body"]
+    for needle in ("what: ended at 512 tokens",
+                   "took: 61.2 s in phase generate, budget 60.0 s; ended at 512 tokens (limit 512) on rank(s) 0, 1",
+                   "prompt: reverse: cat", "done: nothing restarted", f"incident: {inc_dir.resolve()}"):
+        assert needle in body, (needle, body)
+    [tail] = [line for line in body.splitlines() if line.startswith("output ends: ")]
+    assert tail.startswith("output ends: …") and len(tail) <= len("output ends: ") + 200
+
+
+def test_the_new_alerts_read_from_the_log_alone_when_the_incident_cannot_be_read(tmp_path):
+    n = Notice("generate_truncated", {"id": "0009", "step": 7, "tokens": {"0": 64, "1": 60}, "limit": 64, "text": "cut",
+                                      "attempt": 2})
+    msg = compose(n, tmp_path / "r", "h")
+    assert msg["title"] == "hangwatch r: generate truncated at step 7 — 64 tokens (rank 0), 60 tokens (rank 1)"
+    assert "incident: 0009" in msg["body"]
+    n = Notice("resume_diverged", {"id": "0010", "step": 12, "figure": "loss", "text": "loss differs", "attempt": 2})
+    msg = compose(n, tmp_path / "r", "h")
+    assert msg["title"] == "hangwatch r: resume DIVERGED at step 12 — loss differs from before the restart"
+    assert "audit: loss differs" in msg["body"] and "difference:" not in msg["body"]

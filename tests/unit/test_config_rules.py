@@ -34,7 +34,7 @@ ERRORS = [
     (BUILTIN + "faults:\n  - kind: crash\n    at_eval: 2\n",
      ["{p}:5: faults.0.at_eval: crash waits for an eval, but eval.every_steps is 0: it would never fire"]),
     ("data:\n  train: t.jsonl\n  eval: e.jsonl\neval:\n  every_steps: 5\nfaults:\n  - {kind: hang_generate, at_step: 3}\n",
-     ["{p}:7: faults.0.kind: hang_generate hangs eval's generate(), which runs only for eval.prompts, and there are "
+     ["{p}:7: faults.0.kind: hang_generate acts on eval's generate(), which runs only for eval.prompts, and there are "
       "none: it would never fire"]),
     (EVAL_ON + "train:\n  max_steps: 20\nfaults:\n  - {kind: crash, at_step: 3}\n  - kind: nan\n    at_step: 21\n",
      ["{p}:11: faults.1.at_step: 21 is past train.max_steps (20): it would never fire"]),
@@ -44,7 +44,7 @@ ERRORS = [
     (BUILTIN + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: crash, at_step: 3, rank: 2}\n",
      ["{p}:6: faults.0.rank: 2 is not a rank of this run (worker.nproc_per_node 2: ranks 0-1): it would never fire"]),
     (EVAL_ON + "worker:\n  nproc_per_node: 2\nfaults:\n  - {kind: hang_generate, at_step: 3, rank: 1}\n",
-     ["{p}:9: faults.0.rank: 1: hang_generate hangs generate(), which runs on rank 0 only: it would never fire"]),
+     ["{p}:9: faults.0.rank: 1: hang_generate acts on generate(), which runs on rank 0 only: it would never fire"]),
     ("worker:\n  nproc_per_node: 4\ndata:\n  inbox: true\n",
      ["{p}:2: worker.nproc_per_node: 4: continuous mode (data.inbox: true) trains on one process; use "
       "worker.nproc_per_node: 1"]),

@@ -1,6 +1,7 @@
 """Prometheus metrics from the supervisor's state, read back with prometheus-client's own parser (no server, no loop)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -146,6 +147,60 @@ def test_the_textfile_is_written_whole_with_the_final_state(tmp_path):
 
 def test_every_metric_is_documented():
     assert all(name.startswith("hangwatch_") and text for name, text in METRICS.items())
+
+
+def test_every_metric_is_in_the_docs_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "alerts-metrics-report.md").read_text()
+    table = {m for line in doc.splitlines() if line.startswith("| `hangwatch_") for m in re.findall(r"`(hangwatch_\w+)", line)}
+    assert set(METRICS) - table == set()
+    assert table - set(METRICS) == set()
+
+
+class WithGoodput:
+    """A view as the loop hands it over once it carries the goodput ledger's snapshot."""
+
+    def __init__(self, view, goodput):
+        self._view, self.goodput = view, goodput
+
+    def __getattr__(self, name):
+        return getattr(self._view, name)
+
+
+LEDGER = {"version": 1, "wall_s": 1000.0, "goodput_pct": 85.0, "lost_s": 100.0, "failures": 1, "line": "goodput 85.0 % — …",
+          "categories": {"training": 850.0, "redone": 30.0, "eval": 50.0, "detection": 40.0, "dumps": 5.0, "kill": 5.0,
+                         "gpu_release": 0.0, "restart_startup": 20.0, "checkpoint": 0.0, "startup": 0.0, "backoff": 0.0,
+                         "paused": 0.0, "idle": 0.0, "other": 0.0}}
+
+
+def test_the_goodput_ledger_is_a_counter_per_category_and_a_ratio(tmp_path):
+    sup = fake_sup(tmp_path)
+    m = Metrics(None, None, 15, Stats())
+    m.take(WithGoodput(sup.view(0.0), LEDGER))
+    s = samples(m)
+    spent = {dict(labels)["category"]: v for (name, labels), v in s.items() if name == "hangwatch_seconds_total"}
+    assert spent == LEDGER["categories"]
+    assert s[("hangwatch_goodput_ratio", ())] == pytest.approx(0.85)
+    text = generate_latest(m.registry).decode()
+    assert "# TYPE hangwatch_seconds_total counter" in text and "# TYPE hangwatch_goodput_ratio gauge" in text
+
+
+@pytest.mark.parametrize("goodput", [None, {"line": "no categories"}])
+def test_no_ledger_no_goodput_series(tmp_path, goodput):
+    sup = fake_sup(tmp_path)
+    m = Metrics(None, None, 15, Stats())
+    m.take(WithGoodput(sup.view(0.0), goodput) if goodput is not None else sup.view(0.0))
+    assert not any(name in ("hangwatch_seconds_total", "hangwatch_goodput_ratio") for name, _ in samples(m))
+
+
+def test_a_ledger_without_a_ratio_serves_its_seconds_only(tmp_path):
+    sup = fake_sup(tmp_path)
+    m = Metrics(None, None, 15, Stats())
+    m.take(WithGoodput(sup.view(0.0), {**LEDGER, "goodput_pct": None}))
+    s = samples(m)
+    assert s[("hangwatch_seconds_total", (("category", "training"),))] == 850.0
+    assert ("hangwatch_goodput_ratio", ()) not in s
 
 
 @pytest.mark.parametrize("listen, expected", [

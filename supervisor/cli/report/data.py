@@ -7,6 +7,9 @@
 * incidents: incident.json of each, with the steps lost (the step it hit minus the step the next attempt
   resumed from) and the time to recover (its detection → the next attempt's first step beat);
 * generations: `evolution.jsonl` (prompt, reference, output per eval step);
+* goodput: goodput.json, the goodput ledger (seconds per category, the timeline of segments), or None;
+* audits: resume-audit.json, one record per restart that resumed; where the file is missing, the records
+  the incidents carry under `resume_audit`;
 * state: state.json (the final or current state).
 A torn or foreign line is skipped, a missing file is an empty list: a report of a run that is still
 running, or of a partial copy, still renders.
@@ -23,6 +26,8 @@ from typing import Iterator, Optional
 from hangwatch.common.rundir import ATTEMPTS, INCIDENTS, STATE_NAME, read_json
 from hangwatch.supervisor.incidents import frame_str
 from hangwatch.supervisor.incidents.store import RECORD_NAME
+from hangwatch.supervisor.records.goodput import read_goodput
+from hangwatch.supervisor.watch.resume_audit import AUDITS_NAME
 
 EVOLUTION = "evolution.jsonl"
 _RANK_FILE = re.compile(r"^heartbeat-rank(\d+)\.jsonl$")
@@ -36,6 +41,8 @@ class RunData:
     attempts: list[dict] = field(default_factory=list)
     incidents: list[dict] = field(default_factory=list)
     generations: list[dict] = field(default_factory=list)
+    goodput: Optional[dict] = None
+    audits: list[dict] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -142,12 +149,36 @@ def read_incidents(run_dir: Path, attempts: list[dict]) -> list[dict]:
 
 
 def read_generations(run_dir: Path) -> list[dict]:
-    return [{k: rec.get(k) for k in ("step", "prompt", "reference", "output", "loss", "attempt")}
+    return [{k: rec.get(k) for k in ("step", "prompt", "reference", "output", "loss", "attempt", "truncated", "tokens",
+                                     "skipped_prompts")}
             for rec in _lines(run_dir / EVOLUTION) if isinstance(rec.get("step"), int) and "prompt" in rec]
+
+
+def read_resume_audits(run_dir) -> list[dict]:
+    """The resume audits in attempt order: resume-audit.json, else what the incidents carry under `resume_audit`
+    (a run dir copied without the file, or written before the audit had its own file)."""
+    run_dir = Path(run_dir)
+    data = read_json(run_dir / AUDITS_NAME)
+    if isinstance(data, dict) and isinstance(data.get("audits"), list):
+        return [a for a in data["audits"] if isinstance(a, dict)]
+    out, seen = [], set()
+    base = run_dir / INCIDENTS
+    for d in sorted(base.iterdir() if base.is_dir() else ()):
+        rec = read_json(d / RECORD_NAME) if d.is_dir() else None
+        audit = rec.get("resume_audit") if isinstance(rec, dict) else None
+        if not isinstance(audit, dict):
+            continue
+        attempt = audit.get("attempt")
+        if attempt is not None and attempt in seen:  # one audit per restart, whichever incidents repeat it
+            continue
+        seen.add(attempt)
+        out.append({**audit, "incident": audit.get("incident") or rec.get("id")})
+    return sorted(out, key=lambda a: a.get("attempt") if isinstance(a.get("attempt"), int) else 0)
 
 
 def read_run(run_dir) -> RunData:
     run_dir = Path(run_dir)
     steps, attempts = read_attempts(run_dir)
     return RunData(run_dir=run_dir, state=read_json(run_dir / STATE_NAME) or {}, steps=steps, attempts=attempts,
-                   incidents=read_incidents(run_dir, attempts), generations=read_generations(run_dir))
+                   incidents=read_incidents(run_dir, attempts), generations=read_generations(run_dir),
+                   goodput=read_goodput(run_dir), audits=read_resume_audits(run_dir))
