@@ -96,7 +96,8 @@ from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
-from hangwatch.supervisor.watch.resume_audit import AUDITS_NAME, ReplayAudit, default_rtol, earlier_beats
+from hangwatch.supervisor.watch.resume_audit import (AUDITS_NAME, REBATCHED_RTOL, ReplayAudit, default_rtol,
+                                                     earlier_beats)
 
 log = structlog.get_logger("hangwatch")
 
@@ -198,6 +199,7 @@ class Supervisor:
         self.truncation: Optional[dict] = None  # a runaway generate's truncation order, until it is settled
         self._orders = 0  # truncation orders written by this supervisor
         self._gen_tokens: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
+        self._settings: dict[int, Any] = {}  # attempt → the OOM remediation's setting it started with (None: the config's)
         self._probe = probe
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
@@ -881,8 +883,12 @@ class Supervisor:
         if not before:
             return
         inc = self._failure_incident
-        self.audit = ReplayAudit(cur.number, resumed, before, default_rtol(ra.rtol, self.cfg.worker.command is not None),
-                                 incident=inc.id if inc is not None else None)
+        rtol, note = default_rtol(ra.rtol, self.cfg.worker.command is not None), ""
+        setting = self._settings.get(cur.number)
+        if setting != self._settings.get(cur.number - 1, setting) and rtol < REBATCHED_RTOL:  # the OOM remediation changed the micro-batch in between
+            rtol, note = REBATCHED_RTOL, "the micro-batch changed after an OOM: the same sums in another order"
+        self.audit = ReplayAudit(cur.number, resumed, before, rtol, incident=inc.id if inc is not None else None,
+                                 note=note)
         self.audits.append(self.audit.record())
         self._save_audit()
 
@@ -1002,6 +1008,7 @@ class Supervisor:
                 self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
             self.current.oom_kills_at_start = self.tools.kernel.oom_kills()
             self.stepped, self._gen_tokens, self.truncation = False, {}, None
+            self._settings[number] = remediation.file_summary(self.run_dir)  # the micro-batch this attempt runs with
             self._audit_begin(self.current, resume, resume_step)
         except OSError as exc:
             self.current = None

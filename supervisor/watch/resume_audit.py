@@ -26,6 +26,7 @@ from hangwatch.common.rundir import attempt_dir
 FIGURES = ("loss", "lr", "grad_norm")
 LR_RTOL = 1e-6  # the learning rate is computed, not measured: a schedule restored gives the same number
 FOREIGN_RTOL = 0.01  # `watchdog.resume_audit.rtol: null` for a worker.command (GPU kernels' nondeterminism)
+REBATCHED_RTOL = 1e-3  # at least, when the OOM remediation changed the micro-batch: the same sums in another order
 MAX_EARLIER_ATTEMPTS = 16
 READ_BLOCK = 1 << 16
 AUDITS_NAME = "resume-audit.json"
@@ -79,7 +80,7 @@ def explain(step: int, diffs: list[tuple[str, float, float]], rank: Optional[int
     elif "loss" in names:
         why = "the data or the model state differs (data order, gradient accumulation, weights not restored)"
     else:
-        why = "the gradients differ (model or optimizer state not restored)"
+        why = "the gradients differ (the data, the model or the optimizer state not as before)"
     on = f" on rank {rank}" if rank is not None else ""
     return f"step {step}{on}: {figures} before the restart — {why}"
 
@@ -165,7 +166,19 @@ class ReplayAudit:
     steps: set = field(default_factory=set)
     difference: Optional[dict] = None
     text: str = ""
-    note: str = ""  # why the tolerance is what it is, when it is not the configured one
+    note: str = ""  # what was left out of the comparison, and why
+    cutoff: Optional[int] = None  # the first step whose earlier beat was not finite: it and the rest are not compared
+
+    def __post_init__(self) -> None:
+        # A non-finite loss or gradient norm before the restart was the failure (or the step it skipped), not a
+        # reference: from that step on the earlier attempt trained something else, so the window ends before it.
+        bad = [s for (_, s), (_, figs) in self.before.items()
+               if any(not math.isfinite(figs[k]) for k in ("loss", "grad_norm") if k in figs)]
+        if bad:
+            self.cutoff = min(bad)
+            self.before = {k: v for k, v in self.before.items() if k[1] < self.cutoff}
+            why = f"steps from {self.cutoff} on not compared: not finite before the restart"
+            self.note = f"{self.note}; {why}" if self.note else why
 
     @property
     def window(self) -> Optional[tuple[int, int]]:
@@ -225,7 +238,9 @@ class ReplayAudit:
         if window is None:
             self.verdict = "unverifiable"
             self.text = ("resume not audited: no step after the resume point was beaten before the restart "
-                         "(nothing replayed)")
+                         "(nothing replayed)" if self.cutoff is None else
+                         f"resume not audited: step {self.cutoff}, the first replayed one, was not finite before the "
+                         "restart (nothing to compare with)")
             return
         if not self.compared:
             self.verdict = "unverifiable"

@@ -55,6 +55,9 @@ def test_hung_eval_generate_is_caught_and_the_run_resumes_from_the_last_good_che
                                "--save-steps", "4", "--eval-steps", "10", "--nan-at", "9"]},
         "watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
                      "phase_budgets_s": {"eval": 60, "generate": GENERATE_BUDGET_S, "checkpoint": 30},
+                     # the kill-and-resume path (a runaway generate is truncated in process by default:
+                     # test_unedited_scripts.py proves that on the same kind of Trainer callback)
+                     "generate_overrun": "restart",
                      "dump_grace_s": 2, "term_grace_s": 5, "py_spy": False, "poll_interval_s": 0.1},
         "restart": {"max_restarts": 2, "backoff_initial_s": 0},
         "checkpoint": {"confirm_steps": 2},

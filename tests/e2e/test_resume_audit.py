@@ -21,17 +21,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from hangwatch.common.protocol import decode_line
+from fixtures.fakes.user_shell import hangwatch_argv, user_env
+
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "fixtures" / "user_scripts" / "resume_audit_loop.py"
-VENV_BIN = Path(sys.executable).parent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,19 +42,6 @@ STEP_S = 0.25  # long enough that a stop at step 9 lands well before step 24
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
-
-
-def hangwatch_argv() -> list[str]:
-    script = VENV_BIN / "hangwatch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor"]
-
-
-def user_env() -> dict:
-    """The user's shell: an activated venv, no hangwatch variables of an outer run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_") and k != "NOTIFY_SOCKET"}
-    env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def config(**resume_audit) -> dict:

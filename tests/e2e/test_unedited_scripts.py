@@ -36,10 +36,11 @@ import pytest
 import yaml
 
 from hangwatch.common.protocol import decode_line
+from fixtures.fakes.user_shell import VENV_BIN, hangwatch_argv, user_env
+
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "fixtures" / "user_scripts"
-VENV_BIN = Path(sys.executable).parent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,19 +49,6 @@ EVAL_BUDGET_S = 5
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
-
-
-def hangwatch_argv() -> list[str]:
-    script = VENV_BIN / "hangwatch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor"]
-
-
-def user_env() -> dict:
-    """The user's shell: an activated venv, no hangwatch variables of an outer run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_") and k != "NOTIFY_SOCKET"}
-    env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def config(*, watchdog: dict | None = None, worker: dict | None = None, checkpoint: dict | None = None,
@@ -177,7 +165,10 @@ def py_spy_attach() -> tuple[bool, str]:
 def test_trainer_eval_generate_hang_is_caught_and_the_trainer_resumes_from_the_last_good_checkpoint(
         tmp_path, script, needs):
     pytest.importorskip(needs)
-    cfg = config(watchdog={"phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30}},
+    # The kill-and-resume path: a generate that still produces tokens is truncated in process by default (the
+    # next test), so this one asks for the restart.
+    cfg = config(watchdog={"phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30},
+                           "generate_overrun": "restart"},
                  checkpoint={"confirm_steps": 1})
     r, run_dir = run_hangwatch(tmp_path, cfg, [
         "python", str(SCRIPTS / script), "--output-dir", "out", "--max-steps", "12", "--save-steps", "4",
@@ -212,6 +203,26 @@ def test_trainer_eval_generate_hang_is_caught_and_the_trainer_resumes_from_the_l
     assert step_beats(run_dir, 2) == list(range(9, 13)), step_beats(run_dir, 2)  # counted on from the resume step
     assert "finished at step 12" in (run_dir / "attempts" / "0002" / "worker.log").read_text(errors="replace")
     assert sorted(p.name for p in (run_dir / "attempts").iterdir()) == ["0001", "0002"]
+
+
+def test_a_runaway_trainer_eval_generate_is_truncated_in_process_and_training_goes_on(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = config(watchdog={"phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30}})
+    r, run_dir = run_hangwatch(tmp_path, cfg, [
+        "python", str(SCRIPTS / "hf_trainer_eval_generate.py"), "--output-dir", "out", "--max-steps", "12",
+        "--save-steps", "4", "--eval-steps", "10", "--hang-once", "hang.marker", "--record", "starts.json"])
+    assert_finished(r, run_dir)
+    _, inc = the_incident(run_dir)
+    assert inc["kind"] == "generate_truncated" and inc["attempt"] == 1 and inc["step"] == 10, inc
+    assert inc["budget_s"] == GENERATE_BUDGET_S and inc["tokens"]["0"] >= inc["limit"] > 8, inc
+    # the Trainer's processing class reached the watch: the prompt and the output's end are text, not ids
+    assert inc["prompt"] == "question 7: what is 7 plus 7? answer:" and inc["output_tail"], inc
+    st = json.loads((run_dir / "state.json").read_text())
+    assert st["restarts"] == 0 and st["attempt"] == 1
+    assert step_beats(run_dir, 1) == list(range(1, 13))
+    assert [s["global_step"] for s in records(tmp_path)] == [0]
+    log = (run_dir / "attempts" / "0001" / "worker.log").read_text(errors="replace")
+    assert "step 10: sample answer" in log  # generate() returned what it had; the callback went on
 
 
 # ---- a plain PyTorch loop: a pure-Python spin in the forward --------------------------------------------------------
@@ -268,7 +279,13 @@ def test_lightning_validation_step_hang_is_caught_and_fit_resumes(tmp_path):
         "--val-every", "4", "--hang-once", "hang.marker", "--record", "starts.json"])
     assert_finished(r, run_dir)
 
-    _, inc = the_incident(run_dir)
+    # The stall, then the resume audit's finding: Lightning restarts an epoch it resumes in the middle of (its
+    # DataLoader is not resumable, as it warns), so the replayed step 3 trains on another batch than before.
+    found = incidents(run_dir)
+    assert [i["kind"] for _, i in found] == ["stall", "resume_diverged"], [(d.name, i["summary"]) for d, i in found]
+    diverged = found[1][1]["resume_audit"]
+    assert diverged["difference"]["step"] == 3 and diverged["difference"]["figure"] == "loss", diverged
+    inc = found[0][1]
     where = "\n".join(str(inc.get(k)) for k in ("summary", "deadline", "stuck_frame", "user_frame"))
     assert inc["attempt"] == 1 and inc["phase"] in ("eval", "validation"), where
     assert inc["deadline"]["name"] == "phase" and inc["deadline"]["budget_s"] == EVAL_BUDGET_S, where

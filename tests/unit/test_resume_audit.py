@@ -42,7 +42,7 @@ def test_default_rtol():
     ([("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
     ([("loss", 2.3104, 2.4471), ("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
     ([("loss", 2.3104, 2.4471)], "data order"),
-    ([("grad_norm", 1.5, 0.7)], "model or optimizer state"),
+    ([("grad_norm", 1.5, 0.7)], "the data, the model or the optimizer state"),
 ])
 def test_explain_names_the_figure_and_what_was_not_restored(diffs, words):
     text = explain(31, diffs)
@@ -144,3 +144,16 @@ def test_several_ranks_name_the_rank_that_differs():
     assert a.observe(1, 31, {"loss": 1.0, "lr": 1e-4 * 31}) == "diverged"
     assert a.text.startswith("step 31 on rank 1: loss 1 vs 0.3226")
     assert json.dumps(a.record())  # the record is plain JSON
+
+
+def test_a_step_that_was_not_finite_before_the_restart_ends_the_window():
+    before = {(0, s): (1, {"loss": (float("nan") if s == 9 else 1.0 / s), "grad_norm": 0.0 if s == 9 else 1.0})
+              for s in range(5, 11)}
+    a = ReplayAudit(2, 4, before, 0.0)
+    assert a.window == (5, 8) and a.cutoff == 9
+    for s in range(5, 9):
+        a.observe(0, s, {"loss": 1.0 / s, "grad_norm": 1.0})
+    assert a.verdict == "verified" and "steps 5–8" in a.text and "not finite before the restart" in a.text
+    assert a.observe(0, 9, {"loss": 4.0, "grad_norm": 1.4}) is None  # the failure's own step: no divergence
+    only = ReplayAudit(2, 8, {(0, 9): (1, {"loss": float("inf")})}, 0.0)
+    assert only.ended() == "unverifiable" and "step 9, the first replayed one, was not finite" in only.text
