@@ -24,10 +24,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hangwatch.common.protocol import decode_line
-from fixtures.fakes.user_shell import hangwatch_argv, user_env
+from fixtures.fakes.user_shell import incidents, run_hangwatch, worker_logs
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,29 +58,16 @@ def config(**resume_audit) -> dict:
 def run_script(tmp_path: Path, cfg: dict, *flags: str,
                timeout: float = 180) -> tuple[subprocess.CompletedProcess, Path]:
     """`hangwatch run cfg.yaml --run-dir run -- python resume_audit_loop.py … FLAGS` from tmp_path."""
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
     cmd = ["python", str(SCRIPT), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--ckpt-dir", "ckpts",
            "--step-s", str(STEP_S), "--die-once", "died.marker", "--die-at", str(DIE_AT), "--record", "starts.json",
            *flags]
-    try:
-        r = subprocess.run([*hangwatch_argv(), "run", str(path), "--run-dir", "run", "--", *cmd], cwd=tmp_path,
-                           env=user_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"hangwatch run did not finish in {timeout}s\n{(e.stderr or '')[-3000:]}\n"
-                             f"{worker_logs(run_dir)}") from None
+    r, run_dir = run_hangwatch(tmp_path, cfg, cmd, timeout=timeout)
     assert (tmp_path / "died.marker").exists(), explain(r, run_dir)
     return r, run_dir
 
 
 def output(r: subprocess.CompletedProcess) -> str:
     return f"{r.stdout}\n{r.stderr}"
-
-
-def worker_logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in sorted(run_dir.glob("attempts/*/worker.log")))
 
 
 def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
@@ -92,13 +78,6 @@ def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
 
 def state(run_dir: Path) -> dict:
     return json.loads((run_dir / "state.json").read_text())
-
-
-def incidents(run_dir: Path) -> list[tuple[Path, dict]]:
-    base = run_dir / "incidents"
-    if not base.is_dir():
-        return []
-    return [(d, json.loads((d / "incident.json").read_text())) for d in sorted(base.iterdir()) if d.is_dir()]
 
 
 def crash_incident(run_dir: Path) -> tuple[Path, dict]:

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hangwatch.common.protocol import decode_line
-from fixtures.fakes.user_shell import VENV_BIN, hangwatch_argv, user_env
+from fixtures.fakes.user_shell import VENV_BIN, incidents, run_hangwatch, user_env, worker_logs
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,26 +66,6 @@ def config(*, watchdog: dict | None = None, worker: dict | None = None, checkpoi
     return cfg
 
 
-def run_hangwatch(tmp_path: Path, cfg: dict, cmd: list[str],
-                  timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
-    """`hangwatch run cfg.yaml --run-dir run -- CMD…` from tmp_path; returns the result and the run dir."""
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
-    try:
-        r = subprocess.run([*hangwatch_argv(), "run", str(path), "--run-dir", "run", "--", *cmd], cwd=tmp_path,
-                           env=user_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"hangwatch run did not finish in {timeout}s\n{(e.stderr or '')[-3000:]}\n"
-                             f"{worker_logs(run_dir)}") from None
-    return r, run_dir
-
-
-def worker_logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in sorted(run_dir.glob("attempts/*/worker.log")))
-
-
 def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
     return f"hangwatch run exited {r.returncode}\n{r.stderr[-4000:]}\n{worker_logs(run_dir)}"
 
@@ -94,13 +73,6 @@ def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
 def assert_finished(r: subprocess.CompletedProcess, run_dir: Path) -> None:
     assert r.returncode == 0, explain(r, run_dir)
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished", explain(r, run_dir)
-
-
-def incidents(run_dir: Path) -> list[tuple[Path, dict]]:
-    base = run_dir / "incidents"
-    if not base.is_dir():
-        return []
-    return [(d, json.loads((d / "incident.json").read_text())) for d in sorted(base.iterdir()) if d.is_dir()]
 
 
 def the_incident(run_dir: Path) -> tuple[Path, dict]:
