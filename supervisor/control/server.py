@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import structlog
 
-from hangwatch.supervisor.control.admission import Limits, admit
+from hangwatch.supervisor.control.admission import Limits, admit, over_share
 from hangwatch.supervisor.control.conversation import Conversation
 from hangwatch.supervisor.control.listener import open_listener
 from hangwatch.supervisor.control.paths import record_socket_path, socket_path_for
@@ -53,6 +53,7 @@ log = structlog.get_logger("hangwatch.control")
 class _Client(Conversation):
     sock: socket.socket
     last_active: float
+    accepted: float
     seq: int  # accept order (admission breaks ties with it)
     lingering_since: Optional[float] = None  # replies out and our side shut: draining the peer's input
 
@@ -85,6 +86,7 @@ class ControlServer:
         self._clients: set[_Client] = set()
         self._seq = itertools.count()
         self._evicted_unlogged = 0
+        self._over_share = False  # a process was let past its share while its newest connections arrive
         self._evictions_logged_at = float("-inf")
         self._sel = selectors.DefaultSelector()
         self._listener = open_listener(self.path, self.policy)
@@ -119,6 +121,8 @@ class ControlServer:
                 self._flush(client, now)
             if client in self._clients:
                 self._settle(client, now)
+        if self._over_share:
+            self._trim_shares(now)
         self._note_evictions(0, now)
 
     @property
@@ -167,13 +171,14 @@ class ControlServer:
                 sock.close()
                 continue
             client = _Client(peer=peer, max_request_bytes=self.max_request_bytes, sock=sock, last_active=now,
-                             seq=next(self._seq))
+                             accepted=now, seq=next(self._seq))
             refusal = self.policy.refusal(peer)
             if refusal is not None:
                 log.warning("control client refused", peer_uid=peer.uid, peer_pid=peer.pid, reason=refusal)
                 self._admit_refused(client, refusal, now, abandon=False)
                 continue
-            admission = admit(peer, tuple(self._clients), self.limits)
+            admission = admit(peer, tuple(self._clients), self.limits, now)
+            self._over_share = self._over_share or admission.over_share
             if admission.refusal is not None:
                 log.warning("control client refused", peer_uid=peer.uid, peer_pid=peer.pid, reason=admission.refusal)
                 # Nobody can make room, so this one takes none: it hears why and is closed in this pass.
@@ -187,6 +192,15 @@ class ControlServer:
             self._clients.add(client)
             self._sel.register(sock, selectors.EVENT_READ, client)
             self._read(client, now, handler)  # a client usually writes at once: answer in this pass
+
+    def _trim_shares(self, now: float) -> None:
+        """Give back what a process holds past its share, once its young connections have asked or aged."""
+        evict, self._over_share = over_share(tuple(self._clients), self.limits, now)
+        for victim in evict:
+            log.debug("control client evicted", peer_uid=victim.peer.uid, peer_pid=victim.peer.pid,
+                      idle_s=round(now - victim.last_active, 1), why="over its process's share")
+            self._drop(victim)
+        self._note_evictions(len(evict), now)
 
     def _note_evictions(self, n: int, now: Optional[float]) -> None:
         """Count evictions; say so at once after a quiet spell, then at most every EVICTION_LOG_EVERY_S

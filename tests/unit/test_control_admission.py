@@ -18,7 +18,7 @@ from fixtures.fakes.control_peers import Deferred, Peer, raw
 from fixtures.fakes.polled_server import PolledServer
 from hangwatch.supervisor.cli.client import Client, DaemonUnavailable
 from hangwatch.supervisor.control import PeerCred, PeerPolicy
-from hangwatch.supervisor.control.admission import Limits, admit, eviction_key, oldest_idle
+from hangwatch.supervisor.control.admission import YOUNG_S, Limits, admit, eviction_key, oldest_idle, over_share
 from hangwatch.supervisor.control.conversation import EMPTY_REQUEST
 from hangwatch.supervisor.control.server import EVICTION_LOG_EVERY_S, LINGER_S
 
@@ -36,6 +36,7 @@ class Slot:
     hangup: bool = False
     replies: int = 0
     seq: int = 0
+    accepted: float = 0.0
 
 
 def silent(name, t, **kw):
@@ -48,6 +49,13 @@ def waiting(name, t, **kw):  # owed a deferred reply
 
 def unsent(name, t, **kw):  # owed reply bytes the peer has not taken yet
     return Slot(name, t, outbuf=bytearray(b"{}\n"), **kw)
+
+
+def arriving(name, t, **kw):  # accepted at t, has asked nothing yet
+    return Slot(name, t, accepted=t, **kw)
+
+
+NOW = 100.0  # the admission tables' clock: every slot above was accepted long enough ago not to be young
 
 
 # ---- which idle connection leaves first ------------------------------------------------------------
@@ -89,14 +97,41 @@ ADMISSIONS = [
     ((3, 2), [silent("theirs", 0, peer=OTHER), silent("m1", 1), silent("m2", 2)], ["m1"], None),  # my own place is enough
     # The same pid under another uid is another process (another pid namespace): not mine.
     ((9, 1), [silent("ns", 0, peer=PeerCred(pid=100, uid=2000, gid=2000))], [], None),
+    # A burst from one process: its newest, which asked nothing yet, are spared; it may pass its share while the table has room.
+    ((9, 2), [arriving("m1", NOW - 1), arriving("m2", NOW - 0.5)], [], None),
+    ((9, 2), [arriving("m1", NOW - 1), silent("m0", 0, replies=1), arriving("m2", NOW - 0.5)], ["m0"], None),
+    ((9, 2), [silent("m0", 0), silent("m1", 1), silent("m2", 2), silent("m3", 3)], ["m0", "m1", "m2"], None),  # past its share before
+    ((9, 2), [arriving("m1", NOW - YOUNG_S - 1), arriving("m2", NOW - 0.5)], ["m1"], None),  # aged: no longer spared
+    ((9, 2), [Slot("m1", NOW - 1, accepted=NOW - 1, inbuf=bytearray(b"{")), arriving("m2", NOW - 0.5)], ["m1"], None),  # asking
+    ((3, 3), [arriving("m1", NOW - 1), arriving("t", NOW - 2, peer=OTHER), arriving("m2", NOW - 0.5)], ["t"], None),  # a full table spares nobody
 ]
 
 
 @pytest.mark.parametrize("limits, slots, evicted, refusal", ADMISSIONS, ids=[f"a{i}" for i in range(len(ADMISSIONS))])
 def test_admission(limits, slots, evicted, refusal):
-    decision = admit(ME, slots, Limits(*limits))
+    decision = admit(ME, slots, Limits(*limits), NOW)
     assert [s.name for s in decision.evict] == evicted
     assert decision.refusal == refusal
+    own = [s for s in slots if s.peer == ME and s not in decision.evict]
+    assert decision.over_share == (refusal is None and len(own) + 1 > limits[1])
+
+
+SHARES = [
+    # per process, slots, evicted, a process still over its share
+    (2, [silent("a", 1), silent("b", 2)], [], False),
+    (2, [silent("a", 1), silent("b", 2), silent("c", 3, replies=1), silent("t", 0, peer=OTHER)], ["c"], False),
+    (2, [silent("a", 1), arriving("b", NOW - 1), arriving("c", NOW - 1)], ["a"], False),
+    (1, [arriving("b", NOW - 1), arriving("c", NOW - 1)], [], True),  # both still arriving: wait
+    (1, [waiting("d", 0), silent("a", 5)], ["a"], False),
+    (1, [waiting("d", 0), unsent("u", 0)], [], True),  # owed something: kept, the process stays over
+]
+
+
+@pytest.mark.parametrize("per_process, slots, evicted, over", SHARES, ids=[f"s{i}" for i in range(len(SHARES))])
+def test_a_process_over_its_share_gives_back_its_oldest_idle_once_they_are_not_arriving(per_process, slots, evicted, over):
+    chosen, still_over = over_share(slots, Limits(9, per_process), NOW)
+    assert sorted(s.name for s in chosen) == sorted(evicted)
+    assert still_over == over
 
 
 @pytest.mark.parametrize("nofile, table, per_process", [
@@ -198,12 +233,33 @@ def test_when_every_connection_is_owed_a_reply_a_newcomer_hears_busy(tight):
 def test_one_process_at_its_cap_gives_up_its_own_oldest(tmp_path):
     d = Deferred(tmp_path / "hw.sock", limits=Limits(max_clients=10, max_per_peer=2))
     try:
-        first, second = connect(d), connect(d)
+        first, second = connect(d), connect(d, wait_s=YOUNG_S)
         late = Peer(d.path)
         with structlog.testing.capture_logs():
             ask_status(d, late)
         assert first.hung_up() and not second.hung_up()
         assert d.server.connected == 2  # the table had room: the cap is the process's
+    finally:
+        d.server.close()
+
+
+def test_a_burst_from_one_process_past_its_share_is_answered_then_trimmed_to_its_share(tmp_path):
+    d = Deferred(tmp_path / "hw.sock", limits=Limits(max_clients=10, max_per_peer=2))
+    try:
+        burst = [connect(d, wait_s=0.1) for _ in range(5)]  # accepted before any of them writes
+        assert d.server.connected == 5 and not any(p.hung_up() for p in burst)
+        for peer in burst[:3]:
+            ask_status(d, peer)
+        held = burst[3:]
+        d.now += YOUNG_S
+        with structlog.testing.capture_logs():
+            d.passes(2)
+        # The three answered were let go; the two silent ones are exactly the share.
+        assert d.server.connected == 2 and not any(p.hung_up() for p in held)
+        late = Peer(d.path)
+        d.poll_until(lambda: d.server.connected == 3 or held[0].hung_up(), "the newcomer")
+        ask_status(d, late)
+        assert held[0].hung_up() and not held[1].hung_up()  # aged: the oldest makes room as before
     finally:
         d.server.close()
 
