@@ -4,6 +4,15 @@ A reader sees the old content or the new, never a mix, and after a crash (or pow
 content is either fully there or not at all.  A failed write (ENOSPC, EIO, EROFS, EDQUOT) removes its
 own temporary file and re-raises: nothing half-written is ever left under the final name.
 
+A record that must stay writable on a full disk (state.json: a run that ends for lack of space must
+still say so) is written `reserved`: padded with spaces to whole blocks, so that when the replace is
+refused for want of a new block, `overwrite_in_place` can rewrite the file in the blocks it already
+holds.  That fallback trades the rename's atomicity for being able to write at all: the new text goes
+in with one pwrite at offset 0 and the file keeps its size.  A reader that catches that write half done
+(a window of one memory copy) can see a mix of old and new text, which almost always fails to parse
+(`records.run_state.read` then reads again); a crash during it can leave such a mix on disk.  Neither
+matters as much as a record that says `running` for ever.
+
 `FsOps` bundles the operations that move data between durable states, so tests can pass a subclass
 that fails (or dies) at a chosen operation.
 """
@@ -19,9 +28,15 @@ from typing import Any
 
 TMP_PREFIX = ".tmp-"  # every temporary this module creates starts with it (a crash's leftovers are findable)
 
+RESERVE_BYTES = 4096  # a reserved record's size is a multiple of this: a block, which the filesystem allocates anyway
+
 # The write failures that are the disk's, not the program's: no retry of the same write can help.
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EIO: "I/O error"}
+
+
+# The ones that mean "no new block": the blocks a file already holds may still be written.
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_error(exc: BaseException) -> bool:
@@ -88,6 +103,35 @@ def write_json_atomic(path: os.PathLike | str, data: Any, *, durable: bool = Tru
     return write_atomic(path, json.dumps(data, indent=indent, default=str) + "\n", durable=durable)
 
 
+def reserved(text: bytes, size: int = RESERVE_BYTES) -> bytes:
+    """`text` (JSON ending in a newline) padded with spaces before that newline to a whole number of `size`
+    blocks, with at least a block's room to grow: the space a later `overwrite_in_place` writes into.
+    JSON allows the trailing whitespace; every reader of the file parses it unchanged."""
+    body = text.rstrip(b"\n")
+    total = -(-(len(body) + 1 + size // 2) // size) * size  # half a block free at least, rounded up to whole blocks
+    return body + b" " * (total - len(body) - 1) + b"\n"
+
+
+def overwrite_in_place(path: os.PathLike | str, text: bytes) -> None:
+    """Rewrite `path` in the blocks it holds, for when the disk has no block for a temporary: `text` padded
+    with spaces to the file's present size, written by one pwrite at offset 0, then fsync.  The size never
+    changes (no truncate: a shorter file would give blocks back, and a reader between the write and the
+    truncate would see a mix).  Text longer than the file raises ENOSPC before anything is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        body = text.rstrip(b"\n")
+        if len(body) + 1 > size:
+            raise OSError(errno.ENOSPC, f"{len(body) + 1} bytes do not fit in the {size} the file holds", str(path))
+        view = memoryview(body + b" " * (size - len(body) - 1) + b"\n")
+        offset = 0
+        while offset < len(view):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def append_durable(path: os.PathLike | str, data: bytes) -> None:
     """Append `data` with O_APPEND and fsync it (a ledger line is either whole on disk or absent)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -124,6 +168,9 @@ class FsOps:
 
     def append(self, path: Path, data: bytes) -> None:
         append_durable(path, data)
+
+    def overwrite(self, path: Path, data: bytes) -> None:
+        overwrite_in_place(path, data)
 
     def truncate(self, path: Path, size: int) -> None:
         os.truncate(path, size)

@@ -7,9 +7,14 @@ trains by; tokenizing and lengths stay with the worker (`hangwatch.daemon.data`)
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+EXPECTED = 'each line must be {"prompt", "completion"} or {"messages": [...]}'  # what a rejection expected
+# Why a file whose first line is not an example is refused outright, where a bad line further on is only skipped:
+# it is the wrong format (CSV, a JSON array, pretty-printed JSON), a header, or a byte-order mark.
+FIRST_LINE_WHY = "the first line of a data file must be an example (a header, a byte-order mark or another format?)"
 
 
 class ExampleRejected(ValueError):
@@ -53,3 +58,39 @@ def messages_of(obj: Any) -> list[dict]:
         completion = _check_text(obj, "completion")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     raise ExampleRejected("expected keys 'prompt' and 'completion', or 'messages'")
+
+
+def parse_line(line: bytes) -> Any:
+    """The JSON value on one line of a data file (bytes as read); ExampleRejected when it is not UTF-8 text
+    or not JSON.  The one reading of a line: the worker (`data.validate_file`), `validate-config`
+    (`config.deep`) and the doctor all go through it, so that none of them stumbles on a line another
+    one skips."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ExampleRejected(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ExampleRejected(f"not valid JSON: {exc}") from None
+
+
+def first_line_problem(lines) -> Any:
+    """(line number, why) when the first non-blank line of `lines` (bytes, in file order) is not an example; None
+    when it is, or when there is no such line.  The rule validate-config and the doctor refuse a file by."""
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            example_of_line(line)
+        except ExampleRejected as exc:
+            return lineno, str(exc)
+        return None
+    return None
+
+
+def example_of_line(line: bytes) -> Any:
+    """The example object on one line, checked by the rule the worker trains by (`messages_of`)."""
+    obj = parse_line(line)
+    messages_of(obj)
+    return obj

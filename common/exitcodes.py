@@ -1,7 +1,9 @@
 """Every exit code hangwatch uses, once (sysexits.h values where one fits).
 
-Worker → supervisor: 0 finished · 65 unusable data (no restart) · 75 non-finite streak (restart with
-rollback) · 78 configuration error (no restart) · anything else or a signal: restart.
+Worker → supervisor: 0 finished · 65 unusable data (no restart) · 74 the disk refused a write (no restart) ·
+75 non-finite streak (restart with rollback) · 78 configuration error (no restart) · anything else or a signal:
+restart.  Under torchrun, which exits 1 for any failed rank, a rank's own 65/74/78 (its last words, or torchrun's
+root-cause report) counts as the worker's (`supervisor.rules.no_retry`).
 Supervisor and CLI: 0 finished/stopped · 1 failed (crash loop, …) · 64 usage · 69 daemon unreachable ·
 70 internal error · 78 configuration error.
 """

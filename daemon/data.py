@@ -15,14 +15,13 @@ continuous (inbox) mode's source is a `ContinuousDataSource`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 # One definition of an example's shape, shared with `validate-config` (which may not import the worker).
-from hangwatch.common.example_shape import ROLES, ExampleRejected, messages_of  # noqa: F401
+from hangwatch.common.example_shape import ROLES, ExampleRejected, messages_of, parse_line  # noqa: F401
 
 IGNORE_INDEX = -100
 
@@ -133,16 +132,7 @@ def validate_file(path: os.PathLike | str, tokenizer, cfg) -> tuple[list[Example
         if not line.strip():
             continue
         try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            problems.append(Problem(str(path), lineno, f"not UTF-8 ({exc.reason} at byte {exc.start})"))
-            continue
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            problems.append(Problem(str(path), lineno, f"not valid JSON: {exc}"))
-            continue
-        try:
+            obj = parse_line(line)
             input_ids, labels, truncated = encode(obj, tokenizer, data_cfg)
         except ExampleRejected as exc:
             problems.append(Problem(str(path), lineno, str(exc)))

@@ -45,12 +45,15 @@ from hangwatch.common.protocol import (DUMP_SIGNAL, ENV_ATTEMPT, ENV_HEARTBEAT_D
 from hangwatch.common.rundir import attempt_dir, dump_path_for, forked_dump_path, heartbeat_path, next_attempt  # noqa: F401
 
 
-def install_dump_handler(dump_path: os.PathLike | str):
+def install_dump_handler(dump_path: os.PathLike | str, children_of: os.PathLike | str | None = None):
     """SIGUSR1 → faulthandler dump of every thread; fatal signals dump to the same file.
 
-    Every process forked from this one afterwards (a DataLoader's workers) registers the same in itself,
-    to a file of its own next to this one (`forked_dump_path`): a fork inherits the handler, which would
-    otherwise write the child's stack into the parent's file.
+    Every process this one starts afterwards through a fork (a DataLoader's workers under `fork`) or through
+    multiprocessing's `spawn` and `forkserver` (the default from Python 3.14) registers the same in itself, to a
+    file of its own next to the rank's (`forked_dump_path`): a fork inherits the handler, which would otherwise
+    write the child's stack into the parent's file, and a spawned child inherits none.  `children_of`: the
+    rank's dump file, when this process is not the rank but one of its helpers (a forkserver, whose forks are
+    the rank's workers): its children's files are named after the rank's, where the supervisor looks for them.
 
     Returns the open file, which must stay referenced for as long as the handler is installed.
     """
@@ -58,13 +61,12 @@ def install_dump_handler(dump_path: os.PathLike | str):
     f = open(dump_path, "a", buffering=1)
     faulthandler.enable(file=f, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
-    _forked_dumps["base"] = Path(dump_path)
+    _forked_dumps["base"] = Path(children_of if children_of is not None else dump_path)
     if not _fork_hook_registered and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_dump_handler_in_forked_child)
         _fork_hook_registered = True
+    _carry_dump_handler_to_spawned_children()
     return f
-
-
 
 
 def launcher_fields(env) -> dict:
@@ -84,8 +86,8 @@ def launcher_fields(env) -> dict:
 
 
 _fork_hook_registered = False
-# The rank's dump file a forked child derives its own from (None: no handler to carry over), and the child's
-# open file: faulthandler writes to its descriptor, so the file object must stay referenced.
+# The rank's dump file a forked or spawned child derives its own from (None: no handler to carry over), and a
+# forked child's open file: faulthandler writes to its descriptor, so the file object must stay referenced.
 _forked_dumps: dict[str, Any] = {"base": None, "file": None}
 
 
@@ -102,6 +104,61 @@ def _dump_handler_in_forked_child() -> None:
     faulthandler.enable(file=f, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     _forked_dumps["file"] = f
+
+
+# The key of multiprocessing's preparation data that carries the dump handler to a spawned child (`prepare()` in
+# the child reads the keys it knows and passes over the others).
+SPAWNED_DUMP_KEY = "hangwatch_dump_handler"
+# Run in a spawned child while it unpickles its preparation data, before the process object and the user's code:
+# the standard library only (hangwatch itself may not be importable there: the parent's sys.path reaches the child
+# only afterwards, in `prepare()`), and nothing in it may stop the child from starting.  The descriptor is never
+# closed: faulthandler writes to it for the life of the process.
+_SPAWNED_CHILD_CODE = """\
+try:
+    import faulthandler, os, signal
+    fd = os.open(head + str(os.getpid()) + tail, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    faulthandler.enable(fd, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, fd, all_threads=True, chain=False)
+except Exception:
+    pass
+"""
+
+
+class _SpawnedChildDump:
+    """What the preparation data carries: unpickled in the child, it runs `_SPAWNED_CHILD_CODE` there (a spawned
+    or forkserver child runs no code of its parent's before that, and no hook of hangwatch's unless the automatic
+    instrumentation's bootstrap is on its PYTHONPATH)."""
+
+    def __init__(self, base: Path):
+        marker = "\0"  # no path holds a NUL: it splits the child's file name around its pid
+        self.head, self.tail = str(forked_dump_path(base, marker)).split(marker)  # type: ignore[arg-type]
+
+    def __reduce__(self):
+        return exec, (_SPAWNED_CHILD_CODE, {"head": self.head, "tail": self.tail})
+
+
+def _carry_dump_handler_to_spawned_children() -> None:
+    """Wrap `multiprocessing.spawn.get_preparation_data`, which both the `spawn` and the `forkserver` start methods
+    call in the parent for every child they start, so that the data they send the child carries the dump
+    handler (`_SpawnedChildDump`) while this process has one to carry.  Once per process."""
+    try:
+        from multiprocessing import spawn
+    except ImportError:
+        return
+    original = spawn.get_preparation_data
+    if getattr(original, "_carries_dump_handler", False):
+        return
+
+    def get_preparation_data(name):
+        data = original(name)
+        base = _forked_dumps["base"]
+        if base is not None:
+            data[SPAWNED_DUMP_KEY] = _SpawnedChildDump(base)
+        return data
+
+    get_preparation_data._carries_dump_handler = True  # type: ignore[attr-defined]
+    get_preparation_data.__doc__ = original.__doc__
+    spawn.get_preparation_data = get_preparation_data
 
 
 def target_from_env(env: Mapping[str, str], run_dir: os.PathLike | str | None = None) -> tuple[str, int, int]:
@@ -346,7 +403,7 @@ class Heartbeat:
         if self._dump_file is None:
             return
         faulthandler.unregister(signal.SIGUSR1)
-        _forked_dumps["base"] = None  # children forked from now on keep no handler either
+        _forked_dumps["base"] = None  # children forked or spawned from now on get no handler either
         if sys.__stderr__ is not None:
             faulthandler.enable(file=sys.__stderr__, all_threads=True)
         self._dump_file.close()

@@ -3,6 +3,7 @@
     schema.py         the records (type, default, bounds, doc) and FAULT_KINDS
     yamldoc.py        YAML → data and the line of every key; duplicate keys refused
     rules.py          rules across settings (errors) and likely mistakes (advice), pure
+    slurm.py          a Slurm job's node count, rendezvous and node name (`worker.nnodes: auto`), pure
     deep.py           checks against this machine: data files, model, command, directories
     (the shape of one training example lives in `hangwatch.common.example_shape`)
     errors.py         ConfigError and `FILE:LINE: dotted.key: message`

@@ -13,22 +13,27 @@ file was exit 65 after the model had loaded).  Checked:
                             or a path relative to worker.cwd) and executable
     run_dir, control.socket can be created and written
     control.group           exists
+    worker.nproc_per_node   for the built-in worker on CUDA (model.device cuda, or auto with a GPU visible):
+                            no more ranks than GPUs the worker sees (NVML's count through the worker's
+                            CUDA_VISIBLE_DEVICES, `common.gpus`), since NCCL needs one per rank; without
+                            NVML nothing is known and nothing is refused
 
 Findings are `(key path, message)` like `rules`; the loader adds the file and line.  The standard
-library only (the supervisor side runs this; it must not import the worker).
+library only (the supervisor side runs this; it must not import the worker), and pynvml when a config puts
+the built-in worker on a GPU.
 """
 from __future__ import annotations
 
 import grp
-import json
 import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
-from hangwatch.common.example_shape import ExampleRejected, messages_of
+from hangwatch.common import gpus
+from hangwatch.common.example_shape import EXPECTED, FIRST_LINE_WHY, ExampleRejected, example_of_line
 from hangwatch.common.config.rules import Finding, builtin_worker
 from hangwatch.common.config.schema import Config
 
@@ -43,8 +48,10 @@ class Found:
     warnings: list[Finding] = field(default_factory=list)
 
 
-def check(cfg: Config, environ: Mapping[str, str]) -> Found:
-    """Everything the config names that this machine lacks (errors) or that looks wrong (warnings)."""
+def check(cfg: Config, environ: Mapping[str, str],
+          gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids) -> Found:
+    """Everything the config names that this machine lacks (errors) or that looks wrong (warnings).
+    `gpu_uuids`: the machine's GPUs as NVML lists them, None without NVML (the seam tests replace)."""
     found = Found()
     worker_env = {**environ, **cfg.worker.env}  # what the worker will run with
     base = cfg._source.parent if cfg._source is not None else Path.cwd()
@@ -70,7 +77,19 @@ def check(cfg: Config, environ: Mapping[str, str]) -> Found:
             grp.getgrnam(cfg.control.group)
         except KeyError:
             found.errors.append((("control", "group"), f"no such group {cfg.control.group!r} on this machine"))
+    found.errors += gpu_placement(cfg, environ, gpu_uuids)
     return found
+
+
+def gpu_placement(cfg: Config, environ: Mapping[str, str],
+                  gpu_uuids: Callable[[], Optional[Sequence[str]]]) -> list[Finding]:
+    """The built-in worker's ranks against the GPUs it will see: a rank without a GPU of its own fails at
+    NCCL's start, after the model load.  A worker.command's backend is its own business: not checked."""
+    if not builtin_worker(cfg) or cfg.model.device == "cpu":
+        return []  # NVML is not even asked
+    view = gpus.worker_gpus(environ, cfg.worker.env, gpu_uuids())
+    problem = gpus.placement_problem(cfg.model.device, cfg.worker.nproc_per_node, view)
+    return [(problem.key, problem.text())] if problem else []
 
 
 # ---- data files ----------------------------------------------------------------------------------
@@ -98,7 +117,10 @@ def _data_file(found: Found, loc: tuple, path: Path, *, shape: bool) -> None:
     elif len(bad) == len(sampled):
         lineno, why = bad[0]
         found.errors.append((loc, f"{path}:{lineno}: {why} (and every other of the first {len(sampled)} line(s)): "
-                                  "each line must be {\"prompt\", \"completion\"} or {\"messages\": [...]}"))
+                                  f"{EXPECTED}"))
+    elif bad and bad[0][0] == sampled[0][0]:
+        lineno, why = bad[0]
+        found.errors.append((loc, f"{path}:{lineno}: {why}: {FIRST_LINE_WHY}; {EXPECTED}"))
     else:
         for lineno, why in bad:
             found.warnings.append((loc, f"{path}:{lineno}: {why}; the worker will skip this line"))
@@ -116,15 +138,7 @@ def _sampled(head: bytes) -> list[tuple[int, bytes]]:
 def _bad_lines(head: bytes) -> Iterator[tuple[int, str]]:
     for lineno, line in _sampled(head):
         try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            yield lineno, f"not UTF-8 ({exc.reason} at byte {exc.start})"
-            continue
-        except ValueError as exc:
-            yield lineno, f"not valid JSON: {exc}"
-            continue
-        try:
-            messages_of(obj)
+            example_of_line(line)
         except ExampleRejected as exc:
             yield lineno, str(exc)
 

@@ -6,31 +6,39 @@ lines (`yamldoc`); settings that contradict each other are errors too (`rules`).
 config file are resolved against the directory of that file, so a config behaves the same whatever
 the working directory (systemd runs from its StateDirectory).  `load_checked` adds the checks against this
 machine (`deep`): what `hangwatch validate-config` and `hangwatch run` do before anything starts.
+In a Slurm job (`worker.nnodes: auto`, or not written) the settings the job already holds are written into
+the worker section before the records validate it (`slurm`), so every consumer reads plain values.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
+import socket
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hangwatch.common.config import deep, rules
+from hangwatch.common.config import deep, rules, slurm
 from hangwatch.common.config.errors import ConfigError, line_of, located
 from hangwatch.common.config.schema import Config
 from hangwatch.common.config.yamldoc import Lines, read_yaml
 
 
-def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] = None) -> Config:
-    """Validate YAML text (records, then the rules across settings). Raises ConfigError, one line per problem."""
-    return _parse(text, source, base_dir)[0]
+def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] = None,
+                 environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Validate YAML text (records, then the rules across settings). Raises ConfigError, one line per problem.
+    `environ` (default: this process's) is where a Slurm job's settings are read (`slurm.resolve`)."""
+    return _parse(text, source, base_dir, environ=environ)[0]
 
 
-def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None) -> Config:
-    """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's."""
-    return _load(path, run_dir)[0]
+def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None,
+                environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's (and the
+    per-node directory a Slurm job would put under it); `environ` as for `parse_config`."""
+    return _load(path, run_dir, environ=environ)[0]
 
 
 COMMAND_LINE = "<command line>"  # the source named in problems when there is no config file
@@ -45,13 +53,16 @@ def load_checked(path: Union[str, os.PathLike, None], run_dir: Optional[str] = N
 
     `command` (`hangwatch run [CONFIG] -- CMD…`) replaces `worker.command`; `path` None: no config file, every
     setting at its default, relative paths against the working directory.  Either way a config that names no
-    `run_dir` of its own runs in `runs/<script name>` (`script_name`)."""
-    cfg, lines = _load(path, run_dir, command)
+    `run_dir` of its own runs in `runs/<script name>` (`script_name`).  A Slurm job's settings come from `environ`
+    too (`slurm.resolve`)."""
+    env = os.environ if environ is None else environ
+    cfg, lines = _load(path, run_dir, command, environ=env)
     source = str(path) if path is not None else COMMAND_LINE
-    found = deep.check(cfg, os.environ if environ is None else environ)
+    found = deep.check(cfg, env)
     if found.errors:
         raise ConfigError(_in_file_order(found.errors, source, lines))
-    return cfg, _in_file_order([*found.warnings, *rules.advice(cfg)], source, lines)
+    advice = [*rules.advice(cfg), *slurm.gpu_advice(cfg.worker._slurm, cfg.worker.nproc_per_node)]
+    return cfg, _in_file_order([*found.warnings, *advice], source, lines)
 
 
 def _in_file_order(findings: list[rules.Finding], source: str, lines: Lines) -> list[str]:
@@ -60,7 +71,8 @@ def _in_file_order(findings: list[rules.Finding], source: str, lines: Lines) -> 
     return [located(loc, msg, source, lines) for loc, msg in order]
 
 
-def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[list[str]] = None) -> tuple[Config, Lines]:
+def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[list[str]] = None,
+           environ: Optional[Mapping[str, str]] = None) -> tuple[Config, Lines]:
     data, lines = read_yaml(text, source)
     if data is None:
         data = {}
@@ -75,6 +87,7 @@ def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[l
         lines = {k: v for k, v in lines.items() if k[:2] != ("worker", "command")}  # not the file's any more
         if "run_dir" not in data:
             data["run_dir"] = str(Path("runs") / script_name(command))
+    data, derived = _from_slurm(data, os.environ if environ is None else environ, source, lines)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -82,17 +95,43 @@ def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[l
     problems = [located(loc, msg, source, lines) for loc, msg in rules.errors(cfg)]
     if problems:
         raise ConfigError(problems)
+    cfg.worker._slurm = derived
+    if derived is not None and derived.run_subdir:
+        cfg.run_dir = str(Path(cfg.run_dir) / derived.run_subdir)
     if base_dir is not None:
         cfg = resolve_paths(cfg, base_dir)
     return cfg, lines
 
 
+def _from_slurm(data: dict, env: Mapping[str, str], source: str, lines: Lines) -> tuple[dict, Optional[slurm.Derived]]:
+    """`data` with what a Slurm job supplies written into its worker section (`worker.nnodes: auto`, or unset in a
+    job), so that the records validate, and every consumer reads, plain values; the Derived record says which."""
+    worker = data.get("worker", {})
+    if not isinstance(worker, dict):
+        return data, None  # the record names the mistake
+    try:
+        derived = slurm.resolve(worker, env, socket.gethostname())
+    except slurm.SlurmProblems as exc:
+        raise ConfigError([located(loc, msg, source, lines) for loc, msg in exc.problems]) from None
+    if derived is None:
+        return data, None
+    return {**data, "worker": {**worker, **derived.values}}, derived
+
+
+def _given_run_dir(cfg: Config, run_dir: str) -> None:
+    """--run-dir is used as given: no per-node directory of a Slurm job under it."""
+    cfg.run_dir = str(Path(run_dir).expanduser().resolve())
+    derived = cfg.worker._slurm
+    if isinstance(derived, slurm.Derived) and derived.run_subdir:
+        cfg.worker._slurm = dataclasses.replace(derived, run_subdir=None)
+
+
 def _load(path: Union[str, os.PathLike, None], run_dir: Optional[str],
-          command: Optional[list[str]] = None) -> tuple[Config, Lines]:
+          command: Optional[list[str]] = None, environ: Optional[Mapping[str, str]] = None) -> tuple[Config, Lines]:
     if path is None:  # `hangwatch run -- CMD`: the defaults, relative to where the command is run
-        cfg, lines = _parse("", COMMAND_LINE, Path.cwd(), command)
+        cfg, lines = _parse("", COMMAND_LINE, Path.cwd(), command, environ)
         if run_dir is not None:
-            cfg.run_dir = str(Path(run_dir).expanduser().resolve())
+            _given_run_dir(cfg, run_dir)
         return cfg, lines
     p = Path(path)
     if p.is_dir():
@@ -103,9 +142,9 @@ def _load(path: Union[str, os.PathLike, None], run_dir: Optional[str],
         raise ConfigError([f"{p}: no such config file"]) from None
     except (PermissionError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError([f"{p}: cannot read config: {exc}"]) from None
-    cfg, lines = _parse(text, str(p), p.resolve().parent, command)
+    cfg, lines = _parse(text, str(p), p.resolve().parent, command, environ)
     if run_dir is not None:
-        cfg.run_dir = str(Path(run_dir).expanduser().resolve())
+        _given_run_dir(cfg, run_dir)
         lines = {k: v for k, v in lines.items() if k != ("run_dir",)}  # the file's line is not where it came from
     cfg._source = p.resolve()
     return cfg, lines

@@ -11,7 +11,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ALERT_EVENTS = ("incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged",
-                "generate_truncated")
+                "generate_truncated", "unkillable")
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
@@ -31,7 +31,9 @@ class AlertsCfg(_Section):
         "ended failed), crash_loop, no_progress (`restart.no_progress_restarts` restarts never stepped past the last good "
         "step), lost_peer (another node's failure made this one recover), resume_diverged (a step replayed after a restart "
         "differs from the same step before it: sent at once, never held), generate_truncated (a runaway generate() was "
-        "ended at a token limit, nothing restarted: the first of the run is sent, later ones are counted into summaries).")
+        "ended at a token limit, nothing restarted: the first of the run is sent, later ones are counted into summaries), "
+        "unkillable (processes of the worker's tree outlived SIGKILL: a reboot or a GPU reset may be needed; sent at "
+        "once, never held).")
     command: Optional[list[str]] = Field(
         None, description="An argv run per alert with the alert as one JSON object on stdin (exit 0: delivered).")
     timeout_s: float = Field(10, gt=0, description="Most time one delivery (a URL, the command, a ping) may take.")

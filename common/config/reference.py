@@ -29,7 +29,9 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
         else:
             default = f.default_factory() if f.default_factory is not None else f.default
             default_s = yaml.safe_dump(default, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
-        rows.append((key, type_name(f.annotation), default_s, f.description or ""))
+        # a word the loader turns into a value before the record sees it (`worker.nnodes: auto`) is part of the type
+        also = (f.json_schema_extra or {}).get("also", []) if isinstance(f.json_schema_extra, dict) else []
+        rows.append((key, " or ".join([type_name(f.annotation), *also]), default_s, f.description or ""))
     return rows
 
 

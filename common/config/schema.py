@@ -51,12 +51,21 @@ class WorkerCfg(Section):
         "(`python -m torch.distributed.run --standalone --nproc-per-node N -m hangwatch.daemon …`), DDP over the "
         "trainable parameters, gloo on CPU, NCCL on CUDA. `train.micro_batch_size` is per rank.")
     nnodes: int = Field(
-        1, ge=1, le=4096, description="Nodes (machines) of the run, each with its own `hangwatch run`: > 1 launches the worker "
+        1, ge=1, le=4096, json_schema_extra={"also": ["auto"]},
+        description="Nodes (machines) of the run, each with its own `hangwatch run`: > 1 launches the worker "
         "under torchrun with `--nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint E --rdzv-id ID-g<generation>` "
-        "(docs/several-machines.md); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`.")
+        "(docs/several-machines.md); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`. "
+        "`auto`: from the Slurm job, for `srun --ntasks-per-node=1 hangwatch run CONFIG` with one config on every node "
+        "(docs/several-machines.md#slurm): the step's node count and, where not written, `rdzv_endpoint` (its first node, "
+        "`rdzv_port`), `rdzv_id` (`<SLURM_JOB_ID>.<SLURM_STEP_ID>`), `node_name` (SLURMD_NODENAME) and a run dir per node "
+        "(`<run_dir>/node<SLURM_NODEID>`); an error outside a Slurm job. Not written: `auto` inside a Slurm job, else 1.")
     rdzv_endpoint: Optional[str] = Field(
-        None, description="`host:port` of the c10d rendezvous store (required when `nnodes` > 1; the same on every node). "
-        "The hangwatch on the machine that owns that address hosts the store, so it outlives torchrun's restarts.")
+        None, description="`host:port` of the c10d rendezvous store (required when `nnodes` > 1 and not taken from Slurm; "
+        "the same on every node). The hangwatch on the machine that owns that address hosts the store, so it outlives "
+        "torchrun's restarts.")
+    rdzv_port: int = Field(
+        29400, ge=1, le=65535, description="The rendezvous store's port when `rdzv_endpoint` comes from Slurm "
+        "(`nnodes` auto): `<first node of the step>:<rdzv_port>`. Unused when `rdzv_endpoint` is written.")
     rdzv_id: str = Field(
         "hangwatch", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="The job's rendezvous id, the same on every "
         "node; each coordinated restart rendezvouses as `<rdzv_id>-g<generation>`.")
@@ -91,6 +100,18 @@ class WorkerCfg(Section):
                 arg.format(checkpoint="", step=0)
             except (KeyError, IndexError, ValueError) as exc:
                 raise ValueError(f"{arg!r}: only {{checkpoint}} and {{step}} can be filled in ({exc})") from None
+        return v
+
+    # What load.py took from a Slurm job (common/config/slurm.Derived), for what `run` and `validate-config` say; not a key.
+    _slurm: Optional[object] = None
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _auto_resolved(cls, v):
+        # `auto` needs the process's environment, which only the loader has (load.py resolves it first)
+        if v == "auto":
+            raise ValueError("auto is resolved from the Slurm job when a config file is loaded (load_config), not by "
+                             "the record alone")
         return v
 
     @field_validator("rdzv_endpoint")
@@ -248,6 +269,10 @@ class RestartCfg(Section):
         True, description="Built-in worker: an out-of-memory failure restarts with the micro-batch halved and the "
         "accumulation doubled (the same examples per optimizer step; not bit-for-bit the same sums), down to 1, then "
         "gradient checkpointing, then `failed`. false: restart with the same settings.")
+    on_unkillable: Literal["wait", "fail"] = Field(
+        "wait", description="A process of the worker's tree still there `watchdog.kill_wait_s` after SIGKILL (uninterruptible "
+        "sleep: NFS, a GPU driver) — no new attempt is started on top of it; an `unkillable` incident and an alert (a reboot "
+        "or a GPU reset may be needed). `wait`: restart once every survivor is gone; `fail`: end the run `failed` at once.")
     prewarm: bool = Field(
         False, description="Built-in worker: at a stall, spawn the next attempt's process at once as a standby that imports "
         "torch/transformers/peft and loads the base model on the CPU while the stuck attempt is dumped and killed; it takes "

@@ -86,7 +86,7 @@ def install(environ: Optional[MutableMapping[str, str]] = None, argv: Optional[S
     if role.kind == ranks.LAUNCHER:
         ranks.release_claim(env)  # the ranks it starts are judged afresh
     if role.kind != ranks.RANK:
-        _installed.dump_file = _dumps_only(str(directory), role.rank)
+        _installed.dump_file = _dumps_only(str(directory), role.rank, helper=role.kind == ranks.HELPER)
         return None
     _installed.context = ctx = _instrument_rank(env, command, str(directory), role.rank)
     return ctx
@@ -110,9 +110,13 @@ def resume_step(environ: Mapping[str, str]) -> int:
         return 0
 
 
-def _dumps_only(directory: str, rank: int):
+def _dumps_only(directory: str, rank: int, helper: bool = False):
+    """A dump file of this process's own, named after its rank's like a DataLoader worker's.  A helper works for the
+    rank: the processes it starts in turn (a forkserver's forks are the rank's DataLoader workers) get files named
+    after the rank's too, where the supervisor looks for its workers' dumps."""
     os.makedirs(directory, exist_ok=True)
-    return install_dump_handler(forked_dump_path(dump_path_for(directory, rank), os.getpid()))
+    rank_dump = dump_path_for(directory, rank)
+    return install_dump_handler(forked_dump_path(rank_dump, os.getpid()), children_of=rank_dump if helper else None)
 
 
 def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], directory: str, rank: int) -> Context:

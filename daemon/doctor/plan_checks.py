@@ -75,7 +75,8 @@ def check_placement(device: str, nproc: int, cuda_count: Optional[int], visible:
     if device == "cpu":
         return ok(name, f"cpu, {nproc} rank(s){' (gloo)' if nproc > 1 else ''}")
     if cuda_count is None:
-        return skip(name, f"model.device {device}, {nproc} rank(s), {env}: GPUs not counted without torch")
+        return skip(name, f"model.device {device}, {nproc} rank(s), {env}: GPUs not counted (no NVML on this "
+                          "machine, and the cheap checks load no torch)")
     if cuda_count == 0:
         if device == "cuda":
             return fail(name, f"model.device cuda but no CUDA device is visible ({env})",
@@ -167,7 +168,10 @@ def check_py_spy(enabled: bool, exe: Optional[str], scope: Optional[int], cap: b
         return skip(name, "watchdog.py_spy is false: stall dumps are faulthandler stacks only")
     if exe is None:
         return warn(name, "py-spy not found (watchdog.py_spy_path, beside this Python, PATH): stall incidents get "
-                    "Python stacks only, no native frames of a hang in C", "pip install py-spy (into hangwatch's venv)")
+                    "Python stacks only, no native frames of a hang in C (a rank inside backward() only probably "
+                    "waits in DDP's all-reduce)",
+                    "pip install py-spy into hangwatch's venv (a dependency of hangwatch: an install without it is "
+                    "incomplete)")
     scope_text = "no Yama" if scope is None else f"ptrace_scope {scope}"
     fix = ("sudo sysctl kernel.yama.ptrace_scope=0, or give py-spy CAP_SYS_PTRACE "
            "(setcap cap_sys_ptrace+ep, or AmbientCapabilities=CAP_SYS_PTRACE in the unit)")

@@ -17,8 +17,10 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+from hangwatch.common import gpus
+from hangwatch.common.example_shape import first_line_problem
 from hangwatch.daemon.doctor import plan_checks as plan
 from hangwatch.daemon.doctor import text_checks as text
 from hangwatch.daemon.doctor.findings import FAIL, Finding, fail, ok, skip
@@ -58,10 +60,12 @@ def timed(name: str, fn: Callable[[], Finding], timeout_s: float) -> Finding:
 class Doctor:
     """One preflight of one config.  `env`: the environment the worker will inherit (before worker.env)."""
 
-    def __init__(self, cfg, *, cheap: bool = False, env: Optional[dict] = None):
+    def __init__(self, cfg, *, cheap: bool = False, env: Optional[dict] = None,
+                 gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids):
         self.cfg = cfg
         self.cheap = cheap
         self.env = dict(os.environ if env is None else env)
+        self.gpu_uuids = gpu_uuids  # the machine's GPUs as NVML lists them; None without NVML
         self.findings: list[Finding] = []
         self.tok = None
         self.train: list = []
@@ -160,7 +164,12 @@ class Doctor:
             self.train, self.train_problems = examples, problems
         else:
             self.eval, self.eval_problems = examples, problems
-        return text.check_data(what, path, examples, problems, required=required)
+        try:
+            with open(path, "rb") as f:
+                first = first_line_problem(f)
+        except OSError:
+            first = None  # validate_file said why, as a problem at line 0
+        return text.check_data(what, path, examples, problems, required=required, first_line=first)
 
     def world(self) -> int:
         return self.cfg.worker.nproc_per_node if self.cfg.worker.command is None else 1
@@ -176,14 +185,20 @@ class Doctor:
 
     def placement_finding(self) -> Finding:
         visible = self.visible()
-        count = plan.visible_count(visible)
+        nproc = self.cfg.worker.nproc_per_node
+        device = self.cfg.model.device
+        seen = gpus.worker_gpus(self.env, self.cfg.worker.env, self.gpu_uuids()) if device != "cpu" else None
+        if self.cfg.worker.command is None:  # the built-in worker's NCCL: the refusal validate-config and run make
+            problem = gpus.placement_problem(device, nproc, seen)
+            if problem is not None:
+                return fail("device placement", f"{'.'.join(problem.key)}: {problem.problem}", problem.fix)
+        count = seen.visible if seen is not None else plan.visible_count(visible)
         if not self.cheap:
             import torch
 
-            seen = torch.cuda.device_count()
-            count = seen if count is None else min(count, seen)
-        nproc = self.cfg.worker.nproc_per_node
-        return plan.check_placement(self.cfg.model.device, nproc, count, visible)
+            torch_count = torch.cuda.device_count()
+            count = torch_count if count is None else min(count, torch_count)
+        return plan.check_placement(device, nproc, count, visible)
 
     def disk_finding(self) -> Finding:
         root = Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else Path(self.cfg.run_dir) / "checkpoints"

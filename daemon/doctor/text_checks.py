@@ -7,11 +7,11 @@ a second.  Each check is a function returning a `Finding`.
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+from hangwatch.common.example_shape import EXPECTED, FIRST_LINE_WHY, ExampleRejected, example_of_line, messages_of
 from hangwatch.daemon.data import IGNORE_INDEX, Example, Problem, prompt_ids_for, render
 from hangwatch.daemon.doctor.findings import Finding, fail, ok, skip, warn
 
@@ -85,21 +85,19 @@ def check_special_tokens(tok, examples: list[Example]) -> Finding:
 
 
 def first_object(path: Optional[str]) -> Optional[Any]:
-    """The first JSON object of a data file that is an example (None when there is none)."""
-    from hangwatch.common.example_shape import ExampleRejected, messages_of
-
+    """The first JSON object of a data file that is an example (None when there is none).  Lines are read
+    as the worker reads them (`example_of_line`): one that is not UTF-8 is skipped like any other bad line,
+    never a reason for this check to fail where the worker trains."""
     if not path:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                    messages_of(obj)
-                    return obj
-                except (ValueError, ExampleRejected):
+                    return example_of_line(line)
+                except ExampleRejected:
                     continue
     except OSError:
         return None
@@ -109,8 +107,6 @@ def first_object(path: Optional[str]) -> Optional[Any]:
 def check_chat_template(tok, obj: Optional[Any]) -> Finding:
     """The template renders a training conversation so that the prompt is a prefix, its text survives
     encode → decode, its eos text becomes the eos id, and an eval prompt is rendered as training renders it."""
-    from hangwatch.common.example_shape import ExampleRejected, messages_of
-
     name = "chat template"
     if obj is None:
         return skip(name, "no training example to render")
@@ -151,11 +147,16 @@ def reason_of(problem: Problem) -> str:
 
 
 def check_data(what: str, path: Optional[str], examples: list[Example], problems: list[Problem], *,
-               required: bool) -> Finding:
-    """Counts of usable / truncated / all-masked / over-long / otherwise rejected examples."""
+               required: bool, first_line: Optional[tuple[int, str]] = None) -> Finding:
+    """Counts of usable / truncated / all-masked / over-long / otherwise rejected examples.  `first_line`: (line,
+    why) when the file's first line is not an example — refused as validate-config refuses it (example_shape)."""
     name = f"{what} data"
     if not path:
         return skip(name, "not configured")
+    if first_line is not None:
+        lineno, why = first_line
+        return fail(name, f"{path}:{lineno}: {why}: {FIRST_LINE_WHY}", f"fix or remove that line; {EXPECTED}",
+                    [str(p) for p in problems[:5]])
     kinds = Counter(reason_of(p) for p in problems)
     total = len(examples) + len(problems)
     truncated = sum(1 for e in examples if e.truncated)

@@ -146,8 +146,8 @@ class Trainer:
 
     def rank_state(self) -> dict:
         """What a checkpoint keeps of this rank: its RNG states and data position at the step boundary."""
-        return ranks.rank_state(self.world.rank, state.rng_state(own_device_only=self.world.size > 1),
-                                self.boundary_position)
+        rng = state.rng_state(cuda=self.bundle.device.type == "cuda", own_device_only=self.world.size > 1)
+        return ranks.rank_state(self.world.rank, rng, self.boundary_position)
 
     def fill_checkpoint(self, tmp: Path, rank_states: Optional[list] = None) -> None:
         """Write this step's checkpoint files into `tmp` (for `checkpoint.commit`)."""

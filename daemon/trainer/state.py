@@ -38,9 +38,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state(*, own_device_only: bool = False) -> dict:
-    """This process's RNG states.  `own_device_only` (a rank of a multi-GPU run): the current CUDA
-    device's alone, as touching every device would make each rank open a context on every GPU."""
+def rng_state(*, cuda: bool = False, own_device_only: bool = False) -> dict:
+    """This process's RNG states; `cuda` (the worker trains on a GPU): CUDA's too — a worker on the CPU leaves
+    the GPUs of its machine alone (reading their states would open a CUDA context on each), and its checkpoints
+    are the same on a machine with GPUs and one without.  `own_device_only` (a rank of a multi-GPU run): the
+    current CUDA device's alone, as touching every device would make each rank open a context on every GPU."""
     py = random.getstate()
     npst = np.random.get_state()
     state = {
@@ -48,9 +50,9 @@ def rng_state(*, own_device_only: bool = False) -> dict:
         "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and own_device_only:
+    if cuda and own_device_only:
         state["cuda_current"] = torch.cuda.get_rng_state()
-    elif torch.cuda.is_available():
+    elif cuda:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -79,7 +81,7 @@ def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: di
         save_file(extra, str(tmp / EXTRA_FILE))
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
-    for rank, rng in enumerate(rngs if rngs is not None else [rng_state()]):
+    for rank, rng in enumerate(rngs if rngs is not None else [rng_state(cuda=bundle.device.type == "cuda")]):
         torch.save(rng, tmp / rng_file(rank))
     (tmp / ckpt.STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
 

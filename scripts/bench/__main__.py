@@ -4,7 +4,7 @@
                                    [--allowance-s S] [--workdir DIR] [--keep]
     hangwatch bench …              (the same command)
 
-Sections (all by default, in this order; `--only` picks some), one module each:
+Sections (all but soak by default, in this order; `--only` picks some), one module each:
 
   heartbeat     (heartbeat_cost.py) median step time of the demo model with real heartbeats vs none, same
                 process, interleaved rounds; one beat alone; checkpoint save; cold start of
@@ -38,6 +38,10 @@ Sections (all by default, in this order; `--only` picks some), one module each:
                 `hangwatch run -- python train.py` (instrument auto) and with instrument off.
   overrun       (overrun.py) a runaway eval generate() on the demo model: the run's wall time with no fault,
                 with the generation truncated in process (generate_overrun: truncate) and restarted instead.
+  soak          (soak.py) the supervisor for --soak-minutes (default 60; --quick: 1) watching 8 synthetic ranks
+                at 20 Hz, asked `status` over the control socket every second, its log rotated (rename + SIGHUP)
+                every minute: RSS, open descriptors and CPU at the start (after a warm-up) and at the end, and
+                whether every request was answered.  Run only when named (`--only soak`): it takes the hour.
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -62,17 +66,19 @@ if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; impor
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
-                   overrun, prewarm, recovery, side_by_side)
+                   overrun, prewarm, recovery, side_by_side, soak)
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
 SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
-            "instrument", "own_command", "overrun")
+            "instrument", "own_command", "overrun", "soak")
+ON_REQUEST = ("soak",)  # an hour long: run when named in --only, never as part of the whole benchmark
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ON_REQUEST)
 
 
 def parse_only(text: Optional[str]) -> list[str]:
     if not text:
-        return list(SECTIONS)
+        return list(DEFAULT_SECTIONS)
     picked = [s.strip().replace("-", "_") for s in text.split(",") if s.strip()]
     unknown = [s for s in picked if s not in SECTIONS]
     if unknown:
@@ -101,6 +107,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return own_command.section(work, args.quick)
     if name == "overrun":
         return overrun.section(work, args.quick)
+    if name == "soak":
+        return soak.section(work, args.quick, args.soak_minutes)
     return side_by_side.section(work, args.allowance_s)
 
 
@@ -109,11 +117,13 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny trial counts and durations (plumbing check)")
     ap.add_argument("--out", type=Path, default=ROOT, help="where bench-results.json and bench-results.md go")
-    ap.add_argument("--only", type=parse_only, default=list(SECTIONS), metavar="SECTION[,SECTION…]",
-                    help=f"run only these sections: {', '.join(SECTIONS)}")
+    ap.add_argument("--only", type=parse_only, default=list(DEFAULT_SECTIONS), metavar="SECTION[,SECTION…]",
+                    help=f"run only these sections: {', '.join(SECTIONS)} (soak only when named here)")
     ap.add_argument("--jobs", type=int, default=4, help="detection trials run at once (default 4)")
     ap.add_argument("--allowance-s", type=float, default=None,
                     help="wall clock each side-by-side contender gets (default 120; 20 with --quick)")
+    ap.add_argument("--soak-minutes", type=float, default=None,
+                    help="how long the soak section runs (default 60; 1 with --quick)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (with --workdir)")
     return ap
@@ -145,6 +155,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    if args.soak_minutes is not None and args.soak_minutes <= 0:
+        ap.error("--soak-minutes must be more than 0")
     if args.allowance_s is None:
         args.allowance_s = 20.0 if args.quick else 120.0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

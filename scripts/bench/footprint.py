@@ -54,16 +54,16 @@ def sample(sup: psutil.Process, window: float) -> dict:
             "wakeups_per_s": (wakeups(sup) - k0) / wall, "threads": sup.num_threads()}
 
 
-def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) -> dict:
-    """`hangwatch run` watching `ranks` synthetic ranks beating a step line at `hz` each, sampled for `window` s."""
+def start_synthetic(work: Path, ranks: int, hz: float, seconds: float) -> tuple:
+    """`hangwatch run` of `ranks` synthetic ranks beating a step line at `hz` each for `seconds`, once every rank has
+    beaten: (the supervisor's Popen, the run dir, the heartbeat files)."""
     run_dir = work / "run"
     cfg = {"run_dir": str(run_dir),
            "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
-                                  "--seconds", str(window + settle + 60)],
-                      "instrument": "off"},  # one process writing 8 ranks' beats: the supervisor's cost alone
+                                  "--seconds", str(seconds)],
+                      "instrument": "off"},  # one process writing every rank's beats: the supervisor's cost alone
            "watchdog": {"py_spy": False}}
     proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
-    sup = psutil.Process(proc.pid)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(ranks)]
     limit = time.monotonic() + 120
     while not all(f.exists() and f.stat().st_size for f in hb_files):
@@ -71,6 +71,13 @@ def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) 
             wait_exit(proc, 1)
             raise RuntimeError(f"the synthetic ranks did not all start (see {work})")
         time.sleep(0.05)
+    return proc, run_dir, hb_files
+
+
+def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) -> dict:
+    """`hangwatch run` watching `ranks` synthetic ranks beating a step line at `hz` each, sampled for `window` s."""
+    proc, run_dir, hb_files = start_synthetic(work, ranks, hz, window + settle + 60)
+    sup = psutil.Process(proc.pid)
     time.sleep(settle)  # a measured settling time before the window, not synchronisation
     lines_before = line_count(hb_files)
     s = sample(sup, window)

@@ -268,10 +268,17 @@ def own_command_render(p: dict) -> tuple:
     return render(p)
 
 
+def soak_render(p: dict) -> tuple:
+    from bench.soak import render
+
+    return render(p)
+
+
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
     "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render,
-    "instrument": instrument_render, "own_command": own_command_render, "overrun": overrun_render}
+    "instrument": instrument_render, "own_command": own_command_render, "overrun": overrun_render,
+    "soak": soak_render}
 
 
 def header(res: dict) -> list[str]:

@@ -167,7 +167,7 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
     Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
     """
     from hangwatch.supervisor import app
-    from hangwatch.supervisor.cli.summary import finished_hint
+    from hangwatch.supervisor.cli.summary import finished_hint, slurm_text
 
     command = ctx.meta.get("worker_command")
     if command is not None and not command:
@@ -176,6 +176,9 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
         raise click.UsageError("give a config file, or the command to supervise after `--` "
                                "(e.g. `hangwatch run -- python train.py`)")
     cfg = check_or_exit(config, run_dir, command)  # nothing is started for a bad config
+    taken = slurm_text(cfg)
+    if taken:  # the job's output says what each node took from Slurm (config.yaml in its run dir holds the values)
+        click.echo(f"hangwatch: {taken}", err=True)
     again = " ".join(x for x in (config, "-- " + shlex.join(command) if command else None) if x)
     hint = finished_hint(cfg, again)
     if hint is not None:
@@ -189,7 +192,9 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
     if not no_doctor and cfg.worker.command is None:
         preflight(config, cfg.run_dir)
     code = app.run(cfg)
-    if code not in (EXIT_CONFIG, EX_CANTCREAT):  # nothing ran: no summary of someone else's run
+    # 73: another supervisor holds the run dir, nothing ran: no summary of someone else's run.  A 78 here is a
+    # worker's (a rank's) configuration error: the summary says which.
+    if code != EX_CANTCREAT:
         for line in run_summary(cfg.run_dir, code):
             click.echo(line, err=True)
     sys.exit(code)

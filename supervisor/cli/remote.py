@@ -70,18 +70,36 @@ def _load_renderer() -> None:
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")
 @click.option("-n", "--count", type=int, default=None, help="With --watch: stop after this many refreshes.")
 def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> None:
-    """Where the run is: state, attempt, pids, phase, step, loss, checkpoint, incidents, GPUs."""
+    """Where the run is: state, attempt, pids, phase, step, loss, checkpoint, incidents, GPUs.
+
+    With --run-dir and no supervisor answering, what state.json last recorded is printed (--json: with
+    `"source": "state.json"` and `supervisor_gone`), saying when the supervisor that wrote it is gone;
+    the exit is still 69, no supervisor reachable."""
     client = client_for(run_dir, socket_path, timeout)
     if watch:
         _live(client, interval, count, as_json)
         return
-    if as_json:
-        click.echo(json.dumps(client.call("status"), default=str))
-        return
-    st = client.call("status", meanwhile=_load_renderer)  # rich loads while the supervisor answers
+    try:
+        if as_json:
+            click.echo(json.dumps(client.call("status"), default=str))
+            return
+        st = client.call("status", meanwhile=_load_renderer)  # rich loads while the supervisor answers
+    except DaemonUnavailable:
+        if run_dir:
+            _recorded(Path(run_dir), as_json)
+        raise
     from hangwatch.supervisor.cli.render import status_view
 
     _console().print(status_view(st))
+
+
+def _recorded(run_dir: Path, as_json: bool) -> None:
+    """state.json's record on stdout, when there is one (the caller still fails: nobody answered)."""
+    from hangwatch.supervisor.cli.recorded import recorded, recorded_text
+
+    rec = recorded(run_dir)
+    if rec is not None:
+        click.echo(json.dumps(rec, default=str) if as_json else recorded_text(rec))
 
 
 @click.command(short_help="Live view of the run.")

@@ -116,12 +116,24 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
              f"hangwatch: instrumentation: {note_for(cfg)}",
              f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):"]
     lines += ["    " + line for line in yaml.safe_dump(own, sort_keys=False).splitlines()]
+    if slurm_text(cfg):  # a kept copy would pin this job's node list, ids and this node's run dir on the next job
+        keys = ", ".join(f"worker.{k}" for k in cfg.worker._slurm.values)  # type: ignore[attr-defined]
+        lines.append(f"hangwatch: {keys} and run_dir there are this Slurm job's: take them out of a kept copy, "
+                     "and the next job supplies its own")
     if config_arg is None:
         lines.append(f"hangwatch: to keep it: cp {shown}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml")
     else:
         lines.append(f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
                      f"hangwatch run {shown}/{CONFIG_NAME}")
     return lines
+
+
+def slurm_text(cfg: Config) -> Optional[str]:
+    """What the config took from a Slurm job (worker.nnodes auto), in one line; None when nothing."""
+    from hangwatch.common.config.slurm import Derived, describe
+
+    derived = cfg.worker._slurm
+    return describe(derived, cfg.run_dir) if isinstance(derived, Derived) else None
 
 
 def checkpoint_text(cfg: Config) -> str:
@@ -163,8 +175,10 @@ def config_summary(cfg: Config) -> list[tuple[str, str]]:
     ) or "none"
     r = cfg.restart
     mode = "0660, group " + cfg.control.group if cfg.control.group else "0600"
+    slurm = slurm_text(cfg)
     return [
         ("run dir", cfg.run_dir),
+        *([("slurm", slurm)] if slurm else []),
         ("worker", worker),
         ("model", model),
         ("data", data),

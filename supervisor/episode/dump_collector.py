@@ -10,9 +10,10 @@
                    its DataLoader, the workers' stacks (`WorkerDumps`).
     StallDumps:    the same, together with the NCCL flight recorder's dumps (`flight_recorder.FlightDumps`).
     WorkerDumps:   the second step: the stacks of a rank's DataLoader workers, when its main thread waits on
-                   them — py-spy per worker, time-boxed, or faulthandler through the heartbeat's at-fork hook,
-                   a worker's dump in as soon as it is whole (a fork keeps the stack of the thread that forked
-                   it, down to `<module>` when that was the main thread) or once its file stopped growing.
+                   them — py-spy per worker, time-boxed, or faulthandler, which the heartbeat registers in every
+                   worker the rank forks or spawns, a worker's dump in as soon as it is whole (a fork keeps the
+                   stack of the thread that forked it, down to `<module>` when that was the main thread) or once
+                   its file stopped growing.
                    What the stacks say (which worker is stuck) is `incidents/loader_workers.py`.
 
 Each has `advance(now) -> bool` (True when finished) so the loop keeps answering the control socket
@@ -36,7 +37,7 @@ from hangwatch.common.rundir import forked_dump_path
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack, parse_faulthandler
 from hangwatch.supervisor.incidents.landmarks import read_stack
-from hangwatch.supervisor.incidents.loader_workers import WorkerStack, forked_workers
+from hangwatch.supervisor.incidents.loader_workers import WorkerStack, started_as, worker_processes
 from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 
@@ -137,12 +138,16 @@ class DumpCollector:
             p = start_py_spy(exe, t.ref.pid, out, ["--native", "--locals"])
             if p is not None:
                 self.py_spy_procs[t.rank] = (p, out)
+        tried = len([t for t in self.targets if self.signalled.get(t.rank)])
         for ref in self.unannounced[:MAX_UNANNOUNCED]:
             out = self.out_dir / f"py-spy-pid{ref.pid}.txt"
             p = start_py_spy(exe, ref.pid, out, ["--locals"])
+            tried += 1
             if p is not None:
                 self.py_spy_pids[ref.pid] = (p, out)
-        self.py_spy_note = f"ran {exe}"
+        # a py-spy that cannot be executed leaves no C stack: the verdict must know it had none
+        started = self.py_spy_procs or self.py_spy_pids
+        self.py_spy_note = f"ran {exe}" if started or not tried else f"could not start {exe} (its error is in the py-spy files)"
 
     def _py_spy_running(self, now: float) -> bool:
         return py_spy_running([*self.py_spy_procs.values(), *self.py_spy_pids.values()], now - self.started_at,
@@ -315,9 +320,10 @@ def find_py_spy(interpreter: str = sys.executable, path: Optional[str] = None) -
 
 @dataclass
 class WorkerTarget:
-    rank: DumpTarget  # the rank it was forked from
+    rank: DumpTarget  # the rank it works for
     ref: ProcRef
     via: str  # "py-spy" | "faulthandler" | "none"
+    started: str = "fork"  # how the rank started it (`loader_workers.started_as`): fork | spawn | forkserver
     dump_path: Optional[Path] = None  # its own faulthandler file (via faulthandler)
     offset: int = 0
     spy: Optional[tuple[subprocess.Popen, Path]] = None
@@ -330,11 +336,13 @@ class WorkerTarget:
 @dataclass
 class WorkerDumps:
     """The second step of a stall's dumps: the DataLoader workers of each rank whose main thread waits on its
-    DataLoader (its landmark, `landmarks.read_stack`).  Workers are the rank's forks in the stall's process
-    snapshot (`loader_workers.forked_workers`).  py-spy dumps each (time-boxed) when enabled and found; else
-    faulthandler: the heartbeat's at-fork hook registers it in every child forked from a rank, into a file of
-    its own — a worker is signalled only when that file exists for its pid AND it still runs the rank's
-    command line, checked again just before the signal (a fork that exec'd something else may die of SIGUSR1).
+    DataLoader (its landmark, `landmarks.read_stack`).  Workers are the rank's forks and multiprocessing children
+    (spawn, forkserver) in the stall's process snapshot (`loader_workers.worker_processes`), other ranks never.
+    py-spy dumps each (time-boxed) when enabled and found; else faulthandler: the heartbeat registers it in every
+    child a rank forks (its at-fork hook) or starts with spawn or forkserver (the data multiprocessing sends the
+    child), into a file of its own — a worker is signalled only when that file exists for its pid AND its command
+    line still says how it was started, checked again just before the signal (a fork that exec'd something else
+    may die of SIGUSR1).
     A worker py-spy gave no Python stack for falls back to faulthandler.  Bounded like the ranks' dumps:
     `grace_s` for the files (from the last signal), the py-spy time box for py-spy."""
 
@@ -357,6 +365,7 @@ class WorkerDumps:
         self._table, self._grace_s, self._py_spy_timeout_s = dc.table, dc.grace_s, dc.py_spy_timeout_s
         texts, spy = dc.texts(), dc.py_spy_texts()
         exe = dc.py_spy_exe()
+        ranks = {t.ref.pid for t in dc.targets}  # ranks that multiprocessing started (torch's mp.spawn) are no workers
         notes = []
         for t in dc.targets:
             stack, truncated = main_stack(texts.get(t.rank, ""))
@@ -365,7 +374,7 @@ class WorkerDumps:
                                  truncated=truncated and not spy_stack)
             if reading.kind != "dataloader":
                 continue
-            workers = forked_workers(t.ref.pid, self.procs)
+            workers = [rec for rec in worker_processes(t.ref.pid, self.procs) if rec["pid"] not in ranks]
             notes.append(f"rank {t.rank}: {len(workers)} worker(s)")
             for rec in workers:
                 self._start(t, rec, exe, dc.out_dir)
@@ -376,7 +385,9 @@ class WorkerDumps:
         ref = ProcRef(pid, rec["create_time"]) if rec.get("create_time") else self._table.ref_of(pid)
         if ref is None:
             return
-        target = self.targets[pid] = WorkerTarget(rank, ref, "none")
+        rank_rec = next((p for p in self.procs if p.get("pid") == rank.ref.pid), {})
+        target = self.targets[pid] = WorkerTarget(rank, ref, "none",
+                                                  started_as(rec.get("cmdline"), rank_rec.get("cmdline")) or "fork")
         out = out_dir / f"py-spy-rank{rank.rank}-pid{pid}.txt" if out_dir is not None else None
         spy = start_py_spy(exe, pid, out, []) if exe is not None and out is not None else None
         if spy is not None:
@@ -387,9 +398,11 @@ class WorkerDumps:
     def _faulthandler(self, target: WorkerTarget) -> None:
         path = forked_dump_path(target.rank.dump_path, target.ref.pid)
         if not path.exists():
-            target.add_note(f"no {path.name}: the rank did not register faulthandler for its forks (hangwatch's heartbeat does)")
-        elif not self._still_a_fork(target.rank.ref, target.ref):
-            target.add_note("not signalled: its command line is no longer the rank's (it may have exec'd another program)")
+            target.add_note(f"no {path.name}: no faulthandler was registered in it (hangwatch's heartbeat registers one "
+                            f"in every worker a rank forks or spawns)")
+        elif not self._still_a_worker(target):
+            target.add_note(f"not signalled: its command line no longer says it is a worker started by {target.started} "
+                            f"(it may have exec'd another program)")
         else:
             target.dump_path, target.offset = path, path.stat().st_size
             self._sizes[target.ref.pid] = target.offset
@@ -397,12 +410,14 @@ class WorkerDumps:
             if target.via == "none":
                 target.add_note("gone before its signal")
 
-    def _still_a_fork(self, rank: ProcRef, worker: ProcRef) -> bool:
-        """The worker runs the rank's command line now, both still the processes recorded."""
+    def _still_a_worker(self, target: WorkerTarget) -> bool:
+        """The worker's command line now says what it said in the snapshot (a fork: the rank's; a spawned child:
+        multiprocessing's entry), both still the processes recorded."""
+        rank, worker = target.rank.ref, target.ref
         if not (self._table.matches(rank) and self._table.matches(worker)):
             return False
         mine, theirs = self._table.describe(worker).get("cmdline"), self._table.describe(rank).get("cmdline")
-        return bool(mine) and mine == theirs
+        return started_as(mine, theirs) == target.started
 
     def advance(self, now: float) -> bool:
         elapsed = now - self.started_at

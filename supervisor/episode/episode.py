@@ -56,6 +56,7 @@ from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.landmarks import Reading, is_own_code, read_stack, user_landmarks
 from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
+from hangwatch.supervisor.rules.no_retry import NoRetry, no_retry_code
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 from hangwatch.supervisor.processes.snapshot import GpuCache
@@ -425,10 +426,23 @@ def stragglers_field(attempt: Attempt) -> dict:
     return {"stragglers": [s.as_dict() for s in recorded]} if recorded else {}
 
 
+_STEM, _EXT = EXIT_NAME.rsplit(".", 1)
+RANK_EXIT_FILE = re.compile(rf"^{re.escape(_STEM)}-rank(\d+)\.{re.escape(_EXT)}$")  # as `rundir.rank_exit_name` names them
+
+
 def rank_last_words(attempt: Attempt) -> dict[int, dict]:
-    """Each rank's last words (exit.json for rank 0, exit-rank<R>.json for the others), where written."""
+    """Each rank's last words (exit.json for rank 0, exit-rank<R>.json for the others), where written — a rank
+    that failed before it announced itself (a refused resume) included."""
+    on_disk = set()
+    try:
+        for path in attempt.dir.iterdir():
+            m = RANK_EXIT_FILE.match(path.name)
+            if m:
+                on_disk.add(int(m.group(1)))
+    except OSError:  # no attempt directory: nothing was written
+        pass
     out = {}
-    for rank in sorted(set(attempt.announced) | {0}):
+    for rank in sorted(set(attempt.announced) | {0} | on_disk):
         words = read_json(attempt.dir / rank_exit_name(rank))
         if words is not None:
             out[rank] = words
@@ -441,13 +455,28 @@ def own_failure(words: dict[int, dict]) -> Optional[int]:
     return next((r for r, w in sorted(words.items()) if not w.get("collective_error")), None)
 
 
+def no_retry(attempt: Attempt) -> Optional[NoRetry]:
+    """A do-not-restart error (configuration, data, disk) of any rank of the ended worker: its last words, else
+    torchrun's root-cause report in the log's tail (`rules.no_retry`); None when there is none."""
+    w = attempt.worker
+    code = w.exit_code if w.exit_signal is None else None
+    return no_retry_code(code, rank_last_words(attempt), torchrun_root_cause(tail_text(w.log_path, 400)))
+
+
 def classify(tools: Tools, attempt: Attempt) -> tuple[str, str, Optional[int]]:
     """(kind, classification, the culprit rank or None).
 
-    With several ranks the culprit comes first from its own evidence: the rank whose dump holds a fatal
-    signal's stack (a segfault has no last words), else the rank whose last words are its own failure,
-    else the rank torchrun reports as failing first; victims' collective errors never name the failure."""
+    A rank's do-not-restart error that the launcher's exit code hides (torchrun exits 1) names the failure first:
+    the run ends on it.  With several ranks the culprit comes first from its own evidence: the rank whose dump
+    holds a fatal signal's stack (a segfault has no last words), else the rank whose last words are its own
+    failure, else the rank torchrun reports as failing first; victims' collective errors never name the failure."""
     w = attempt.worker
+    stop = no_retry(attempt)
+    if stop is not None and stop.rank is not None and stop.code != w.exit_code:
+        words = rank_last_words(attempt).get(stop.rank) or {}
+        kind, text = classify_exit(stop.code, None, {**words, "message": stop.message}, "")
+        several = len(attempt.announced) > 1  # then the incident's summary names the rank itself
+        return kind, text if several else f"rank {stop.rank}: {text}", stop.rank
     if len(attempt.announced) > 1:
         found = _classify_ranks(tools, attempt)
         if found is not None:
@@ -532,7 +561,7 @@ def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: R
         summary = f"{summary}; {reading.summary()}"
     several = len(attempt.announced) > 1
     culprit = (fatal_rank if fatal_rank is not None else failed_rank) if several else None
-    words = rank_last_words(attempt) if several else {}
+    words = rank_last_words(attempt)  # each rank's file is kept in the incident, announced or not
     if several and culprit is not None:
         # The culprit first, with its own frame: the fatal signal's stack, else where its exception was raised.
         where = frame or raising_frame((words.get(culprit) or {}).get("traceback") or "")

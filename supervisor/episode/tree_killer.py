@@ -5,6 +5,9 @@ SIGTERM to the process group → the grace it was given (`term_grace_s` for a gr
 SIGKILL to the group and to every descendant that left it → the tree gone (or, after `kill_wait_s`,
 its survivors recorded) → wait (bounded) until NVML no longer lists the dead pids as holding GPU memory.
 
+Survivors of SIGKILL (uninterruptible sleep: NFS, a GPU driver) are what `restart.on_unkillable` is about:
+`survivors_left(now)` looks again, at most every SURVIVOR_POLL_S, for as long as the loop waits for them to go.
+
 `advance(now) -> bool` (True when finished).  Processes are seen only through the injected
 `ProcessTable`; it never reaps: the supervisor's loop reaps children in one place each pass and records
 the worker's exit on `Worker`, which is what `TreeKiller` reads.
@@ -20,6 +23,8 @@ import structlog
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
 
 log = structlog.get_logger("hangwatch")
+
+SURVIVOR_POLL_S = 1.0  # how often survivors of SIGKILL are looked at while the run waits for them
 
 
 @dataclass
@@ -41,6 +46,9 @@ class TreeKiller:
     killed: list[int] = field(default_factory=list)
     survivors: list[dict] = field(default_factory=list)
     gpu_release: dict = field(default_factory=dict)
+    survivor_refs: list[ProcRef] = field(default_factory=list)
+    survivors_checked_at: Optional[float] = None
+    survivors_gone_at: Optional[float] = None
     _dead: set[int] = field(default_factory=set)
 
     def _tree(self) -> list[ProcRef]:
@@ -90,6 +98,8 @@ class TreeKiller:
                 # SIGKILL cannot end a process in uninterruptible sleep (state D): record it and go on,
                 # rather than leave the run stuck in `killing` for ever.
                 self.survivors = [self.table.describe(r) for r in left]
+                self.survivor_refs = list(left)
+                self.survivors_checked_at = now
                 log.error("sigkill_survivors", survivors=self.survivors, waited_s=round(now - self.kill_at, 3))
                 self.gone_at = now
             else:
@@ -107,9 +117,24 @@ class TreeKiller:
             return True
         return False
 
+    def survivors_left(self, now: float) -> bool:
+        """Whether a survivor of SIGKILL is still there (looked at again at most every SURVIVOR_POLL_S)."""
+        if not self.survivor_refs or self.survivors_gone_at is not None:
+            return False
+        if self.survivors_checked_at is not None and now - self.survivors_checked_at < SURVIVOR_POLL_S:
+            return True
+        self.survivors_checked_at = now
+        self.survivor_refs = self.table.alive(self.survivor_refs)
+        if self.survivor_refs:
+            return True
+        self.survivors_gone_at = now
+        return False
+
     def next_due(self) -> Optional[float]:
         """The earliest time this killer acts on its own clock — SIGKILL when the grace runs out, the survivors
         recorded, the GPU wait ended — or None.  (Exits are events: SIGCHLD wakes the loop.)"""
+        if self.done_at is not None and self.survivor_refs and self.survivors_gone_at is None:
+            return (self.survivors_checked_at or self.done_at) + SURVIVOR_POLL_S
         if self.done_at is not None or self.term_at is None:
             return None
         if self.gone_at is None:

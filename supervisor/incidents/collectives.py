@@ -8,6 +8,14 @@ Some waits have no Python frame of their own, because the C call is made straigh
 `backward()` (faulthandler shows only `_engine_run_backward`).  For those, py-spy's native frames of the
 main thread say it (`c10d::Reducer::…`, `c10d::Work::wait`, gloo, NCCL); without py-spy, the source line
 of the innermost user frame (`work.wait()`) does.
+
+Without any C stack (py-spy absent, failed, or not permitted to read the process), a stack that ends in
+`backward()` with nothing but the frameworks' own frames inside it (`probable_wait`) is where DDP's reducer
+all-reduces the gradients in C++ autograd hooks and waits for them (FSDP's and DeepSpeed's gradient
+reductions run there too): an idle rank there is probably waiting for its peers, though nothing on its
+stack proves it.  It is a presumption, kept apart from the waits above: such a rank is never made the
+culprit for being outside a collective (`verdict`); only evidence that points at it (behind in step count)
+can name it.
 """
 from __future__ import annotations
 
@@ -34,6 +42,21 @@ NATIVE_WAITS = (  # py-spy --native frame (innermost first) → what the rank wa
     (re.compile(r"ProcessGroupNCCL|\bnccl\w*", re.IGNORECASE), "NCCL"),
     (re.compile(r"ProcessGroupGloo|\bgloo::"), "gloo"),
 )
+# Calls under which a collective runs in C++ without a Python frame of its own (`probable_wait`): the file, the
+# functions, and what the rank then probably waits in.
+DDP_GRADIENTS = "DDP's gradient all-reduce"
+DEEPSPEED_GRADIENTS = "DeepSpeed's gradient reduction"
+C_COLLECTIVE_SITES = (
+    (re.compile(r"/torch/autograd/|/torch/_tensor\.py$"),
+     frozenset({"backward", "_engine_run_backward", "run_backward", "grad"}), DDP_GRADIENTS),
+    (re.compile(r"/accelerate/accelerator\.py$|/(?:lightning|pytorch_lightning|lightning_fabric)/"),
+     frozenset({"backward", "manual_backward"}), DDP_GRADIENTS),
+    (re.compile(r"/deepspeed/runtime/"),
+     frozenset({"backward", "allreduce_gradients", "reduce_gradients", "reduce_ipg_grads", "buffered_allreduce_fallback",
+                "allreduce_bucket", "average_tensor"}), DEEPSPEED_GRADIENTS),
+)
+# Frameworks whose frames may sit inside such a call (autograd's engine, the frameworks' hooks and wrappers).
+FRAMEWORKS = re.compile(r"/(?:torch|deepspeed|accelerate|lightning|pytorch_lightning|lightning_fabric)/")
 SOURCE_WAIT = re.compile(r"\b(?!os\b)(\w+)\.wait\(\s*\)")  # `work.wait()`: a C wait called straight from user code
 PY_SPY_THREAD = re.compile(r'^Thread (0x[0-9a-fA-F]+|\d+) \(([^)]*)\)(?:: "(.*)")?\s*$')
 PY_SPY_FRAME = re.compile(r"^    (\S.*?) \((.+)\)\s*$")
@@ -102,6 +125,27 @@ def source_wait(stack: list[dict], source_line: Optional[str]) -> Optional[str]:
 def waits_in(stack: list[dict], native: list[str] = (), source_line: Optional[str] = None) -> Optional[str]:
     """The collective a rank waits in: Python frames first, then py-spy's native frames, then the source line."""
     return python_wait(stack) or native_wait(list(native)) or source_wait(stack, source_line)
+
+
+def probable_wait(stack: list[dict], native: list[str] = ()) -> Optional[str]:
+    """What a rank whose stack shows no wait probably waits in, judged without C stacks: DDP_GRADIENTS when its
+    stack (innermost first) ends in `backward()` — torch's, accelerate's, Lightning's — with only the frameworks'
+    frames inside it, DEEPSPEED_GRADIENTS when DeepSpeed's engine is among them; else None.  None as well when
+    py-spy's native frames are there: they show what the rank does in C, and `native_wait` reads them.  Whether
+    the rank is idle (a rank computing its gradients is busy) is the caller's to weigh."""
+    if native:
+        return None
+    found = None
+    for f in stack:
+        path = "/" + (f.get("file") or "").replace("\\", "/").lstrip("/")
+        name = _short(f.get("function") or "")
+        site = next((what for file_re, names, what in C_COLLECTIVE_SITES if name in names and file_re.search(path)), None)
+        if site is not None:
+            found = DEEPSPEED_GRADIENTS if DEEPSPEED_GRADIENTS in (site, found) else site
+            continue
+        if not FRAMEWORKS.search(path):
+            break  # the user's code (or another library): whatever is further out is not what it waits in
+    return found
 
 
 def py_spy_main_thread(text: str) -> tuple[list[dict], list[str]]:

@@ -1,8 +1,16 @@
 """A DataLoader's worker processes, when a rank waits on its DataLoader: which worker is stuck, which are idle.
 
-torch's DataLoader forks its workers from the rank's process (the default start method on Linux), so the
-workers are the rank's descendants that still run the rank's command line: a fork that exec'd something
-else has another, and is never signalled (SIGUSR1 may kill a program that does not handle it).
+A worker is a descendant of the rank started by one of multiprocessing's start methods, each known by its
+command line (`started_as`):
+
+    fork        the rank's own command line (the default on Linux before Python 3.14): a fork that exec'd
+                something else has another, and is never taken for a worker nor signalled (SIGUSR1 may kill
+                a program that does not handle it);
+    spawn       multiprocessing's spawn entry, `python -c 'from multiprocessing.spawn import spawn_main; …'
+                --multiprocessing-fork`;
+    forkserver  a fork of the forkserver (`python -c 'from multiprocessing.forkserver import main; …'`, the
+                default from Python 3.14): the forkserver is the rank's child, the workers are its children with
+                its command line; the forkserver itself is none.
 
 Each worker runs torch's `_worker_loop` (torch/utils/data/_utils/worker.py): it waits on its index queue,
 fetches a batch (`fetch` → the dataset's `__getitem__`), puts it on the data queue, and waits again.  From
@@ -13,13 +21,13 @@ its stack:
     working  anything else under `_worker_loop`: its stuck frame is the innermost frame of the user's own
              code there (the dataset's `__getitem__`, a collate function), else the innermost frame;
     unknown  no stack (neither py-spy nor faulthandler gave one);
-    other    a stack without `_worker_loop`: a fork of the rank that is not a DataLoader worker.
+    other    a stack without `_worker_loop`: a child of the rank that is not a DataLoader worker (a pool's).
 
 The main process receives batches in order and hands out new indices only as it consumes them, so while it
 waits for one batch the other workers run out of work and go idle: the one worker still working is the
 stuck one.  When several work, or one gave no stack, the reading says it cannot tell rather than guess.
 
-Pure: snapshot records and stacks in, readings out.  Collection is `supervisor/loader_dumps.WorkerDumps`.
+Pure: snapshot records and stacks in, readings out.  Collection is `episode/dump_collector.WorkerDumps`.
 """
 from __future__ import annotations
 
@@ -36,22 +44,45 @@ WORKER_LOOP = re.compile(r"/torch/utils/data/_utils/worker\.py$")
 MP_QUEUES = re.compile(r"/multiprocessing/queues\.py$")
 IDLE_CALLS = {"get": "waiting on its index queue", "put": "handing a batch over to the main process"}
 MAX_ANCESTRY = 16  # how far up a worker's parents are followed to reach the rank (forks of forks)
+FORK, SPAWN, FORKSERVER = "fork", "spawn", "forkserver"
+SPAWN_ENTRY = re.compile(r"\bfrom multiprocessing\.spawn import spawn_main\b")
+FORKSERVER_ENTRY = re.compile(r"\bfrom multiprocessing\.forkserver import main\b")
 
 IDLE, WORKING, UNKNOWN, OTHER = "idle", "working", "unknown", "other"
 
 
+def started_as(cmdline: Optional[list], rank_cmdline: Optional[list]) -> Optional[str]:
+    """FORK, SPAWN or FORKSERVER (see the module docstring) for a process running `cmdline` below a rank running
+    `rank_cmdline`, or None: another program (a fork that exec'd something else, multiprocessing's resource
+    tracker)."""
+    if not cmdline:
+        return None
+    if cmdline == rank_cmdline:
+        return FORK
+    code = " ".join(cmdline)
+    if "--multiprocessing-fork" in cmdline or SPAWN_ENTRY.search(code):
+        return SPAWN
+    if FORKSERVER_ENTRY.search(code):
+        return FORKSERVER
+    return None
 
 
-def forked_workers(rank_pid: int, procs: list[dict]) -> list[dict]:
-    """The snapshot records of `rank_pid`'s descendants that are forks of it (same command line), by pid."""
+def worker_processes(rank_pid: int, procs: list[dict]) -> list[dict]:
+    """The snapshot records of `rank_pid`'s descendants that may be its DataLoader workers, by pid: its forks, its
+    spawned children and the forkserver's forks (not the forkserver itself)."""
     by_pid = {p.get("pid"): p for p in procs}
     rank = by_pid.get(rank_pid)
     if rank is None or not rank.get("cmdline"):
         return []
     out = []
     for p in procs:
-        if p.get("pid") == rank_pid or p.get("state") == "Z" or p.get("cmdline") != rank["cmdline"]:
+        if p.get("pid") == rank_pid or p.get("state") == "Z":
             continue
+        how = started_as(p.get("cmdline"), rank["cmdline"])
+        if how is None:
+            continue
+        if how == FORKSERVER and (by_pid.get(p.get("ppid")) or {}).get("cmdline") != p.get("cmdline"):
+            continue  # the forkserver itself: it only forks the workers
         if _descends_from(p, rank_pid, by_pid):
             out.append(p)
     return sorted(out, key=lambda p: p["pid"])
@@ -157,7 +188,7 @@ def judge(stacks: list[WorkerStack]) -> WorkersVerdict:
     working = [r for r in workers if r.activity == WORKING]
     unknown = [r for r in workers if r.activity == UNKNOWN]
     if not workers:
-        return WorkersVerdict(readings, None, "no DataLoader worker process found (forks of the rank)")
+        return WorkersVerdict(readings, None, "no DataLoader worker process found (forked or spawned by the rank)")
     if len(working) == 1 and not unknown:
         w = working[0]
         return WorkersVerdict(readings, w.pid, f"the only worker not idle: pid {w.pid} {w.doing}")

@@ -21,7 +21,8 @@ from hangwatch.common.rundir import INCIDENTS, read_json
 WriteError = Callable[[OSError, Path], None]
 
 KINDS = ("stall", "livelock", "startup_timeout", "manual", "crash", "oom", "nan", "signal", "config_error",
-         "data_error", "crash_loop", "checkpoint_failed", "disk", "no_progress", "peer_restart", "lost_peer", "resume_diverged", "generate_truncated")
+         "data_error", "crash_loop", "checkpoint_failed", "disk", "no_progress", "peer_restart", "lost_peer", "resume_diverged", "generate_truncated",
+         "unkillable")
 RECORD_NAME = "incident.json"
 SUMMARY_KEYS = ("id", "kind", "time", "attempt", "step", "classification", "summary")
 UNREADABLE = "incident.json missing or unreadable"

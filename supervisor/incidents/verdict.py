@@ -6,9 +6,13 @@ from its own process (state, CPU) and its own stack (the stuck frame, the collec
 
 * a rank waiting in a collective (`all_reduce`, `barrier`, `wait` of c10d work, DDP's reducer, …), or in
   a phase it announced as waiting for its peers (`wait`), is a **victim**;
+* a rank idle inside `backward()` with no C stack to look into (no py-spy, or py-spy could not read it:
+  `collectives.probable_wait`) is **probably waiting** — DDP all-reduces the gradients in C++ hooks, below
+  any Python frame — which its own evidence cannot tell from being the culprit: it is never named the
+  culprit for being outside a collective, only counted with the ranks that wait;
 * the rank that is not in a collective is the **culprit** — when several are not, the one behind the
-  others in step count, else the only one spinning; when every rank waits, one that is behind in step
-  count or in the NCCL collective sequence (flight recorder) is;
+  others in step count, else the only one spinning; when every rank waits (or probably waits), one that is
+  behind in step count or in the NCCL collective sequence (flight recorder) is;
 * anything else is **unknown**, and the verdict says it cannot tell, and why, instead of guessing.
 
 The words of a rank that is not a victim name the call it is in (`landmarks.read_stack`): "rank 1: busy loop
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from hangwatch.supervisor.incidents.classify import process_condition
-from hangwatch.supervisor.incidents.collectives import waits_in
+from hangwatch.supervisor.incidents.collectives import probable_wait, waits_in
 from hangwatch.supervisor.incidents.dumps import frame_str
 from hangwatch.supervisor.incidents.landmarks import read_stack
 
@@ -65,12 +69,18 @@ class RankFinding:
     landmark: Optional[dict] = None  # the call its main thread is in (landmarks.read_stack)
     caller_frame: Optional[dict] = None  # the frame of the user's own code that called it
     landmark_words: str = ""  # "in generate(), called from on_evaluate (train.py:46)"
+    probable: Optional[str] = None  # no C stack, idle in backward(): what it probably waits in (`probable_wait`)
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "pid": self.pid, "state": self.state, "cpu_percent": self.cpu_percent,
                 "classification": self.classification, "stuck_frame": self.stuck_frame, "collective": self.collective,
-                "step": self.step, "phase": self.phase, "role": self.role, "landmark": self.landmark,
-                "caller_frame": self.caller_frame}
+                "probable_wait": self.probable, "step": self.step, "phase": self.phase, "role": self.role,
+                "landmark": self.landmark, "caller_frame": self.caller_frame}
+
+    @property
+    def waits(self) -> bool:
+        """It waits for its peers, or probably does: no culprit on its own evidence."""
+        return self.collective is not None or self.probable is not None
 
     @property
     def words(self) -> str:
@@ -102,11 +112,22 @@ def read_rank(ev: RankEvidence, landmarks: tuple = ()) -> RankFinding:
     collective = waits_in(ev.stack, ev.native, ev.source_line)
     if collective is None and ev.phase in WAIT_PHASES:
         collective = f"phase {ev.phase!r}"
+    # Idle in backward() and no C stack to look into: DDP's all-reduce is below any Python frame.  Busy there, it
+    # computes its gradients (or spins in a hook) and is read as ever.
+    probable = probable_wait(ev.stack, ev.native) if collective is None and condition == "blocked" else None
+    if probable is not None:
+        words = f"{probable_words(probable)}; {words}"
     reading = read_stack(ev.stack, native=ev.native, source_line=ev.source_line, extra=landmarks, truncated=ev.truncated)
     return RankFinding(ev.rank, ev.pid, ev.proc.get("state") if ev.proc else None,
                        ev.proc.get("cpu_percent") if ev.proc else None, condition, words, frame, collective, ev.step,
                        ev.phase, bool(ev.stack), landmark=reading.landmark, caller_frame=reading.caller_frame,
-                       landmark_words=reading.words())
+                       landmark_words=reading.words(), probable=probable)
+
+
+def probable_words(probable: str) -> str:
+    """The reading of a rank that probably waits: "waiting, probably in DDP's gradient all-reduce — cannot tell the
+    culprit from this rank alone"."""
+    return f"waiting, probably in {probable} — cannot tell the culprit from this rank alone"
 
 
 def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
@@ -119,11 +140,13 @@ def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
     if len(found) == 1:
         (rank, f), = found.items()
         return _verdict(found, rank, "the only rank")
-    outside = [r for r, f in found.items() if f.collective is None and (f.has_stack or f.condition in DEFINITE)]
-    silent = [r for r, f in found.items() if f.collective is None and r not in outside]  # no stack, nothing definite
+    outside = [r for r, f in found.items() if not f.waits and (f.has_stack or f.condition in DEFINITE)]
+    silent = [r for r, f in found.items() if not f.waits and r not in outside]  # no stack, nothing definite
+    probably = [r for r, f in found.items() if f.collective is None and f.probable is not None]
     if outside and not silent:
         if len(outside) == 1:
-            return _verdict(found, outside[0], "the only rank not waiting in a collective")
+            return _verdict(found, outside[0], "the only rank not waiting in a collective"
+                            + (", or probably in one" if probably else ""))
         rank, why = _narrow(found, seqs, outside)
         if rank is not None:
             return _verdict(found, rank, why)
@@ -132,6 +155,9 @@ def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
         rank, why = _behind(found, seqs, list(found))
         if rank is not None:
             return _verdict(found, rank, why)
+        if probably:
+            return _cannot(found, f"every rank waits in a collective or probably does (rank(s) {_list(probably)} inside "
+                                  f"backward(), with no C stack to show it)" + _same_step(found))
         return _cannot(found, "every rank waits in a collective" + _same_step(found))
     return _cannot(found, f"rank(s) {_list(silent)} gave no stack" + (
         f" while rank(s) {_list(outside)} are outside any collective" if outside else ""))
@@ -170,8 +196,7 @@ def _same_step(found: dict) -> str:
 
 
 def _verdict(found: dict, culprit: int, reason: str) -> Verdict:
-    ranks = [_with_role(f, CULPRIT if r == culprit else VICTIM if f.collective is not None else UNKNOWN)
-             for r, f in found.items()]
+    ranks = [_with_role(f, CULPRIT if r == culprit else VICTIM if f.waits else UNKNOWN) for r, f in found.items()]
     c = found[culprit]
     # Being behind is the reason worth saying: the culprit may itself sit in a collective (a later one's peers wait).
     head = f"rank {culprit}, {reason}" if reason.startswith("behind") else f"rank {culprit}"
@@ -186,12 +211,14 @@ def _cannot(found: dict, why: str) -> Verdict:
 
 
 def _others(ranks: list[RankFinding], culprit: Optional[int]) -> list[str]:
-    """Victims grouped by what they wait in ("ranks 0, 2 waiting in all_reduce"), then the unknown ones."""
+    """Victims grouped by what they wait in ("ranks 0, 2 waiting in all_reduce"; "rank 1 waiting, probably in DDP's
+    gradient all-reduce (no C stack)"), then the unknown ones."""
     groups: dict[str, list[int]] = {}
     for f in ranks:
         if f.role == VICTIM:
-            groups.setdefault(f.collective, []).append(f.rank)
-    out = [f"{'ranks' if len(rs) > 1 else 'rank'} {_list(rs)} waiting in {what}" for what, rs in groups.items()]
+            what = f" in {f.collective}" if f.collective is not None else f", probably in {f.probable} (no C stack)"
+            groups.setdefault(what, []).append(f.rank)
+    out = [f"{'ranks' if len(rs) > 1 else 'rank'} {_list(rs)} waiting{what}" for what, rs in groups.items()]
     out += [f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)")
             for f in ranks if f.role == UNKNOWN and f.rank != culprit]
     return out

@@ -72,7 +72,7 @@ from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
-from hangwatch.supervisor.episode.episode import crash_loop_incident, spawn_failed_incident
+from hangwatch.supervisor.episode.episode import crash_loop_incident, no_retry, spawn_failed_incident
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
 from hangwatch.supervisor.loop import commands, view as views
 from hangwatch.supervisor.loop.commands import DumpRequest
@@ -196,6 +196,7 @@ class Supervisor:
         self.after_failure = False  # the current attempt follows a failure (its start-up is recovery)
         self.stepped = False  # the current attempt has beaten a step
         self.abort: Optional[str] = None  # end the run at once (a diverged resume under on_divergence: stop)
+        self.unkillable: Any = None  # the `unkillable` incident while the run waits for survivors of SIGKILL to go
         self.truncation: Optional[dict] = None  # a runaway generate's truncation order, until it is settled
         self._orders = 0  # truncation orders written by this supervisor
         self._gen_tokens: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
@@ -328,6 +329,8 @@ class Supervisor:
             return 0.0  # the first attempt is spawned in the next pass
         if st.escalating or st is State.STOPPING or self.dump_requests:
             due = self.episode.next_due_s(now, self.tools.cpu_sample_s) if self.episode is not None else None
+            if self.unkillable is not None and due is not None:
+                return due  # survivors of SIGKILL: looked at once a second, for as long as they stay
             return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
         if self.current is not None and self.current.tail.backlog:
             return 0.0  # the last read stopped at its size bound with more lines waiting
@@ -959,8 +962,61 @@ class Supervisor:
         if self.force and killer.kill_at is None:
             self.force = False
             killer.kill_now(now)
-        if killer.advance(now):
-            self.finish_episode(now)
+        if not killer.advance(now):
+            return
+        if killer.survivors and self.unkillable is None and self._survivors(killer, now):
+            return  # no new attempt on top of a process SIGKILL could not end (restart.on_unkillable: wait)
+        if self.unkillable is not None:
+            left = killer.survivors_left(now)
+            if left and self.after_teardown not in (Intent.EXIT, Intent.FAIL, Intent.PEER_FAILED):
+                return  # an operator's stop (or a failure that ends the run) does not wait for them
+            self._stop_waiting(killer, now, gone=not left)
+        self.finish_episode(now)
+
+    def _survivors(self, killer, now: float) -> bool:
+        """Processes of the tree outlived SIGKILL by `kill_wait_s`: an `unkillable` incident and its alert; then, by
+        `restart.on_unkillable`, the run waits for them to go (True: stay in KILLING) or ends failed (False: the
+        episode finishes with that decision)."""
+        ep, cur = self.episode, self.current
+        mode = self.cfg.restart.on_unkillable
+        pids = [s.get("pid") for s in killer.survivors]
+        states = ", ".join(f"{s.get('pid')} ({s.get('state')}, waiting in {s.get('wchan') or 'an unknown kernel function'})"
+                           for s in killer.survivors)
+        then = ("no new attempt starts until they are gone (restart.on_unkillable: wait)" if mode == "wait" else
+                "the run ends failed (restart.on_unkillable: fail)")
+        summary = (f"{len(pids)} process(es) of attempt {cur.number}'s tree outlived SIGKILL by "
+                   f"{self.watchdog_cfg.kill_wait_s:g} s: {states} — uninterruptible sleep in the kernel (NFS, a GPU "
+                   f"driver); a reboot or a GPU reset may be needed; {then}")
+        inc = self.incidents.create(
+            "unkillable", attempt=cur.number, phase=None, step=self.facts.last_step.get("step"),
+            classification="unkillable process", summary=summary, status="waiting" if mode == "wait" else "final",
+            survivors=killer.survivors, on_unkillable=mode, failure=ep.incident.id if ep.incident is not None else None,
+            failure_kind=ep.kind, kill_wait_s=self.watchdog_cfg.kill_wait_s,
+            last_good_checkpoint=self.facts.last_good_checkpoint)
+        self.facts.note_incident(inc)
+        self._view = None
+        log.error("unkillable", incident=inc.id, attempt=cur.number, pids=pids, on_unkillable=mode, text=summary)
+        if mode == "fail":
+            ep.decision = Decision("fail", f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be "
+                                           "needed)")
+            return False
+        self.unkillable = inc
+        self.status_note(now, force=True)
+        return True
+
+    def _stop_waiting(self, killer, now: float, gone: bool) -> None:
+        """The survivors are gone (the run goes on), or the run ends while they are still there."""
+        inc, self.unkillable = self.unkillable, None
+        waited = round(now - (killer.done_at or now), 3)
+        if gone:
+            inc.data.update(status="final", gone_after_s=waited)
+            log.info("unkillable_gone", incident=inc.id, waited_s=waited, note="the survivors are gone: the run goes on")
+        else:
+            still = [r.pid for r in killer.survivor_refs]
+            inc.data.update(status="final", still_there=still, waited_s=waited)
+            log.warning("unkillable_left", incident=inc.id, pids=still, waited_s=waited,
+                        note="the run ends with them still there")
+        inc.write()
 
     def backoff(self, now: float) -> None:
         out = resolve(self.after_teardown, None, during="backoff", reason=self.fail_reason)
@@ -1058,7 +1114,10 @@ class Supervisor:
             stop_reason = cur.last_stop.get(self.deadlines.main_rank())
             code = w.exit_code if w.exit_signal is None else None
             free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
-            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None)
+            # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
+            # root-cause report keep the run from restarting it for ever
+            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None,
+                                                   no_retry=no_retry(cur))
             if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
                 ep = Episode(None, None, now, decision=decision, reason=decision.reason)
             else:
@@ -1251,7 +1310,7 @@ class Supervisor:
         if force or self.lifecycle.state.final or self._healing is None:  # self-healing's record: read when it can change
             self._healing = remediation.state_fields(self.run_dir)
             self._view = None
-        data = views.state_record(self.view(now), self.table.ref_of(os.getpid()))
+        data = views.state_record(self.view(now), self.table.ref_of(os.getpid()), why=self.lifecycle.reason or None)
         self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
         try:
             run_state.write(self.state_path, data, fs=self.fs)

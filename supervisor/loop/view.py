@@ -164,15 +164,16 @@ def status_line(v: View) -> str:
     return ", ".join(parts)
 
 
-def state_record(v: View, supervisor: Optional[ProcRef], wall: Optional[float] = None) -> dict:
+def state_record(v: View, supervisor: Optional[ProcRef], wall: Optional[float] = None, why: Optional[str] = None) -> dict:
     """state.json's record (`records.run_state`): enough for the next supervisor to find what this one
-    leaves behind; the worker's tree is forgotten once it is gone (backoff, paused, the end)."""
+    leaves behind; the worker's tree is forgotten once it is gone (backoff, paused, the end).  `why`: the
+    reason of the last transition, recorded once the state is final."""
     data = record(state=v.state.value, final=v.state.final,
                   tree_gone=v.state.final or v.state in (State.BACKOFF, State.PAUSED), supervisor=supervisor,
                   worker=v.worker, announced=v.announced, descendants=v.descendants, attempt=v.attempt,
                   restarts=v.restarts, last_good_checkpoint=v.last_good_checkpoint, last_good_step=v.last_good_step,
                   last_incident=v.last_incident, torn_lines=v.torn_lines, incidents=v.incidents, socket=v.socket,
-                  run_dir=v.run_dir, exit_code=v.exit_code, paused=v.paused, wall=wall)
+                  run_dir=v.run_dir, exit_code=v.exit_code, paused=v.paused, wall=wall, why=why)
     data.update(v.healing)
     if v.nodes is not None:
         data["nodes"] = v.nodes

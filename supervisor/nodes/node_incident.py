@@ -6,6 +6,8 @@ local rank is read on its own (`verdict.read_rank`: process state, CPU, the coll
     all waiting in a collective   → no culprit here: "local ranks were waiting in all_reduce (rank 0)"
     one (or the verdict's) outside → the culprit is here: "rank 1 (on node b) is the culprit: busy loop …"
     no stack to tell               → "cannot tell" (the evidence does not say)
+    probably waiting               → "cannot tell" either: a rank idle in backward() without a C stack probably
+                                     waits in DDP's all-reduce for a peer (`verdict.read_rank`), never the culprit
 
 `own_culprit` (True / False / None) is what `nodes.peer_cause` weighs for the restart budget.  After a
 worker exit the ranks' last words decide: only collective errors (a peer went away mid-collective) are
@@ -28,6 +30,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hangwatch")
 
 
+def local_findings(evidence: list, landmarks: tuple = ()) -> tuple[list, Optional[int]]:
+    """Each local rank read on its own, and the culprit the verdict over them names outside any collective (None
+    when it names none, or only one that waits and is behind: that says nothing of the node's ranks alone)."""
+    findings = [read_rank(e, landmarks) for e in evidence]
+    verdict = decide(evidence, landmarks) if len(evidence) > 1 else None
+    culprit = verdict.culprit_rank if verdict is not None and any(
+        f.role == CULPRIT and f.collective is None for f in verdict.ranks) else None
+    return findings, culprit
+
+
 def local_reading(findings: list, verdict_culprit: Optional[int]) -> tuple[Optional[bool], str, Optional[int]]:
     """(own_culprit, words, culprit rank) from the local ranks' findings."""
     if not findings:
@@ -40,10 +52,10 @@ def local_reading(findings: list, verdict_culprit: Optional[int]) -> tuple[Optio
         what = "; ".join(f"{c} ({'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, sorted(rs)))})"
                          for c, rs in groups.items())
         return False, f"local ranks were waiting in {what}", None
-    outside = [f for f in findings if f.collective is None and (f.has_stack or f.condition in ("gone", "io", "stopped", "busy"))]
+    outside = [f for f in findings if not f.waits and (f.has_stack or f.condition in ("gone", "io", "stopped", "busy"))]
     if verdict_culprit is not None:
         culprit = next(f for f in findings if f.rank == verdict_culprit)
-    elif len(outside) == 1 and len(findings) - len(waiting) == 1:
+    elif len(outside) == 1 and sum(not f.waits for f in findings) == 1:
         culprit = outside[0]
     else:
         return None, "cannot tell from the local evidence: " + "; ".join(
@@ -58,10 +70,7 @@ def amend_stall(ep: "Episode", attempt: "Attempt", node: str, notice: Optional[d
         return
     texts, spy = ep.dumps.texts(), ep.dumps.py_spy_texts()
     evidence = rank_evidence.gather(attempt, ep.deadlines, ep.procs, texts, spy, {}, now)
-    findings = [read_rank(e, ep.landmarks) for e in evidence]
-    verdict = decide(evidence, ep.landmarks) if len(evidence) > 1 else None
-    culprit = verdict.culprit_rank if verdict is not None and any(
-        f.role == CULPRIT and f.collective is None for f in verdict.ranks) else None
+    findings, culprit = local_findings(evidence, ep.landmarks)
     own, words, rank = local_reading(findings, culprit)
     ep.own_culprit = own
     fields = {"node": node, "own_culprit": own, "local_ranks": [f.as_dict() for f in findings], "local_reading": words}

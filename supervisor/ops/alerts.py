@@ -13,7 +13,8 @@ frame, the step, what hangwatch did and how long it took, where the incident is)
 goes past the step where the incident hit; `failed`, `crash_loop`, `no_progress` when the run ends failed
 (one of the three, the most specific); `lost_peer` when a multi-node supervisor logs `peer_lost`;
 `resume_diverged` when the resume audit finds a replayed step that differs from the same step before the
-restart; `generate_truncated` when a runaway generate() was ended at a token limit (nothing restarted).
+restart; `generate_truncated` when a runaway generate() was ended at a token limit (nothing restarted);
+`unkillable` when processes of the worker's tree outlived SIGKILL (a reboot or a GPU reset may be needed).
 
 Storm control (`Throttle`, pure): the first incident is sent; while it is not recovered, and for
 `alerts.min_interval_s` after an incident alert, later incidents are held and counted.  What is held
@@ -22,9 +23,10 @@ goes out with the next alert (recovered, or the run's end) or, at the latest, as
 summarises the rest.  Nothing here blocks: the desk runs on the loop and only decides; the courier
 does the slow part on its own thread.
 
-Two events stand apart from the incidents' storm control.  `resume_diverged` is sent at once, always: it
+Three events stand apart from the incidents' storm control.  `resume_diverged` is sent at once, always: it
 happens at most once per resumed attempt, and held or summarised it would let a run spend its GPU time on
-training that is no longer the run it replaced.  `generate_truncated` is a warning with a throttle of its
+training that is no longer the run it replaced.  `unkillable` too: a person has to act (nothing hangwatch
+can do ends the process), and it happens at most once per failure.  `generate_truncated` is a warning with a throttle of its
 own: the first of the run is sent; a model that lost its EOS truncates at every eval, so the later ones are
 held and go out with the next alert, or as one summary at most every `min_interval_s` — never delaying,
 and never delayed by, an incident alert.
@@ -51,9 +53,9 @@ log = structlog.get_logger("hangwatch")
 TERMINAL = ("crash_loop", "no_progress", "failed")  # most specific first
 # Log events the desk reads (the tap hands over only these).
 EVENTS = frozenset({"stall_detected", "restart_now", "worker_failed", "stack_dumped", "tree_gone", "crash_loop",
-                    "no_progress", "state", "peer_lost", "resume_diverged", "generate_truncated"})
+                    "no_progress", "state", "peer_lost", "resume_diverged", "generate_truncated", "unkillable"})
 LEVEL = {"incident": "failure", "crash_loop": "failure", "no_progress": "failure", "failed": "failure",
-         "resume_diverged": "failure", "lost_peer": "warning", "generate_truncated": "warning", "summary": "warning",
+         "resume_diverged": "failure", "unkillable": "failure", "lost_peer": "warning", "generate_truncated": "warning", "summary": "warning",
          "recovered": "success"}
 WARNINGS = frozenset({"generate_truncated"})  # throttled by `Throttle.warning`, apart from the incidents
 
@@ -190,6 +192,8 @@ class AlertDesk:
             self._out([Notice("lost_peer", {k: v for k, v in ev.items() if k not in ("timestamp", "level", "logger")})])
         elif name == "resume_diverged" and "resume_diverged" in self.enabled:
             self._out([Notice(name, _facts(ev, "figure", "now", "before", "text", "on_divergence"))])  # never held
+        elif name == "unkillable" and "unkillable" in self.enabled:
+            self._out([Notice(name, _facts(ev, "pids", "on_unkillable", "text"))])  # never held: a person must act
         elif name == "generate_truncated" and "generate_truncated" in self.enabled:
             self._out(self.throttle.warning(Notice(name, _facts(ev, "tokens", "limit", "text")), now))
 
@@ -291,6 +295,21 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         lines.append(f"incident: {out['incident_dir'] or f.get('id')}")
         out.update(kind="resume_diverged", step=step, attempt=attempt, figure=figure, text=text, difference=diff or None,
                    on_divergence=then)
+    elif notice.event == "unkillable":
+        survivors = rec.get("survivors") if isinstance(rec.get("survivors"), list) else []
+        pids = f.get("pids") or [s.get("pid") for s in survivors]
+        attempt = f.get("attempt") if f.get("attempt") is not None else rec.get("attempt")
+        title = f"hangwatch {run}: processes {pids} survive SIGKILL — a reboot or a GPU reset may be needed"
+        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}",
+                 f"what: {f.get('text') or rec.get('summary') or 'processes of the worker outlived SIGKILL'}"]
+        for sv in survivors:
+            lines.append(f"pid {sv.get('pid')}: state {sv.get('state')}, kernel wait {sv.get('wchan') or 'unknown'}"
+                         + (f", {' '.join(map(str, sv.get('cmdline') or []))[:120]}" if sv.get("cmdline") else ""))
+        mode = f.get("on_unkillable") or rec.get("on_unkillable")
+        lines.append("then: " + ("no new attempt starts until they are gone (restart.on_unkillable: wait)"
+                                 if mode == "wait" else "the run ends failed (restart.on_unkillable: fail)"))
+        lines.append(f"incident: {out['incident_dir'] or f.get('id')}")
+        out.update(kind="unkillable", attempt=attempt, pids=pids, on_unkillable=mode)
     elif notice.event == "generate_truncated":
         step = rec.get("step", f.get("step"))
         tokens = f.get("tokens") if f.get("tokens") is not None else rec.get("tokens")

@@ -281,12 +281,29 @@ class PsutilProcessTable(ProcessTable):
         try:
             p = psutil.Process(ref.pid)
             with p.oneshot():
-                return {"pid": ref.pid, "name": p.name(), "state": p.status(), "cmdline": p.cmdline()[:6]}
+                out = {"pid": ref.pid, "name": p.name(), "state": p.status(), "cmdline": p.cmdline()[:6]}
         except psutil.Error:
             return {"pid": ref.pid, "state": "gone"}
+        out.update(kernel_wait(ref.pid))
+        return out
 
     def send(self, pid: int, sig: int) -> None:
         self._kill(pid, sig)
+
+
+def kernel_wait(pid: int, proc: str = "/proc") -> dict:
+    """Where in the kernel a process waits: `wchan` (the function it sleeps in, /proc/PID/wchan) and `kernel_stack`
+    (/proc/PID/stack, readable by root only); each missing one says why (`*_unreadable`)."""
+    out: dict = {}
+    for key, name in (("wchan", "wchan"), ("kernel_stack", "stack")):
+        try:
+            with open(f"{proc}/{pid}/{name}") as f:
+                text = f.read(8192).strip()
+        except OSError as exc:
+            out[f"{key}_unreadable"] = exc.strerror or type(exc).__name__
+            continue
+        out[key] = text if key == "kernel_stack" else (text if text and text != "0" else None)
+    return out
 
 
 def _parents() -> dict[int, int]:

@@ -1,5 +1,9 @@
 """`<run_dir>/state.json`: the supervisor's state, replaced atomically so a reader never sees half.
 
+On a disk with no free block the replace is refused; the file is written `reserved` (padded with spaces
+to whole blocks, `durable.reserved`) so that the news still fits in its own blocks: it is rewritten in
+place (`durable.overwrite_in_place`) and a run that ends for lack of space still says `failed` and why.
+
 It records enough for the next supervisor to find what this one leaves behind if it dies:
 its own pid and start time, the worker's pid, process group, session and start time, the pids
 each rank announced and the descendants seen, each with its start time (see `leftovers`).
@@ -14,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from hangwatch.common.durable import FsOps
+from hangwatch.common.durable import NO_ROOM_ERRNOS, FsOps, reserved
 from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
 from hangwatch.supervisor.processes.process import ProcRef, Worker
 
@@ -64,11 +68,12 @@ def record(*, state: str, final: bool, tree_gone: bool, supervisor: Optional[Pro
            announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int, restarts: int,
            last_good_checkpoint: Optional[str], last_good_step: Optional[int], last_incident: Optional[dict],
            torn_lines: int, incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
-           wall: Optional[float] = None) -> dict:
+           wall: Optional[float] = None, why: Optional[str] = None) -> dict:
     """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
     until then the worker stays recorded even after its exit, since its group may still hold processes.
     `paused`: an operator's pause must outlive this supervisor (the next supervisor on this run dir
-    starts paused, not training)."""
+    starts paused, not training).  `why`: the reason of the transition into a final state (what
+    `status` and `report` say about a run that is over; None before the end)."""
     return {
         "state": state,
         "updated_wall": time.time() if wall is None else wall,
@@ -86,6 +91,7 @@ def record(*, state: str, final: bool, tree_gone: bool, supervisor: Optional[Pro
         "socket": socket,
         "run_dir": run_dir,
         "exit_code": exit_code if final else None,
+        "why": why if final else None,
         "intent": "pause" if paused and not final else None,
     }
 
@@ -99,23 +105,52 @@ FINAL_STATES = ("finished", "failed", "stopped")
 
 
 def write(path: Path, data: dict, fs: Optional[FsOps] = None) -> None:
-    """Durably replace `path` (temporary file, fsync, rename, fsync the directory)."""
-    (fs or FsOps()).write_json(path, {"version": FORMAT_VERSION, **data})
+    """Durably replace `path` (temporary file, fsync, rename, fsync the directory), padded to whole blocks.
+
+    When the disk has no room for the temporary (ENOSPC, EDQUOT) the record is rewritten in the file's own
+    blocks instead (indented if it fits, else on one line), and the refusal is raised all the same: the
+    disk is full, which the caller must hear (the run cannot go on), but state.json says what happened."""
+    fs = fs or FsOps()
+    data = {"version": FORMAT_VERSION, **data}
+    try:
+        fs.write_file(path, reserved(_text(data, indent=1)))
+    except OSError as exc:
+        if exc.errno not in NO_ROOM_ERRNOS:
+            raise
+        for indent in (1, None):
+            try:
+                fs.overwrite(path, _text(data, indent))
+                break
+            except OSError:  # no file yet (nothing to overwrite), or the news does not fit in it
+                continue
+        raise
+
+
+def _text(data: dict, indent: Optional[int]) -> bytes:
+    return (json.dumps(data, indent=indent, default=str) + "\n").encode()
+
+
+READ_TRIES = 3  # an in-place rewrite caught half done reads as not JSON: read again
+READ_AGAIN_S = 0.02
 
 
 def read(path: Path) -> tuple[Optional[dict], Optional[str]]:
     """(state, problem): (None, None) when there is no file; an unreadable one is reported, not fatal."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"{path}: unreadable ({exc})"
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return None, f"{path}: not JSON ({exc})"
+    for attempt in range(READ_TRIES):
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"{path}: unreadable ({exc})"
+        try:
+            data = json.loads(text)
+            break
+        except ValueError as exc:
+            if attempt == READ_TRIES - 1:
+                return None, f"{path}: not JSON ({exc})"
+            time.sleep(READ_AGAIN_S)
     if not isinstance(data, dict):
         return None, f"{path}: expected an object, got {type(data).__name__}"
     return data, None

@@ -3,5 +3,5 @@
 Owns: the lifecycle states (an Enum whose members know whether they are watched, escalating or final)
 and the only transitions allowed between them; what follows a worker's end (`outcome.resolve`: an
 operator's intent against the restart policy's decision); the restart policy (backoff, crash loop,
-no progress).  May import: `hangwatch.common` only — every other part of the supervisor may import it.
+no progress); a rank's do-not-restart error under torchrun (`no_retry`).  May import: `hangwatch.common` only — every other part of the supervisor may import it.
 """

@@ -3,7 +3,8 @@
 Two things can decide it.  An explicit request (`after_teardown`: stop → STOPPED, pause → PAUSED,
 restart/resume → STARTING at once) always wins.  Without one, the restart policy's `Decision` on
 how the worker ended does: finish → FINISHED, fail → FAILED (with the worker's own do-not-restart
-code as the exit code, else 1), restart → BACKOFF for its delay.  With neither (a backoff or a
+code as the exit code — a rank's when the decision carries one, which torchrun's own exit 1 hides — else 1),
+restart → BACKOFF for its delay.  With neither (a backoff or a
 pause that is still running) nothing changes.
 
 The same function serves the three places that ask: the end of a failure episode (the tree is
@@ -66,6 +67,7 @@ def resolve(intent: Intent, decision: Optional[Decision], exit_code: Optional[in
     if decision.action == "finish":
         return Outcome(State.FINISHED, decision.reason)
     if decision.action == "fail":
-        return Outcome(State.FAILED, decision.reason, exit_code if exit_code in NO_RESTART_CODES else EXIT_FAILED)
+        code = decision.exit_code if decision.exit_code is not None else exit_code
+        return Outcome(State.FAILED, decision.reason, code if code in NO_RESTART_CODES else EXIT_FAILED)
     when = f"next attempt in {decision.delay_s:g}s" if decision.delay_s > 0 else "restarting at once"
     return Outcome(State.BACKOFF, f"{decision.reason}; {when}", delay_s=decision.delay_s)

@@ -1,7 +1,9 @@
 """Restart policy: what follows a worker's end, and how long to wait before the next attempt.
 
 * exit 0 after a `stop` line with reason `finished` (or `idle`): the run is done;
-* exit 65 (EX_DATAERR) or 78 (EX_CONFIG): restarting cannot help — the run fails;
+* exit 65 (EX_DATAERR), 74 (EX_IOERR) or 78 (EX_CONFIG): restarting cannot help — the run fails with that code;
+  so does such an error of one rank under torchrun, which exits 1 for it (`no_retry`: the rank's last words or
+  torchrun's root-cause report, read by the caller);
 * exit 75 (EX_TEMPFAIL, non-finite loss streak): restart; the worker rolls back to the newest
   *good* checkpoint by itself;
 * anything else — another code, a signal, a stall the supervisor killed: restart.
@@ -23,8 +25,13 @@ from typing import Optional
 
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL, NO_RESTART_CODES
 from hangwatch.common.config import RestartCfg
+from hangwatch.supervisor.rules.no_retry import NoRetry
 
 FINISH_REASONS = frozenset({"finished", "idle"})
+NO_RESTART_WORDS = {
+    EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)",
+    EXIT_IOERR: "the disk refused a write (EX_IOERR): make room, then `hangwatch run` resumes from the last good "
+                "checkpoint"}
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,16 @@ class Decision:
     delay_s: float = 0.0
     crash_loop: bool = False
     rollback: bool = False  # the worker is expected to roll back to the last good checkpoint
+    # The do-not-restart code the run ends with when it is not the worker's own (a rank's, which torchrun's
+    # exit 1 hides); None: the worker's exit code is the one
+    exit_code: Optional[int] = None
 
     def as_dict(self) -> dict:
-        return {"action": self.action, "reason": self.reason, "delay_s": round(self.delay_s, 3),
-                "crash_loop": self.crash_loop, "rollback": self.rollback}
+        out = {"action": self.action, "reason": self.reason, "delay_s": round(self.delay_s, 3),
+               "crash_loop": self.crash_loop, "rollback": self.rollback}
+        if self.exit_code is not None:
+            out["exit_code"] = self.exit_code
+        return out
 
 
 class RestartPolicy:
@@ -72,19 +85,25 @@ class RestartPolicy:
         return float(min(delay, self.cfg.backoff_max_s))
 
     def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None,
-                own_command: bool = False) -> Decision:
+                own_command: bool = False, no_retry: Optional[NoRetry] = None) -> Decision:
         """The worker exited by itself with `code` (None: killed by a signal).  `own_command`: the worker is the
         user's command (`worker.command`), which owes hangwatch no `stop` line: exit 0 without one is a command
-        that completed, as it would be in a shell (the built-in worker always says why it stops)."""
+        that completed, as it would be in a shell (the built-in worker always says why it stops).  `no_retry`: a
+        rank's do-not-restart error (`no_retry.no_retry_code`), which fails the run with the rank's code."""
         if code == 0 and stop_reason in FINISH_REASONS:
             return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
         if code == 0 and stop_reason is None and own_command:
             return Decision("finish", "worker exited 0: the command completed")
         if code in NO_RESTART_CODES:
-            what = {EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)",
-                    EXIT_IOERR: "the disk refused a write (EX_IOERR): make room, then `hangwatch run` resumes from "
-                                "the last good checkpoint"}[code]
-            return Decision("fail", f"worker exited {code}: {what}; not restarting")
+            return Decision("fail", f"worker exited {code}: {NO_RESTART_WORDS[code]}; not restarting")
+        if no_retry is not None and no_retry.code in NO_RESTART_CODES:
+            said = no_retry.message.strip().splitlines()[0][:300] if no_retry.message.strip() else ""
+            how = f"exited with code {code}" if code is not None else "ended by a signal"
+            what, _, advice = NO_RESTART_WORDS[no_retry.code].partition(": ")
+            who = f"rank {no_retry.rank}" if no_retry.rank is not None else "a rank"
+            return Decision("fail", f"{who} exited {no_retry.code}: {what}" + (f": {said}" if said else "")
+                            + f"; not restarting (the worker {how})" + (f"; {advice}" if advice else ""),
+                            exit_code=no_retry.code)
         if code == EXIT_TEMPFAIL:
             return self.on_failure(now, f"worker exited {code}: non-finite loss streak; restart from the last good checkpoint",
                                    rollback=True)

@@ -88,6 +88,7 @@ class StateMachine:
 
     def __init__(self, initial: State = State.STARTING, *, on_change: Optional[Callable[[State, State, str], None]] = None):
         self.state = initial
+        self.reason = ""  # why the last accepted transition happened (a final state's is the run's end)
         self._on_change = on_change
 
     def transition(self, dst: State, reason: str = "") -> None:
@@ -96,6 +97,6 @@ class StateMachine:
             allowed = ", ".join(sorted(s.value for s in TRANSITIONS[src])) or "none (final state)"
             raise IllegalTransition(f"illegal transition {src.value} → {dst.value}" + (f" ({reason})" if reason else "")
                                     + f"; allowed from {src.value}: {allowed}")
-        self.state = dst
+        self.state, self.reason = dst, reason
         if self._on_change is not None:
             self._on_change(src, dst, reason)

@@ -1,4 +1,4 @@
-"""What `pip install` puts on a machine: one top-level import name, `hangwatch`, and every subpackage."""
+"""What `pip install` puts on a machine: one top-level import name, `hangwatch`, every subpackage, and py-spy."""
 from __future__ import annotations
 
 import subprocess
@@ -25,6 +25,11 @@ def test_the_wheel_installs_no_top_level_name_but_hangwatch(tmp_path):
         assert module in names, module
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "hangwatch = hangwatch.supervisor.cli.main:main" in entry
+    # py-spy (native stacks at a stall) comes with every install; `[profiling]`, which used to bring it, still resolves
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    assert any(r.startswith("py-spy>=") and "extra ==" not in r for r in requires), requires
+    assert "Provides-Extra: profiling" in meta
 
 
 def test_the_installed_commands_work_from_anywhere(tmp_path):

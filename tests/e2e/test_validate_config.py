@@ -121,3 +121,68 @@ def test_a_finished_continuous_run_takes_new_inbox_files(tmp_path):
     plain = load_config(make_config(tmp_path, "plain.yaml"))
     hint = finished_hint(plain, "plain.yaml")
     assert hint is not None and f"{run_dir} already finished (at step 7)" in hint[0]
+
+
+# ---- the built-in worker's ranks against the GPUs it will see (NVML faked by a `pynvml` first on PYTHONPATH) -------
+
+FAKE_PYNVML = '''"""A stand-in for nvidia-ml-py: this machine has {n} GPUs ({init})."""
+class NVMLError(Exception):
+    pass
+UUIDS = ["GPU-%08x-0000-0000-0000-000000000000" % i for i in range({n})]
+def nvmlInit():
+    if {fails!r}:
+        raise NVMLError("Driver Not Loaded")
+def nvmlShutdown():
+    pass
+def nvmlDeviceGetCount():
+    return len(UUIDS)
+def nvmlDeviceGetHandleByIndex(i):
+    return i
+def nvmlDeviceGetUUID(handle):
+    return UUIDS[handle]
+'''
+
+
+def with_nvml(tmp_path: Path, n: int, fails: bool = False) -> dict:
+    """The environment of a hangwatch whose `import pynvml` finds a machine with `n` GPUs (or no driver)."""
+    where = tmp_path / "fake-nvml"
+    where.mkdir(exist_ok=True)
+    (where / "pynvml.py").write_text(FAKE_PYNVML.format(n=n, fails=fails, init="no driver" if fails else "NVML works"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HANGWATCH_", "NOTIFY_SOCKET", "CUDA_VISIBLE"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(where), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return env
+
+
+def hangwatch_with(env: dict, *args) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "hangwatch"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor"]
+    return subprocess.run([*argv, *map(str, args)], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+
+
+def test_more_ranks_than_the_worker_sees_gpus_is_refused_before_anything_starts(tmp_path):
+    cfg = make_config(tmp_path, model={"device": "cuda"},
+                      worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "0"}})
+    line = next(i for i, text in enumerate(cfg.read_text().splitlines(), 1) if "nproc_per_node" in text)
+    env = with_nvml(tmp_path, 4)
+    words = ("worker.nproc_per_node: 2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 "
+             "on this machine): NCCL needs one GPU per rank")
+    for command in ("validate-config", "run"):
+        r = hangwatch_with(env, command, cfg)
+        assert r.returncode == 78, r.stderr
+        assert r.stderr.splitlines() == ["hangwatch: invalid configuration (1 problem):",
+                                         f"  {cfg}:{line}: {words}; set worker.nproc_per_node: 1 or make more GPUs "
+                                         "visible"]
+        assert not (tmp_path / "run").exists()  # nothing started
+    r = hangwatch_with(env, "doctor", cfg, "--cheap", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    placement = next(f for f in json.loads(r.stdout)["findings"] if f["check"] == "device placement")
+    assert (placement["status"], placement["summary"]) == ("FAIL", words)
+
+
+def test_enough_gpus_or_no_nvml_is_accepted(tmp_path):
+    cfg = make_config(tmp_path, model={"device": "cuda"},
+                      worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "1,3"}})
+    r = hangwatch_with(with_nvml(tmp_path, 4), "validate-config", cfg)
+    assert r.returncode == 0 and r.stdout.startswith(f"OK: {cfg}"), r.stderr
+    r = hangwatch_with(with_nvml(tmp_path, 4, fails=True), "validate-config", cfg)  # no driver: nothing is known
+    assert r.returncode == 0 and r.stdout.startswith(f"OK: {cfg}"), r.stderr

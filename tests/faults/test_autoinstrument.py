@@ -440,14 +440,11 @@ def test_sigusr1_dumps_the_stack_of_the_unedited_script(tmp_path):
 # ---- CUDA ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 def test_a_cuda_loss_is_read_without_a_device_sync(tmp_path):
     """With torch's sync debug mode at "error", any synchronising call in the loop raises — in the script (it
     has none) or in hangwatch's hook (it would be reported as an instrumentation error).  The loss is copied at
     backward time behind an event; a step whose event is done reports it, exactly."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     body = """
         import json, torch
         torch.manual_seed(0)

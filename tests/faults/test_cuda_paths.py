@@ -19,7 +19,7 @@ import yaml
 from hangwatch.common.protocol import decode_line
 
 torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # skipped where torch sees no CUDA device (tests/conftest.py)
 
 SCRIPT = '''\
 import os, sys, time

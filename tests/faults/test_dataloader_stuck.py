@@ -1,6 +1,7 @@
 """A DataLoader worker that blocks for ever, under `hangwatch run`: the incident says the main process waits in its
-DataLoader and names the stuck worker process and its frame — through py-spy, and through the faulthandler the
-heartbeat registers in every fork of the rank (watchdog.py_spy: false).
+DataLoader and names the stuck worker process and its frame — whether the workers are forked, spawned or forked by a
+forkserver, through py-spy, and through the faulthandler the heartbeat registers in every worker the rank forks or
+spawns (watchdog.py_spy: false), with or without the automatic instrumentation's bootstrap in the workers.
 
 The fixture (tests/fixtures/workers/dataloader_stuck.py, a plain PyTorch loop with `DataLoader(num_workers=2)`) writes
 the pid of the worker that blocks to a file: the truth the incident is compared with.  One attempt per row:
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures.fakes.sup_harness import PY, ROOT, incidents, run_supervisor, wait_no_strays
+from fixtures.fakes.sup_harness import PY, ROOT, alive, incidents, run_supervisor, wait_no_strays
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
 FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "dataloader_stuck.py"
@@ -20,12 +21,13 @@ FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "dataloader_stuck.py"
 pytestmark = pytest.mark.slow
 
 
-def config(tmp_path: Path, py_spy: bool) -> tuple[Path, Path, Path]:
+def config(tmp_path: Path, py_spy: bool, context: str = "fork", instrument: str = "auto") -> tuple[Path, Path, Path]:
     run_dir, pid_file = tmp_path / "run", tmp_path / "stuck-worker.pid"
     cfg = {
         "run_dir": str(run_dir),
-        "worker": {"command": [PY, str(FIXTURE), "--pid-file", str(pid_file), "--stuck-index", "5", "--tag", str(run_dir)],
-                   "env": {"OMP_NUM_THREADS": "1"}},
+        "worker": {"command": [PY, str(FIXTURE), "--pid-file", str(pid_file), "--stuck-index", "5", "--context", context,
+                               "--tag", str(run_dir)],
+                   "env": {"OMP_NUM_THREADS": "1"}, "instrument": instrument},
         # importing torch on a shared machine: a generous start; the step deadline is what fires
         "watchdog": {**FAST_WATCHDOG, "startup_timeout_s": 120, "silence_timeout_s": 60, "step_timeout_s": 2,
                      "dump_grace_s": 3, "py_spy": py_spy, "py_spy_timeout_s": 20},
@@ -36,9 +38,23 @@ def config(tmp_path: Path, py_spy: bool) -> tuple[Path, Path, Path]:
     return path, run_dir, pid_file
 
 
-@pytest.mark.parametrize("py_spy, source", [(True, "py-spy"), (False, "faulthandler")], ids=["py-spy", "faulthandler"])
-def test_the_incident_names_the_stuck_dataloader_worker_and_its_frame(tmp_path, py_spy, source):
-    cfg, run_dir, pid_file = config(tmp_path, py_spy)
+ROWS = [  # context, py-spy, instrument
+    ("fork", True, "auto"),
+    ("fork", False, "auto"),
+    ("spawn", True, "auto"),
+    ("spawn", False, "auto"),
+    # an edited script whose workers never see the bootstrap: the dump handler travels with multiprocessing's data
+    ("spawn", False, "off"),
+    ("forkserver", False, "auto"),
+    ("forkserver", False, "off"),
+]
+
+
+@pytest.mark.parametrize("context, py_spy, instrument", ROWS,
+                         ids=[f"{c}-{'py-spy' if s else 'faulthandler'}-{i}" for c, s, i in ROWS])
+def test_the_incident_names_the_stuck_dataloader_worker_and_its_frame(tmp_path, context, py_spy, instrument):
+    source = "py-spy" if py_spy else "faulthandler"
+    cfg, run_dir, pid_file = config(tmp_path, py_spy, context, instrument)
     rc, out = run_supervisor(cfg, timeout=180)
     assert pid_file.exists(), out[-4000:]
     truth = int(pid_file.read_text())
@@ -60,3 +76,5 @@ def test_the_incident_names_the_stuck_dataloader_worker_and_its_frame(tmp_path, 
                                    f"(dataloader_stuck.py:{stuck['stuck_frame']['line']})"), where
     assert stuck["dump"] in inc["files"], where
     assert wait_no_strays(str(run_dir)) == [], "the worker tree outlived the run"
+    # spawned workers do not carry the run dir on their command line: each one the incident names is gone
+    assert not [pid for pid in (truth, other["pid"]) if alive(pid)], "a DataLoader worker outlived the run"

@@ -1,6 +1,8 @@
 """A full disk on a real small filesystem (tmpfs): the supervisor survives and ends the run `failed`
-(exit 74) naming the disk; the last good checkpoint still validates; no temporary is left presented
-as a checkpoint; and once space returns, `hangwatch run` resumes from that checkpoint and finishes."""
+(exit 74) naming the disk, and state.json says so (rewritten in the blocks it holds: the atomic
+replace has no block for its temporary); the last good checkpoint still validates; no temporary is
+left presented as a checkpoint; and once space returns, `hangwatch run` resumes from that checkpoint
+and finishes."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.fakes.workers import make_config
+from hangwatch.common.durable import TMP_PREFIX
 from hangwatch.common.exitcodes import EXIT_IOERR
 from hangwatch.daemon import checkpoint as ck
+from hangwatch.supervisor.records import run_state
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +83,9 @@ def test_a_full_disk_ends_the_run_cleanly_and_it_resumes_once_space_returns(smal
     assert sup.returncode == EXIT_IOERR, out[-4000:]
     assert "Traceback" not in out  # the supervisor itself never raised (the worker's output is in worker.log)
     assert "no space left on device" in out.lower() or "the disk refused a write" in out, out[-4000:]
+    state, problem = run_state.read(run_dir / "state.json")
+    assert problem is None and state["state"] == "failed" and state["exit_code"] == EXIT_IOERR, state
+    assert "no space left on device" in state["why"], state["why"]
 
     root = run_dir / "checkpoints"
     names = sorted(p.name for p in root.iterdir())
@@ -98,3 +105,24 @@ def test_a_full_disk_ends_the_run_cleanly_and_it_resumes_once_space_returns(smal
     resumed = starts[-1].get("resumed_from") or ""
     assert Path(resumed).name.startswith("step-") and int(Path(resumed).name.split("-")[1]) >= good_step, starts[-1]
     assert any(b["event"] == "stop" and b.get("reason") == "finished" for b in beats(run_dir))
+
+
+def test_state_json_takes_a_final_record_on_a_disk_with_no_block_left(small_disk):
+    path = small_disk / "state.json"
+    running = {"state": "running", "attempt": 1, "descendants": [{"pid": n, "create_time": 1.5} for n in range(40)]}
+    run_state.write(path, running)
+    fill(small_disk / "filler")
+    with pytest.raises(OSError) as refused:  # no block for the temporary: still reported, the disk is full
+        run_state.write(path, {"state": "failed", "attempt": 1, "exit_code": EXIT_IOERR,
+                               "why": f"no space left on device at {small_disk / 'ckpt'}", "descendants": []})
+    assert refused.value.errno == 28
+    state, problem = run_state.read(path)
+    assert problem is None and state["state"] == "failed" and state["why"].startswith("no space left"), state
+    assert not list(small_disk.glob(f"{TMP_PREFIX}*"))
+    bigger = {"state": "failed", "why": "x" * (path.stat().st_size + 1)}
+    with pytest.raises(OSError):  # news that does not fit is not written at all: the file keeps the last record
+        run_state.write(path, bigger)
+    assert run_state.read(path)[0]["state"] == "failed"
+    (small_disk / "filler").unlink()
+    run_state.write(path, {"state": "starting", "attempt": 2})  # room again: the atomic replace as before
+    assert run_state.read(path)[0] == {"version": run_state.FORMAT_VERSION, "state": "starting", "attempt": 2}

@@ -14,7 +14,8 @@ from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, Courier, Notice, Throttle, compose
 from hangwatch.supervisor.ops.notify import Fanout, Outbox, Stats
 
-ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged", "generate_truncated"}
+ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged", "generate_truncated",
+       "unkillable"}
 
 
 def desk(on=ALL, interval=300.0):
@@ -329,6 +330,23 @@ def test_a_diverged_resume_is_sent_at_once_even_inside_an_incident_storm():
     assert n.held == [] and [h["id"] for h in d.throttle.held] == ["0002"]  # the storm's count is the storm's
     diverged(d, "0004", 5.0, attempt=4)
     assert [n.event for n in sent] == ["incident", "resume_diverged", "resume_diverged"]  # never held
+
+
+def test_an_unkillable_tree_is_sent_at_once_inside_an_incident_storm_and_says_what_to_do():
+    d, sent = desk()
+    stall(d, "0001", 0.0)
+    gone(d, 1.0)  # an incident alert: the storm window is open
+    d.feed({"event": "unkillable", "incident": "0002", "attempt": 1, "pids": [4242], "on_unkillable": "wait",
+            "text": "1 process(es) of attempt 1's tree outlived SIGKILL by 30 s: 4242 (disk-sleep, waiting in "
+                    "nfs_wait_bit_killable)"}, 2.0)
+    assert [n.event for n in sent] == ["incident", "unkillable"]
+    n = sent[1]
+    assert n.held == [] and n.facts["pids"] == [4242] and n.facts["on_unkillable"] == "wait"
+    assert "nfs_wait_bit_killable" in n.facts["text"]
+    d2, sent2 = desk(on=ALL - {"unkillable"})
+    d2.feed({"event": "unkillable", "incident": "0002", "attempt": 1, "pids": [4242], "on_unkillable": "fail",
+             "text": "…"}, 0.0)
+    assert sent2 == []
 
 
 def test_a_diverged_resume_leaves_the_storm_window_shut():

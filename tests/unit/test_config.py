@@ -30,7 +30,7 @@ ERRORS = [
     (OWN + "watchdog:\n  kill_wait: 10\n", ["{p}:4: watchdog.kill_wait: unknown key (did you mean 'kill_wait_s'?)"]),
     (OWN + "restart:\n  zzz: 1\n",
      ["{p}:4: restart.zzz: unknown key (known keys: max_restarts, window_s, backoff_initial_s, backoff_max_s, "
-      "healthy_after_s, no_progress_restarts, oom_remediation, prewarm)"]),
+      "healthy_after_s, no_progress_restarts, oom_remediation, on_unkillable, prewarm)"]),
     (OWN + "faults:\n  - kind: crash\n    at_stp: 3\n", ["{p}:5: faults.0.at_stp: unknown key (did you mean 'at_step'?)"]),
     (OWN + "eval:\n  prompts:\n    - {prompt: hi, refrence: x}\n",
      ["{p}:5: eval.prompts.0.refrence: unknown key (did you mean 'reference'?)"]),

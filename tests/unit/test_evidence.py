@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures.fakes.torchrun_report import root_cause
 from hangwatch.supervisor.episode.kernel_evidence import (cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
                                            sigkill_cause)
 
@@ -95,29 +96,7 @@ Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
   File "/x/site-packages/torch/distributed/run.py", line 1032, in <module>
     main()
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
-============================================================
-t.py FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-11-23_02:43:09
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 9405)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 9405
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-23_02:43:09
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: 9406) 
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================
-"""
+""" + root_cause(peer_sigterm=True)
 
 
 def test_torchruns_root_cause_names_the_failing_rank_and_its_exception():

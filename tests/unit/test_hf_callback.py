@@ -84,6 +84,7 @@ def run_trainer(out_dir: Path, callback: HangwatchCallback) -> tuple[Trainer, Pr
     return trainer, probe
 
 
+@pytest.mark.cuda_when_present  # the Trainer saves CUDA RNG states (and pins memory) whenever torch sees a GPU
 def test_beats_of_a_real_trainer_run(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setenv("HANGWATCH_RUN_DIR", str(run_dir))
@@ -152,6 +153,7 @@ def test_beats_of_a_real_trainer_run(tmp_path, monkeypatch):
     assert not {"training_step", "evaluate", "predict", "_save_checkpoint"} & set(vars(trainer))
 
 
+@pytest.mark.cuda_when_present  # a real Trainer run, as above
 def test_outside_hangwatch_it_writes_nothing_and_wraps_nothing(tmp_path, monkeypatch):
     for name in ("HANGWATCH_RUN_DIR", "HANGWATCH_ATTEMPT", "HANGWATCH_HEARTBEAT_DIR", "HANGWATCH_RESUME_FROM"):
         monkeypatch.delenv(name, raising=False)

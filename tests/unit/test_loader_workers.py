@@ -1,5 +1,6 @@
-"""A rank waiting on its DataLoader: its workers are found (forks of the rank, never a process that exec'd something
-else), signalled only when their own dump file exists, and the one stuck worker is named with its frame."""
+"""A rank waiting on its DataLoader: its workers are found (forks of the rank, its spawned children, the forkserver's
+forks — never a process that exec'd something else), signalled only when their own dump file exists, and the one stuck
+worker is named with its frame."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,8 @@ from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.episode.dump_collector import WorkerDumps
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack
-from hangwatch.supervisor.incidents.loader_workers import WorkerStack, forked_dump_path, forked_workers, judge, read_worker
+from hangwatch.supervisor.incidents.loader_workers import (WorkerStack, forked_dump_path, judge, read_worker, started_as,
+                                                           worker_processes)
 from hangwatch.supervisor.processes.process import ProcRef
 
 LIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
@@ -87,15 +89,44 @@ def proc(pid, ppid, cmdline=CMD, **kw):
     return {"pid": pid, "ppid": ppid, "cmdline": cmdline, "state": "S", "cpu_percent": 0.0, "create_time": 1.7e9 + pid, **kw}
 
 
-def test_workers_are_the_ranks_descendants_that_still_run_its_command_line():
+PY = "/venv/bin/python"
+SPAWNED = [PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+           "--multiprocessing-fork"]
+SPAWNED_WITH_FLAGS = [PY, "-s", "-X", "faulthandler", "-c",
+                      "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=9)",
+                      "--multiprocessing-fork"]
+FORKSERVER = [PY, "-c", "from multiprocessing.forkserver import main; main(7, 8, ['__main__'], **{'sys_path': []})"]
+TRACKER = [PY, "-c", "from multiprocessing.resource_tracker import main;main(5)"]
+
+
+@pytest.mark.parametrize("cmdline, how", [
+    (CMD, "fork"),
+    (SPAWNED, "spawn"),
+    (SPAWNED_WITH_FLAGS, "spawn"),
+    (FORKSERVER, "forkserver"),
+    (TRACKER, None),  # multiprocessing's resource tracker: not a worker
+    (["/bin/sh", "-c", "nvidia-smi"], None),  # a fork that exec'd another program
+    ([PY, "-c", "print('from multiprocessing')"], None),
+    ([], None),
+    (None, None),
+])
+def test_how_a_descendant_of_the_rank_was_started(cmdline, how):
+    assert started_as(cmdline, CMD) == how
+
+
+def test_workers_are_the_ranks_forks_spawned_children_and_the_forkservers_forks():
     procs = [proc(10, 1, ["torchrun", "train.py"]),  # the launcher
              proc(20, 10), proc(30, 10),  # two ranks: the same command line, neither descends from the other
              proc(21, 20), proc(22, 20), proc(23, 21),  # rank 0's forks, and a fork of a fork
              proc(24, 20, ["/bin/sh", "-c", "nvidia-smi"]),  # a fork that exec'd another program
-             proc(25, 20, state="Z"), proc(31, 30)]
-    assert [p["pid"] for p in forked_workers(20, procs)] == [21, 22, 23]
-    assert [p["pid"] for p in forked_workers(30, procs)] == [31]
-    assert forked_workers(99, procs) == [] and forked_workers(20, [proc(20, 1, [])]) == []
+             proc(25, 20, state="Z"), proc(31, 30),
+             proc(32, 30, TRACKER), proc(33, 30, SPAWNED), proc(34, 30, SPAWNED),  # rank 1: spawn
+             proc(40, 10), proc(41, 40, TRACKER), proc(42, 40, FORKSERVER),  # rank 2: forkserver …
+             proc(43, 42, FORKSERVER), proc(44, 42, FORKSERVER)]  # … whose forks are the workers
+    assert [p["pid"] for p in worker_processes(20, procs)] == [21, 22, 23]
+    assert [p["pid"] for p in worker_processes(30, procs)] == [31, 33, 34]
+    assert [p["pid"] for p in worker_processes(40, procs)] == [43, 44]
+    assert worker_processes(99, procs) == [] and worker_processes(20, [proc(20, 1, [])]) == []
 
 
 def ws(pid, text="", spy="", proc_rec=IDLE, **kw) -> WorkerStack:
@@ -198,12 +229,54 @@ def test_a_rank_waiting_on_its_dataloader_gets_its_forks_dumped_and_the_stuck_on
     by_pid = {s.pid: (s, text) for s, text in found}
     assert set(by_pid) == {w[k].pid for k in w}
     assert by_pid[w["no file"].pid][0].note.startswith(f"no stack-rank0-pid{w['no file'].pid}.txt")
-    assert "no longer the rank's" in by_pid[w["exec'd since"].pid][0].note
+    assert "no longer says it is a worker started by fork" in by_pid[w["exec'd since"].pid][0].note
     assert "in __getitem__" in by_pid[w["stuck"].pid][1] and by_pid[w["stuck"].pid][0].dump == f"stack-rank0-pid{w['stuck'].pid}.txt"
     v = judge([s for s, _ in found])
     assert v.stuck_pid is None  # two workers gave no stack: it cannot tell
     v = judge([by_pid[w["idle"].pid][0], by_pid[w["stuck"].pid][0]])
     assert v.stuck_pid == w["stuck"].pid and v.stuck.stuck_frame["function"] == "__getitem__"
+
+
+def test_a_ranks_spawned_workers_are_dumped_and_its_other_children_left_alone(tmp_path):
+    """Spawned workers: signalled like forks once their own file exists; multiprocessing's resource tracker and a
+    second rank the first one spawned (torch's mp.spawn) are no workers, whatever files exist for them."""
+    table = Table()
+    rank = table.add()
+    rank.dump_path = tmp_path / "stack-rank0.txt"
+    table.dumps[rank.pid], table.cmdlines[rank.pid] = MAIN_WAITS, CMD
+    procs = [proc(rank.pid, 1) | {"create_time": rank.create_time}]
+    made = {}
+    for name, cmd, dump in (("idle", SPAWNED, IDLE_DUMP), ("stuck", SPAWNED, STUCK_DUMP), ("tracker", TRACKER, ""),
+                            ("rank 1", SPAWNED, MAIN_SPINS)):
+        p = table.add(ppid=rank.pid)
+        p.dump_path = forked_dump_path(rank.dump_path, p.pid)
+        p.dump_path.write_text("")
+        table.dumps[p.pid], table.cmdlines[p.pid] = dump, cmd
+        procs.append(proc(p.pid, rank.pid, cmd) | {"create_time": p.create_time})
+        made[name] = p
+    other_rank = DumpTarget(1, ProcRef(made["rank 1"].pid, made["rank 1"].create_time), tmp_path / "stack-rank1.txt")
+    dc = DumpCollector([DumpTarget(0, ProcRef(rank.pid, rank.create_time), rank.dump_path), other_rank], grace_s=5,
+                       table=table, py_spy=False, out_dir=tmp_path, loader_workers=WorkerDumps(procs))
+    _drive(dc)
+    usr1 = [pid for pid, sig in table.sent if sig == signal.SIGUSR1]
+    assert usr1 == [rank.pid, made["rank 1"].pid, made["idle"].pid, made["stuck"].pid]  # the ranks, then the workers
+    (found,) = dc.loader_workers.stacks().values()
+    assert {s.pid for s, _ in found} == {made["idle"].pid, made["stuck"].pid}
+    assert {t.started for t in dc.loader_workers.targets.values()} == {"spawn"}
+    v = judge([s for s, _ in found])
+    assert v.stuck_pid == made["stuck"].pid and v.stuck.stuck_frame["function"] == "__getitem__"
+
+
+def test_a_spawned_worker_that_exec_d_another_program_is_not_signalled(tmp_path):
+    table, rank, w, dc = _rank_with_workers(tmp_path, MAIN_WAITS)
+    for rec in dc.loader_workers.procs:
+        if rec["pid"] == w["stuck"].pid:
+            rec["cmdline"] = SPAWNED  # the snapshot saw a spawned worker …
+    table.cmdlines[w["stuck"].pid] = ["/bin/sh", "-c", "true"]  # … which runs another program by the signal
+    _drive(dc)
+    assert w["stuck"].pid not in [pid for pid, sig in table.sent if sig == signal.SIGUSR1]
+    note = next(s.note for s, _ in dc.loader_workers.stacks()[0] if s.pid == w["stuck"].pid)
+    assert note.startswith("not signalled: its command line no longer says it is a worker started by spawn"), note
 
 
 def test_a_rank_not_waiting_on_its_dataloader_leaves_its_forks_alone(tmp_path):

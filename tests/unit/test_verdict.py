@@ -177,14 +177,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, evidence, culprit, roles, summary", CASES, ids=[c[0] for c in CASES])
-def test_verdict(name, evidence, culprit, roles, summary):
-    v = decide(evidence)
-    assert v.culprit_rank == culprit
-    assert [f.role for f in v.ranks] == roles
-    assert v.summary.startswith(summary), v.summary
-
-
 def test_the_deadline_that_fired_first_plays_no_part():
     """The same evidence in any order gives the same verdict: nothing but each rank's own evidence counts."""
     evidence = [ev(0, IDLE, stack(RANK0_ALL_REDUCE)), ev(1, BUSY, stack(RANK1_SPIN))]
@@ -248,3 +240,144 @@ def test_each_rank_carries_its_landmark_and_the_users_own_landmarks_count():
     assert mine.finding(1).landmark["name"] == "shard poll"
     assert mine.summary.startswith("rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88), "
                                    "in shard poll, called from main (train.py:52); rank 0 waiting in all_reduce")
+
+
+# ---- without C stacks: a rank idle inside backward() probably waits in DDP's gradient all-reduce -----------------
+
+SPY_BACKWARD = [{"file": "torch/autograd/graph.py", "line": 829, "function": "_engine_run_backward"},  # py-spy's paths
+                {"file": "torch/_tensor.py", "line": 626, "function": "Tensor.backward"},
+                {"file": "train.py", "line": 70, "function": "step"}]
+TENSOR_BACKWARD = [{"file": f"{TORCH}/autograd/graph.py", "line": 829, "function": "_engine_run_backward"},
+                   {"file": f"{TORCH}/autograd/__init__.py", "line": 353, "function": "backward"},
+                   {"file": f"{TORCH}/_tensor.py", "line": 626, "function": "backward"},
+                   {"file": "/srv/job/train.py", "line": 70, "function": "step"}]
+ACCELERATE_BACKWARD = BACKWARD[:2] + [{"file": f"{SP}/accelerate/accelerator.py", "line": 2473, "function": "backward"},
+                                      {"file": "/srv/job/train.py", "line": 71, "function": "main"}]
+LIGHTNING_BACKWARD = BACKWARD[:2] + [
+    {"file": f"{SP}/lightning/pytorch/core/module.py", "line": 1100, "function": "manual_backward"},
+    {"file": "/srv/job/model.py", "line": 40, "function": "training_step"}]
+DEEPSPEED_BACKWARD = TENSOR_BACKWARD[:3] + [
+    {"file": f"{SP}/deepspeed/runtime/engine.py", "line": 2050, "function": "backward"},
+    {"file": "/srv/job/train.py", "line": 80, "function": "main"}]
+# the user's own autograd Function is innermost: whatever it blocks in is its own code's doing
+CUSTOM_FUNCTION = [{"file": "/srv/job/ops.py", "line": 12, "function": "backward"}] + BACKWARD
+IN_FORWARD = [{"file": f"{TORCH}/nn/modules/linear.py", "line": 125, "function": "forward"},
+              {"file": f"{TORCH}/nn/modules/module.py", "line": 1789, "function": "_call_impl"},
+              {"file": "/srv/job/train.py", "line": 68, "function": "step"}]
+REDUCER = ["c10d::Reducer::finalize_backward (libtorch_cpu.so)"]
+COMPUTING = ["at::native::addmm_out (libtorch_cpu.so)"]  # py-spy's native frames of a rank busy in a kernel
+
+
+@pytest.mark.parametrize("frames, native, expected", [
+    (BACKWARD, [], "DDP's gradient all-reduce"),
+    (SPY_BACKWARD, [], "DDP's gradient all-reduce"),
+    (TENSOR_BACKWARD, [], "DDP's gradient all-reduce"),
+    (ACCELERATE_BACKWARD, [], "DDP's gradient all-reduce"),
+    (LIGHTNING_BACKWARD, [], "DDP's gradient all-reduce"),
+    (DEEPSPEED_BACKWARD, [], "DeepSpeed's gradient reduction"),
+    (BACKWARD, REDUCER, None),  # py-spy's native frames say it for sure (native_wait): no presumption
+    (BACKWARD, COMPUTING, None),
+    (CUSTOM_FUNCTION, [], None),
+    (IN_FORWARD, [], None),
+    (USER, [], None),
+    ([], [], None),
+])
+def test_what_a_rank_probably_waits_in_without_c_stacks(frames, native, expected):
+    from hangwatch.supervisor.incidents.collectives import probable_wait
+
+    assert probable_wait(frames, native) == expected
+
+
+PROBABLY = "waiting, probably in DDP's gradient all-reduce — cannot tell the culprit from this rank alone"
+
+
+@pytest.mark.parametrize("evidence, collective, probable, words", [
+    (ev(0, IDLE, BACKWARD), None, "DDP's gradient all-reduce",
+     f"{PROBABLY}; blocked in C (CPU 0%, state S) at _engine_run_backward ({TORCH}/autograd/graph.py:829), "
+     "in backward(), called from step (train.py:70)"),
+    # busy in backward(): it computes its gradients, read as ever
+    (ev(0, BUSY, BACKWARD), None, None, "busy loop in Python (CPU 99%) at _engine_run_backward"),
+    # py-spy's native frames: what it waits in, for sure
+    (ev(0, IDLE, BACKWARD, native=REDUCER), "DDP reducer", None, "blocked in C (CPU 0%, state S) at _engine_run_backward"),
+    # py-spy's native frames show no wait: outside any collective, as ever
+    (ev(0, IDLE, BACKWARD, native=COMPUTING), None, None, "blocked in C (CPU 0%, state S) at _engine_run_backward"),
+])
+def test_the_reading_of_a_rank_in_backward_with_and_without_native_frames(evidence, collective, probable, words):
+    from hangwatch.supervisor.incidents.verdict import read_rank
+
+    f = read_rank(evidence)
+    assert (f.collective, f.probable) == (collective, probable)
+    assert f.words.startswith(words), f.words
+    assert f.as_dict()["probable_wait"] == probable
+
+
+NO_C_CASES = [
+    # name, evidence, culprit, roles, summary start
+    ("the culprit blocks before the collective in Python, the victim waits inside backward(): the culprit is named",
+     [ev(0, IDLE, BACKWARD), ev(1, IDLE, USER)], 1, ["victim", "culprit"],
+     "rank 1: blocked in C (CPU 0%, state S) at _poll_shard_ready (/srv/job/train.py:88); "
+     "rank 0 waiting, probably in DDP's gradient all-reduce (no C stack)"),
+    ("the same with py-spy's native frames: the victim waits in DDP's reducer, as ever",
+     [ev(0, IDLE, BACKWARD, native=REDUCER), ev(1, IDLE, USER)], 1, ["victim", "culprit"],
+     "rank 1: blocked in C (CPU 0%, state S) at _poll_shard_ready (/srv/job/train.py:88); rank 0 waiting in DDP reducer"),
+    ("the culprit spins, the victim waits inside backward()",
+     [ev(0, IDLE, BACKWARD), ev(1, BUSY, USER)], 1, ["victim", "culprit"],
+     "rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready"),
+    ("the other rank waits in a collective of its own: cannot tell, never the rank in backward()",
+     [ev(0, IDLE, BACKWARD), ev(1, IDLE, stack(RANK0_ALL_REDUCE))], None, ["unknown", "victim"],
+     "cannot tell which rank is the culprit: every rank waits in a collective or probably does (rank(s) 0 inside "
+     "backward(), with no C stack to show it) at step 2; rank 1 waiting in all_reduce; "
+     f"rank 0: {PROBABLY}; blocked in C (CPU 0%, state S) at _engine_run_backward"),
+    ("both inside backward(): cannot tell",
+     [ev(0, IDLE, BACKWARD), ev(1, IDLE, SPY_BACKWARD)], None, ["unknown", "unknown"],
+     "cannot tell which rank is the culprit: every rank waits in a collective or probably does (rank(s) 0, 1"),
+    ("the other rank's process is gone: it is the culprit",
+     [ev(0, IDLE, BACKWARD), ev(1, None)], 1, ["victim", "culprit"],
+     "rank 1: no worker process left to inspect; rank 0 waiting, probably in DDP's gradient all-reduce (no C stack)"),
+    ("the other rank gave no stack: cannot tell",
+     [ev(0, IDLE, BACKWARD), ev(1, IDLE)], None, ["unknown", "unknown"],
+     "cannot tell which rank is the culprit: rank(s) 1 gave no stack"),
+    ("the rank in backward() is behind the others in step count: that evidence names it",
+     [ev(0, IDLE, BACKWARD, step=4), ev(1, IDLE, stack(RANK0_ALL_REDUCE), step=5)], 0, ["culprit", "victim"],
+     "rank 0, behind the others in step (4 against 5)"),
+    ("three ranks: two inside backward(), one blocked in its own code",
+     [ev(0, IDLE, BACKWARD), ev(1, IDLE, [{"file": "/srv/job/io.py", "line": 3, "function": "read_shard"}]),
+      ev(2, IDLE, TENSOR_BACKWARD)], 1, ["victim", "culprit", "victim"],
+     "rank 1: blocked in C (CPU 0%, state S) at read_shard (/srv/job/io.py:3); "
+     "ranks 0, 2 waiting, probably in DDP's gradient all-reduce (no C stack)"),
+]
+
+
+@pytest.mark.parametrize("name, evidence, culprit, roles, summary", CASES + NO_C_CASES,
+                         ids=[c[0] for c in CASES + NO_C_CASES])
+def test_verdict(name, evidence, culprit, roles, summary):
+    v = decide(evidence)
+    assert v.culprit_rank == culprit
+    assert [f.role for f in v.ranks] == roles
+    assert v.summary.startswith(summary), v.summary
+
+
+def test_a_rank_probably_waiting_in_backward_is_never_the_culprit_on_its_own_evidence():
+    """Whatever else the other ranks show, at the same step and without a flight recorder, the rank idle inside
+    backward() without C stacks is never the one named."""
+    others = [USER, stack(RANK0_ALL_REDUCE), DDP_BUFFERS, BACKWARD, ASYNC_WAIT, [], GENERATING]
+    for proc in (IDLE, BUSY, D_STATE, None):
+        for frames in others:
+            v = decide([ev(0, IDLE, BACKWARD), ev(1, proc, frames)])
+            assert v.culprit_rank != 0, (proc, frames, v.summary)
+
+
+@pytest.mark.parametrize("evidence, own, words", [
+    ([ev(0, IDLE, BACKWARD)], None,
+     f"cannot tell from the local evidence: rank 0: {PROBABLY}; blocked in C (CPU 0%, state S) at _engine_run_backward"),
+    ([ev(0, IDLE, BACKWARD, native=REDUCER)], False, "local ranks were waiting in DDP reducer (rank 0)"),
+    ([ev(0, IDLE, USER)], True, "rank 0: blocked in C (CPU 0%, state S) at _poll_shard_ready"),
+    ([ev(0, IDLE, BACKWARD), ev(1, IDLE, USER)], True, "rank 1: blocked in C (CPU 0%, state S) at _poll_shard_ready"),
+    ([ev(0, IDLE, BACKWARD), ev(1, IDLE, stack(RANK0_ALL_REDUCE))], None, "cannot tell from the local evidence"),
+])
+def test_a_node_whose_ranks_probably_wait_in_backward_does_not_blame_itself(evidence, own, words):
+    """Several nodes: each reads its own ranks; one that only probably waits (no C stack) is no culprit of the node's."""
+    from hangwatch.supervisor.nodes.node_incident import local_findings, local_reading
+
+    got_own, got_words, _ = local_reading(*local_findings(evidence))
+    assert got_own is own and got_words.startswith(words), got_words

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fixtures.fakes.fake_supervisor import FakeProc, Harness
+from fixtures.fakes.torchrun_report import root_cause
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
 from hangwatch.supervisor.loop.commands import dispatch
@@ -156,21 +157,7 @@ def straggler_is_warned(tmp_path):
     assert h.incident()["stragglers"][0]["rank"] == 1
 
 
-ROOT_CAUSE = """\
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-train.py FAILED
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-23_02:43:09
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: {pid})
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================
-"""
+ROOT_CAUSE = root_cause("train.py", pid=0).replace("(pid: 0)", "(pid: {pid})")
 SEGV = """Fatal Python error: Segmentation fault
 
 Current thread 0x3 (most recent call first):

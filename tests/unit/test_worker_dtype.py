@@ -1,7 +1,8 @@
 """Memory settings of the worker's model (daemon/model.py): the bf16 decision of `dtype: auto`, trainable
 parameters kept float32, gradient checkpointing (same numbers, exact resume — on the CPU), and the 4-bit
-(QLoRA) path.  There is no GPU here: CUDA's presence and bf16 support are faked, and so are bitsandbytes and
-`from_pretrained` for the 4-bit path — what is tested is what the worker asks for, not the kernels."""
+(QLoRA) path.  No GPU is used, whatever the machine: CUDA's presence and bf16 support are faked (and its absence,
+where that is the point), and so are bitsandbytes and `from_pretrained` for the 4-bit path — what is tested is what
+the worker asks for, not the kernels."""
 from __future__ import annotations
 
 import sys
@@ -76,7 +77,7 @@ def test_gradient_checkpointing_same_numbers_and_exact_resume(tmp_path):
     assert losses_by_step(resumed) == {3: reference[3], 4: reference[4]}
 
 
-def test_4bit_is_refused_without_a_gpu(tmp_path):
+def test_4bit_is_refused_without_a_gpu(tmp_path, no_cuda):
     with pytest.raises(ConfigError, match="load_in_4bit needs a CUDA GPU"):
         load_config(make_config(tmp_path, model={"name_or_path": "some/model", "load_in_4bit": True}))
     with pytest.raises(ConfigError, match="the tiny model is built"):

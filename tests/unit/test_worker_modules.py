@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,6 +19,7 @@ from hangwatch.daemon.trainer.loop import Trainer
 from hangwatch.common.config import load_config
 
 
+@pytest.mark.cuda_when_present  # PEFT loads the exported adapter onto the GPU whenever torch sees one
 def test_extra_modules_are_trained_saved_restored_and_exported(tmp_path):
     config = make_config(tmp_path, train={"max_steps": 6}, lora={"modules_to_save": ["lm_head"]},
                          checkpoint={"every_steps": 3, "confirm_steps": 0})
