@@ -22,7 +22,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,7 @@ def fsync_file(path: os.PathLike | str) -> None:
 
 
 def tmp_name(path: Path) -> Path:
-    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(3)}")
+    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{os.urandom(3).hex()}")
 
 
 def write_atomic(path: os.PathLike | str, data: bytes | str, *, durable: bool = True, mode: int = 0o644) -> Path:

@@ -19,6 +19,9 @@ CHECKPOINT_LEDGER_NAME = "checkpoints.json"  # the supervisor's record of announ
 SUPERVISOR_LOG_NAME = "supervisor.log"
 WORKER_LOG_NAME = "worker.log"
 EXIT_NAME = "exit.json"
+# A standby's word that its preload is over (`restart.prewarm`): {pid, attempt, preload_s, error}, written by the
+# standby (daemon.prewarm), read for `status` and removed with the standby by the supervisor (processes.prewarm).
+STANDBY_READY_NAME = "standby.json"
 SOCKET_PATH_FILE = "socket-path"  # in the run dir, when the socket lives elsewhere
 ATTEMPTS = "attempts"
 CHECKPOINTS = "checkpoints"

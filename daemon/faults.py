@@ -15,6 +15,14 @@ every time they are trained (from `at_step` on, if given), on every attempt — 
 — so that the trainer's quarantine of the examples of non-finite steps (`trainer.quarantine`) can be
 tested.  It is announced once per attempt, the first time it strikes.
 
+`memory_limit` is not an event either but a device: a fake allocator (`FakeAllocator`) whose memory use is a known
+function of the micro-batch — `weights_mb` once the model is on it, `per_example_mb` more for each example of a
+training forward's batch — within `capacity_mb` (the per-process cap).  A training forward (from `at_step` on, if
+given) whose need is over it raises `torch.OutOfMemoryError` in torch's own words (the capped variant, with the
+figures), on every attempt, as a real device would; the trainer reads the weights' share through it as it would
+through torch.cuda (`daemon.trainer.memory`, the probe `FaultPlan.memory_probe`), so that OOM remediation's
+evidence-based pick can be tested on the CPU.  Announced once per attempt, when it strikes.
+
 `rank: R` (default 0) fires a fault on that rank of a multi-rank run only; every rank keeps the
 one `faults-fired.json` (updated under a lock, as several ranks may record at once).  Several nodes keep it
 beside their shared checkpoints (`checkpoint.dir`): `rank` is the global rank, whichever node hosts it.
@@ -213,9 +221,12 @@ class FaultPlan:
         self.entries = []
         self.poisons = [f for f in faults if f.kind == "poison" and f.rank == rank]
         self._poison_announced = False
+        limits = [f for f in faults if f.kind == "memory_limit" and f.rank == rank]
+        # The device's memory, as the trainer's memory evidence sees it (`daemon.trainer.memory`); None: the real one.
+        self.memory_probe: Optional[FakeAllocator] = FakeAllocator(limits[0], hb) if limits else None
         for f in faults:
-            if f.kind == "poison":
-                continue  # bad data, not an event: never recorded as fired (`poisoned`)
+            if f.kind in ("poison", "memory_limit"):
+                continue  # bad data, a small device: not events, never recorded as fired
             base = _identity(f)
             seen[base] = seen.get(base, 0) + 1
             if f.rank == rank:
@@ -272,6 +283,8 @@ class FaultPlan:
 
     def before_step(self, step: int, bundle) -> None:
         """Called at the start of optimizer step `step` (1-based), before any forward."""
+        if self.memory_probe is not None:
+            self.memory_probe.attach(step, bundle)
         for fault, key in self.entries:
             if fault.kind in GENERATE_KINDS or fault.at_eval is not None or fault.at_step is None:
                 continue
@@ -345,6 +358,95 @@ class FaultPlan:
         elif kind == "exit":
             sys.stdout.flush()
             os._exit(fault.code)
+
+
+# ---- memory_limit: a fake allocator ---------------------------------------------------------------------------
+
+MIB = 1 << 20
+FAKE_DEVICE_TOTAL_MB = 81559.0  # an 80 GB H100 as torch reports it (79.65 GiB); the process is capped below it
+FAKE_CONTEXT_MB = 512.0  # the CUDA context's share of the process's memory in use (non-PyTorch memory)
+
+
+def format_size(size: int) -> str:
+    """c10's format_size (CUDACachingAllocator.cpp): "512 bytes", "20.00 KiB", "3.61 MiB", "75.31 GiB"."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1048576:
+        return f"{size / 1024.0:.2f} KiB"
+    if size <= 1073741824:
+        return f"{size / 1048576.0:.2f} MiB"
+    return f"{size / 1073741824.0:.2f} GiB"
+
+
+def oom_message(*, tried_mb: float, total_mb: float, free_mb: float, in_use_mb: float, allocated_mb: float,
+                reserved_mb: float, allowed_mb: Optional[float] = None, gpu: int = 0) -> str:
+    """torch 2.x's CUDA out-of-memory message, word for word, with the "allowed" part when the process is capped."""
+    def size(mb: float) -> str:
+        return format_size(int(round(mb * MIB)))
+
+    allowed = f"{size(allowed_mb)} allowed; " if allowed_mb is not None else ""
+    return (f"CUDA out of memory. Tried to allocate {size(tried_mb)}. GPU {gpu} has a total capacity of {size(total_mb)} "
+            f"of which {size(free_mb)} is free. Including non-PyTorch memory, this process has {size(in_use_mb)} memory "
+            f"in use. {allowed}Of the allocated memory {size(allocated_mb)} is allocated by PyTorch, and "
+            f"{size(reserved_mb - allocated_mb)} is reserved by PyTorch but unallocated. If reserved but unallocated "
+            f"memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+            f"documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+
+class FakeAllocator:
+    """The `memory_limit` fault: a device capped at `capacity_mb` on which the model takes `weights_mb` and a training
+    forward `per_example_mb` for each example of its batch, all of it in one allocation.  It is the trainer's memory
+    probe (`figures`, as `daemon.trainer.memory.CudaProbe`), and a forward pre-hook on the model (`attach`, from
+    `at_step` on) that raises torch's OutOfMemoryError, in torch's words, for a batch that does not fit."""
+
+    def __init__(self, fault, hb):
+        self.weights_mb = float(fault.weights_mb)
+        self.per_example_mb = float(fault.per_example_mb)
+        self.capacity_mb = float(fault.capacity_mb)
+        self.total_mb = max(FAKE_DEVICE_TOTAL_MB, self.capacity_mb)
+        self.at_step = fault.at_step or 0
+        self.hb = hb
+        self.peak_mb = self.weights_mb
+        self._hooked = False
+        self._announced = False
+
+    def figures(self, device) -> dict[str, float]:
+        """What torch.cuda would say: the weights allocated (a failed or finished forward's block is freed again)."""
+        in_use = self.weights_mb + FAKE_CONTEXT_MB
+        return {"total_mb": self.total_mb, "allowed_mb": self.capacity_mb, "allocated_mb": self.weights_mb,
+                "peak_mb": self.peak_mb, "reserved_mb": self.weights_mb, "free_mb": self.total_mb - in_use}
+
+    def attach(self, step: int, bundle) -> None:
+        if self._hooked or step < self.at_step:
+            return
+        self._hooked = True
+        bundle.model.register_forward_pre_hook(self._forward, with_kwargs=True)
+
+    def _forward(self, module, args, kwargs):
+        if not module.training:
+            return None  # evals and generate() are not what this device is sized for
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = int(ids.shape[0]) if hasattr(ids, "shape") and len(ids.shape) else 1
+        self.allocate(rows * self.per_example_mb)
+        return None
+
+    def allocate(self, mb: float) -> None:
+        """One allocation of `mb` on top of the weights: the peak it makes, or torch's OutOfMemoryError."""
+        need = self.weights_mb + mb
+        if need <= self.capacity_mb:
+            self.peak_mb = max(self.peak_mb, need)
+            return
+        import torch
+
+        message = oom_message(tried_mb=mb, total_mb=self.total_mb, free_mb=self.total_mb - self.weights_mb - FAKE_CONTEXT_MB,
+                              in_use_mb=self.weights_mb + FAKE_CONTEXT_MB, allocated_mb=self.weights_mb,
+                              reserved_mb=self.weights_mb, allowed_mb=self.capacity_mb)
+        if not self._announced:
+            self._announced = True
+            where = f"{self.weights_mb:g} MiB weights + {mb:g} MiB of {self.capacity_mb:g} MiB allowed"
+            self.hb.warn(f"injecting fault memory_limit: {where}", fault="memory_limit")
+            print(f"fault: injecting memory_limit ({where})", flush=True)
+        raise torch.OutOfMemoryError(message)
 
 
 def _first_attention(model):

@@ -6,6 +6,8 @@ The supervisor reads it to name the incident (`crash`, `oom`, `nan`, `config_err
 collective failed (a peer died or broke the connection) says so with `collective_error: true`, which
 marks it a victim rather than the culprit.  Written atomically (temp file, fsync, rename) so a reader never
 sees half a file (hangwatch.common.durable); a death by signal leaves none, which is itself evidence.
+An out-of-memory failure's last words carry a `memory` object (`daemon.trainer.memory`): the figures the
+supervisor picks the next micro-batch from.
 """
 from __future__ import annotations
 
@@ -93,6 +95,10 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
         extra.setdefault("problems", list(problems))
     if is_collective_error(exc):
         extra.setdefault("collective_error", True)
+    if kind == "oom" and "memory" not in extra:
+        memory = oom_memory()
+        if memory is not None:
+            extra["memory"] = memory
     try:
         path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, rank=rank, exit_code=code,
                                 **extra)
@@ -101,3 +107,15 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
         print(f"hangwatch worker: last words not written to {path} ({write_exc}); {kind}: {exc}", file=sys.stderr,
               flush=True)
     return kind, code, path
+
+
+def oom_memory() -> Optional[dict]:
+    """The memory evidence of an out-of-memory failure (`daemon.trainer.memory`: the micro-batch in force, the
+    weights' share, the device's figures), for the supervisor's pick of a micro-batch; None when there is none.
+    Never raises: last words without it are still last words."""
+    try:
+        from hangwatch.daemon.trainer import memory
+
+        return memory.evidence()
+    except Exception:
+        return None

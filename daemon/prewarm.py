@@ -11,9 +11,11 @@ killed, the standby (`hold`):
     device forced to cpu: the very objects a cold worker builds before its `.to(device)`);
   * reads and validates the training and eval files (`read_files`; the inbox of continuous mode is
     opened only after release, as it keeps a ledger in the run dir).
-Before its release it writes nothing in the run dir, opens no heartbeat file, installs no signal
-handler, touches no checkpoint and takes no device: a standby that is discarded leaves no trace but
-its log.  Nothing it does before release survives in the random state: the model is initialised under
+Before its release it writes nothing in the run dir but its log and, once the preload is over, a small
+`standby.json` ({pid, attempt, preload_s, error}: what `hangwatch status` shows of it); it opens no
+heartbeat file, installs no signal handler, touches no checkpoint and takes no device (no CUDA call at
+all: the model is built on the CPU, safetensors memory-mapped): a standby that is discarded leaves no
+trace, the supervisor removes both files.  Nothing it does before release survives in the random state: the model is initialised under
 `fork_rng` with the run's seed, as cold, and the trainer seeds or restores every generator once the
 resume point is known (`Trainer.seed_fresh` / `restore`), so the training result is the cold one's.
 
@@ -141,6 +143,7 @@ class Preloaded:
     released_t: Optional[float] = None  # wall clock of the release
     error: Optional[str] = None
     thread: Optional[threading.Thread] = field(default=None, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # ready marker vs release
 
     def wait(self) -> "Preloaded":
         """Block until the preload is over (the worker is in its `load` phase by then)."""
@@ -176,7 +179,45 @@ class Preloaded:
         return self.bundle
 
 
-def preload(cfg, into: Preloaded, out: IO[str] = sys.stdout) -> None:
+def ready_path(cfg) -> Optional[str]:
+    from hangwatch.common.rundir import STANDBY_READY_NAME
+
+    run_dir = getattr(cfg, "run_dir", None)
+    return os.path.join(run_dir, STANDBY_READY_NAME) if run_dir else None
+
+
+def announce_ready(cfg, into: Preloaded, attempt: int) -> None:
+    """`standby.json` in the run dir: the preload is over (the supervisor reads it for `status`) — unless the
+    release came first (the standby is an attempt by now).  Best effort: a standby that cannot say so is still a
+    standby."""
+    from hangwatch.common.durable import write_json_atomic
+
+    path = ready_path(cfg)
+    if path is None:
+        return
+    with into.lock:
+        if into.released_t is not None:
+            return
+        try:
+            write_json_atomic(path, {"pid": os.getpid(), "attempt": attempt, "preload_s": round(into.preload_s, 3),
+                                     "error": into.error, "t": into.ready_t}, durable=False)
+        except OSError:
+            pass
+
+
+def forget_ready(cfg, into: Preloaded) -> None:
+    """Released: the marker goes (the supervisor removes it too; whichever comes second finds nothing)."""
+    path = ready_path(cfg)
+    with into.lock:
+        into.released_t = time.time()
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def preload(cfg, into: Preloaded, out: IO[str] = sys.stdout, attempt: int = 0) -> None:
     """Imports, the model on the CPU, the data files: everything that does not depend on the checkpoint.
     Runs in the preload thread; a failure is recorded (the released worker then loads cold)."""
     t0 = time.monotonic()
@@ -195,6 +236,7 @@ def preload(cfg, into: Preloaded, out: IO[str] = sys.stdout) -> None:
         into.bundle, into.files, into.error = None, None, f"{type(exc).__name__}: {exc}"
     into.preload_s = time.monotonic() - t0
     into.ready_t = time.time()
+    announce_ready(cfg, into, attempt)
     print(f"standby (pid {os.getpid()}): " + (f"preloaded in {into.preload_s:.1f}s" if into.error is None
                                                  else "preload failed; will load cold"), file=out, flush=True)
 
@@ -210,7 +252,7 @@ def hold(cfg, environ: MutableMapping[str, str], stream: IO[bytes], out: IO[str]
     (`prepare_torch`) are made again on the main thread before the model is used."""
     attempt = int(environ.get(ENV_ATTEMPT) or 0)
     pre = Preloaded()
-    pre.thread = threading.Thread(target=preload, args=(cfg, pre, out), name="hangwatch-standby-preload", daemon=True)
+    pre.thread = threading.Thread(target=preload, args=(cfg, pre, out, attempt), name="hangwatch-standby-preload", daemon=True)
     pre.thread.start()
     print(f"standby for attempt {attempt} (pid {os.getpid()}): loading; waiting for the supervisor's release",
           file=out, flush=True)
@@ -218,7 +260,7 @@ def hold(cfg, environ: MutableMapping[str, str], stream: IO[bytes], out: IO[str]
     if release is None:
         print(f"standby for attempt {attempt}: discarded (no release)", file=out, flush=True)
         return None
-    pre.released_t = time.time()
+    forget_ready(cfg, pre)
     environ[ENV_RESUME_FROM] = release.resume_from
     print(f"standby released as attempt {attempt}" + ("" if pre.ready_t is not None else " (still loading)")
           + f"; HANGWATCH_RESUME_FROM={release.resume_from or '(none)'}", file=out, flush=True)

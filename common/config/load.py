@@ -12,7 +12,6 @@ the worker section before the records validate it (`slurm`), so every consumer r
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import socket
 from pathlib import Path
@@ -233,6 +232,8 @@ def _user_loc(raw: tuple) -> tuple:
 
 
 def _did_you_mean(loc: tuple) -> str:
+    import difflib  # only for a config with an unknown key (the supervisor of a good one never needs it)
+
     parent = _model_at(loc[:-1])
     if parent is None:
         return ""

@@ -58,7 +58,7 @@ def type_name(ann) -> str:
     if origin is Annotated:  # bounds are said in the doc and enforced by the record
         return type_name(args[0])
     if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in args)
+        return "one of " + ", ".join(str(a) for a in args) if len(args) > 1 else f"`{args[0]}`"
     if origin is Union:
         names = [type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from hangwatch.common.config.ops_schema import AlertsCfg, MetricsCfg
 
@@ -30,6 +30,7 @@ FAULT_KINDS = (
     "exit",  # hard exit with `code`
     "runaway_generate",  # generate() keeps producing tokens: EOS suppressed, max_new_tokens huge
     "poison",  # the loss of the training examples `example_ids` is non-finite whenever they are trained
+    "memory_limit",  # a fake device: weights + micro-batch × per-example memory over capacity_mb raises OOM
 )
 
 
@@ -266,17 +267,30 @@ class RestartCfg(Section):
         3, ge=0, description="Restarts in a row that never step past the last good step before the run ends `failed` "
         "(incident `no_progress`, an alert) — before the restart budget is spent on hopeless attempts; 0: off.")
     oom_remediation: bool = Field(
-        True, description="Built-in worker: an out-of-memory failure restarts with the micro-batch halved and the "
-        "accumulation doubled (the same examples per optimizer step; not bit-for-bit the same sums), down to 1, then "
-        "gradient checkpointing, then `failed`. false: restart with the same settings.")
+        True, description="Built-in worker: an out-of-memory failure restarts with a smaller micro-batch and more "
+        "accumulation (the same examples per optimizer step; not bit-for-bit the same sums): the first one picked from "
+        "the OOM's memory figures (the weights' share, what the step needed, the device's capacity; 90 % of it at most), "
+        "else halved, down to 1, then gradient checkpointing, then `failed`. false: restart with the same settings.")
     on_unkillable: Literal["wait", "fail"] = Field(
         "wait", description="A process of the worker's tree still there `watchdog.kill_wait_s` after SIGKILL (uninterruptible "
         "sleep: NFS, a GPU driver) — no new attempt is started on top of it; an `unkillable` incident and an alert (a reboot "
         "or a GPU reset may be needed). `wait`: restart once every survivor is gone; `fail`: end the run `failed` at once.")
-    prewarm: bool = Field(
-        False, description="Built-in worker: at a stall, spawn the next attempt's process at once as a standby that imports "
-        "torch/transformers/peft and loads the base model on the CPU while the stuck attempt is dumped and killed; it takes "
-        "the device once the dead processes' memory is released. Restart time then falls below the worker's cold start.")
+    prewarm: Union[Literal["always"], bool] = Field(
+        False, description="Built-in worker on one process: keep the next attempt's process loaded as a standby that has "
+        "imported torch/transformers/peft, read the data and built the base model with its LoRA wrapping on the CPU "
+        "(safetensors memory-mapped), holding no GPU memory; at a restart it is released with the resume point, moves to "
+        "the device once the dead processes' memory is released and loads only the checkpoint. `true`: the standby is "
+        "spawned at the stall (it loads while the stuck attempt is dumped and killed); `always`: it is spawned as soon as "
+        "the current attempt has taken its first step, so it is ready before anything fails (its RAM is shown by `status`; a "
+        "standby that dies is replaced). false: every restart is a cold start.")
+
+    @field_validator("prewarm", mode="before")
+    @classmethod
+    def _prewarm_mode(cls, value):
+        # One message for a bad value, not one per member of the union.
+        if value is True or value is False or value == "always":
+            return value
+        raise ValueError("expected true, false or always")
 
 
 class ControlCfg(Section):
@@ -406,6 +420,9 @@ class CheckpointCfg(Section):
         "every rank resumes from the checkpoint rank 0 chose.")
 
 
+FAULT_SIZES = ("weights_mb", "per_example_mb", "capacity_mb")  # memory_limit's
+
+
 class FaultCfg(Section):
     kind: Literal[FAULT_KINDS] = Field(..., description="What to inject.")  # type: ignore[valid-type]
     at_step: Optional[int] = Field(None, ge=0, description="Fire at this optimizer step (for hang_generate: the first eval at or after it).")
@@ -417,12 +434,33 @@ class FaultCfg(Section):
     example_ids: list[str] = Field(
         default_factory=list, description="poison: the training examples (ids `FILE:LINE`, e.g. `train.jsonl:7`) whose loss "
         "is non-finite every time they are trained, from `at_step` on (default: from the start), on every attempt.")
+    weights_mb: Optional[float] = Field(
+        None, gt=0, description="memory_limit: the memory (MiB) the model takes once on the fake device (its weights' share).")
+    per_example_mb: Optional[float] = Field(
+        None, gt=0, description="memory_limit: the memory (MiB) each example of a training forward's batch takes on top.")
+    capacity_mb: Optional[float] = Field(
+        None, gt=0, description="memory_limit: what the process may use (MiB); a training forward needing more raises "
+        "torch's out-of-memory error in torch's words, from `at_step` on (default: from the start), on every attempt.")
     rank: int = Field(
         0, ge=0, description="The rank it fires on (only that one) in a multi-rank run (`worker.nproc_per_node` > 1); "
         "`hang_generate` and `runaway_generate` need rank 0, the only rank of the built-in worker that generates.")
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # memory_limit's sizes only where they are set: every other fault dumps (and is recorded as fired) as before.
+        return {k: v for k, v in handler(self).items() if not (k in FAULT_SIZES and v is None)}
+
     @model_validator(mode="after")
     def _when(self):
+        sizes = (self.weights_mb, self.per_example_mb, self.capacity_mb)
+        if self.kind == "memory_limit":
+            if any(v is None for v in sizes):
+                raise ValueError("a memory_limit fault needs weights_mb, per_example_mb and capacity_mb")
+            if self.at_eval is not None:
+                raise ValueError("a memory_limit fault acts on training steps: use at_step, not at_eval")
+            return self
+        if any(v is not None for v in sizes):
+            raise ValueError("weights_mb, per_example_mb and capacity_mb are for the memory_limit fault only")
         if self.kind == "poison":
             if not self.example_ids:
                 raise ValueError("a poison fault needs example_ids (training example ids, e.g. train.jsonl:7)")

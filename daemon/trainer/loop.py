@@ -56,7 +56,7 @@ from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
-from hangwatch.daemon.trainer import quarantine, ranks, state
+from hangwatch.daemon.trainer import memory, quarantine, ranks, state
 from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankConfirmation
 from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
 from hangwatch.daemon.trainer.schedule import WarmupCosine
@@ -90,6 +90,8 @@ class Trainer:
         self.out = out if out is not None else sys.stdout  # looked up now: a test may have replaced it
         t = cfg.train
         self.params = [p for _, p in bundle.trainable_parameters()]
+        # The weights' share, before DDP and the optimizer add theirs: an OOM's evidence (`trainer.memory`).
+        memory.note_model(bundle.device, t.micro_batch_size, probe=getattr(faults, "memory_probe", None))
         self.train_module = self.world.wrap(bundle.model)  # what forward and backward go through (DDP)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(t.warmup_steps, t.max_steps))

@@ -42,6 +42,11 @@ Sections (all but soak by default, in this order; `--only` picks some), one modu
                 at 20 Hz, asked `status` over the control socket every second, its log rotated (rename + SIGHUP)
                 every minute: RSS, open descriptors and CPU at the start (after a warm-up) and at the end, and
                 whether every request was answered.  Run only when named (`--only soak`): it takes the hour.
+  weight        (weight.py) the supervisor's weight, each figure the median of 3 rounds, with hangwatch's bytecode
+                cached and compiled at each start: its RSS and CPU at 8 ranks × 20 Hz and the heavy packages it
+                imported; `hangwatch status` and `status --json` round trips; and `hangwatch run` → the worker spawned
+                (a foreign command, instrument auto and off; the built-in worker with its doctor preflight and with
+                --no-doctor).
 
 Writes bench-results.json (every raw sample, the summaries, the machine) and bench-results.md (the
 tables, each figure with how it was measured; report.py) into --out (default: the repository root) and
@@ -66,12 +71,14 @@ if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; impor
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
-                   overrun, prewarm, recovery, side_by_side, soak)
+                   overrun, prewarm, recovery, side_by_side, soak, weight)
 from bench.harness import ROOT  # noqa: E402
-from bench.report import machine_info, to_markdown  # noqa: E402
+from bench.report import RENDERERS, machine_info, to_markdown  # noqa: E402
+
+RENDERERS.setdefault("weight", weight.render)  # the section draws its own table
 
 SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
-            "instrument", "own_command", "overrun", "soak")
+            "instrument", "own_command", "overrun", "soak", "weight")
 ON_REQUEST = ("soak",)  # an hour long: run when named in --only, never as part of the whole benchmark
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ON_REQUEST)
 
@@ -109,6 +116,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return overrun.section(work, args.quick)
     if name == "soak":
         return soak.section(work, args.quick, args.soak_minutes)
+    if name == "weight":
+        return weight.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

@@ -5,6 +5,7 @@ how long it takes to start."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -13,7 +14,7 @@ import psutil
 
 from hangwatch.common import rundir
 
-from .harness import PY, SYNTHETIC_RANKS, control, hangwatch_run, summary, wait_exit, write_yaml
+from .harness import PY, ROOT, SYNTHETIC_RANKS, control, hangwatch_run, summary, supervisor_argv, wait_exit, write_yaml
 
 # (ranks, beats a second per rank, goal: % of one core); the RSS goal is for every load
 LOADS = ((8, 20.0, 1.0), (64, 10.0, 3.0))
@@ -54,16 +55,23 @@ def sample(sup: psutil.Process, window: float) -> dict:
             "wakeups_per_s": (wakeups(sup) - k0) / wall, "threads": sup.num_threads()}
 
 
-def start_synthetic(work: Path, ranks: int, hz: float, seconds: float) -> tuple:
+def start_synthetic(work: Path, ranks: int, hz: float, seconds: float, environ: Optional[dict] = None) -> tuple:
     """`hangwatch run` of `ranks` synthetic ranks beating a step line at `hz` each for `seconds`, once every rank has
-    beaten: (the supervisor's Popen, the run dir, the heartbeat files)."""
+    beaten: (the supervisor's Popen, the run dir, the heartbeat files).  `environ`: the supervisor's environment
+    (default: the harness's)."""
     run_dir = work / "run"
     cfg = {"run_dir": str(run_dir),
            "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
                                   "--seconds", str(seconds)],
                       "instrument": "off"},  # one process writing every rank's beats: the supervisor's cost alone
            "watchdog": {"py_spy": False}}
-    proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
+    cfg_path = write_yaml(work / "cfg.yaml", cfg)
+    if environ is None:
+        proc = hangwatch_run(cfg_path, work / "supervisor.out")
+    else:
+        with open(work / "supervisor.out", "ab") as out:
+            proc = subprocess.Popen(supervisor_argv(cfg_path), cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(ranks)]
     limit = time.monotonic() + 120
     while not all(f.exists() and f.stat().st_size for f in hb_files):
@@ -74,9 +82,9 @@ def start_synthetic(work: Path, ranks: int, hz: float, seconds: float) -> tuple:
     return proc, run_dir, hb_files
 
 
-def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float) -> dict:
+def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float, environ: Optional[dict] = None) -> dict:
     """`hangwatch run` watching `ranks` synthetic ranks beating a step line at `hz` each, sampled for `window` s."""
-    proc, run_dir, hb_files = start_synthetic(work, ranks, hz, window + settle + 60)
+    proc, run_dir, hb_files = start_synthetic(work, ranks, hz, window + settle + 60, environ)
     sup = psutil.Process(proc.pid)
     time.sleep(settle)  # a measured settling time before the window, not synchronisation
     lines_before = line_count(hb_files)
@@ -125,16 +133,23 @@ def supervisor_start_trial(tmp: Path) -> dict:
     cfg_path = write_yaml(tmp / "cfg.yaml", cfg)
     t0 = time.monotonic()
     proc = hangwatch_run(cfg_path, tmp / "supervisor.out")
+    return started(proc, run_dir, t0, 30)
+
+
+def started(proc, run_dir: Path, t0: float, limit_s: float) -> dict:
+    """How long after `t0` the supervisor `proc` spawned its worker (attempts/0001/worker.log created) and its
+    control socket answered `status`, each looked at every 5 ms for at most `limit_s`; then SIGTERM."""
     got: dict = {}
-    limit = t0 + 30
+    limit = t0 + limit_s
+    log = rundir.worker_log_path(run_dir, 1)
     while len(got) < 2 and time.monotonic() < limit and proc.poll() is None:
-        if "to_worker_spawned_s" not in got and rundir.worker_log_path(run_dir, 1).exists():
+        if "to_worker_spawned_s" not in got and log.exists():
             got["to_worker_spawned_s"] = time.monotonic() - t0
         if "to_socket_ready_s" not in got and run_dir.is_dir() and control(run_dir, "status", 1)[1] is None:
             got["to_socket_ready_s"] = time.monotonic() - t0
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
-    got["supervisor_exit"] = wait_exit(proc, 30)
+    got["supervisor_exit"] = wait_exit(proc, limit_s)
     return got
 
 

@@ -40,6 +40,8 @@ from hangwatch.supervisor.cli.remote import client_for, daemon_options, fail
 from hangwatch.supervisor.cli.client import ClientError
 
 if TYPE_CHECKING:
+    import subprocess
+
     from hangwatch.common.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout hangwatch runs from (an editable install)
@@ -166,7 +168,10 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
     FAIL stops the run with exit 78 before anything starts; --no-doctor skips them.
     Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
     """
-    from hangwatch.supervisor import app
+    from hangwatch.supervisor.ops import lean_imports, logsetup
+
+    logsetup.import_structlog()  # first: what is imported below finds it without what a supervisor never uses
+    lean_imports.import_without("hangwatch.common.config", defer=("secrets",))  # pydantic without OpenSSL
     from hangwatch.supervisor.cli.summary import finished_hint, slurm_text
 
     command = ctx.meta.get("worker_command")
@@ -189,8 +194,12 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
 
         for line in command_preamble(cfg, config):
             click.echo(line, err=True)
-    if not no_doctor and cfg.worker.command is None:
-        preflight(config, cfg.run_dir)
+    doctor = start_preflight(config, cfg.run_dir) if not no_doctor and cfg.worker.command is None else None
+    try:
+        from hangwatch.supervisor import app  # while the doctor's child runs: the two overlap
+    finally:
+        if doctor is not None:
+            end_preflight(doctor, config)
     code = app.run(cfg)
     # 73: another supervisor holds the run dir, nothing ran: no summary of someone else's run.  A 78 here is a
     # worker's (a rank's) configuration error: the summary says which.
@@ -207,23 +216,35 @@ def doctor_argv(config: str, run_dir: Optional[str], *flags: str) -> list[str]:
     return argv + (["--run-dir", str(run_dir)] if run_dir else [])
 
 
-def preflight(config: str, run_dir: str) -> None:
-    """The doctor's cheap set before the first attempt: what needs attention on stderr; a FAIL exits 78
-    (hours of GPU time are not spent on a run the checks say will fail).  A doctor that itself breaks
-    (any other exit) is reported and the run goes on: the checks are advice, not a gate on hangwatch's own bugs."""
+def start_preflight(config: str, run_dir: str) -> subprocess.Popen:
+    """The doctor's cheap set before the first attempt, started: a child process (`end_preflight` waits for it),
+    so that the supervisor's own imports overlap with it."""
     import subprocess
 
-    done = subprocess.run(doctor_argv(config, run_dir, "--cheap", "--plain"), capture_output=True, text=True)
-    for line in (done.stdout + done.stderr).splitlines():
+    return subprocess.Popen(doctor_argv(config, run_dir, "--cheap", "--plain"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def end_preflight(doctor: subprocess.Popen, config: str) -> None:
+    """The doctor's findings: what needs attention on stderr; a FAIL exits 78 (hours of GPU time are not spent
+    on a run the checks say will fail).  A doctor that itself breaks (any other exit) is reported and the run
+    goes on: the checks are advice, not a gate on hangwatch's own bugs."""
+    try:
+        stdout, stderr = doctor.communicate()
+    except BaseException:  # interrupted: the doctor does not outlive the command
+        doctor.kill()
+        doctor.wait()
+        raise
+    for line in (stdout + stderr).splitlines():
         click.echo(f"hangwatch: {line}" if not line.startswith("hangwatch:") else line, err=True)
-    if done.returncode == EXIT_CONFIG:
+    if doctor.returncode == EXIT_CONFIG:
         sys.exit(EXIT_CONFIG)
-    if done.returncode == EXIT_FAILED:
+    if doctor.returncode == EXIT_FAILED:
         click.echo("hangwatch: the preflight checks failed (above): nothing started. Fix them (details: "
                    f"`hangwatch doctor {config}`), or skip the checks with `hangwatch run --no-doctor`.", err=True)
         sys.exit(EXIT_CONFIG)
-    if done.returncode != EXIT_OK:
-        click.echo(f"hangwatch: warning: the preflight checks exited {done.returncode}; the run goes on without them", err=True)
+    if doctor.returncode != EXIT_OK:
+        click.echo(f"hangwatch: warning: the preflight checks exited {doctor.returncode}; the run goes on without them", err=True)
 
 
 def say_finished(hint: list[str]) -> None:

@@ -150,6 +150,8 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
         grid.add_row("queue", queue_text(st["queue"]))
     if isinstance(st.get("remediation"), dict):
         grid.add_row("remediation", str(st["remediation"].get("words")))
+    if isinstance(st.get("standby"), dict):
+        grid.add_row("standby", standby_text(st["standby"]))
     if isinstance(st.get("nodes"), dict):
         grid.add_row("nodes", nodes_text(st["nodes"]))
     if isinstance(st.get("quarantine"), dict):
@@ -159,6 +161,17 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
+
+
+def standby_text(sb: dict) -> str:
+    """restart.prewarm's standby: `attempt 3 ready (pid 4242, preloaded in 4.1s; 812 MiB RAM, no GPU memory)`."""
+    what = sb.get("state") or "?"
+    if what == "ready" and sb.get("preload_s") is not None:
+        what += f" (preloaded in {sb['preload_s']:.1f}s)"
+    elif what == "preload failed":
+        what += f" ({sb.get('error')}; the restart loads cold)"
+    ram = f"{sb['rss_mb']:.0f} MiB RAM" if isinstance(sb.get("rss_mb"), (int, float)) else "RAM unknown"
+    return f"attempt {sb.get('attempt')} {what}, pid {sb.get('pid')}: {ram}, no GPU memory until released"
 
 
 def goodput_text(snap: dict) -> str:

@@ -14,7 +14,6 @@ from hangwatch.common.config import Config
 from hangwatch.common.rundir import STATE_NAME, read_json
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.control.paths import socket_path_for
-from hangwatch.supervisor.cli.report.data import read_resume_audits
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.records.goodput import goodput_line, read_goodput
 
@@ -42,6 +41,8 @@ def run_summary(run_dir: str, code: int) -> list[str]:
 def goodput_lines(run_dir: Path) -> list[str]:
     """The goodput line (goodput.json), then one line per resume audit: "resume after incident 0003: resume
     verified: steps 31–39 replayed, loss bitwise equal"; nothing for what the run dir does not hold."""
+    from hangwatch.supervisor.cli.report.data import read_resume_audits  # the report's reader, once a run has ended
+
     out = []
     snap = read_goodput(run_dir)
     if snap is not None:

@@ -7,8 +7,9 @@
     listener.py      creating the socket file safely
     server.py        the non-blocking `ControlServer` the supervisor loop polls
 
-`ControlServer` and `make_control` load on first use, so that a client (`hangwatch status`), which
-needs only `paths`, does not import the server and its logging stack.
+Only `paths` loads with the package; the names of the others load on first use, so that a client
+(`hangwatch status`), which needs only `paths`, imports neither the server and its logging stack nor the
+peer policy and the wire format.
 """
 from __future__ import annotations
 
@@ -23,19 +24,20 @@ from hangwatch.supervisor.control.paths import (
     socket_path_in,
     unix_address,
 )
-from hangwatch.supervisor.control.peer import ControlSocketError, PeerCred, PeerPolicy, peer_credentials
-from hangwatch.supervisor.control.wire import Handler, Pending, encode_reply, error_reply, parse_request
 
-_SERVER_NAMES = ("ControlServer", "make_control")
+_LATER = {  # name → the submodule it loads from, at first use
+    **dict.fromkeys(("ControlSocketError", "PeerCred", "PeerPolicy", "peer_credentials"), "peer"),
+    **dict.fromkeys(("Handler", "Pending", "encode_reply", "error_reply", "parse_request"), "wire"),
+    **dict.fromkeys(("ControlServer", "make_control"), "server"),
+}
 
-__all__ = ["DEFAULT_SOCKET_NAME", "SOCKET_PATH_FILE", "ControlSocketError", "Handler", "PeerCred", "PeerPolicy",
-           "Pending", "encode_reply", "error_reply", "parse_request", "peer_credentials", "record_socket_path",
-           "socket_path_for", "socket_path_in", "unix_address", *_SERVER_NAMES]
+__all__ = ["DEFAULT_SOCKET_NAME", "SOCKET_PATH_FILE", "record_socket_path", "socket_path_for", "socket_path_in",
+           "unix_address", *_LATER]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _SERVER_NAMES:
+    if name not in _LATER:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.server"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{_LATER[name]}"), name)
     globals()[name] = value
     return value

@@ -726,6 +726,8 @@ class Supervisor:
             self.start_attempt(now)
         elif not self._escalated(now) and self.after_teardown is not Intent.NONE:
             self.graceful_stop(now)
+        elif self.stepped and self.lifecycle.state is State.RUNNING and self.expired is None:
+            self.prewarm.keep(self.current, now)  # restart.prewarm: always — the next attempt's standby, ready before a failure
 
     def stopping(self, now: float) -> None:
         if not self._escalated(now) and self.force:
@@ -1221,7 +1223,7 @@ class Supervisor:
             incidents=self.incidents.count, gpu=lambda: self.gpu.summary(now),
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
             output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
-            goodput=self.goodput.snapshot)
+            goodput=self.goodput.snapshot, standby=lambda: self.prewarm.describe(now))
         v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
                  worker=cur.worker if cur else None, watching=watching, main=dl.ranks.get(dl.main_rank()),
                  restarts=facts.restarts, last_step=last, last_good_checkpoint=facts.last_good_checkpoint,

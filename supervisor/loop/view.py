@@ -37,6 +37,7 @@ class Readers:
     queue: Callable[[], Optional[dict]]  # continuous mode: the inbox
     output: Callable[[], Optional[dict]] = lambda: None  # the worker's output as evidence (`output_tail.evidence`)
     goodput: Callable[[], Optional[dict]] = lambda: None  # the goodput ledger's snapshot (`records.goodput`)
+    standby: Callable[[], Optional[dict]] = lambda: None  # restart.prewarm's standby (`processes.prewarm.describe`)
 
 
 class _Read:
@@ -91,6 +92,7 @@ class View:
     queue = _Read()
     output = _Read()
     goodput = _Read()
+    standby = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -140,6 +142,7 @@ def status_reply(v: View) -> dict:
         "queue": v.queue,
         "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
         "goodput": v.goodput,  # where the run's time went, by category (`records.goodput`)
+        "standby": v.standby,  # restart.prewarm: the next attempt's process, loading or ready, and its RAM
         **v.healing,  # self-healing: the micro-batch after OOMs, quarantined examples
         "nodes": v.nodes,  # multi-node: generation, peers, torchrun rounds
     }

@@ -21,6 +21,13 @@ Taps (`add_tap`): functions that see every event dict the supervisor logs (after
 rendering) — how alerts and metrics learn what happened without a hook in the loop.  A tap must be
 cheap and must not block (append to a deque; the ops layer reads it at the end of the loop's pass); one
 that raises is ignored, never a reason to lose a log line.
+
+`import_structlog` (what `hangwatch run` calls before anything imports structlog): importing structlog
+imports its development renderer, and with it rich (tracebacks, pretty-printing, pygments: about 5 MiB of a
+supervisor's memory) whenever rich is installed, and asyncio (its async loggers: another 2.5 MiB).  The
+supervisor uses rich only through the coloured console lines on a terminal, and asyncio never, so it
+imports structlog without rich when its stderr is not a terminal (a service, a pipe, a file: the console
+lines are logfmt), and with an asyncio that is imported at its first use.  The lines are the same.
 """
 from __future__ import annotations
 
@@ -31,9 +38,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Optional, TextIO
 
-import structlog
-
 from hangwatch.common.rundir import SUPERVISOR_LOG_NAME
+from hangwatch.supervisor.ops.lean_imports import import_without
 
 LOG_NAME = SUPERVISOR_LOG_NAME
 ROOT_LOGGER = "hangwatch"
@@ -62,6 +68,17 @@ def _run_taps(logger, name, event_dict: dict) -> dict:
     return event_dict
 
 
+def import_structlog(terminal: Optional[bool] = None) -> None:
+    """Import structlog for a supervisor whose stderr is a terminal (`terminal`; default: ask sys.stderr) or
+    not: without rich when it is not, asyncio deferred to its first use either way (the module docstring says
+    why).  Nothing happens when structlog is already imported."""
+    if "structlog" in sys.modules:
+        return
+    if terminal is None:
+        terminal = _isatty(sys.stderr)
+    import_without("structlog", defer=("asyncio",), hide=() if terminal else ("rich",))
+
+
 def log_path(run_dir: os.PathLike | str, environ: Optional[Mapping[str, str]] = None) -> Path:
     """Where the supervisor log is written: $LOGS_DIRECTORY under systemd, else the run dir."""
     env = os.environ if environ is None else environ
@@ -82,6 +99,8 @@ def configure(
 
     Calling it again replaces the previous set-up (tests, a second run in one process).
     """
+    import structlog
+
     stream = sys.stderr if stream is None else stream
     path = log_path(run_dir, environ)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,17 @@ the tree scan would otherwise count as an orphan of the failed worker and kill);
 touches no checkpoint before its release; its output goes to `<run_dir>/standby.log`, moved into the
 attempt's directory as its `worker.log` at release.
 
+With `restart.prewarm: always` the standby does not wait for a failure: it is spawned as soon as the
+current attempt has taken its first step (its own loading is over, so the two never compete for the
+CPU and the disk at start-up), and is ready long before anything fails — a restart then costs the
+kill, the GPU release, the checkpoint's load and the move to the device.  It holds the base model in
+host RAM the whole time (shown by `status`: `describe`), and no GPU memory.  A standby that dies is
+replaced after a back-off (1 s, doubling up to a minute while they keep dying).
+
 `Prewarm`, owned by the reconciler, is the whole lifecycle:
+    keep     `always`, every pass while the current attempt trains: spawn one when there is none;
     begin    at a stall, an exit the policy restarts, or a graceful `restart`: spawn it (once);
-    poll     every pass: reap it if it died (a dead standby only means a cold spawn);
+    poll     every pass: reap it if it died (a dead standby only means a cold spawn; `always` replaces it);
     take     when the next attempt starts: release it and hand over its `Worker`; None → spawn cold
              (no standby, it died, the release failed);
     discard  when no restart follows (stop, pause, failed, finished) or the run ends: SIGKILL to its
@@ -43,7 +51,7 @@ import structlog
 
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
-from hangwatch.common.rundir import WORKER_LOG_NAME
+from hangwatch.common.rundir import STANDBY_READY_NAME, WORKER_LOG_NAME, read_json
 from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
@@ -53,6 +61,18 @@ log = structlog.get_logger("hangwatch")
 
 STANDBY_FLAG = "--standby"  # the worker's switch (daemon/prewarm.py reads the release it then waits for)
 STANDBY_LOG_NAME = "standby.log"  # in the run dir until the release moves it into the attempt's directory
+REPLACE_AFTER_S = 1.0  # `always`: a standby that died is replaced after this, doubled for each death in a row …
+REPLACE_AFTER_MAX_S = 60.0  # … up to this
+
+
+def rss_of(pid: int) -> Optional[int]:
+    """A process's resident set in bytes (None: gone, or not ours to read)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except (psutil.Error, OSError):
+        return None
 
 
 def ineligible(cfg: Config) -> Optional[str]:
@@ -65,6 +85,9 @@ def ineligible(cfg: Config) -> Optional[str]:
         return f"worker.nnodes is {cfg.worker.nnodes}: a multi-node attempt is a new rendezvous, not a held process"
     if cfg.worker.nproc_per_node > 1:
         return f"worker.nproc_per_node is {cfg.worker.nproc_per_node}: only a single-process worker is prewarmed"
+    if cfg.model.load_in_4bit:
+        return ("model.load_in_4bit: a quantised model is placed on the GPU as it loads, and a standby must hold no GPU "
+                "memory")
     return None
 
 
@@ -156,9 +179,12 @@ class Prewarm:
     table: ProcessTable
     fs: FsOps = field(default_factory=FsOps)
     spawn: SpawnStandby = spawn_standby
+    rss: Callable[[int], Optional[int]] = rss_of
     standby: Optional[Standby] = None
     dying: list[Worker] = field(default_factory=list)  # discarded, killed, not reaped yet
     why_not: Optional[str] = None
+    deaths: int = 0  # standbys that died in a row (`always` backs off their replacement)
+    replace_at: Optional[float] = None  # `always`: not before this after a death
 
     def __post_init__(self):
         self.why_not = ineligible(self.cfg)
@@ -166,24 +192,64 @@ class Prewarm:
             log.warning("prewarm_off", why=self.why_not)
 
     @property
+    def always(self) -> bool:
+        return self.why_not is None and self.cfg.restart.prewarm == "always"
+
+    @property
     def log_path(self) -> Path:
         return Path(self.cfg.run_dir) / STANDBY_LOG_NAME
+
+    @property
+    def ready_path(self) -> Path:
+        return Path(self.cfg.run_dir) / STANDBY_READY_NAME
+
+    def keep(self, current: attempts.Attempt, now: float) -> None:
+        """`always`: the current attempt trains (it has stepped) — have its successor's standby loading or ready."""
+        if not self.always or self.standby is not None or (self.replace_at is not None and now < self.replace_at):
+            return
+        self._spawn(current, now, "always" if not self.deaths else f"always (replacing a standby that died, {self.deaths} in a row)")
 
     def begin(self, current: attempts.Attempt, intent: Intent, decision: Optional[Decision], now: float, why: str) -> None:
         """A restart is (probably) coming: spawn the next attempt's standby now, unless there is one."""
         if self.why_not is not None or self.standby is not None or not wanted(intent, decision):
             return
+        self._spawn(current, now, why)
+
+    def _spawn(self, current: attempts.Attempt, now: float, why: str) -> None:
         number = current.number + 1
         argv = attempts.worker_argv(self.cfg, self.config_path) + [STANDBY_FLAG]
         env = attempts.worker_env(self.cfg, number)  # HANGWATCH_RESUME_FROM is empty until the release
+        self._forget_ready()
         try:
             proc = self.spawn(argv, env=env, cwd=self.cfg.worker.cwd, log_path=self.log_path, now=now)
         except OSError as exc:  # the restart spawns cold, and a real problem shows there
             log.warning("standby_spawn_failed", attempt=number, error=str(exc))
+            self._died(now)
             return
         current.foreign.add(proc.worker.pid)
         self.standby = Standby(number, proc, now, why)
+        self.replace_at = None
         log.info("standby_spawned", attempt=number, pid=proc.worker.pid, why=why, log=str(self.log_path))
+
+    def _died(self, now: float) -> None:
+        """A standby died (or could not be spawned): `always` replaces it, later each time it happens again."""
+        self.deaths += 1
+        if self.always:
+            self.replace_at = now + min(REPLACE_AFTER_MAX_S, REPLACE_AFTER_S * 2 ** (self.deaths - 1))
+
+    def describe(self, now: float) -> Optional[dict]:
+        """What `status` shows of the standby: attempt, pid, loading or ready, its RAM (no GPU memory before its
+        release), its age; None when there is none."""
+        sb = self.standby
+        if sb is None:
+            return None
+        ready = read_json(self.ready_path)
+        ready = ready if isinstance(ready, dict) and ready.get("pid") == sb.worker.pid else None
+        rss = self.rss(sb.worker.pid)
+        state = "loading" if ready is None else ("ready" if not ready.get("error") else "preload failed")
+        return {"attempt": sb.number, "pid": sb.worker.pid, "state": state, "why": sb.why,
+                "rss_mb": None if rss is None else round(rss / (1 << 20), 1), "age_s": round(now - sb.spawned_at, 3),
+                "preload_s": ready.get("preload_s") if ready else None, "error": ready.get("error") if ready else None}
 
     def poll(self, now: float) -> None:
         """Reap what died: the standby (then there is none) and the discarded ones."""
@@ -191,8 +257,12 @@ class Prewarm:
         if sb is not None and self._reaped(sb.worker, now):
             self.standby = None
             sb.proc.close()
+            self._forget_ready()
+            self._died(now)
+            note = (f"replaced in {self.replace_at - now:g}s" if self.replace_at is not None
+                    else "the restart will spawn cold")
             log.warning("standby_died", attempt=sb.number, pid=sb.worker.pid, code=sb.worker.exit_code,
-                        signal=sb.worker.exit_signal, log=str(self.log_path), note="the restart will spawn cold")
+                        signal=sb.worker.exit_signal, log=str(self.log_path), note=note)
         self.dying = [w for w in self.dying if not self._reaped(w, now)]
 
     def take(self, number: int, adir: Path, resume_from: str, now: float) -> Optional[Worker]:
@@ -208,6 +278,7 @@ class Prewarm:
                        else "gone before its release")
             return None
         log_path = adir / WORKER_LOG_NAME
+        self._forget_ready()
         try:
             self.fs.rename(self.log_path, log_path)  # the standby keeps writing to the same file
             sb.proc.release(release_line(number, resume_from))
@@ -215,6 +286,7 @@ class Prewarm:
             self._kill(sb, now, f"release failed: {exc}")
             return None
         w.log_path, w.started_at = log_path, now
+        self.deaths = 0
         log.info("standby_released", attempt=number, pid=w.pid, resume_from=resume_from or None,
                  standby_age_s=round(now - sb.spawned_at, 3), why_spawned=sb.why)
         return w
@@ -236,8 +308,15 @@ class Prewarm:
             self.fs.unlink(self.log_path)  # a discarded standby's log says nothing about any attempt
         except OSError:
             pass
+        self._forget_ready()
         log.info("standby_discarded", attempt=sb.number, pid=w.pid, why=why)
         self.dying = [d for d in self.dying if not self._reaped(d, now)]
+
+    def _forget_ready(self) -> None:
+        try:
+            self.fs.unlink(self.ready_path)
+        except OSError:
+            pass
 
     def close(self, now: float, timeout_s: float = 1.0) -> None:
         """The supervisor is leaving (its loop is over, or it is failing): no standby outlives it, none is

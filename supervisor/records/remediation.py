@@ -1,9 +1,20 @@
 """OOM remediation for the built-in worker: what the next attempt runs with after an out-of-memory failure,
 and where that is kept so that it survives a supervisor restart.  Pure decisions plus one small file.
 
-The ladder (`next_setting`, table-tested): an out-of-memory failure — the worker's CUDA OOM or the injected
-`oom` fault (incident kind `oom`), or a kernel OOM kill the evidence shows — restarts from the last good
-checkpoint with
+The first out-of-memory failure of a run — the worker's CUDA OOM or an injected one (incident kind `oom`), or a
+kernel OOM kill the evidence shows — restarts from the last good checkpoint with a micro-batch picked from the
+evidence when it holds together (`supervisor.records.oom_evidence`): the failed step's need (allocated +
+requested in torch's message, the peaks), the capacity (the per-process cap, or free + held by PyTorch), the
+weights' share the worker measured once the model was on the device, and the micro-batch that failed give
+need(m) ≈ weights + m · per-example, and the pick is the largest divisor d of the effective batch (micro-batch ×
+accumulation) with need(d) ≤ 90 % of the capacity (`oom_evidence.MARGIN`), below the failed micro-batch and at
+most the ladder's own next rung (the figures bound the need from below, so a pick is never bolder than halving).
+The accumulation becomes effective / d: the effective batch, the data order and the LR schedule stay exactly the
+same.  No d fits, not even 1: the last rung at once, micro-batch 1 with gradient checkpointing.
+
+Without such evidence (no figures: the injected `oom` fault's message, a kernel OOM kill, a CPU run; an OOM
+outside a training step; or figures that contradict each other), and for every later OOM of the run, the ladder
+(`next_setting`, table-tested) goes on from the setting in force:
 
   1. the micro-batch halved and the accumulation doubled, so that micro-batch × accumulation, the effective
      batch, stays exactly the same: the step's examples are the same `micro × accum × world` examples of
@@ -13,6 +24,13 @@ checkpoint with
   2. repeated down to micro-batch 1;
   3. then gradient checkpointing is turned on (unless the config already has it);
   4. then nothing is left: the run ends `failed` with a message naming everything that was tried.
+
+Each remedy says which way it was decided: the incident's `remediation` field and the history entry carry
+`basis` — "evidence" with the figures and the estimate (`evidence`), or "ladder" with why the evidence did not
+suffice (`why`) — and the message says it in words ("out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB
+requested of 4.0 GiB allowed, weights 700 MiB → about 0.98 GiB per example; restarting from the last good
+checkpoint with micro-batch 2 × accumulation 8 (effective batch 16 unchanged), about 2.6 GiB of 3.6 GiB (90% of
+the capacity)").
 
 Persistence: `<run_dir>/remediation.json`, written durably (temp file, fsync, rename) by the supervisor
 before the restart it applies to, and read by the worker when it starts (`daemon.trainer.remediation`),
@@ -24,7 +42,8 @@ longer matches it (the user changed the batch) ignores the file, and so does `cu
 Format (version 1):
   {"version": 1, "configured": {micro_batch_size, grad_accum, gradient_checkpointing},
    "micro_batch_size": M, "grad_accum": A, "gradient_checkpointing": bool,
-   "history": [{"attempt", "step", "incident", "from": {...}, "to": {...}, "t"}]}
+   "history": [{"attempt", "step", "incident", "from": {...}, "to": {...}, "t",
+                "basis": "evidence" | "ladder", "evidence": {...} | "why": "..."}]}
 """
 from __future__ import annotations
 
@@ -36,6 +55,8 @@ from typing import Any, Optional
 
 from hangwatch.common.durable import write_json_atomic
 from hangwatch.common.rundir import QUARANTINE_NAME, read_json, read_jsonl
+from hangwatch.supervisor.records import oom_evidence
+from hangwatch.supervisor.records.oom_evidence import gib
 
 REMEDIATION_NAME = "remediation.json"
 FORMAT_VERSION = 1
@@ -95,34 +116,87 @@ def tried_words(record: Optional[dict], base: Setting) -> str:
 
 @dataclass(frozen=True)
 class Remedy:
-    """What one out-of-memory failure leads to: a new setting (`to`), or none (`exhausted`) with why."""
+    """What one out-of-memory failure leads to: a new setting (`to`), or none (`exhausted`) with why; decided from
+    the evidence (`basis` "evidence", its `evidence` figures) or by the ladder (`why` the evidence did not do)."""
 
     from_: Setting
     to: Optional[Setting]
     message: str
+    basis: str = "ladder"
+    evidence: Optional[dict] = None
+    why: Optional[str] = None
 
     @property
     def exhausted(self) -> bool:
         return self.to is None
 
+    def basis_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"basis": self.basis}
+        if self.evidence is not None:
+            out["evidence"] = self.evidence
+        if self.why:
+            out["why"] = self.why
+        return out
+
     def fields(self) -> dict[str, Any]:
         """The incident's `remediation` field."""
         return {"action": "failed" if self.exhausted else "restart_with", "from": self.from_.as_dict(),
-                "to": self.to.as_dict() if self.to else None, "message": self.message}
+                "to": self.to.as_dict() if self.to else None, "message": self.message, **self.basis_fields()}
 
 
-def decide(record: Optional[dict], cfg) -> Remedy:
-    """The remedy for an out-of-memory failure of a run whose remediation file holds `record` (None: none yet)."""
+def decide(record: Optional[dict], cfg, evidence: Optional[oom_evidence.Evidence] = None) -> Remedy:
+    """The remedy for an out-of-memory failure of a run whose remediation file holds `record` (None: none yet):
+    the first one picked from `evidence` when it holds together, else (and for every later one) the ladder."""
     base = configured(cfg)
     now = current(record, cfg)
+    history = record.get("history") if valid_for(record, base) else None
+    if isinstance(history, list) and history:
+        why = (f"{len(history)} out-of-memory restart(s) already: the ladder goes on from micro-batch "
+               f"{now.micro_batch_size}")
+    elif now.micro_batch_size <= 1:
+        why = "micro-batch 1 already: nothing smaller to pick"
+    else:
+        try:
+            est, why = oom_evidence.estimate(evidence, now.micro_batch_size)
+        except (ArithmeticError, LookupError, TypeError, ValueError) as exc:  # a file that says odd things: no pick
+            est, why = None, f"the memory figures could not be read ({type(exc).__name__}: {exc})"
+        if est is not None:
+            return from_evidence(now, est)
+    return ladder(record, base, now, why)
+
+
+def from_evidence(now: Setting, est: oom_evidence.Estimate) -> Remedy:
+    """The evidence-based remedy: the largest fitting divisor of the effective batch, never above the ladder's next
+    micro-batch; micro-batch 1 with gradient checkpointing when none fits."""
+    d = oom_evidence.pick(est, now.effective, smaller_micro(now.micro_batch_size))
+    if d is not None:
+        to = Setting(d, now.effective // d, now.gradient_checkpointing)
+        what = (f"micro-batch {to.micro_batch_size} × accumulation {to.grad_accum} (effective batch {to.effective} "
+                f"unchanged)")
+        fits = f"{gib(est.need(d))} of {gib(est.budget_mb)} ({est.margin:.0%} of the capacity)"
+        return Remedy(now, to, f"{est.words()}; restarting from the last good checkpoint with {what}, about {fits}",
+                      basis="evidence", evidence={**est.fields(), "picked": d, "need_at_pick_mb": round(est.need(d), 1)})
+    to = Setting(1, now.effective, True)
+    gc = "(gradient checkpointing stays on)" if now.gradient_checkpointing else "and gradient checkpointing"
+    return Remedy(now, to, f"{est.words()}; even micro-batch 1 would need about {gib(est.need(1))} of "
+                           f"{gib(est.budget_mb)} ({est.margin:.0%} of the capacity): restarting from the last good "
+                           f"checkpoint with micro-batch 1 × accumulation {to.grad_accum} (effective batch "
+                           f"{to.effective} unchanged) {gc}",
+                  basis="evidence", evidence={**est.fields(), "picked": None, "need_at_pick_mb": round(est.need(1), 1)})
+
+
+def ladder(record: Optional[dict], base: Setting, now: Setting, why: str) -> Remedy:
+    """The ladder's next rung after `now` (`why`: why the evidence did not decide), or none left."""
     to = next_setting(now)
     if to is None:
         return Remedy(now, None, f"out of memory with every remedy tried ({tried_words(record, base)}); lower "
-                                 "data.max_length, use a smaller model or model.load_in_4bit, or a device with more memory")
+                                 "data.max_length, use a smaller model or model.load_in_4bit, or a device with more memory",
+                      why=why)
     what = ("gradient checkpointing turned on" if to.gradient_checkpointing and not now.gradient_checkpointing
             else f"micro-batch {now.micro_batch_size} → {to.micro_batch_size}, accumulation {now.grad_accum} → "
                  f"{to.grad_accum} (effective batch {to.effective} unchanged)")
-    return Remedy(now, to, f"out of memory: restarting from the last good checkpoint with {what}")
+    return Remedy(now, to, f"out of memory: restarting from the last good checkpoint with {what}; the ladder: {why}",
+                  why=why)
 
 
 def current(record: Optional[dict], cfg) -> Setting:
@@ -152,7 +226,7 @@ def applied(record: Optional[dict], cfg, remedy: Remedy, *, attempt: int, step: 
     base = configured(cfg)
     history = list(record.get("history", [])) if valid_for(record, base) else []
     history.append({"attempt": attempt, "step": step, "incident": incident, "from": remedy.from_.as_dict(),
-                    "to": remedy.to.as_dict(), "t": time.time() if now is None else now})
+                    "to": remedy.to.as_dict(), "t": time.time() if now is None else now, **remedy.basis_fields()})
     return {"version": FORMAT_VERSION, "configured": base.as_dict(), **remedy.to.as_dict(), "history": history}
 
 
@@ -192,13 +266,13 @@ class OomRemediation:
         self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
 
     def on_failure(self, kind: str, *, attempt: int, step: Optional[int], incident: Optional[str],
-                   now: Optional[float] = None) -> Optional[Remedy]:
+                   now: Optional[float] = None, evidence: Optional[oom_evidence.Evidence] = None) -> Optional[Remedy]:
         """For an attempt that failed with `kind`: the remedy (already saved when it is a new setting), or None
-        (not an OOM, or not the built-in worker)."""
+        (not an OOM, or not the built-in worker).  `evidence`: what the failed attempt left about memory."""
         if not self.enabled or kind != OOM_KIND:
             return None
         record = load(self.run_dir)
-        remedy = decide(record, self.cfg)
+        remedy = decide(record, self.cfg, evidence)
         if not remedy.exhausted:
             save(self.run_dir, applied(record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now))
         return remedy
@@ -208,7 +282,7 @@ class OomRemediation:
 
 
 def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, *, attempt: int,
-               step: Optional[int], now: Optional[float] = None):
+               step: Optional[int], now: Optional[float] = None, evidence: Optional[oom_evidence.Evidence] = None):
     """The restart policy's `decision` on an ended attempt, with OOM remediation applied: for an out-of-memory
     failure the policy restarts, the remedy is saved and named in the decision's reason and in the incident
     (`remediation`); with every remedy tried the run fails instead, with the message saying what was tried.
@@ -218,7 +292,8 @@ def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, 
     if decision is None or decision.action != "restart" or kind is None:
         return decision
     try:
-        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=getattr(incident, "id", None), now=now)
+        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=getattr(incident, "id", None), now=now,
+                                   evidence=evidence)
     except OSError as exc:  # the remedy must reach the next attempt through the file: without it, it would OOM again
         return Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}")
     if remedy is None:
@@ -256,14 +331,20 @@ class _ConfigLike:
 
 def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLike | str) -> None:
     """Self-healing on an attempt that ended by itself (`episode` from `Episode.exited`): an OOM gets its remedy
-    (`after_exit`, the episode's decision replaced), a non-finite streak's incident lists the examples the
-    worker quarantined (below)."""
+    (`after_exit`, the episode's decision replaced), decided from the memory evidence the failing rank left (its
+    last words and step beats in the attempt's directory; the incident's `culprit_rank` with several ranks); a
+    non-finite streak's incident lists the examples the worker quarantined (below)."""
 
     inc = episode.incident
     if episode.kind == "nan" and inc is not None:
         inc.data.update(quarantine_fields(run_dir, attempt))
     step = inc.data.get("step") if inc is not None else None
-    episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step)
+    evidence = None
+    if handle.enabled and episode.kind == OOM_KIND:
+        rank = inc.data.get("culprit_rank") if inc is not None else None
+        evidence = oom_evidence.gather(run_dir, attempt, rank if isinstance(rank, int) else 0)
+    episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step,
+                                  evidence=evidence)
 
 
 def state_fields(run_dir: os.PathLike | str) -> dict:

@@ -8,75 +8,12 @@ standby preloaded), and its worker.log, which
 begins with the standby's own lines."""
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
-import yaml
 
-from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, state, wait_no_strays
-from fixtures.fakes.workers import safetensors_raw
+from fixtures.fakes.demo_runs import beats, config, events, final_weights, finish, start
+from fixtures.fakes.sup_harness import incidents, wait_no_strays
 
 pytestmark = pytest.mark.slow
-
-DEMO = ROOT / "configs" / "demo.yaml"
-
-
-def config(tmp_path: Path, name: str, faults: list) -> tuple[Path, Path]:
-    """The demo's tiny model, 12 steps, checkpoints every 2 confirmed after 1, prewarm on."""
-    cfg = yaml.safe_load(DEMO.read_text())
-    run_dir = tmp_path / name
-    cfg.update(
-        run_dir=str(run_dir),
-        data={"train": str(ROOT / "configs/data/train.jsonl"), "eval": str(ROOT / "configs/data/eval.jsonl"),
-              "max_length": 64},
-        faults=faults,
-        # a step takes ~0.2 s; the step deadline only has to stay out of the way of a slow, healthy step
-        watchdog={"startup_timeout_s": 300, "silence_timeout_s": 60, "step_timeout_s": 8, "first_steps_timeout_s": 120,
-                  "dump_grace_s": 2, "term_grace_s": 2, "poll_interval_s": 0.1, "py_spy": False,
-                  "phase_budgets_s": {"eval": 120, "generate": 30, "checkpoint": 120}},
-        restart={"backoff_initial_s": 0, "max_restarts": 3, "prewarm": True},
-    )
-    cfg["train"].update(max_steps=12, sleep_per_step_s=0.0)
-    cfg["eval"].update(every_steps=0)
-    cfg["checkpoint"].update(every_steps=2, confirm_steps=1, keep_last=3)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, run_dir
-
-
-def start(cfg_path: Path, out: Path) -> subprocess.Popen:
-    with open(out, "w") as f:
-        return subprocess.Popen([PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)], cwd=ROOT, env=env(),
-                                stdout=f, stderr=subprocess.STDOUT)
-
-
-def finish(p: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> None:
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise AssertionError(f"supervisor did not finish in {timeout}s:\n{out.read_text()[-5000:]}")
-    assert rc == 0, out.read_text()[-6000:]
-    assert state(run_dir)["state"] == "finished", out.read_text()[-6000:]
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "supervisor.log").read_text().splitlines() if x.startswith("{")]
-
-
-def beats(run_dir: Path, attempt: int) -> list[dict]:
-    f = run_dir / "attempts" / f"{attempt:04d}" / "heartbeat-rank0.jsonl"
-    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-
-
-def final_weights(run_dir: Path) -> dict:
-    files = sorted((run_dir / "final").glob("*.safetensors"))
-    assert files, f"no safetensors in {run_dir / 'final'}"
-    return {f.name: safetensors_raw(f) for f in files}
-
 
 @pytest.mark.timeout(600)
 def test_a_hang_restarts_from_the_standby_and_ends_in_the_uninterrupted_weights(tmp_path):

@@ -17,15 +17,15 @@ the resume from the last good checkpoint, and a finished run; then equal final w
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
+from fixtures.fakes.demo_runs import finish, start
 from fixtures.fakes.workers import safetensors_raw
-from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
+from fixtures.fakes.sup_harness import ROOT, incidents, run_supervisor, state
 
 pytestmark = pytest.mark.slow
 
@@ -144,30 +144,19 @@ class Background:
         self.procs = {}
         for name, faults in runs.items():
             cfg_path, run_dir = config(tmp, name, faults)
-            log = open(tmp / f"{name}.out", "w")
-            p = subprocess.Popen([PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)], cwd=ROOT, env=env(), stdout=log,
-                                 stderr=subprocess.STDOUT)
-            self.procs[name] = (p, run_dir, log, tmp / f"{name}.out")
+            out = tmp / f"{name}.out"
+            self.procs[name] = (start(cfg_path, out), run_dir, out)
 
     def finish(self, name: str, timeout: float) -> Path:
-        p, run_dir, log, out = self.procs[name]
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            raise AssertionError(f"{name}: supervisor did not finish in {timeout}s:\n{out.read_text()[-5000:]}")
-        log.close()
-        assert rc == 0, out.read_text()[-6000:]
-        assert state(run_dir)["state"] == "finished"
+        p, run_dir, out = self.procs[name]
+        finish(p, run_dir, out, timeout)
         return run_dir
 
     def close(self) -> None:
-        for p, _, log, _ in self.procs.values():
+        for p, _, _ in self.procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-            log.close()
 
 
 @pytest.fixture(scope="module")

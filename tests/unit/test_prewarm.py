@@ -9,11 +9,11 @@ import io
 import json
 import signal
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
-from fixtures.fakes.fake_supervisor import FakeProcessTable, FakeWorker, Harness
+from fixtures.fakes.fake_supervisor import Harness
+from fixtures.fakes.standby import prewarmed
 from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
@@ -21,7 +21,6 @@ from hangwatch.daemon import prewarm as worker_side
 from hangwatch.supervisor.processes import prewarm
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
-from hangwatch.supervisor.processes.process import Worker
 
 
 # ---- the pure parts ----------------------------------------------------------------------------
@@ -39,10 +38,27 @@ def cfg(**over) -> Config:
     (cfg(restart={"prewarm": False}), "restart.prewarm is off"),
     (cfg(worker={"command": ["python", "train.py"]}), "only the built-in worker"),
     (cfg(worker={"nproc_per_node": 2}), "only a single-process worker"),
+    (cfg(restart={"prewarm": "always"}), None),
+    (cfg(restart={"prewarm": "always"}, model={"name_or_path": "/m", "load_in_4bit": True, "device": "cuda"}),
+     "a standby must hold no GPU memory"),
 ])
 def test_which_runs_are_prewarmed(config, why):
     got = prewarm.ineligible(config)
     assert (got is None) if why is None else (why in got)
+
+
+@pytest.mark.parametrize("value, error", [("always", None), (True, None), ("sometimes", "restart.prewarm"), (3, "restart.prewarm")])
+def test_prewarm_takes_a_bool_or_always(value, error):
+    from hangwatch.common.config import ConfigError
+    from hangwatch.common.config.load import parse_config
+
+    text = f"run_dir: /tmp/r\ndata:\n  train: t.jsonl\nrestart:\n  prewarm: {value if not isinstance(value, bool) else str(value).lower()}\n"
+    if error is None:
+        assert parse_config(text, "c.yaml").restart.prewarm == value
+    else:
+        with pytest.raises(ConfigError) as info:
+            parse_config(text, "c.yaml")
+        assert any(p.startswith("c.yaml:5: restart.prewarm") for p in info.value.problems), info.value.problems
 
 
 RESTART, FAIL, FINISH = Decision("restart", "crash"), Decision("fail", "exit 78"), Decision("finish", "done")
@@ -83,7 +99,7 @@ def test_a_standby_refuses_a_release_it_cannot_trust(raw, problem):
 
 def fake_preload(monkeypatch, body):
     """The preload itself is torch's business: stand it in (these tests are about the wait and the release)."""
-    def run(cfg, into, out):
+    def run(cfg, into, out, attempt):
         body(into)
         into.ready_t = 1.0
     monkeypatch.setattr(worker_side, "preload", run)
@@ -128,57 +144,6 @@ def test_preload_records_a_failure_instead_of_raising(monkeypatch):
 
 
 # ---- the lifecycle on the fake supervisor -----------------------------------------------------
-
-
-class FakeStandby:
-    def __init__(self, spawner: "FakeStandbySpawn", worker: Worker, fake: FakeWorker):
-        self.spawner, self.worker, self.fake = spawner, worker, fake
-        self.lines: list[bytes] = []
-        self.closed = False
-
-    def release(self, line: bytes) -> None:
-        self.spawner.at_release.append(self.spawner.observe())
-        if self.spawner.broken or not self.fake.proc.alive:
-            raise BrokenPipeError(32, "Broken pipe")
-        self.lines.append(line)
-        self.closed = True
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeStandbySpawn:
-    """Spawns standbys into the fake table, as children of the supervisor (what the tree scan must not adopt)."""
-
-    def __init__(self, table: FakeProcessTable):
-        self.table = table
-        self.standbys: list[FakeStandby] = []
-        self.calls: list[tuple[list, dict]] = []
-        self.broken = False
-        self.observe = lambda: None  # what the test wants to know at the moment of a release
-        self.at_release: list = []
-        self.sent_at_spawn: list[list] = []
-
-    def __call__(self, argv, *, env, cwd, log_path: Path, now: float) -> FakeStandby:
-        self.calls.append((list(argv), dict(env)))
-        self.sent_at_spawn.append(list(self.table.sent))
-        log_path.write_text("standby log\n")
-        p = self.table.add()
-        fake = FakeWorker(self.table, p, int(env[ENV_ATTEMPT]), Path(env[ENV_HEARTBEAT_DIR]))
-        sb = FakeStandby(self, Worker(p.pid, p.create_time, list(argv), log_path, started_at=now), fake)
-        self.standbys.append(sb)
-        return sb
-
-
-def prewarmed(tmp_path, **kw) -> tuple[Harness, FakeStandbySpawn]:
-    """The fake supervisor with restart.prewarm on (the harness's own config names a foreign command)."""
-    h = Harness(tmp_path, **kw)
-    c = h.sup.cfg
-    eligible = c.model_copy(update={"worker": c.worker.model_copy(update={"command": None}),
-                                    "restart": c.restart.model_copy(update={"prewarm": True})})
-    spawner = FakeStandbySpawn(h.table)
-    h.sup.prewarm = prewarm.Prewarm(eligible, h.sup.config_path, h.table, fs=h.sup.fs, spawn=spawner)
-    return h, spawner
 
 
 def signalled(h: Harness, pid: int) -> list[int]:
@@ -314,7 +279,7 @@ def test_without_prewarm_nothing_is_spawned_beside_the_worker(tmp_path):
 def test_a_standby_spawn_that_fails_leaves_the_restart_cold(tmp_path):
     h, sp = prewarmed(tmp_path)
 
-    def refuse(*a, **kw) -> Optional[FakeStandby]:
+    def refuse(*a, **kw):
         raise PermissionError(13, "Permission denied")
 
     h.sup.prewarm.spawn = refuse
