@@ -10,6 +10,7 @@ the silence deadline fires and the tree is killed; the helper outlives SIGKILL. 
 Needs root and the v1 freezer hierarchy (skipped elsewhere, saying so)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -77,6 +78,18 @@ def frozen():
     f.remove()
 
 
+@contextlib.contextmanager
+def supervised(tmp_path: Path, mode: str):
+    """`hangwatch run` of the script (see `start`), killed on the way out if the test left it running."""
+    proc, run_dir, pidfile = start(tmp_path, mode)
+    try:
+        yield proc, run_dir, pidfile
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, Path]:
     cfg = {"watchdog": {"output_silence_timeout_s": 2, "startup_timeout_s": 60, "term_grace_s": 1,
                         "stuck_term_grace_s": 1, "kill_wait_s": 1, "py_spy": False, "poll_interval_s": 0.1},
@@ -128,8 +141,7 @@ def assert_names_the_helper(inc: dict, helper: int, mode: str) -> None:
 
 
 def test_a_frozen_helper_holds_the_restart_until_it_is_gone(tmp_path, frozen):
-    proc, run_dir, pidfile = start(tmp_path, "wait")
-    try:
+    with supervised(tmp_path, "wait") as (proc, run_dir, pidfile):
         helper = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, "the helper", proc, run_dir))
         frozen.freeze(helper)
         inc = wait_for(lambda: unkillable_incident(run_dir), 60, "the unkillable incident", proc, run_dir)
@@ -141,10 +153,6 @@ def test_a_frozen_helper_holds_the_restart_until_it_is_gone(tmp_path, frozen):
         assert st["state"] == "killing", st
         frozen.thaw()  # SIGKILL, pending all along, ends it
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err[-3000:] + worker_logs(run_dir)
     assert spawned(run_dir) == 2
     inc = unkillable_incident(run_dir)
@@ -153,15 +161,10 @@ def test_a_frozen_helper_holds_the_restart_until_it_is_gone(tmp_path, frozen):
 
 
 def test_a_frozen_helper_ends_the_run_failed_when_asked(tmp_path, frozen):
-    proc, run_dir, pidfile = start(tmp_path, "fail")
-    try:
+    with supervised(tmp_path, "fail") as (proc, run_dir, pidfile):
         helper = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, "the helper", proc, run_dir))
         frozen.freeze(helper)
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, err[-3000:] + worker_logs(run_dir)
     assert spawned(run_dir) == 1
     inc = unkillable_incident(run_dir)
