@@ -34,6 +34,12 @@ ENV_RESUME_FROM = "HANGWATCH_RESUME_FROM"
 GENERATE_STOP_NAME = "generate-stop.json"
 TRUNCATED_FIELD = "generate_truncated"
 
+# The `stop` reason an automatically instrumented rank gives as its interpreter exits (its last Python act):
+#   {"event": "stop", "reason": "exit", "code": N[, "exception": "TypeName"]}
+# A rank that said it with code 0 had finished its work: a signal that ends the process after it (a crash in
+# native teardown) does not make the run a failure (supervisor.rules.teardown).
+EXIT_STOP_REASON = "exit"
+
 
 def rank_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     env = os.environ if environ is None else environ

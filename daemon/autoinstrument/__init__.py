@@ -17,7 +17,9 @@ The supervisor starts the worker's command with hangwatch's bootstrap directory 
         saves.py       `checkpoint` around the outermost save (torch, safetensors, save_pretrained, accelerate,
                        Fabric), then a `checkpoint` beat with its path
         frameworks.py  a HangwatchCallback in every HF / Lightning Trainer, the last good checkpoint resumed
-  * never beats `stop`: the supervisor judges the exit.
+  * beats `stop` (reason `exit`, the interpreter's exit code) as the interpreter exits normally (exits.py): the
+    supervisor judges the exit by the process's own status, and a signal after that line — a crash in native
+    teardown after the work was done — is not taken for a failed run.
 
 Nothing is imported from the ML stack here: the hooks touch torch only once the script has imported it.  Every
 hook contains its own errors (context.py): the first one is a `warn` beat, then that hook is off; the
@@ -36,6 +38,7 @@ from hangwatch.common.protocol import ENV_RUN_DIR
 from hangwatch.common.rundir import dump_path_for, forked_dump_path
 from hangwatch.daemon.autoinstrument import ranks
 from hangwatch.daemon.autoinstrument.context import Context
+from hangwatch.daemon.autoinstrument.exits import ExitLine
 from hangwatch.daemon.autoinstrument.frameworks import Frameworks
 from hangwatch.daemon.autoinstrument.imports import PostImportHooks
 from hangwatch.daemon.autoinstrument.phases import EvalPhase, GeneratePhase
@@ -131,6 +134,10 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
     ranks.claim(env, rank, os.getpid(), directory)
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=ctx.forked)
+    try:
+        ExitLine(ctx).install()
+    except Exception as exc:
+        ctx.failed(ctx.hook("exit"), exc)
 
     def patch_failed(name: str, callback, exc: BaseException) -> None:
         ctx.failed(ctx.hook("patching " + name), exc)

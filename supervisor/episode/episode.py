@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from pathlib import Path
 
@@ -58,6 +58,7 @@ from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
 from hangwatch.supervisor.rules.no_retry import NoRetry, no_retry_code
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
+from hangwatch.supervisor.rules.teardown import teardown_crash
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 from hangwatch.supervisor.processes.snapshot import GpuCache
 from hangwatch.supervisor.records.run_state import RunFacts
@@ -461,6 +462,22 @@ def no_retry(attempt: Attempt) -> Optional[NoRetry]:
     w = attempt.worker
     code = w.exit_code if w.exit_signal is None else None
     return no_retry_code(code, rank_last_words(attempt), torchrun_root_cause(tail_text(w.log_path, 400)))
+
+
+def teardown_crash_of(attempt: Attempt, ranks: Collection[int]) -> Optional[str]:
+    """Why the ended worker counts as finished although a signal ended it (`rules.teardown`): every rank of `ranks`
+    (those that spoke) had said it finished, then the worker or torchrun's failed rank died by a signal; else None."""
+    w = attempt.worker
+    ranks = set(ranks) | set(attempt.announced)
+    if not ranks or (w.exit_code == 0 and w.exit_signal is None):
+        return None
+    stops = {r: attempt.stop_lines.get(r) for r in ranks}
+    if not all(stops.values()):
+        return None  # no log read for a run that did not finish
+    sig = signal_name(w.exit_signal) if w.exit_signal is not None else None
+    code = w.exit_code if w.exit_signal is None else None
+    root = None if sig is not None else torchrun_root_cause(tail_text(w.log_path, 400))
+    return teardown_crash(code, sig, stops, root)
 
 
 def classify(tools: Tools, attempt: Attempt) -> tuple[str, str, Optional[int]]:

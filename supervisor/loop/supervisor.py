@@ -72,7 +72,7 @@ from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
-from hangwatch.supervisor.episode.episode import crash_loop_incident, no_retry, spawn_failed_incident
+from hangwatch.supervisor.episode.episode import crash_loop_incident, no_retry, spawn_failed_incident, teardown_crash_of
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
 from hangwatch.supervisor.loop import commands, view as views
 from hangwatch.supervisor.loop.commands import DumpRequest
@@ -504,7 +504,9 @@ class Supervisor:
                 log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
             elif ev == "stop":
                 cur.last_stop[tr.rank] = str(rec.get("reason"))
-                log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step)
+                cur.stop_lines[tr.rank] = {"reason": rec.get("reason"), "code": rec.get("code")}
+                log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step,
+                         **({"code": rec["code"]} if "code" in rec else {}))
                 if all(t.stopped for t in self.deadlines.ranks.values()):
                     # No per-rank deadline applies after `stop`; a process that then hangs on its way
                     # out (a non-daemon thread, CUDA/NCCL teardown) is still caught.
@@ -1116,10 +1118,14 @@ class Supervisor:
             stop_reason = cur.last_stop.get(self.deadlines.main_rank())
             code = w.exit_code if w.exit_signal is None else None
             free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
+            # A signal after every rank said it had finished: a crash in the process's teardown, not a failed run
+            done = None if free is not None else teardown_crash_of(cur, self.deadlines.ranks)
+            if done is not None:
+                log.warning("worker_teardown_crash", attempt=cur.number, why=done)
             # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
             # root-cause report keep the run from restarting it for ever
-            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None,
-                                                   no_retry=no_retry(cur))
+            decision = free or (Decision("finish", done) if done is not None else self.policy.on_exit(
+                now, code, stop_reason, own_command=self.cfg.worker.command is not None, no_retry=no_retry(cur)))
             if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
                 ep = Episode(None, None, now, decision=decision, reason=decision.reason)
             else:

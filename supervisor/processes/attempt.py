@@ -106,6 +106,7 @@ class Attempt:
     starts: dict[int, dict] = field(default_factory=dict)  # pid → its `start` line (every process that announced)
     tree: dict[int, ProcRef] = field(default_factory=dict)  # descendants seen, by pid
     last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
+    stop_lines: dict[int, dict] = field(default_factory=dict)  # rank → its last `stop` line's reason and code
     last_tree_scan: float = float("-inf")
     oom_kills_at_start: Optional[int] = None  # the memory cgroup's OOM-kill count when it started (evidence)
     flight: FlightPaths = field(default_factory=lambda: FlightPaths(None, ""))  # where its ranks' NCCL dumps go

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL, NO_RESTART_CODES
+from hangwatch.common.protocol import EXIT_STOP_REASON
 from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.rules.no_retry import NoRetry
 
@@ -92,7 +93,7 @@ class RestartPolicy:
         rank's do-not-restart error (`no_retry.no_retry_code`), which fails the run with the rank's code."""
         if code == 0 and stop_reason in FINISH_REASONS:
             return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
-        if code == 0 and stop_reason is None and own_command:
+        if code == 0 and stop_reason in (None, EXIT_STOP_REASON) and own_command:
             return Decision("finish", "worker exited 0: the command completed")
         if code in NO_RESTART_CODES:
             return Decision("fail", f"worker exited {code}: {NO_RESTART_WORDS[code]}; not restarting")
