@@ -54,6 +54,9 @@ log = structlog.get_logger("hangwatch")
 
 MAX_UNANNOUNCED = 16  # unannounced Python processes py-spy reads at one stall (each is a process stopped briefly)
 SETTLE_S = 0.3  # a dump that does not read as whole is complete once unchanged this long after growing
+# ... unless it stops inside a thread's stack (neither at `<module>`, nor at faulthandler's frame limit, nor at a
+# thread's bootstrap): the writer was most likely preempted half-way (a loaded machine), so it gets this long.
+PARTIAL_SETTLE_S = 2.0
 
 
 def dump_complete(text: str) -> bool:
@@ -67,6 +70,23 @@ def dump_complete(text: str) -> bool:
         return False
     threads = parse_faulthandler(text)
     return bool(threads) and threads[-1].is_main() and not threads[-1].truncated
+
+
+def settle_s(text: str) -> float:
+    """How long a dump that is not whole must stay unchanged to be taken as it is: SETTLE_S when it ends where a
+    thread's stack can end (cut at faulthandler's frame limit, a thread started by `threading`, a main thread
+    down to `<module>`), PARTIAL_SETTLE_S when it stops in the middle of one — faulthandler writes frame by frame,
+    and a writer preempted there would leave an incident with the innermost frames only, without the call the
+    process is stuck in."""
+    threads = parse_faulthandler(text) if text.endswith("\n") else []
+    if not threads:
+        return PARTIAL_SETTLE_S
+    last = threads[-1]
+    outer = last.frames[-1]
+    if last.truncated or last.is_main() or (
+            outer["function"] in ("_bootstrap", "_bootstrap_inner") and outer["file"].endswith("threading.py")):
+        return SETTLE_S
+    return PARTIAL_SETTLE_S
 
 
 @dataclass
@@ -98,6 +118,7 @@ class DumpCollector:
     _sizes: dict[int, int] = field(default_factory=dict)
     _changed_at: dict[int, float] = field(default_factory=dict)
     _complete: dict[int, bool] = field(default_factory=dict)
+    _settle: dict[int, float] = field(default_factory=dict)  # the quiet time its text needs (`settle_s`)
     done: bool = False
 
     def begin(self, now: float) -> None:
@@ -188,10 +209,12 @@ class DumpCollector:
             if size != self._sizes.get(t.rank):
                 self._sizes[t.rank] = size
                 self._changed_at[t.rank] = now
-                self._complete[t.rank] = size > t.offset and dump_complete(read_appended(t.dump_path, t.offset))
+                text = read_appended(t.dump_path, t.offset) if size > t.offset else ""
+                self._complete[t.rank] = bool(text) and dump_complete(text)
+                self._settle[t.rank] = settle_s(text)
             if not self.signalled.get(t.rank) or self._complete.get(t.rank) or self.table.is_gone(t.ref):
                 continue  # nothing to wait for: never signalled, whole already, or gone
-            if size <= t.offset or now - self._changed_at[t.rank] < SETTLE_S:
+            if size <= t.offset or now - self._changed_at[t.rank] < self._settle.get(t.rank, SETTLE_S):
                 waiting = True  # not written yet, or still growing
         return not waiting
 
@@ -204,7 +227,7 @@ class DumpCollector:
         due = []
         if self.files_at is None:
             due.append(self.started_at + self.grace_s)
-            due += [self._changed_at[t.rank] + SETTLE_S for t in self.targets
+            due += [self._changed_at[t.rank] + self._settle.get(t.rank, SETTLE_S) for t in self.targets
                     if t.rank in self._changed_at and not self._complete.get(t.rank)]
         if self.py_spy_done_at is None and (self.py_spy_procs or self.py_spy_pids):
             due.append(self.started_at + self.py_spy_timeout_s)
@@ -358,6 +381,7 @@ class WorkerDumps:
     _sizes: dict[int, int] = field(default_factory=dict)
     _changed_at: dict[int, float] = field(default_factory=dict)
     _complete: dict[int, bool] = field(default_factory=dict)
+    _settle: dict[int, float] = field(default_factory=dict)  # the quiet time its text needs (`settle_s`)
 
     def begin(self, now: float, dc: DumpCollector) -> None:
         self.begun = True
@@ -439,10 +463,12 @@ class WorkerDumps:
             if size != self._sizes.get(pid):
                 self._sizes[pid] = size
                 self._changed_at[pid] = now
-                self._complete[pid] = size > t.offset and dump_complete(read_appended(t.dump_path, t.offset))
+                text = read_appended(t.dump_path, t.offset) if size > t.offset else ""
+                self._complete[pid] = bool(text) and dump_complete(text)
+                self._settle[pid] = settle_s(text)
             if self._complete.get(pid) or self._table.is_gone(t.ref):
                 continue
-            if size <= t.offset or now - self._changed_at[pid] < SETTLE_S:
+            if size <= t.offset or now - self._changed_at[pid] < self._settle.get(pid, SETTLE_S):
                 waiting = True  # not written yet, or still growing
         return (not waiting or now - self.started_at >= self._grace_s) and not spying
 

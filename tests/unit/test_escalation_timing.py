@@ -15,7 +15,8 @@ import pytest
 from fixtures.fakes.fake_supervisor import DUMP, FakeProcessTable, Harness
 from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.episode.dump_collector import SETTLE_S, DumpCollector, dump_complete
+from hangwatch.supervisor.episode.dump_collector import (PARTIAL_SETTLE_S, SETTLE_S, DumpCollector, dump_complete,
+                                                          settle_s)
 from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.rules.policy import RestartPolicy
 from hangwatch.supervisor.loop.supervisor import FAST_PASS_S
@@ -52,6 +53,19 @@ MAIN_CUT = """Thread 0x00007f0000000001 (most recent call first):
 ])
 def test_a_dump_is_whole_when_it_ends_with_the_main_threads_block(text, whole):
     assert dump_complete(text) is whole
+
+
+@pytest.mark.parametrize("text, settle", [
+    (WORKER_THREAD, SETTLE_S),  # ends at a thread's bootstrap: a main thread that is gone, or one still to come
+    (MAIN_CUT, SETTLE_S),  # faulthandler's frame limit
+    (WORKER_THREAD + "\n" + MAIN, SETTLE_S),
+    (WORKER_THREAD + "\n" + MAIN.rsplit("\n", 2)[0] + "\n", PARTIAL_SETTLE_S),  # stopped inside the main thread's stack
+    (MAIN.split("\n", 2)[0] + "\n" + MAIN.split("\n", 2)[1] + "\n", PARTIAL_SETTLE_S),  # its innermost frame only
+    (WORKER_THREAD[:-1], PARTIAL_SETTLE_S),  # the last line not finished
+    ("", PARTIAL_SETTLE_S),
+])
+def test_a_dump_cut_inside_a_stack_is_given_longer_to_settle(text, settle):
+    assert settle_s(text) == settle
 
 
 class FakeSpy:
@@ -111,6 +125,25 @@ def test_a_whole_dump_is_in_at_once_and_a_partial_one_once_it_stops_growing(tmp_
     dc.begin(0.0)
     assert _first_done(dc) == pytest.approx(SETTLE_S)
     assert dc.texts() == {0: WORKER_THREAD}
+
+
+def test_a_writer_preempted_inside_the_main_threads_stack_is_waited_for_then_its_dump_is_whole(tmp_path):
+    innermost = MAIN.rsplit("\n", 2)[0] + "\n"  # the main thread down to `main`, its `<module>` frame not yet written
+    dc, p = _collector(tmp_path, [WORKER_THREAD + "\n" + innermost])
+    dc.begin(0.0)
+
+    def rest(t):  # the writer runs again 1.5 s later: longer than SETTLE_S, within PARTIAL_SETTLE_S
+        if t == 1.5:
+            with open(p.dump_path, "a") as f:
+                f.write(MAIN[len(innermost):])
+
+    assert _first_done(dc, each=rest) == pytest.approx(1.6)  # whole at the next pass: at once
+    assert dc.texts() == {0: WORKER_THREAD + "\n" + MAIN}
+
+    (tmp_path / "never").mkdir()
+    dc, _ = _collector(tmp_path / "never", [WORKER_THREAD + "\n" + innermost])  # the rest never comes
+    dc.begin(0.0)
+    assert _first_done(dc) == pytest.approx(PARTIAL_SETTLE_S)
 
 
 def test_a_dump_still_growing_is_waited_for(tmp_path):
