@@ -13,9 +13,10 @@ it, a rank that died by a signal after saying `exit` with code 0 is known to hav
 
 The line is written from an `atexit` handler registered when the rank is instrumented — before the script's first
 line, so it runs after every handler the script and its libraries register (atexit runs them last in, first
-out), when nothing more of the script can run.  Nothing is written when the script stopped through a heartbeat
-of its own (`stop` already said), in a child forked from the rank (a child that returns runs its parent's
-handlers), after `os._exit` (no handlers run), or when the heartbeat is closed.
+out), when nothing more of the script can run.  Nothing is written when the script said `stop` through the
+shared heartbeat (a HangwatchCallback of its own), when it drives a heartbeat of its own (`WRITERS.manual`: then
+the script's lines are its own, its `stop` included), in a child forked from the rank (a child that returns runs
+its parent's handlers), after `os._exit` (no handlers run), or when the heartbeat is closed.
 
 The status: `sys.exit`'s argument, recorded by a thin wrapper around `sys.exit` (`raise SystemExit(n)` written
 out is not seen: such an exit reports code 0, and the supervisor trusts a process's own exit code over this
@@ -78,7 +79,7 @@ class ExitLine:
     def at_exit(self) -> None:
         """The interpreter is exiting normally: say how, once, from the rank process itself."""
         ctx = self.ctx
-        if not self.hook.on or os.getpid() != ctx.pid or not ctx.usable():
+        if not self.hook.on or os.getpid() != ctx.pid or not ctx.usable() or ctx.manual():
             return
         try:
             last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
