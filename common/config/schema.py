@@ -204,7 +204,9 @@ class WatchdogCfg(Section):
         "cannot run a graceful stop, so it is not given `term_grace_s` it cannot use; children still get SIGTERM first.")
     kill_wait_s: float = Field(30, gt=0, description="After SIGKILL, how long to wait for the tree to go before recording survivors.")
     exit_after_stop_s: float = Field(
-        30, gt=0, description="A worker that announced `stop` gets this long (plus `term_grace_s`) to exit before it is killed."
+        30, gt=0, description="A worker that announced `stop` gets this long (plus `term_grace_s`) to exit before it is killed "
+        "(after every rank said its work was done — `finished`, `idle`, or the exit line with status 0 — the run then ends "
+        "finished; after any other `stop`, it restarts)."
     )
     gpu_release_timeout_s: float = Field(30, ge=0, description="Most time to wait for a dead worker's GPU memory to be freed.")
     py_spy: bool = Field(True, description="Run `py-spy dump --native --locals` on a stall when py-spy is installed.")

@@ -58,7 +58,7 @@ from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
 from hangwatch.supervisor.rules.no_retry import NoRetry, no_retry_code
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
-from hangwatch.supervisor.rules.teardown import teardown_crash
+from hangwatch.supervisor.rules.teardown import exit_hang, teardown_crash
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 from hangwatch.supervisor.processes.snapshot import GpuCache
 from hangwatch.supervisor.records.run_state import RunFacts
@@ -478,6 +478,13 @@ def teardown_crash_of(attempt: Attempt, ranks: Collection[int]) -> Optional[str]
     code = w.exit_code if w.exit_signal is None else None
     root = None if sig is not None else torchrun_root_cause(tail_text(w.log_path, 400))
     return teardown_crash(code, sig, stops, root)
+
+
+def exit_hang_of(ep: "Episode", attempt: Attempt, ranks: Collection[int]) -> Optional[str]:
+    """Why the tree an `exit` deadline had killed ends a finished run (`rules.teardown.exit_hang`), else None."""
+    ranks = set(ranks) | set(attempt.announced)
+    deadline = ep.expired.name if ep.expired is not None else None
+    return exit_hang(deadline, {r: attempt.stop_lines.get(r) for r in ranks})
 
 
 def classify(tools: Tools, attempt: Attempt) -> tuple[str, str, Optional[int]]:

@@ -57,10 +57,22 @@ def teardown_crash(exit_code: Optional[int], exit_signal: Optional[str], stops: 
             f"process's teardown, not in the run; not restarting")
 
 
+def exit_hang(deadline: Optional[str], stops: Mapping[int, Optional[Mapping]]) -> Optional[str]:
+    """Why a worker killed for not exiting after its `stop` lines ends a finished run, or None.  `deadline`: the name
+    of the deadline that fired (`exit`: armed once every rank said `stop`); `stops` as for `teardown_crash`.  Every
+    rank had said its work was done: what hung was the way out (a non-daemon thread, a library's teardown, a
+    launcher waiting for its peers) — the run is finished once the tree is gone, not started again from the top."""
+    if deadline != "exit" or not stops or not all(finished_stop(s) for s in stops.values()):
+        return None
+    said = "; ".join(f"rank {r}: {_said(s)}" for r, s in sorted(stops.items()))
+    return (f"the worker did not exit after every rank had finished its work ({said}); its tree was killed: a hang on "
+            f"the way out, not in the run; not restarting")
+
+
 def _said(stop: Mapping) -> str:
     if stop.get("reason") == EXIT_STOP_REASON:
         return "the interpreter exited with status 0"
     return f"stop {stop.get('reason')!r}"
 
 
-__all__ = ["teardown_crash", "finished_stop"]
+__all__ = ["teardown_crash", "exit_hang", "finished_stop"]

@@ -36,6 +36,12 @@ TRAIN = """
             abort()
 
 
+    class HangInTeardown:
+        def __del__(self, pause=__import__("signal").pause):
+            while True:
+                pause()
+
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     if distributed:
@@ -57,12 +63,15 @@ TRAIN = """
         raise KeyError("late")
     if attempt == 1 and how == "teardown" and rank == int(os.environ.get("ABORT_RANK", "0")):
         keep = AbortInTeardown()
+    if attempt == 1 and how == "teardown_hang":
+        keep = HangInTeardown()
 """
 
 
 def config() -> dict:
     return {"watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
-                         "dump_grace_s": 2, "term_grace_s": 2, "py_spy": False, "poll_interval_s": 0.1},
+                         "dump_grace_s": 2, "term_grace_s": 2, "py_spy": False, "poll_interval_s": 0.1,
+                         "exit_after_stop_s": 2},
             "restart": {"backoff_initial_s": 0, "max_restarts": 2}}
 
 
@@ -131,3 +140,15 @@ def test_an_unfinished_or_failed_exit_is_still_restarted(tmp_path, how, stop):
         assert last["event"] == "stop" and {k: last.get(k) for k in stop} == stop, last
     assert supervisor_events(run_dir, "worker_teardown_crash") == []
     assert lines(run_dir, 2, 0)[-1] == {**lines(run_dir, 2, 0)[-1], "event": "stop", "reason": "exit", "code": 0}
+
+
+def test_a_process_that_hangs_on_its_way_out_after_its_exit_line_is_killed_and_the_run_is_finished(tmp_path):
+    r, run_dir = run(tmp_path, "teardown_hang")
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{worker_logs(run_dir)}"
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["state"] == "finished" and state["attempt"] == 1 and state["restarts"] == 0, state
+    [(_, inc)] = incidents(run_dir)  # the hang is recorded, with its stack
+    assert inc["deadline"]["name"] == "exit", inc["deadline"]
+    assert lines(run_dir, 1, 0)[-1] == {**lines(run_dir, 1, 0)[-1], "event": "stop", "reason": "exit", "code": 0}
+    [gone] = [e for e in supervisor_events(run_dir, "tree_gone") if e["attempt"] == 1]
+    assert gone["next"] == "finished" and "did not exit after every rank had finished its work" in gone["why"], gone

@@ -131,6 +131,10 @@ def hangs_after_stop_line(h):  # `stop finished`, then never exits: the exit dea
     h.running().stop("finished")
 
 
+def hangs_after_stop_line_unfinished(h):  # a `stop` that does not say the work is done: the run goes on
+    h.running().stop("terminated")
+
+
 def ignores_stop(h):  # the stop bound (term_grace 1 + step budget 2) fires while STOPPING
     h.running()
     h.request(cmd="stop")
@@ -232,8 +236,11 @@ CASES = [
          f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
     Case("worker exits cleanly while stopping", exits_while_stopping(0), in_state("stopped"), f"{STOPPED} stopped",
          ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
-    Case("hangs on its way out after `stop`", hangs_after_stop_line, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "exit")], IGNORE),
+    # every rank had said `finished`: the work is done, the tree that would not go is killed and the run is finished
+    Case("hangs on its way out after `stop finished`", hangs_after_stop_line, in_state("finished"), f"{STALL} finished",
+         ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "exit")], IGNORE, exit_code=0),
+    Case("hangs on its way out after `stop terminated`", hangs_after_stop_line_unfinished, attempt(2),
+         f"{STALL} {RESTARTED}", ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "exit")], IGNORE),
     Case("a deadline while stopping escalates", ignores_stop, in_state("stopped"),
          "starting running stopping stalled dumping killing stopped", ["SIGTERM", "SIGUSR1", "-SIGTERM", "-SIGKILL"],
          [("stall", "step")], IGNORE, exit_code=0),

@@ -13,7 +13,7 @@ from hangwatch.common.config import RestartCfg
 from hangwatch.daemon.autoinstrument.exits import _NOTHING, exit_status
 from hangwatch.supervisor.episode.episode import teardown_crash_of
 from hangwatch.supervisor.rules.policy import RestartPolicy
-from hangwatch.supervisor.rules.teardown import finished_stop, teardown_crash
+from hangwatch.supervisor.rules.teardown import exit_hang, finished_stop, teardown_crash
 
 EXIT0 = {"reason": "exit", "code": 0}
 EXIT3 = {"reason": "exit", "code": 3}
@@ -130,3 +130,20 @@ def test_torchruns_report_of_an_exit_status_is_no_teardown_crash(tmp_path):
 def test_the_policy_reads_an_exit_line_with_status_0_as_a_completed_command(code, stop, own, action):
     policy = RestartPolicy(RestartCfg(backoff_initial_s=0))
     assert policy.on_exit(0.0, code, stop, own_command=own).action == action
+
+
+@pytest.mark.parametrize("deadline, stops, finished", [
+    ("exit", {0: FINISHED, 1: EXIT0}, True),
+    ("exit", {0: EXIT0}, True),
+    ("exit", {0: EXIT0, 1: None}, False),  # a rank still working (or killed before its exit line)
+    ("exit", {0: TERMINATED}, False),
+    ("exit", {0: EXIT3}, False),
+    ("exit", {}, False),
+    ("step", {0: FINISHED}, False),  # another deadline: a stall, judged as one
+    (None, {0: FINISHED}, False),
+])
+def test_exit_hang(deadline, stops, finished):
+    why = exit_hang(deadline, stops)
+    assert (why is not None) is finished, why
+    if finished:
+        assert why.startswith("the worker did not exit after every rank had finished its work") and "not restarting" in why
