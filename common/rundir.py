@@ -64,6 +64,11 @@ def rank_exit_path(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> P
     return attempt_dir(run_dir, attempt) / rank_exit_name(rank)
 
 
+def standby_ready_path(run_dir: os.PathLike | str) -> Path:
+    """A standby's `standby.json` (STANDBY_READY_NAME): written by the standby once loaded, read for `status`."""
+    return Path(run_dir) / STANDBY_READY_NAME
+
+
 def worker_log_path(run_dir: os.PathLike | str, attempt: int) -> Path:
     return attempt_dir(run_dir, attempt) / WORKER_LOG_NAME
 

@@ -52,6 +52,7 @@ from typing import Callable, Optional
 
 from hangwatch.common.durable import write_json_atomic
 from hangwatch.common.rundir import read_json
+from hangwatch.daemon.doctor.memory import CUDA_CONTEXT_BYTES
 
 ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"
@@ -364,7 +365,7 @@ class FaultPlan:
 
 MIB = 1 << 20
 FAKE_DEVICE_TOTAL_MB = 81559.0  # an 80 GB H100 as torch reports it (79.65 GiB); the process is capped below it
-FAKE_CONTEXT_MB = 512.0  # the CUDA context's share of the process's memory in use (non-PyTorch memory)
+FAKE_CONTEXT_MB = CUDA_CONTEXT_BYTES / MIB  # the CUDA context's share of the process's memory in use (non-PyTorch)
 
 
 def format_size(size: int) -> str:
@@ -438,9 +439,10 @@ class FakeAllocator:
             return
         import torch
 
-        message = oom_message(tried_mb=mb, total_mb=self.total_mb, free_mb=self.total_mb - self.weights_mb - FAKE_CONTEXT_MB,
-                              in_use_mb=self.weights_mb + FAKE_CONTEXT_MB, allocated_mb=self.weights_mb,
-                              reserved_mb=self.weights_mb, allowed_mb=self.capacity_mb)
+        f = self.figures(None)
+        message = oom_message(tried_mb=mb, total_mb=f["total_mb"], free_mb=f["free_mb"],
+                              in_use_mb=f["allocated_mb"] + FAKE_CONTEXT_MB, allocated_mb=f["allocated_mb"],
+                              reserved_mb=f["reserved_mb"], allowed_mb=f["allowed_mb"])
         if not self._announced:
             self._announced = True
             where = f"{self.weights_mb:g} MiB weights + {mb:g} MiB of {self.capacity_mb:g} MiB allowed"

@@ -23,6 +23,7 @@ from hangwatch.common.durable import disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.common.rundir import rank_exit_path
 from hangwatch.daemon.errors import CheckpointSaveError, DataError, NonFiniteStreak
+from hangwatch.daemon.trainer import memory
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
@@ -95,10 +96,8 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
         extra.setdefault("problems", list(problems))
     if is_collective_error(exc):
         extra.setdefault("collective_error", True)
-    if kind == "oom" and "memory" not in extra:
-        memory = oom_memory()
-        if memory is not None:
-            extra["memory"] = memory
+    if kind == "oom" and (figures := memory.evidence()) is not None:
+        extra["memory"] = figures  # the micro-batch in force, the weights' share, the device's figures (never raises)
     try:
         path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, rank=rank, exit_code=code,
                                 **extra)
@@ -108,14 +107,3 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
               flush=True)
     return kind, code, path
 
-
-def oom_memory() -> Optional[dict]:
-    """The memory evidence of an out-of-memory failure (`daemon.trainer.memory`: the micro-batch in force, the
-    weights' share, the device's figures), for the supervisor's pick of a micro-batch; None when there is none.
-    Never raises: last words without it are still last words."""
-    try:
-        from hangwatch.daemon.trainer import memory
-
-        return memory.evidence()
-    except Exception:
-        return None

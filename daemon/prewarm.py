@@ -179,11 +179,11 @@ class Preloaded:
         return self.bundle
 
 
-def ready_path(cfg) -> Optional[str]:
-    from hangwatch.common.rundir import STANDBY_READY_NAME
+def ready_path(cfg) -> Optional[os.PathLike]:
+    from hangwatch.common.rundir import standby_ready_path
 
     run_dir = getattr(cfg, "run_dir", None)
-    return os.path.join(run_dir, STANDBY_READY_NAME) if run_dir else None
+    return standby_ready_path(run_dir) if run_dir else None
 
 
 def announce_ready(cfg, into: Preloaded, attempt: int) -> None:
@@ -200,7 +200,7 @@ def announce_ready(cfg, into: Preloaded, attempt: int) -> None:
             return
         try:
             write_json_atomic(path, {"pid": os.getpid(), "attempt": attempt, "preload_s": round(into.preload_s, 3),
-                                     "error": into.error, "t": into.ready_t}, durable=False)
+                                     "error": into.error}, durable=False)
         except OSError:
             pass
 

@@ -31,10 +31,13 @@ import atexit
 import functools
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hangwatch.common.protocol import EXIT_STOP_REASON as EXIT_REASON
 from hangwatch.daemon.autoinstrument.context import Context
+
+
+_NOTHING = object()  # sys.exit was not called
 
 
 def exit_status(requested: Any, last_exception: Optional[BaseException]) -> tuple[int, Optional[str]]:
@@ -51,9 +54,6 @@ def exit_status(requested: Any, last_exception: Optional[BaseException]) -> tupl
     return 1, None  # sys.exit("message"): printed, status 1
 
 
-_NOTHING = object()
-
-
 class ExitLine:
     """Installs the `atexit` handler and the `sys.exit` wrapper for one rank process."""
 
@@ -61,11 +61,9 @@ class ExitLine:
         self.ctx = ctx
         self.hook = ctx.hook("exit")
         self.requested: Any = _NOTHING
-        self._original_exit: Optional[Callable[..., Any]] = None
 
     def install(self) -> None:
         original = sys.exit
-        self._original_exit = original
 
         @functools.wraps(original)
         def exit(status: Any = None) -> None:  # noqa: A001 — it is sys.exit

@@ -73,9 +73,7 @@ if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; impor
 from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
                    overrun, prewarm, recovery, side_by_side, soak, weight)
 from bench.harness import ROOT  # noqa: E402
-from bench.report import RENDERERS, machine_info, to_markdown  # noqa: E402
-
-RENDERERS.setdefault("weight", weight.render)  # the section draws its own table
+from bench.report import machine_info, to_markdown  # noqa: E402
 
 SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
             "instrument", "own_command", "overrun", "soak", "weight")

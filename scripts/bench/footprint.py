@@ -5,7 +5,6 @@ how long it takes to start."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,7 +13,7 @@ import psutil
 
 from hangwatch.common import rundir
 
-from .harness import PY, ROOT, SYNTHETIC_RANKS, control, hangwatch_run, summary, supervisor_argv, wait_exit, write_yaml
+from .harness import PY, SYNTHETIC_RANKS, control, hangwatch_run, summary, wait_exit, write_yaml
 
 # (ranks, beats a second per rank, goal: % of one core); the RSS goal is for every load
 LOADS = ((8, 20.0, 1.0), (64, 10.0, 3.0))
@@ -66,12 +65,7 @@ def start_synthetic(work: Path, ranks: int, hz: float, seconds: float, environ: 
                       "instrument": "off"},  # one process writing every rank's beats: the supervisor's cost alone
            "watchdog": {"py_spy": False}}
     cfg_path = write_yaml(work / "cfg.yaml", cfg)
-    if environ is None:
-        proc = hangwatch_run(cfg_path, work / "supervisor.out")
-    else:
-        with open(work / "supervisor.out", "ab") as out:
-            proc = subprocess.Popen(supervisor_argv(cfg_path), cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+    proc = hangwatch_run(cfg_path, work / "supervisor.out", environ=environ)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(ranks)]
     limit = time.monotonic() + 120
     while not all(f.exists() and f.stat().st_size for f in hb_files):

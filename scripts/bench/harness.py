@@ -51,15 +51,18 @@ def supervisor_argv(cfg_path: Path, run_dir: Optional[Path] = None) -> list[str]
     return [PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)] + (["--run-dir", str(run_dir)] if run_dir else [])
 
 
-def spawn(argv: list[str], out_path: Path) -> subprocess.Popen:
-    """`argv` in a session of its own (so its whole tree can be found and killed), output appended to `out_path`."""
+def spawn(argv: list[str], out_path: Path, environ: Optional[dict] = None) -> subprocess.Popen:
+    """`argv` in a session of its own (so its whole tree can be found and killed), output appended to `out_path`;
+    `environ`: its environment (default `env()`)."""
     with open(out_path, "ab") as out:
-        return subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(argv, cwd=ROOT, env=environ if environ is not None else env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def hangwatch_run(cfg_path: Path, out_path: Path, run_dir: Optional[Path] = None) -> subprocess.Popen:
+def hangwatch_run(cfg_path: Path, out_path: Path, run_dir: Optional[Path] = None,
+                  environ: Optional[dict] = None) -> subprocess.Popen:
     """`hangwatch run CONFIG` as a user starts it (control socket, supervisor.log), in its own session."""
-    return spawn(supervisor_argv(cfg_path, run_dir), out_path)
+    return spawn(supervisor_argv(cfg_path, run_dir), out_path, environ)
 
 
 def control(run_dir: Path, command: str, timeout: float, **args) -> tuple[Any, Optional[str]]:

@@ -274,11 +274,17 @@ def soak_render(p: dict) -> tuple:
     return render(p)
 
 
+def weight_render(p: dict) -> tuple:
+    from bench.weight import render
+
+    return render(p)
+
+
 RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "heartbeat": heartbeat, "detection": detection, "recovery": recovery, "footprint": footprint,
     "side_by_side": side_by_side, "cli": cli, "prewarm": prewarm_render, "multinode": multinode_render,
     "instrument": instrument_render, "own_command": own_command_render, "overrun": overrun_render,
-    "soak": soak_render}
+    "soak": soak_render, "weight": weight_render}
 
 
 def header(res: dict) -> list[str]:

@@ -23,8 +23,6 @@ import json
 import re
 import shutil
 import signal
-import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,7 +30,7 @@ from typing import Optional
 from hangwatch.common import rundir
 
 from . import cli_latency, footprint
-from .harness import PY, ROOT, demo_worker_config, env, summary, supervisor_argv, wait_exit, write_yaml
+from .harness import PY, demo_worker_config, env, spawn, summary, supervisor_argv, wait_exit, write_yaml
 
 ROUNDS = 3
 RANKS, HZ = 8, 20.0
@@ -50,8 +48,7 @@ KINDS = ("command_auto", "command_off", "builtin", "builtin_no_doctor")
 
 
 def median_of(values: list) -> Optional[float]:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
+    return summary(values).get("median")
 
 
 # ---------------------------------------------------------------- the two conditions
@@ -97,8 +94,7 @@ def imported_by_supervisor(work: Path, environ: dict) -> dict:
            "watchdog": {"py_spy": False}}
     listing = work / "modules.json"
     argv = [PY, "-c", MODULES_AT_EXIT, str(listing), "run", str(write_yaml(work / "cfg.yaml", cfg))]
-    with open(work / "supervisor.out", "ab") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn(argv, work / "supervisor.out", environ)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(RANKS)]
     limit = time.monotonic() + 60
     while not all(h.exists() and h.stat().st_size for h in hb_files) and time.monotonic() < limit and proc.poll() is None:
@@ -117,13 +113,6 @@ def memory_round(work: Path, window: float, settle: float, environ: dict) -> dic
     ld = footprint.watch_load(work, RANKS, HZ, window, settle, environ)
     return {k: ld[k] for k in ("rss_mib", "cpu_percent_whole_window", "wakeups_per_s", "lines_per_s", "torn_lines",
                                "threads", "supervisor_exit")}
-
-
-# ---------------------------------------------------------------- status round trips
-
-
-def status_round(work: Path, n: int, environ: dict) -> dict:
-    return cli_latency.status_figures(work, n, environ)
 
 
 # ---------------------------------------------------------------- `run` → worker spawned
@@ -149,9 +138,8 @@ def start_trial(tmp: Path, kind: str, environ: dict) -> dict:
     cfg, extra = start_config(kind, run_dir)
     argv = supervisor_argv(write_yaml(tmp / "cfg.yaml", cfg)) + extra
     out = tmp / "supervisor.out"
-    with open(out, "ab") as f:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    proc = spawn(argv, out, environ)
     got = footprint.started(proc, run_dir, t0, 60)
     m = DOCTOR_LINE.search(out.read_text(errors="replace"))
     if m:
@@ -177,7 +165,7 @@ def condition(work: Path, environ: dict, rounds: int, window: float, settle: flo
     mem, status, starts = [], [], {k: [] for k in KINDS}
     for r in range(rounds):
         mem.append(memory_round(work / f"memory-{r}", window, settle, environ))
-        status.append(status_round(work / f"status-{r}", n_status, environ))
+        status.append(cli_latency.status_figures(work / f"status-{r}", n_status, environ))
         for kind, ts in start_round(work / f"start-{r}", per_round, environ).items():
             starts[kind] += ts
 
@@ -208,7 +196,7 @@ def condition(work: Path, environ: dict, rounds: int, window: float, settle: flo
 def warm_up(work: Path, environ: dict) -> None:
     """One untimed pass over everything measured: the bytecode cache fills with what each process imports."""
     memory_round(work / "memory", 2.0, 1.0, environ)
-    status_round(work / "status", 1, environ)
+    cli_latency.status_figures(work / "status", 1, environ)
     start_round(work / "start", 1, environ)
 
 

@@ -418,7 +418,7 @@ class Episode:
 def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
     w = attempt.worker
     return {"code": w.exit_code, "signal": w.exit_signal, "signal_name": signal_name(w.exit_signal),
-            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.last_stop.get(main_rank)}
+            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.stop_reason(main_rank)}
 
 
 def stragglers_field(attempt: Attempt) -> dict:
@@ -468,12 +468,9 @@ def teardown_crash_of(attempt: Attempt, ranks: Collection[int]) -> Optional[str]
     """Why the ended worker counts as finished although a signal ended it (`rules.teardown`): every rank of `ranks`
     (those that spoke) had said it finished, then the worker or torchrun's failed rank died by a signal; else None."""
     w = attempt.worker
-    ranks = set(ranks) | set(attempt.announced)
-    if not ranks or (w.exit_code == 0 and w.exit_signal is None):
-        return None
-    stops = {r: attempt.stop_lines.get(r) for r in ranks}
-    if not all(stops.values()):
-        return None  # no log read for a run that did not finish
+    stops = _stops(attempt, ranks)
+    if not stops or not all(stops.values()) or (w.exit_code == 0 and w.exit_signal is None):
+        return None  # no log read for a run that did not finish, or ended cleanly
     sig = signal_name(w.exit_signal) if w.exit_signal is not None else None
     code = w.exit_code if w.exit_signal is None else None
     root = None if sig is not None else torchrun_root_cause(tail_text(w.log_path, 400))
@@ -482,9 +479,12 @@ def teardown_crash_of(attempt: Attempt, ranks: Collection[int]) -> Optional[str]
 
 def exit_hang_of(ep: "Episode", attempt: Attempt, ranks: Collection[int]) -> Optional[str]:
     """Why the tree an `exit` deadline had killed ends a finished run (`rules.teardown.exit_hang`), else None."""
-    ranks = set(ranks) | set(attempt.announced)
-    deadline = ep.expired.name if ep.expired is not None else None
-    return exit_hang(deadline, {r: attempt.stop_lines.get(r) for r in ranks})
+    return exit_hang(ep.expired.name if ep.expired is not None else None, _stops(attempt, ranks))
+
+
+def _stops(attempt: Attempt, ranks: Collection[int]) -> dict:
+    """{rank: its last `stop` line or None} for every rank that spoke (`ranks`) or announced itself."""
+    return {r: attempt.stop_lines.get(r) for r in set(ranks) | set(attempt.announced)}
 
 
 def classify(tools: Tools, attempt: Attempt) -> tuple[str, str, Optional[int]]:

@@ -504,7 +504,6 @@ class Supervisor:
             elif ev == "warn":
                 log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
             elif ev == "stop":
-                cur.last_stop[tr.rank] = str(rec.get("reason"))
                 cur.stop_lines[tr.rank] = {"reason": rec.get("reason"), "code": rec.get("code")}
                 log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step,
                          **({"code": rec["code"]} if "code" in rec else {}))
@@ -1116,7 +1115,7 @@ class Supervisor:
             ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now,
                                 stopping=f"graceful stop ({self.after_teardown.value})")
         else:
-            stop_reason = cur.last_stop.get(self.deadlines.main_rank())
+            stop_reason = cur.stop_reason(self.deadlines.main_rank())
             code = w.exit_code if w.exit_signal is None else None
             free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
             # A signal after every rank said it had finished: a crash in the process's teardown, not a failed run
@@ -1125,8 +1124,8 @@ class Supervisor:
                 log.warning("worker_teardown_crash", attempt=cur.number, why=done)
             # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
             # root-cause report keep the run from restarting it for ever
-            decision = free or (Decision("finish", done) if done is not None else self.policy.on_exit(
-                now, code, stop_reason, own_command=self.cfg.worker.command is not None, no_retry=no_retry(cur)))
+            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None,
+                                                   no_retry=no_retry(cur) if done is None else None, teardown=done)
             if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
                 ep = Episode(None, None, now, decision=decision, reason=decision.reason)
             else:

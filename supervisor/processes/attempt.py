@@ -105,7 +105,6 @@ class Attempt:
     announced: dict[int, Announced] = field(default_factory=dict)
     starts: dict[int, dict] = field(default_factory=dict)  # pid → its `start` line (every process that announced)
     tree: dict[int, ProcRef] = field(default_factory=dict)  # descendants seen, by pid
-    last_stop: dict[int, str] = field(default_factory=dict)  # rank → reason of its `stop` line
     stop_lines: dict[int, dict] = field(default_factory=dict)  # rank → its last `stop` line's reason and code
     last_tree_scan: float = float("-inf")
     oom_kills_at_start: Optional[int] = None  # the memory cgroup's OOM-kill count when it started (evidence)
@@ -120,6 +119,11 @@ class Attempt:
     output: Optional[OutputTail] = None  # its worker.log as evidence: output and progress lines (`watch.output_tail`)
     instrumentation: str = "built-in"  # "built-in" (the daemon beats itself), or worker.instrument: "auto" | "off"
     output_read_at: float = float("-inf")  # the loop's clock at the last read of it
+
+    def stop_reason(self, rank: int) -> Optional[str]:
+        """The reason of the rank's last `stop` line, None when it said none."""
+        stop = self.stop_lines.get(rank)
+        return str(stop["reason"]) if stop is not None else None
 
     def announce(self, rec: dict, table: ProcessTable) -> Announced:
         """A `start` line: remember the rank's process (by identity) and where its dumps go."""

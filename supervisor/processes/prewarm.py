@@ -51,7 +51,7 @@ import structlog
 
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
-from hangwatch.common.rundir import STANDBY_READY_NAME, WORKER_LOG_NAME, read_json
+from hangwatch.common.rundir import WORKER_LOG_NAME, read_json, standby_ready_path
 from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
@@ -201,7 +201,7 @@ class Prewarm:
 
     @property
     def ready_path(self) -> Path:
-        return Path(self.cfg.run_dir) / STANDBY_READY_NAME
+        return standby_ready_path(self.cfg.run_dir)
 
     def keep(self, current: attempts.Attempt, now: float) -> None:
         """`always`: the current attempt trains (it has stepped) — have its successor's standby loading or ready."""
@@ -304,18 +304,18 @@ class Prewarm:
             self.table.signal_group(w.pgid, signal.SIGKILL)  # its own session: whatever it started goes too
             self.table.signal(w.ref, signal.SIGKILL)
             self.dying.append(w)
-        try:
-            self.fs.unlink(self.log_path)  # a discarded standby's log says nothing about any attempt
-        except OSError:
-            pass
+        self._remove(self.log_path)  # a discarded standby's log says nothing about any attempt
         self._forget_ready()
         log.info("standby_discarded", attempt=sb.number, pid=w.pid, why=why)
         self.dying = [d for d in self.dying if not self._reaped(d, now)]
 
     def _forget_ready(self) -> None:
+        self._remove(self.ready_path)
+
+    def _remove(self, path: Path) -> None:
         try:
-            self.fs.unlink(self.ready_path)
-        except OSError:
+            self.fs.unlink(path)
+        except OSError:  # a file that cannot go is left: nothing depends on its absence
             pass
 
     def close(self, now: float, timeout_s: float = 1.0) -> None:

@@ -141,11 +141,8 @@ def gather(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Evidence:
 
 def steps_peak(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Optional[float]:
     """The largest `max_mem_allocated_mb` of the attempt's step beats (the tail of its heartbeat file), or None."""
-    try:
-        text = tail_text(heartbeat_path(attempt_dir(run_dir, attempt), rank), max_lines=100_000,
-                         max_bytes=BEATS_TAIL_BYTES)
-    except (OSError, ValueError):
-        return None
+    text = tail_text(heartbeat_path(attempt_dir(run_dir, attempt), rank), max_lines=100_000,
+                     max_bytes=BEATS_TAIL_BYTES)  # "" when it cannot be read
     peaks = []
     for line in text.splitlines():
         try:

@@ -340,7 +340,8 @@ def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLi
         inc.data.update(quarantine_fields(run_dir, attempt))
     step = inc.data.get("step") if inc is not None else None
     evidence = None
-    if handle.enabled and episode.kind == OOM_KIND:
+    restarting = episode.decision is not None and episode.decision.action == "restart"
+    if handle.enabled and episode.kind == OOM_KIND and restarting:  # the evidence only picks a restart's micro-batch
         rank = inc.data.get("culprit_rank") if inc is not None else None
         evidence = oom_evidence.gather(run_dir, attempt, rank if isinstance(rank, int) else 0)
     episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step,

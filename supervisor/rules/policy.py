@@ -86,11 +86,15 @@ class RestartPolicy:
         return float(min(delay, self.cfg.backoff_max_s))
 
     def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None,
-                own_command: bool = False, no_retry: Optional[NoRetry] = None) -> Decision:
+                own_command: bool = False, no_retry: Optional[NoRetry] = None,
+                teardown: Optional[str] = None) -> Decision:
         """The worker exited by itself with `code` (None: killed by a signal).  `own_command`: the worker is the
         user's command (`worker.command`), which owes hangwatch no `stop` line: exit 0 without one is a command
         that completed, as it would be in a shell (the built-in worker always says why it stops).  `no_retry`: a
-        rank's do-not-restart error (`no_retry.no_retry_code`), which fails the run with the rank's code."""
+        rank's do-not-restart error (`no_retry.no_retry_code`), which fails the run with the rank's code.
+        `teardown`: why the exit, unclean as it is, came after every rank had finished (`rules.teardown`): a finish."""
+        if teardown is not None:
+            return Decision("finish", teardown)
         if code == 0 and stop_reason in FINISH_REASONS:
             return Decision("finish", f"worker exited 0 after stop {stop_reason!r}")
         if code == 0 and stop_reason in (None, EXIT_STOP_REASON) and own_command:

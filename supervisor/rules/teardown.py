@@ -40,9 +40,8 @@ def teardown_crash(exit_code: Optional[int], exit_signal: Optional[str], stops: 
     `exit_code`: the worker's exit code (None when a signal ended it); `exit_signal`: that signal's name;
     `stops`: {rank: its last `stop` line or None} for every rank of the attempt; `root_cause`: torchrun's report
     ({rank, exitcode, signal}) or None."""
-    if exit_code == 0 and exit_signal is None:
-        return None
-    if not stops or not all(finished_stop(s) for s in stops.values()):
+    said = _all_done(stops)
+    if (exit_code == 0 and exit_signal is None) or said is None:
         return None
     if exit_signal is not None:
         who, how = "the worker", exit_signal
@@ -52,7 +51,6 @@ def teardown_crash(exit_code: Optional[int], exit_signal: Optional[str], stops: 
         how = str(root_cause["signal"])
     else:
         return None
-    said = "; ".join(f"rank {r}: {_said(s)}" for r, s in sorted(stops.items()))
     return (f"{who} died by {how} while exiting, after every rank had finished its work ({said}): a crash in the "
             f"process's teardown, not in the run; not restarting")
 
@@ -62,17 +60,19 @@ def exit_hang(deadline: Optional[str], stops: Mapping[int, Optional[Mapping]]) -
     of the deadline that fired (`exit`: armed once every rank said `stop`); `stops` as for `teardown_crash`.  Every
     rank had said its work was done: what hung was the way out (a non-daemon thread, a library's teardown, a
     launcher waiting for its peers) — the run is finished once the tree is gone, not started again from the top."""
-    if deadline != "exit" or not stops or not all(finished_stop(s) for s in stops.values()):
+    said = _all_done(stops)
+    if deadline != "exit" or said is None:
         return None
-    said = "; ".join(f"rank {r}: {_said(s)}" for r, s in sorted(stops.items()))
     return (f"the worker did not exit after every rank had finished its work ({said}); its tree was killed: a hang on "
             f"the way out, not in the run; not restarting")
 
 
-def _said(stop: Mapping) -> str:
-    if stop.get("reason") == EXIT_STOP_REASON:
-        return "the interpreter exited with status 0"
-    return f"stop {stop.get('reason')!r}"
+def _all_done(stops: Mapping[int, Optional[Mapping]]) -> Optional[str]:
+    """What each rank said, when every one said its work was done (at least one rank); else None."""
+    if not stops or not all(finished_stop(s) for s in stops.values()):
+        return None
+    return "; ".join(f"rank {r}: " + ("the interpreter exited with status 0" if s["reason"] == EXIT_STOP_REASON
+                                      else f"stop {s['reason']!r}") for r, s in sorted(stops.items()))
 
 
 __all__ = ["teardown_crash", "exit_hang", "finished_stop"]

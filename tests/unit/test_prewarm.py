@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.fakes.fake_supervisor import Harness
-from fixtures.fakes.standby import prewarmed
+from fixtures.fakes.standby import prewarmed, signalled
 from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
@@ -144,10 +144,6 @@ def test_preload_records_a_failure_instead_of_raising(monkeypatch):
 
 
 # ---- the lifecycle on the fake supervisor -----------------------------------------------------
-
-
-def signalled(h: Harness, pid: int) -> list[int]:
-    return [sig for target, sig in h.table.sent if target in (pid, -pid)]
 
 
 def test_a_stall_spawns_the_standby_at_once_and_the_restart_releases_it(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fakes.standby import prewarmed
+from fixtures.fakes.standby import prewarmed, signalled
 from hangwatch.common.rundir import STANDBY_READY_NAME
 from hangwatch.supervisor.loop.commands import dispatch
 from hangwatch.supervisor.processes import prewarm
@@ -33,13 +33,9 @@ def test_the_standby_is_spawned_once_the_attempt_steps_not_while_it_loads(tmp_pa
     (sb,) = sp.standbys
     assert sp.calls[0][0][-1] == prewarm.STANDBY_FLAG and sp.calls[0][1]["HANGWATCH_ATTEMPT"] == "2"
     assert h.sup.prewarm.standby.why == "always" and h.state == "running"
-    assert signalled_none(h, sb.worker.pid)
+    assert not signalled(h, sb.worker.pid)
     h.tick(1.0)
     assert len(sp.standbys) == 1  # one at a time
-
-
-def signalled_none(h, pid: int) -> bool:
-    return not [sig for target, sig in h.table.sent if target in (pid, -pid)]
 
 
 def test_status_shows_the_standby_loading_then_ready_with_its_ram(tmp_path):

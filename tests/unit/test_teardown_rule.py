@@ -147,3 +147,10 @@ def test_exit_hang(deadline, stops, finished):
     assert (why is not None) is finished, why
     if finished:
         assert why.startswith("the worker did not exit after every rank had finished its work") and "not restarting" in why
+
+
+def test_the_policy_finishes_a_run_whose_unclean_exit_came_after_every_rank_had_finished():
+    policy = RestartPolicy(RestartCfg(backoff_initial_s=0))
+    d = policy.on_exit(0.0, None, "exit", own_command=True, teardown="rank 1 died by SIGABRT while exiting")
+    assert (d.action, d.reason) == ("finish", "rank 1 died by SIGABRT while exiting")
+    assert policy.total_restarts == 0
