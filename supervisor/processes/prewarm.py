@@ -335,7 +335,13 @@ class Prewarm:
         if w.exited:
             return True
         status = self.table.reap(w.pid)
+        if status is None and self.table.is_gone(w.ref):
+            # A process killed between the two looks is a zombie by the second: reap it now, so its death
+            # keeps its signal; still None when it was reaped elsewhere or is not our child.
+            status = self.table.reap(w.pid)
+            if status is None:
+                return True
         if status is not None:
             w.record_exit(status, now)
             return True
-        return self.table.is_gone(w.ref)  # reaped elsewhere (an attempt's tree scan adopted it) or not our child
+        return False

@@ -99,6 +99,26 @@ def test_a_standby_that_dies_is_replaced_later_each_time_it_dies_again(tmp_path)
     assert h.state == "running" and "replacing a standby that died, 4 in a row" in h.sup.prewarm.standby.why
 
 
+def test_a_standby_killed_between_the_two_looks_keeps_its_signal(tmp_path):
+    """SIGKILL lands after waitpid saw the standby running and before the zombie check saw it dead: the death is
+    reaped at once, with its signal, not taken as reaped elsewhere."""
+    h, sp = prewarmed(tmp_path, "always")
+    h.running()
+    h.until(lambda: sp.standbys)
+    sb = sp.standbys[0]
+    table_is_gone = h.table.is_gone
+
+    def killed_meanwhile(ref):
+        if ref.pid == sb.worker.pid:
+            h.table.end(ref.pid, sig=signal.SIGKILL)
+        return table_is_gone(ref)
+
+    h.table.is_gone = killed_meanwhile
+    h.tick(0.05)
+    assert h.sup.prewarm.standby is None and sb.worker.pid in h.table.reaped
+    assert (sb.worker.exit_code, sb.worker.exit_signal) == (None, signal.SIGKILL)
+
+
 def test_a_released_standby_resets_the_back_off(tmp_path):
     h, sp = prewarmed(tmp_path, "always")
     first = h.running()
