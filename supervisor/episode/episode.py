@@ -100,6 +100,9 @@ class Episode:
     landmarks: tuple = ()  # the user's (watchdog.landmarks), as `landmarks.Landmark` entries
     own_culprit: Optional[bool] = None  # multi-node: this node's ranks hold the culprit (`node_incident`)
     peer_notice: Optional[dict] = None  # multi-node: the peer's restart this episode follows
+    # The `exit` deadline fired after every rank had said its work was done: why the run is finished (only the way out
+    # hung).  Read when the deadline fires, before the kill's SIGTERM makes anyone say anything else.
+    work_done: Optional[str] = None
 
     # ---- a stall ---------------------------------------------------------------------------
 
@@ -128,7 +131,8 @@ class Episode:
                     deadline=expired.name if expired else None, budget_s=deadline and deadline["budget_s"],
                     elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
                     phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
-        return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines)
+        done = exit_hang(expired.name, _stops(attempt, deadlines.ranks)) if expired is not None else None
+        return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines, work_done=done)
 
     @classmethod
     def peer(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict,
@@ -475,11 +479,6 @@ def teardown_crash_of(attempt: Attempt, ranks: Collection[int]) -> Optional[str]
     code = w.exit_code if w.exit_signal is None else None
     root = None if sig is not None else torchrun_root_cause(tail_text(w.log_path, 400))
     return teardown_crash(code, sig, stops, root)
-
-
-def exit_hang_of(ep: "Episode", attempt: Attempt, ranks: Collection[int]) -> Optional[str]:
-    """Why the tree an `exit` deadline had killed ends a finished run (`rules.teardown.exit_hang`), else None."""
-    return exit_hang(ep.expired.name if ep.expired is not None else None, _stops(attempt, ranks))
 
 
 def _stops(attempt: Attempt, ranks: Collection[int]) -> dict:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.rundir import forked_dump_path  # noqa: F401  (re-exported: the rule both sides share)

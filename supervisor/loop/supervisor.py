@@ -72,7 +72,7 @@ from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
-from hangwatch.supervisor.episode.episode import (crash_loop_incident, exit_hang_of, no_retry, spawn_failed_incident,
+from hangwatch.supervisor.episode.episode import (crash_loop_incident, no_retry, spawn_failed_incident,
                                                  teardown_crash_of)
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
 from hangwatch.supervisor.loop import commands, view as views
@@ -1160,7 +1160,7 @@ class Supervisor:
         if ep.decision is None and self.after_teardown is Intent.NONE and ep.kind:
             self.nodes.stall_cause(ep, now)  # several nodes: free when the evidence puts the culprit elsewhere
         if ep.decision is None and self.after_teardown is Intent.NONE:
-            done = exit_hang_of(ep, cur, self.deadlines.ranks)  # every rank had finished: the way out hung
+            done = ep.work_done  # every rank had finished: the way out hung
             ep.decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
         out = resolve(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
         ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())

@@ -53,6 +53,10 @@ BUMP_RETRY_S = 5.0  # a bump unanswered this long (the store went away meanwhile
 FAILED_RETRY_S = 0.5  # an order the helper could not carry out (no store yet) is sent again after this long
 LATE_NOTICE_S = 30.0  # a victims' incident waits this long for the culprit node's notice
 PEER_GRACE_S = 3.0  # a victims-only node waits this long for the culprit node's bump before it bumps itself
+# torchrun's agent, its ranks done, waits for every node's agent at its exit barrier this long (torch.distributed.elastic's
+# SimpleElasticAgent(exit_barrier_timeout=300); torchrun has no option for it), then exits all the same.
+EXIT_BARRIER_S = 300.0
+EXIT_BARRIER_MARGIN_S = 30.0  # the agent's own shutdown after the barrier
 
 
 @dataclass
@@ -78,6 +82,7 @@ class MultiNode(Nodes):
         self.rounds: dict[int, int] = {}  # rank → torchrun's restart count seen in this attempt
         self.round_changes = 0
         self.store_wait: Optional[Wait] = None
+        self.barrier_excused: Optional[int] = None  # the attempt whose agent was given torchrun's exit barrier
         self.bump_sent_at: Optional[float] = None
         self.awaiting_notice: Optional[tuple] = None  # (victims' incident, its attempt's generation, since)
         self.victims_since: Optional[float] = None  # the last attempt ended with only victims here (no notice yet)
@@ -215,12 +220,23 @@ class MultiNode(Nodes):
         * torchrun (`worker.max_restarts`) ended the rank and starts a new rendezvous round by itself: like a new
           start, the startup deadline from when every node is back, the lost-peer report before;
         * the startup deadline while peers are missing at the rendezvous: ranks start only once every node is
-          there, waiting for peers is `rdzv_timeout_s`'s business, and the startup deadline counts from then."""
+          there, waiting for peers is `rdzv_timeout_s`'s business, and the startup deadline counts from then;
+        * the `exit` deadline once every local rank has exited while torchrun lives: its agent waits for the other
+          nodes at torchrun's exit barrier (`EXIT_BARRIER_S`), once per attempt; still there after it, it is killed."""
         if self.between_rounds(attempt, expired, table):
             log.info("torchrun_round_gap", attempt=attempt.number, rank=expired.rank, deadline=expired.name,
                      note="the rank's process is gone while torchrun lives: a new round of the same attempt")
             deadlines.arm_startup(now)
             self.round_wait(now)
+            return True
+        if expired.name == "exit" and self.barrier_excused != attempt.number and at_exit_barrier(attempt, table):
+            # Every local rank said it was done and has exited; torchrun's agent waits for the other nodes' agents
+            # (a peer's rank 0 still saving the final weights): torchrun's business, for its barrier's time.
+            self.barrier_excused = attempt.number
+            deadlines.arm_extra("exit", now, EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S, "torchrun's exit barrier")
+            log.info("torchrun_exit_barrier", attempt=attempt.number, node=self.name, pid=attempt.worker.pid,
+                     wait_s=EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S,
+                     note="every local rank has exited; torchrun waits for the other nodes at its exit barrier")
             return True
         if expired.name != "startup" or self.wait is None:
             return False
@@ -382,8 +398,9 @@ class MultiNode(Nodes):
         of it before anything is killed, so a peer whose ranks break when ours go already knows why."""
         amend_stall(ep, attempt, self.name, ep.peer_notice or self.newer_notice(), now)
         # Only victims here: leave the bump to the culprit's node (its notice names the culprit); if nobody
-        # bumps, this node does when it restarts (`ready_for_attempt`).
-        if ep.kind != "peer_restart" and ep.own_culprit is not False:
+        # bumps, this node does when it restarts (`ready_for_attempt`).  Local ranks that had all finished their
+        # work and only hung on the way out (`work_done`): this node finishes, the peers go on undisturbed.
+        if ep.kind != "peer_restart" and ep.own_culprit is not False and ep.work_done is None:
             inc = ep.incident
             self.local_failure(ep.kind or "stall", inc.data.get("summary") if inc else ep.reason,
                                step=inc.data.get("step") if inc else None, rank=inc.data.get("culprit_rank") if inc else None)
@@ -501,3 +518,10 @@ def peer_cause(own_culprit: Optional[bool], peer_notice: Optional[dict], own_bum
     if store_lost:
         return f"the rendezvous store was lost ({store_lost})"
     return None
+
+
+def at_exit_barrier(attempt, table) -> bool:
+    """torchrun's agent outlived every rank it announced: all its local ranks' processes are gone (what torchrun's
+    exit barrier looks like from this node; a rank that is still there is a rank that hangs on its way out)."""
+    refs = [a.ref for a in attempt.announced.values()]
+    return bool(refs) and all(ref is not None and table.is_gone(ref) for ref in refs)

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from fixtures.fakes.fake_supervisor import FakeHelper, Harness
-from hangwatch.supervisor.nodes.multi_node import missing_words, peer_cause, present_nodes
+from hangwatch.supervisor.nodes.multi_node import (EXIT_BARRIER_MARGIN_S, EXIT_BARRIER_S, missing_words, peer_cause,
+                                                   present_nodes)
 
 NODE = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "rdzv_id": "pair", "node_name": "a", "rdzv_timeout_s": 20}
 
@@ -306,3 +307,51 @@ def test_a_victims_only_node_leaves_the_bump_to_the_culprits_node(tmp_path):
     assert not helper.ops("bump")
     inc = incidents(h)[-1]
     assert inc["kind"] == "peer_restart" and inc["summary"].startswith("peer node b restarted (rank 1 is the culprit")
+
+
+def ranks_said_done(h: Harness, *, exited: bool):
+    """Attempt 1's one local rank (torchrun's child) steps, beats the exit line with status 0, and — `exited` — is
+    gone, torchrun's agent living on; returns (agent, rank)."""
+    store_up(h)
+    h.until(lambda: h.spawn.workers)
+    w = h.worker
+    rank = h.table.add(ppid=w.pid)
+    w.beat("start", pid=rank.pid)
+    w.step(3)
+    h.until(lambda: h.state == "running")
+    w.beat("stop", pid=rank.pid, reason="exit", code=0)
+    if exited:
+        h.table.end(rank.pid, 0)
+    return w, rank
+
+
+def test_an_agent_waiting_at_torchruns_exit_barrier_is_left_to_it(tmp_path):
+    h, helper = harness(tmp_path)
+    w, rank = ranks_said_done(h, exited=True)
+    for _ in range(40):  # 20 s: well past the exit deadline (exit_after_stop 4 + term_grace 1)
+        h.tick(0.5)
+    assert incidents(h) == [] and not h.table.sent and h.state == "running"
+    assert h.sup.deadlines.extra["exit"][1:] == (EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S, "torchrun's exit barrier")
+    w.exit(0)  # the other nodes came: the barrier opened
+    h.until(lambda: h.state == "finished", within_s=10)
+    assert incidents(h) == [] and h.sup.attempt == 1
+
+
+def test_an_agent_still_there_after_the_barrier_is_killed_and_the_run_finished(tmp_path):
+    h, helper = harness(tmp_path)
+    ranks_said_done(h, exited=True)
+    waited = h.until(lambda: h.table.sent, within_s=EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S + 10)
+    assert waited >= EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S
+    h.until(lambda: h.state == "finished", within_s=60)
+    (inc,) = incidents(h)
+    assert inc["deadline"]["name"] == "exit" and h.sup.attempt == 1
+    assert not helper.ops("bump")  # this node's work was done: the peers are not restarted for its way out
+
+
+def test_a_rank_that_lives_on_after_its_exit_line_is_no_barrier_wait(tmp_path):
+    h, helper = harness(tmp_path)
+    ranks_said_done(h, exited=False)
+    waited = h.until(lambda: h.table.sent, within_s=10)
+    assert 4 <= waited <= 6  # the exit deadline itself: exit_after_stop 4 + term_grace 1
+    h.until(lambda: h.state == "finished", within_s=60)
+    assert [i["kind"] for i in incidents(h)] == ["stall"] and h.sup.attempt == 1 and not helper.ops("bump")
