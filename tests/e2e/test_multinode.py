@@ -28,6 +28,7 @@ import pytest
 
 from fixtures.fakes.nodes import (incidents_of, node_configs, run_dir_of, shared_dir_of, start_node, steps_seen,
                                   wait_all, wait_for)
+from fixtures.fakes.user_shell import log_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -86,34 +87,15 @@ def test_a_busy_loop_on_rank_1_both_nodes_recover_bitwise_and_each_incident_tell
         assert ids == ["pair-g0", "pair-g1"], ids
 
 
-def supervisor_events(run_dir: Path, event: str) -> list[dict]:
-    out = []
-    for raw in (run_dir / "supervisor.log").read_text().splitlines():
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
-
-
 def test_a_node_done_first_waits_at_torchruns_exit_barrier_for_the_peers_last_save(tmp_path):
     script = Path(__file__).resolve().parents[1] / "fixtures" / "user_scripts" / "ddp_block.py"
     command = [sys.executable, str(script), "--steps", "6", "--ckpt-dir", str(tmp_path / "ckpts"),
                "--linger-rank", "0", "--linger-s", "15"]
     # The exit deadline (3 + 1 s) is far shorter than rank 0's linger: without the exit barrier in view, the node done
     # first would be killed at it.
-    cfgs = node_configs(tmp_path, worker={"command": command},
-                        watchdog={"exit_after_stop_s": 3, "term_grace_s": 1, "step_timeout_s": 60})
-    logs = {n: tmp_path / f"{n}.out" for n in cfgs}
-    procs = {}
-    for name, cfg in cfgs.items():
-        procs[name] = start_node(cfg, logs[name])
-        time.sleep(0.5)
-    codes = wait_all(procs, 300, logs)
-    explain = {n: l.read_text()[-3000:] for n, l in logs.items()}
-    assert codes == {n: 0 for n in cfgs}, (codes, explain)
+    cfgs = run_pair(tmp_path, [], worker={"command": command},
+                    watchdog={"exit_after_stop_s": 3, "term_grace_s": 1, "step_timeout_s": 60})
+    explain = {n: (tmp_path / f"{n}.out").read_text()[-3000:] for n in cfgs}
 
     runs = {n: run_dir_of(c) for n, c in cfgs.items()}
     for n, run_dir in runs.items():
@@ -123,11 +105,11 @@ def test_a_node_done_first_waits_at_torchruns_exit_barrier_for_the_peers_last_sa
         assert steps_seen(run_dir) == 6
     first = next(n for n, d in runs.items() if not (d / "attempts" / "0001" / "heartbeat-rank0.jsonl").exists())
     last = next(n for n in runs if n != first)
-    assert not supervisor_events(runs[last], "torchrun_exit_barrier")
-    waited = supervisor_events(runs[first], "torchrun_exit_barrier")
+    assert not log_events(runs[last], "torchrun_exit_barrier")
+    waited = log_events(runs[first], "torchrun_exit_barrier")
     # torch's gloo aborts a finished rank on its way out now and then (docs/your-own-script.md): then torchrun skips
     # its barrier, and that node's run ends as a crash in teardown, finished all the same.
-    assert waited or supervisor_events(runs[first], "worker_teardown_crash"), explain
+    assert waited or log_events(runs[first], "worker_teardown_crash"), explain
     if waited:
         assert waited[0]["attempt"] == 1 and waited[0]["wait_s"] >= 300, waited
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fakes.user_shell import VENV_BIN, incidents, run_hangwatch, worker_logs
+from fixtures.fakes.user_shell import VENV_BIN, incidents, log_events, run_hangwatch, worker_logs
 from hangwatch.common.protocol import decode_line
 
 pytestmark = pytest.mark.slow
@@ -91,18 +91,6 @@ def lines(run_dir: Path, attempt: int, rank: int) -> list[dict]:
     return [rec for raw in path.read_bytes().splitlines() if (rec := decode_line(raw)) is not None]
 
 
-def supervisor_events(run_dir: Path, event: str) -> list[dict]:
-    out = []
-    for raw in (run_dir / "supervisor.log").read_text().splitlines():
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
-
-
 @pytest.mark.parametrize("ranks, abort_rank", [(1, 0), (2, 1), (2, 0)], ids=["one-process", "rank-1", "rank-0"])
 def test_a_crash_in_teardown_after_every_rank_exited_cleanly_finishes_the_run(tmp_path, ranks, abort_rank):
     r, run_dir = run(tmp_path, "teardown", ranks=ranks, abort_rank=abort_rank)
@@ -115,7 +103,7 @@ def test_a_crash_in_teardown_after_every_rank_exited_cleanly_finishes_the_run(tm
         stop = lines(run_dir, 1, rank)[-1]
         assert stop["event"] == "stop" and stop["reason"] == "exit" and stop["code"] == 0, stop
         assert [b["step"] for b in lines(run_dir, 1, rank) if b["event"] == "step"] == [1, 2, 3, 4]
-    [crash] = supervisor_events(run_dir, "worker_teardown_crash")
+    [crash] = log_events(run_dir, "worker_teardown_crash")
     who = "the worker" if ranks == 1 else f"rank {abort_rank}"
     assert crash["why"].startswith(f"{who} died by SIGABRT while exiting"), crash
     assert "SIGABRT" in worker_logs(run_dir) or ranks == 1
@@ -138,7 +126,7 @@ def test_an_unfinished_or_failed_exit_is_still_restarted(tmp_path, how, stop):
         assert last["event"] == "step" and last["step"] == 2, last
     else:
         assert last["event"] == "stop" and {k: last.get(k) for k in stop} == stop, last
-    assert supervisor_events(run_dir, "worker_teardown_crash") == []
+    assert log_events(run_dir, "worker_teardown_crash") == []
     assert lines(run_dir, 2, 0)[-1] == {**lines(run_dir, 2, 0)[-1], "event": "stop", "reason": "exit", "code": 0}
 
 
@@ -150,5 +138,5 @@ def test_a_process_that_hangs_on_its_way_out_after_its_exit_line_is_killed_and_t
     [(_, inc)] = incidents(run_dir)  # the hang is recorded, with its stack
     assert inc["deadline"]["name"] == "exit", inc["deadline"]
     assert lines(run_dir, 1, 0)[-1] == {**lines(run_dir, 1, 0)[-1], "event": "stop", "reason": "exit", "code": 0}
-    [gone] = [e for e in supervisor_events(run_dir, "tree_gone") if e["attempt"] == 1]
+    [gone] = [e for e in log_events(run_dir, "tree_gone") if e["attempt"] == 1]
     assert gone["next"] == "finished" and "did not exit after every rank had finished its work" in gone["why"], gone
