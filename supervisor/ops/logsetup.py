@@ -76,7 +76,18 @@ def import_structlog(terminal: Optional[bool] = None) -> None:
         return
     if terminal is None:
         terminal = _isatty(sys.stderr)
-    import_without("structlog", defer=("asyncio",), hide=() if terminal else ("rich",))
+    # Python 3.12+: every LogRecord asks the asyncio in sys.modules for its current task, and structlog builds one
+    # while it is imported: that question would load the real asyncio through the stand-in.  No task can be running
+    # in an asyncio that was never imported, so the question is switched off for the import (the record's taskName is
+    # None either way).
+    ask = getattr(logging, "logAsyncioTasks", None)
+    if ask is not None:
+        logging.logAsyncioTasks = False
+    try:
+        import_without("structlog", defer=("asyncio",), hide=() if terminal else ("rich",))
+    finally:
+        if ask is not None:
+            logging.logAsyncioTasks = ask
 
 
 def log_path(run_dir: os.PathLike | str, environ: Optional[Mapping[str, str]] = None) -> Path:

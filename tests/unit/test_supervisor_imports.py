@@ -134,3 +134,27 @@ def test_a_deferred_module_is_the_real_one_at_its_first_use():
     rc, got, out = fresh(code)
     assert rc == 0, out
     assert got == {"before": [False, False], "after": True, "same": True, "real": "module"}, got
+
+
+# Python 3.12's LogRecord asks the asyncio in sys.modules for its current task (`logging.logAsyncioTasks`); structlog
+# builds a LogRecord while it is imported.  Emulated here so that every Python this suite runs on checks it.
+ASKS_ASYNCIO = ("import json, logging, sys\n" + LOADED +
+                "init = logging.LogRecord.__init__\n"
+                "def record_init(self, *a, **k):\n"
+                "    init(self, *a, **k)\n"
+                "    aio = sys.modules.get('asyncio') if getattr(logging, 'logAsyncioTasks', True) else None\n"
+                "    if aio:\n"
+                "        try:\n"
+                "            self.taskName = aio.current_task().get_name()\n"
+                "        except Exception:\n"
+                "            self.taskName = None\n"
+                "logging.LogRecord.__init__ = record_init\n"
+                "logging.logAsyncioTasks = True\n"
+                "from hangwatch.supervisor.ops import logsetup\n"
+                "logsetup.import_structlog(terminal=False)\n"
+                "print(json.dumps({'loaded': loaded(), 'asks_again': logging.logAsyncioTasks}), file=sys.stderr)\n")
+
+
+def test_a_log_record_asking_for_its_asyncio_task_does_not_load_asyncio():
+    _, got, out = fresh(ASKS_ASYNCIO)
+    assert got == {"loaded": [], "asks_again": True}, out
