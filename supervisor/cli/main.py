@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from hangwatch.common.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout hangwatch runs from (an editable install)
+REPO = Path(__file__).resolve().parents[2]  # the checkout hangwatch runs from (an editable install): supervisor/cli/ → ../..
 INTERRUPTED = 130  # the shell's code for death by SIGINT
 
 

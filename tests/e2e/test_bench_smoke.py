@@ -23,6 +23,14 @@ def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 
+def test_hangwatch_bench_finds_the_checkouts_benchmark():
+    """`hangwatch bench` as a user types it runs this checkout's scripts/bench (its own --help here)."""
+    p = subprocess.run([sys.executable, "-m", "hangwatch.supervisor", "bench", "--help"], cwd="/", capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("usage: bench") and "--only SECTION" in p.stdout, p.stdout
+
+
 @pytest.mark.slow
 def test_quick_bench_writes_results_computed_from_its_runs(tmp_path):
     out = tmp_path / "out"
