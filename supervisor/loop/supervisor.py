@@ -72,8 +72,7 @@ from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.episode.episode import Episode, Tools
-from hangwatch.supervisor.episode.episode import (crash_loop_incident, no_retry, spawn_failed_incident,
-                                                 teardown_crash_of)
+from hangwatch.supervisor.episode.episode import crash_loop_incident, no_retry, spawn_failed_incident, teardown_crash_of
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
 from hangwatch.supervisor.loop import commands, view as views
 from hangwatch.supervisor.loop.commands import DumpRequest

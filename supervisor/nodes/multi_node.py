@@ -44,7 +44,8 @@ from hangwatch.supervisor.nodes.node_incident import (amend_exit, amend_late, am
                                                       lost_peer_incident, peer_words)
 from hangwatch.supervisor.nodes.peers import HELPER_LOG_NAME, PeerLink, SpawnHelper, default_node_name, helper_argv, spawn_helper
 from hangwatch.supervisor.nodes.seam import Nodes
-from hangwatch.supervisor.processes.attempt import rdzv_id_for
+from hangwatch.supervisor.processes.attempt import Attempt, rdzv_id_for
+from hangwatch.supervisor.processes.process import ProcessTable
 from hangwatch.supervisor.rules.policy import FINISH_REASONS, Decision
 
 log = structlog.get_logger("hangwatch")
@@ -233,10 +234,10 @@ class MultiNode(Nodes):
             # Every local rank said it was done and has exited; torchrun's agent waits for the other nodes' agents
             # (a peer's rank 0 still saving the final weights): torchrun's business, for its barrier's time.
             self.barrier_excused = attempt.number
-            deadlines.arm_extra("exit", now, EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S, "torchrun's exit barrier")
+            wait_s = EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S
+            deadlines.arm_extra("exit", now, wait_s, "torchrun's exit barrier")
             log.info("torchrun_exit_barrier", attempt=attempt.number, node=self.name, pid=attempt.worker.pid,
-                     wait_s=EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S,
-                     note="every local rank has exited; torchrun waits for the other nodes at its exit barrier")
+                     wait_s=wait_s, note="every local rank has exited; torchrun waits for the other nodes at its exit barrier")
             return True
         if expired.name != "startup" or self.wait is None:
             return False
@@ -520,7 +521,7 @@ def peer_cause(own_culprit: Optional[bool], peer_notice: Optional[dict], own_bum
     return None
 
 
-def at_exit_barrier(attempt, table) -> bool:
+def at_exit_barrier(attempt: Attempt, table: ProcessTable) -> bool:
     """torchrun's agent outlived every rank it announced: all its local ranks' processes are gone (what torchrun's
     exit barrier looks like from this node; a rank that is still there is a rank that hangs on its way out)."""
     refs = [a.ref for a in attempt.announced.values()]

@@ -334,14 +334,9 @@ class Prewarm:
     def _reaped(self, w: Worker, now: float) -> bool:
         if w.exited:
             return True
-        status = self.table.reap(w.pid)
-        if status is None and self.table.is_gone(w.ref):
-            # A process killed between the two looks is a zombie by the second: reap it now, so its death
-            # keeps its signal; still None when it was reaped elsewhere or is not our child.
-            status = self.table.reap(w.pid)
-            if status is None:
-                return True
+        if not self.table.is_gone(w.ref):  # a zombie counts as gone: asked first, so a death is never half-seen
+            return False
+        status = self.table.reap(w.pid)  # None: reaped elsewhere (an attempt's tree scan adopted it) or not our child
         if status is not None:
             w.record_exit(status, now)
-            return True
-        return False
+        return True

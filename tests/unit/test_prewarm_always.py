@@ -100,8 +100,8 @@ def test_a_standby_that_dies_is_replaced_later_each_time_it_dies_again(tmp_path)
 
 
 def test_a_standby_killed_between_the_two_looks_keeps_its_signal(tmp_path):
-    """SIGKILL lands after waitpid saw the standby running and before the zombie check saw it dead: the death is
-    reaped at once, with its signal, not taken as reaped elsewhere."""
+    """SIGKILL lands while the supervisor looks at the standby (it becomes a zombie during the look): the death is
+    reaped at once, with its signal, never taken as reaped elsewhere."""
     h, sp = prewarmed(tmp_path, "always")
     h.running()
     h.until(lambda: sp.standbys)
