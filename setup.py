@@ -5,6 +5,7 @@ installed distribution adds no top-level import name but `hangwatch` (`daemon` a
 belong to python-daemon and supervisord).  `hangwatch` itself is an implicit namespace.  setuptools'
 declarative `packages.find` cannot add the `hangwatch.` prefix, so the packages are found here.
 """
+
 from setuptools import find_packages, setup
 
 FOLDERS = ("common", "daemon", "supervisor")

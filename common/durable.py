@@ -16,6 +16,7 @@ matters as much as a record that says `running` for ever.
 `FsOps` bundles the operations that move data between durable states, so tests can pass a subclass
 that fails (or dies) at a chosen operation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,12 @@ TMP_PREFIX = ".tmp-"  # every temporary this module creates starts with it (a cr
 RESERVE_BYTES = 4096  # a reserved record's size is a multiple of this: a block, which the filesystem allocates anyway
 
 # The write failures that are the disk's, not the program's: no retry of the same write can help.
-DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-               errno.EROFS: "read-only file system", errno.EIO: "I/O error"}
+DISK_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "I/O error",
+}
 
 
 # The ones that mean "no new block": the blocks a file already holds may still be written.
@@ -43,7 +48,7 @@ def disk_error(exc: BaseException) -> bool:
 
 
 def describe_write_error(exc: OSError, path: os.PathLike | str) -> str:
-    """"no space left on device at PATH" (or the OS's own words for another errno)."""
+    """ "no space left on device at PATH" (or the OS's own words for another errno)."""
     what = DISK_ERRNOS.get(exc.errno) or (exc.strerror or str(exc)).lower()
     return f"{what} at {path}"
 
@@ -83,7 +88,7 @@ def write_atomic(path: os.PathLike | str, data: bytes | str, *, durable: bool = 
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if durable:
                 os.fsync(fd)
         finally:
@@ -137,7 +142,7 @@ def append_durable(path: os.PathLike | str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -5,6 +5,7 @@ the assistant's turn.  Standard library only, so that `hangwatch validate-config
 which must not import the worker) checks the first lines of a data file by the same rule the worker
 trains by; tokenizing and lengths stay with the worker (`hangwatch.daemon.data`).
 """
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ root-cause report) counts as the worker's (`supervisor.rules.no_retry`).
 Supervisor and CLI: 0 finished/stopped · 1 failed (crash loop, …) · 64 usage · 69 daemon unreachable ·
 70 internal error · 78 configuration error.
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0

@@ -10,6 +10,7 @@ range, `-1`, an unknown or ambiguous UUID, a device already listed), so `""` and
 No NVML (no driver, no library, an init error) means nothing is known: nothing is refused.  The NVML reader is
 the seam (`nvml_uuids`); the rest is pure.  pynvml is imported only when asked: the standard library otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +93,9 @@ class WorkerGpus:
         return f"{env}; NVML counts {self.machine} on this machine"
 
 
-def worker_gpus(environ: Mapping[str, str], worker_env: Mapping[str, str],
-                uuids: Optional[Sequence[str]]) -> Optional[WorkerGpus]:
+def worker_gpus(
+    environ: Mapping[str, str], worker_env: Mapping[str, str], uuids: Optional[Sequence[str]]
+) -> Optional[WorkerGpus]:
     """The GPUs the worker will see (`environ`: the supervisor's; `worker_env`: the config's `worker.env`, which
     wins); None without NVML (`uuids` None)."""
     if uuids is None:
@@ -126,11 +128,16 @@ def placement_problem(device: str, nproc: int, gpus: Optional[WorkerGpus]) -> Op
     if gpus.visible == 0:
         if device == "auto":
             return None
-        return Placement(("model", "device"), f"cuda, but the worker sees no GPU ({gpus.where()})",
-                         "set model.device: cpu (or auto), or make a GPU visible")
+        return Placement(
+            ("model", "device"),
+            f"cuda, but the worker sees no GPU ({gpus.where()})",
+            "set model.device: cpu (or auto), or make a GPU visible",
+        )
     if nproc > gpus.visible:
         plural = "" if gpus.visible == 1 else "s"
-        return Placement(("worker", "nproc_per_node"),
-                         f"{nproc}, but the worker sees {gpus.visible} GPU{plural} ({gpus.where()}): NCCL needs one GPU "
-                         "per rank", f"set worker.nproc_per_node: {gpus.visible} or make more GPUs visible")
+        return Placement(
+            ("worker", "nproc_per_node"),
+            f"{nproc}, but the worker sees {gpus.visible} GPU{plural} ({gpus.where()}): NCCL needs one GPU per rank",
+            f"set worker.nproc_per_node: {gpus.visible} or make more GPUs visible",
+        )
     return None

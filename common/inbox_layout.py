@@ -32,6 +32,7 @@ crash:
 `<sha16>:<line>` (1-based line in the file as published).  Note `Stage.QUEUED` is the directory
 `queue/`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -95,7 +96,7 @@ def priority_of(name: str) -> int:
 def with_priority(name: str, priority: int) -> str:
     """`name` published at `priority`: its `p<N>-` prefix set (an existing one replaced)."""
     m = _PRIORITY.match(name)
-    return f"p{priority}-{name[m.end():] if m else name}"
+    return f"p{priority}-{name[m.end() :] if m else name}"
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,14 @@ def ensure_dirs(run_dir: os.PathLike | str) -> None:
         stage.dir(run_dir).mkdir(parents=True, exist_ok=True)
 
 
-def move(run_dir: os.PathLike | str, filename: str, src: Stage, dst: Stage,
-         new_name: Optional[str] = None, ops: Optional[FsOps] = None) -> Path:
+def move(
+    run_dir: os.PathLike | str,
+    filename: str,
+    src: Stage,
+    dst: Stage,
+    new_name: Optional[str] = None,
+    ops: Optional[FsOps] = None,
+) -> Path:
     """Move one data file between stages (a legal transition only); returns the new path."""
     if dst not in TRANSITIONS[src]:
         raise IllegalTransition(f"{filename}: {src.value}/ → {dst.value}/ is not a legal move")
@@ -209,8 +216,7 @@ def queue_status(run_dir: os.PathLike | str, lines: Optional[LineCounter] = None
         rejected_names = set(os.listdir(Stage.REJECTED.dir(run_dir)))
     except FileNotFoundError:
         rejected_names = set()
-    rejected = sum(1 for n in rejected_names
-                   if n.endswith(ERROR_SUFFIX) and n[: -len(ERROR_SUFFIX)] in rejected_names)
+    rejected = sum(1 for n in rejected_names if n.endswith(ERROR_SUFFIX) and n[: -len(ERROR_SUFFIX)] in rejected_names)
     return {
         "inbox": arriving,
         "waiting": len(data_files(run_dir, Stage.QUEUED)),

@@ -4,6 +4,7 @@ One JSON object per line, written with a single `os.write` on an O_APPEND descri
 than PIPE_BUF, so lines from several writers never interleave or tear.  Readers skip (and count) a
 torn or invalid line.  See docs/run-directory.md, "Heartbeats".
 """
+
 from __future__ import annotations
 
 import json

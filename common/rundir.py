@@ -1,9 +1,10 @@
 """The run directory's layout (docs/run-directory.md) and the small readers both sides use.
 
-    <run_dir>/config.yaml state.json calibration.json checkpoints.json supervisor.log
-              attempts/NNNN/{worker.log, heartbeat-rank<R>.jsonl, stack-rank<R>.txt, exit.json}
-              checkpoints/step-NNNNNNNN/   incidents/NNNN-<kind>/
+<run_dir>/config.yaml state.json calibration.json checkpoints.json supervisor.log
+          attempts/NNNN/{worker.log, heartbeat-rank<R>.jsonl, stack-rank<R>.txt, exit.json}
+          checkpoints/step-NNNNNNNN/   incidents/NNNN-<kind>/
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ CONFIG_NAME = "config.yaml"
 STATE_NAME = "state.json"
 CALIBRATION_NAME = "calibration.json"
 QUARANTINE_NAME = "quarantine.jsonl"  # examples the built-in worker kept out after non-finite losses
-CHECKPOINT_LEDGER_NAME = "checkpoints.json"  # the supervisor's record of announced checkpoints (supervisor.checkpoint_ledger)
+CHECKPOINT_LEDGER_NAME = (
+    "checkpoints.json"  # the supervisor's record of announced checkpoints (supervisor.checkpoint_ledger)
+)
 SUPERVISOR_LOG_NAME = "supervisor.log"
 WORKER_LOG_NAME = "worker.log"
 EXIT_NAME = "exit.json"

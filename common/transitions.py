@@ -1,4 +1,5 @@
 """The one error for a state change a transition table forbids (supervisor states, inbox stages)."""
+
 from __future__ import annotations
 
 

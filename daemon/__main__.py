@@ -30,6 +30,7 @@ Exit codes (docs/operations.md): 0 finished, idle or terminated on request · 78
 75 non-finite streak · 1 any other failure.  Every failure but a hard kill leaves last words in
 attempts/NNNN/exit.json (rank R > 0 of a multi-rank run: exit-rank<R>.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,11 @@ from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.config import ConfigError, dump_config, load_config
+from hangwatch.common.config.rules import GENERATE_FAULTS
 from hangwatch.common.durable import write_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_OK
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR, rank_from_env
 from hangwatch.common.rundir import CONFIG_NAME, next_attempt
-from hangwatch.common.config.rules import GENERATE_FAULTS
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource
 from hangwatch.daemon.distributed import world_size_from_env
@@ -61,12 +62,17 @@ MAX_PROBLEMS_IN_BEAT = 10
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m hangwatch.daemon", description="hangwatch training worker (LoRA fine-tuning).")
+    p = argparse.ArgumentParser(
+        prog="python -m hangwatch.daemon", description="hangwatch training worker (LoRA fine-tuning)."
+    )
     p.add_argument("--config", required=True, help="YAML config (see `hangwatch --help` for every key)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir in the config)")
-    p.add_argument(STANDBY_FLAG, action="store_true",
-                   help="started by the supervisor as the next attempt's standby (restart.prewarm): load, then wait "
-                        "on stdin for the release that says where to resume")
+    p.add_argument(
+        STANDBY_FLAG,
+        action="store_true",
+        help="started by the supervisor as the next attempt's standby (restart.prewarm): load, then wait "
+        "on stdin for the release that says where to resume",
+    )
     return p.parse_args(argv)
 
 
@@ -87,14 +93,18 @@ def load_data(cfg, tokenizer, hb, stop, files: Optional[FileData] = None):
     else:
         _report(hb, "training data", cfg.data.train, files.train, files.train_problems)
         if not files.train:
-            raise DataError(f"{cfg.data.train}: no usable training example ({len(files.train_problems)} problem(s))",
-                            files.train_problems)
+            raise DataError(
+                f"{cfg.data.train}: no usable training example ({len(files.train_problems)} problem(s))",
+                files.train_problems,
+            )
         from hangwatch.daemon.trainer.quarantine import quarantined_ids
 
         skip = quarantined_ids(cfg.run_dir) & {e.id for e in files.train}
         if skip and hb.rank == 0:
-            print(f"quarantine: {len(skip)} training example(s) skipped after non-finite losses: {', '.join(sorted(skip))}",
-                  flush=True)
+            print(
+                f"quarantine: {len(skip)} training example(s) skipped after non-finite losses: {', '.join(sorted(skip))}",
+                flush=True,
+            )
         source = ShuffledEpochs(files.train, cfg.train.seed, skip=frozenset(skip))
     if cfg.data.eval:
         _report(hb, "eval data", cfg.data.eval, files.eval, files.eval_problems)
@@ -105,19 +115,30 @@ def _report(hb, what, path, examples, problems) -> None:
     if hb.rank != 0:
         return  # every rank reads the same file: rank 0 speaks for all
     truncated = sum(1 for e in examples if e.truncated)
-    print(f"{what}: {path}: {len(examples)} usable example(s), {truncated} truncated, {len(problems)} problem(s)", flush=True)
+    print(
+        f"{what}: {path}: {len(examples)} usable example(s), {truncated} truncated, {len(problems)} problem(s)",
+        flush=True,
+    )
     for p in problems:
         print(f"  {p}", flush=True)
     if problems:
-        hb.warn(f"{what}: {len(problems)} unusable line(s) in {path}", file=str(path), count=len(problems),
-                problems=[str(p) for p in problems[:MAX_PROBLEMS_IN_BEAT]])
+        hb.warn(
+            f"{what}: {len(problems)} unusable line(s) in {path}",
+            file=str(path),
+            count=len(problems),
+            problems=[str(p) for p in problems[:MAX_PROBLEMS_IN_BEAT]],
+        )
 
 
 def check_world(cfg, world_size: int) -> None:
     """What a multi-rank run cannot do, refused before anything starts (exit 78)."""
     if world_size > 1 and cfg.data.inbox:
-        raise ConfigError([f"data.inbox: continuous mode trains on one rank only, and this worker is one of {world_size} "
-                           "(set worker.nproc_per_node: 1)"])
+        raise ConfigError(
+            [
+                f"data.inbox: continuous mode trains on one rank only, and this worker is one of {world_size} "
+                "(set worker.nproc_per_node: 1)"
+            ]
+        )
 
 
 def agree_on_resume(cfg, world, choice):
@@ -138,15 +159,17 @@ def _warn_faults(cfg, hb, faults, world) -> None:
         if (f.at_eval is not None or f.kind in GENERATE_FAULTS) and not cfg.eval.every_steps:
             hb.warn(f"fault {f.kind} waits for an eval, but eval.every_steps is 0: it will never fire", fault=f.kind)
         if f.rank >= world.size:
-            hb.warn(f"fault {f.kind} is for rank {f.rank}, but the run has {world.size} rank(s): it will never fire",
-                    fault=f.kind)
+            hb.warn(
+                f"fault {f.kind} is for rank {f.rank}, but the run has {world.size} rank(s): it will never fire",
+                fault=f.kind,
+            )
         elif f.kind in GENERATE_FAULTS and f.rank != 0:
-            hb.warn(f"fault {f.kind} is for rank {f.rank}, but only rank 0 generates: it will never fire",
-                    fault=f.kind)
+            hb.warn(f"fault {f.kind} is for rank {f.rank}, but only rank 0 generates: it will never fire", fault=f.kind)
 
 
-def run(cfg, hb, choice, stop, faults, pre: Optional[Preloaded] = None, configured=None,
-        remedy: Optional[dict] = None) -> str:
+def run(
+    cfg, hb, choice, stop, faults, pre: Optional[Preloaded] = None, configured=None, remedy: Optional[dict] = None
+) -> str:
     """Load everything (what a standby preloaded, `pre`, is only moved to the device), then train;
     returns the stop reason.  `cfg`: the setting to train with; `configured`: the config as written, when
     OOM remediation (`remedy`) changed it."""
@@ -176,15 +199,28 @@ def run(cfg, hb, choice, stop, faults, pre: Optional[Preloaded] = None, configur
     bundle = prepare_for_training(pre.on_device(cfg), cfg) if preloaded else load_model(cfg)
     source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop, pre.files if preloaded else None)
     try:
-        trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, plan, stop, attempt=hb.attempt, world=world,
-                          configured=configured)
+        trainer = Trainer(
+            cfg,
+            hb,
+            cfg.run_dir,
+            bundle,
+            source,
+            eval_examples,
+            plan,
+            stop,
+            attempt=hb.attempt,
+            world=world,
+            configured=configured,
+        )
         if remedy is not None:
             trainer.log(remediation.words(remedy))
         if world.size > 1:
             b = effective_batch(cfg.train.micro_batch_size, cfg.train.grad_accum, world.size)
-            trainer.log(f"{world.size} ranks ({world.backend}): effective batch {b['effective_batch']} examples per "
-                        f"optimizer step = micro_batch_size {b['micro_batch_size']} × grad_accum {b['grad_accum']} "
-                        f"× {world.size} ranks")
+            trainer.log(
+                f"{world.size} ranks ({world.backend}): effective batch {b['effective_batch']} examples per "
+                f"optimizer step = micro_batch_size {b['micro_batch_size']} × grad_accum {b['grad_accum']} "
+                f"× {world.size} ranks"
+            )
         if choice.path is not None:
             trainer.restore(choice.path)
             trainer.log(f"resumed from {choice.path} at step {trainer.step}")
@@ -236,18 +272,23 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
         remedy, stale = remediation.read(run_dir, cfg)
         train_cfg = remediation.apply(cfg, remedy)
         hb.current_step = choice.step
-        hb.start(resumed_from=str(choice.path) if choice.path else None, skipped_checkpoints=choice.skipped,
-                 resumed_step=choice.step,
-                 **effective_batch(train_cfg.train.micro_batch_size, train_cfg.train.grad_accum, world_size),
-                 **remediation.beat_fields(remedy), **(pre.beat_fields() if pre is not None else {}))
+        hb.start(
+            resumed_from=str(choice.path) if choice.path else None,
+            skipped_checkpoints=choice.skipped,
+            resumed_step=choice.step,
+            **effective_batch(train_cfg.train.micro_batch_size, train_cfg.train.grad_accum, world_size),
+            **remediation.beat_fields(remedy),
+            **(pre.beat_fields() if pre is not None else {}),
+        )
         if stale and hb.rank == 0:
             hb.warn(stale)
         reason = run(train_cfg, hb, choice, stop, faults, pre, configured=cfg, remedy=remedy)
         hb.stop(reason)
         return EXIT_OK
     except Exception as exc:  # last words for everything; signals and os._exit never get here
-        kind, code, path = last_words_for(exc, run_dir, hb.attempt, rank=hb.rank, step=hb.current_step,
-                                          phase=hb.current_phase)
+        kind, code, path = last_words_for(
+            exc, run_dir, hb.attempt, rank=hb.rank, step=hb.current_step, phase=hb.current_phase
+        )
         if isinstance(exc, ConfigError):
             _print_problems(exc)
         else:
@@ -276,8 +317,16 @@ def _config_failure(exc: ConfigError, run_dir: Optional[str], env) -> None:
     _print_problems(exc)
     if run_dir:
         attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(run_dir)
-        write_last_words(run_dir, attempt, "config_error", str(exc), None, rank=rank_from_env(env), problems=exc.problems,
-                         exit_code=EXIT_CONFIG)
+        write_last_words(
+            run_dir,
+            attempt,
+            "config_error",
+            str(exc),
+            None,
+            rank=rank_from_env(env),
+            problems=exc.problems,
+            exit_code=EXIT_CONFIG,
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ finite and the step before it was finite.  Resume takes it (a graceful restart m
 the resumed attempt confirms it like any other; a non-finite streak removes every provisional marker
 before the worker exits 75, so the rollback goes to the last *good* checkpoint.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,8 +84,9 @@ def fsync_tree(root: Path) -> None:
 # ---- commit ------------------------------------------------------------------------------
 
 
-def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None],
-           markers: Optional[Callable[[Path], dict]] = None) -> Path:
+def commit(
+    root: os.PathLike | str, step: int, fill: Callable[[Path], None], markers: Optional[Callable[[Path], dict]] = None
+) -> Path:
     """Write checkpoint `step` under `root` with the commit protocol; `fill(tmpdir)` writes its files.
 
     `markers(tmpdir)` (after the files and the manifest are written) names marker files to create
@@ -105,8 +107,9 @@ def commit(root: os.PathLike | str, step: int, fill: Callable[[Path], None],
         raise
 
 
-def _commit(root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], None],
-            markers: Optional[Callable[[Path], dict]]) -> Path:
+def _commit(
+    root: Path, name: str, step: int, tmp: Path, fill: Callable[[Path], None], markers: Optional[Callable[[Path], dict]]
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -219,8 +222,11 @@ def clean_temporaries(root: os.PathLike | str) -> list[dict]:
         return removed
     for p in sorted(root.iterdir()):
         if p.is_dir() and p.name.startswith(TEMP_PREFIXES):
-            why = ("half-written temporary directory of an interrupted save" if p.name.startswith(TMP_PREFIX)
-                   else "replaced checkpoint left by an interrupted save")
+            why = (
+                "half-written temporary directory of an interrupted save"
+                if p.name.startswith(TMP_PREFIX)
+                else "replaced checkpoint left by an interrupted save"
+            )
             shutil.rmtree(p, ignore_errors=True)
             removed.append({"path": str(p), "step": _temp_step(p.name), "reason": f"{why}; removed"})
     return removed
@@ -249,7 +255,9 @@ def choose_resume(run_dir: os.PathLike | str, *, clean: bool = True, configured:
     for p in list_checkpoints(root):
         reason = validate(p)
         if reason is None and not is_good(p) and not is_provisional(p):
-            reason = "valid but not confirmed good (training after it did not stay finite long enough, or was cut short)"
+            reason = (
+                "valid but not confirmed good (training after it did not stay finite long enough, or was cut short)"
+            )
         if reason is None:
             choice.path, choice.step = p, step_of(p)
             return choice

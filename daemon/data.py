@@ -12,6 +12,7 @@ per bad line (file, line number, what was wrong).  The order of training is a `D
 object yielding examples with stable ids whose position is a small JSON-serialisable dict; the
 continuous (inbox) mode's source is a `ContinuousDataSource`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,7 +66,7 @@ def render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
         full_text = tokenizer.apply_chat_template(messages, tokenize=False)
         if not full_text.startswith(prompt_text):
             raise ExampleRejected("the chat template renders the conversation so that the prompt is not a prefix of it")
-        completion_text = full_text[len(prompt_text):]
+        completion_text = full_text[len(prompt_text) :]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in completion_ids:
@@ -83,23 +84,29 @@ def render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
 def prompt_ids_for(tokenizer, prompt: str) -> list[int]:
     """Token ids of a bare prompt ready for generation (the same rendering training uses)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
-def build_example(prompt_ids: list[int], completion_ids: list[int], max_length: int, truncation: str) -> tuple[list[int], list[int], bool]:
+def build_example(
+    prompt_ids: list[int], completion_ids: list[int], max_length: int, truncation: str
+) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, truncated): prompt masked with -100, the completion kept whole."""
     n_prompt, n_completion = len(prompt_ids), len(completion_ids)
     truncated = False
     if n_prompt + n_completion > max_length:
         if truncation == "reject":
-            raise ExampleRejected(f"{n_prompt + n_completion} tokens, longer than data.max_length={max_length} (data.truncation: reject)")
+            raise ExampleRejected(
+                f"{n_prompt + n_completion} tokens, longer than data.max_length={max_length} (data.truncation: reject)"
+            )
         if n_completion >= max_length:
             raise ExampleRejected(
                 f"the completion alone is {n_completion} tokens; data.max_length={max_length} leaves no room for any prompt"
             )
-        prompt_ids = prompt_ids[n_prompt + n_completion - max_length:]
+        prompt_ids = prompt_ids[n_prompt + n_completion - max_length :]
         truncated = True
     input_ids = list(prompt_ids) + list(completion_ids)
     labels = [IGNORE_INDEX] * len(prompt_ids) + list(completion_ids)
@@ -137,10 +144,17 @@ def validate_file(path: os.PathLike | str, tokenizer, cfg) -> tuple[list[Example
         except ExampleRejected as exc:
             problems.append(Problem(str(path), lineno, str(exc)))
             continue
-        examples.append(Example(
-            id=f"{path.name}:{lineno}", input_ids=input_ids, labels=labels, source=str(path), line=lineno,
-            digest=hashlib.sha256(line).hexdigest()[:16], truncated=truncated,
-        ))
+        examples.append(
+            Example(
+                id=f"{path.name}:{lineno}",
+                input_ids=input_ids,
+                labels=labels,
+                source=str(path),
+                line=lineno,
+                digest=hashlib.sha256(line).hexdigest()[:16],
+                truncated=truncated,
+            )
+        )
     return examples, problems
 
 
@@ -205,8 +219,10 @@ class ShuffledEpochs:
         if self.skip and all(e.id in self.skip for e in self.examples):
             from hangwatch.daemon.errors import DataError
 
-            raise DataError(f"every training example ({len(self.examples)}) is quarantined after non-finite losses "
-                            "(quarantine.jsonl in the run dir): nothing is left to train on")
+            raise DataError(
+                f"every training example ({len(self.examples)}) is quarantined after non-finite losses "
+                "(quarantine.jsonl in the run dir): nothing is left to train on"
+            )
 
     def order(self, epoch: int) -> list[int]:
         import numpy as np
@@ -242,10 +258,12 @@ class ShuffledEpochs:
         if position.get("size") not in (None, len(self.examples)):
             from hangwatch.common.config import ConfigError
 
-            raise ConfigError([
-                f"data: the checkpoint was trained on {position['size']} usable examples, the data now has "
-                f"{len(self.examples)}; resuming would not continue the same run (use a new run_dir)"
-            ])
+            raise ConfigError(
+                [
+                    f"data: the checkpoint was trained on {position['size']} usable examples, the data now has "
+                    f"{len(self.examples)}; resuming would not continue the same run (use a new run_dir)"
+                ]
+            )
         self.epoch = int(position["epoch"])
         self.index = int(position["index"])
         self._order = None

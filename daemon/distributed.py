@@ -24,6 +24,7 @@ makes the sum independent of the layout.  On NCCL (where bitwise exactness is no
 hook is a plain all-reduce.  Neither divides by the world size: the trainer's loss is already
 normalised by the label tokens of the whole world's step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -111,8 +112,9 @@ class TorchWorld(World):
     """One rank of a torchrun job: the env:// rendezvous, from the variables torchrun sets in this
     process's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
 
-    def __init__(self, device, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self, device, *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+    ):
         import torch
         import torch.distributed as dist
 
@@ -128,8 +130,12 @@ class TorchWorld(World):
             if self.local_rank >= torch.cuda.device_count():
                 from hangwatch.common.config import ConfigError
 
-                raise ConfigError([f"worker.nproc_per_node: local rank {self.local_rank} has no GPU of its own "
-                                   f"(torch sees {torch.cuda.device_count()}); NCCL needs one GPU per rank"])
+                raise ConfigError(
+                    [
+                        f"worker.nproc_per_node: local rank {self.local_rank} has no GPU of its own "
+                        f"(torch sees {torch.cuda.device_count()}); NCCL needs one GPU per rank"
+                    ]
+                )
             torch.cuda.set_device(self.local_rank)
         dist.init_process_group(self.backend, timeout=COLLECTIVE_TIMEOUT)
         # Objects and small sums travel on the CPU: a gloo group beside NCCL's (none needed on gloo).
@@ -190,8 +196,12 @@ class TorchWorld(World):
             return result
         with hb.phase(WAIT_PHASE, waiting_for=f"rank 0: {what}"):
             work = self._dist.barrier(group=self.cpu_group, async_op=True)
-            wait_beating(work.is_completed, lambda: hb.progress(note=f"waiting for rank 0: {what}"),
-                         clock=self._clock, sleep=self._sleep)
+            wait_beating(
+                work.is_completed,
+                lambda: hb.progress(note=f"waiting for rank 0: {what}"),
+                clock=self._clock,
+                sleep=self._sleep,
+            )
             work.wait()  # raises if the barrier failed (a rank died)
         return None
 
@@ -200,9 +210,15 @@ class TorchWorld(World):
             self._dist.destroy_process_group()
 
 
-def wait_beating(done: Callable[[], bool], beat: Callable[[], Any], *, clock: Callable[[], float],
-                 sleep: Callable[[float], None], every_s: float = WAIT_PROGRESS_EVERY_S,
-                 poll_s: float = WAIT_POLL_S) -> int:
+def wait_beating(
+    done: Callable[[], bool],
+    beat: Callable[[], Any],
+    *,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    every_s: float = WAIT_PROGRESS_EVERY_S,
+    poll_s: float = WAIT_POLL_S,
+) -> int:
     """Poll `done()` until it is true, calling `beat()` every `every_s` meanwhile (from this thread: the
     one that waits); returns how many beats it made."""
     beats = 0

@@ -3,6 +3,7 @@
 Each carries what a user needs to fix it; `daemon.lastwords.classify` maps them (and any other
 exception) to the `kind` recorded in exit.json and the process exit code (docs/operations.md, the CLI's exit codes).
 """
+
 from __future__ import annotations
 
 

@@ -16,6 +16,7 @@ In a multi-rank run every rank scores its share of the held-out examples and the
 across ranks (`World.sum`); generation runs on rank 0 alone, and the other ranks wait for it in phase
 `wait` (`World.on_main`), so a hung generate() names rank 0 and shows the others as waiting.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,13 @@ from hangwatch.daemon.trainer.ranks import eval_shard
 EVOLUTION = "evolution.jsonl"
 
 
-def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Optional[Callable[[], None]] = None,
-              world: Optional[World] = None) -> Optional[float]:
+def eval_loss(
+    bundle,
+    examples: list[Example],
+    batch_size: int,
+    on_batch: Optional[Callable[[], None]] = None,
+    world: Optional[World] = None,
+) -> Optional[float]:
     """Mean cross-entropy per completion token over `examples` (None without examples); in a
     multi-rank run each rank scores its share and the sums are added across ranks."""
     if not examples:
@@ -49,7 +55,7 @@ def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Option
     total, count = 0.0, 0
     pad = bundle.tokenizer.pad_token_id
     for i in range(0, len(mine), batch_size):
-        chunk = mine[i:i + batch_size]
+        chunk = mine[i : i + batch_size]
         batch = collate(chunk, pad)
         n = sum(e.n_label_tokens for e in chunk)
         _, ce_sum, _ = bundle.compute_loss(batch, n)
@@ -61,8 +67,9 @@ def eval_loss(bundle, examples: list[Example], batch_size: int, on_batch: Option
     return total / count
 
 
-def _progress_criterion(hb, every: int, prompt_len: int, should_stop: Callable[[], bool],
-                        order: Optional[StopOrder] = None):
+def _progress_criterion(
+    hb, every: int, prompt_len: int, should_stop: Callable[[], bool], order: Optional[StopOrder] = None
+):
     from transformers import StoppingCriteria
 
     class BeatEveryTokens(StoppingCriteria):
@@ -81,7 +88,12 @@ def _progress_criterion(hb, every: int, prompt_len: int, should_stop: Callable[[
                 if limit is not None and produced >= limit:
                     done = True
                     if self.truncated is None:
-                        self.truncated = {"order": order.order, "limit": limit, "tokens": produced, "prompt_tokens": prompt_len}
+                        self.truncated = {
+                            "order": order.order,
+                            "limit": limit,
+                            "tokens": produced,
+                            "prompt_tokens": prompt_len,
+                        }
             return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
     return BeatEveryTokens()
@@ -96,18 +108,33 @@ class Generated:
 def max_new_tokens_for(eval_cfg, extra_processors=()) -> int:
     """The configured cap, unless a processor carries its own `max_new_tokens` (the runaway_generate fault's,
     which must outlast any budget): the largest wins."""
-    caps = [n for n in (getattr(p, "max_new_tokens", None) for p in extra_processors)
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    caps = [
+        n
+        for n in (getattr(p, "max_new_tokens", None) for p in extra_processors)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0
+    ]
     return max([eval_cfg.max_new_tokens, *caps])
 
 
-def generate_one(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False) -> str:
+def generate_one(
+    bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False
+) -> str:
     """The output text of `prompt` (see `generate_prompt`)."""
-    return generate_prompt(bundle, prompt, eval_cfg, hb, extra_processors=extra_processors, should_stop=should_stop).text
+    return generate_prompt(
+        bundle, prompt, eval_cfg, hb, extra_processors=extra_processors, should_stop=should_stop
+    ).text
 
 
-def generate_prompt(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), should_stop: Callable[[], bool] = lambda: False,
-                    order: Optional[StopOrder] = None) -> Generated:
+def generate_prompt(
+    bundle,
+    prompt: str,
+    eval_cfg,
+    hb,
+    *,
+    extra_processors=(),
+    should_stop: Callable[[], bool] = lambda: False,
+    order: Optional[StopOrder] = None,
+) -> Generated:
     """One prompt's generation, beating `progress`; `order`: the supervisor's stop order of the current phase."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
@@ -116,21 +143,26 @@ def generate_prompt(bundle, prompt: str, eval_cfg, hb, *, extra_processors=(), s
     criterion = _progress_criterion(hb, eval_cfg.progress_every_tokens, ids.shape[-1], should_stop, order)
     criteria = StoppingCriteriaList([criterion])
     kwargs = dict(
-        max_new_tokens=max_new_tokens_for(eval_cfg, extra_processors), do_sample=eval_cfg.do_sample,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        attention_mask=torch.ones_like(ids), stopping_criteria=criteria,
+        max_new_tokens=max_new_tokens_for(eval_cfg, extra_processors),
+        do_sample=eval_cfg.do_sample,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        attention_mask=torch.ones_like(ids),
+        stopping_criteria=criteria,
         logits_processor=LogitsProcessorList(list(extra_processors)),
     )
     if not eval_cfg.do_sample:
         kwargs.update(temperature=None, top_p=None, top_k=None)
     with bundle.autocast():
         out = bundle.model.generate(input_ids=ids, **kwargs)
-    return Generated(tok.decode(out[0, ids.shape[-1]:], skip_special_tokens=True), criterion.truncated)
+    return Generated(tok.decode(out[0, ids.shape[-1] :], skip_special_tokens=True), criterion.truncated)
 
 
 def append_evolution(run_dir: os.PathLike | str, records: list[dict]) -> None:
     """One eval's generations, appended in one durable write (a kill leaves whole lines only)."""
-    append_durable(Path(run_dir) / EVOLUTION, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
+    append_durable(
+        Path(run_dir) / EVOLUTION, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    )
 
 
 @contextlib.contextmanager
@@ -155,11 +187,24 @@ def heldout_loss(bundle, cfg, hb, eval_examples: list[Example]) -> Optional[floa
     if not eval_examples:
         return None
     with hb.phase("eval", budget_s=cfg.watchdog.phase_budgets_s.get("eval")), set_aside(bundle):
-        return eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"))
+        return eval_loss(
+            bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss")
+        )
 
 
-def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], *, attempt: int = 1,
-             processors=(), should_stop: Callable[[], bool] = lambda: False, world: Optional[World] = None) -> dict:
+def run_eval(
+    bundle,
+    cfg,
+    hb,
+    run_dir,
+    step: int,
+    eval_examples: list[Example],
+    *,
+    attempt: int = 1,
+    processors=(),
+    should_stop: Callable[[], bool] = lambda: False,
+    world: Optional[World] = None,
+) -> dict:
     """One evaluation at `step`: loss, generations (rank 0), evolution.jsonl; returns a summary."""
     budgets = cfg.watchdog.phase_budgets_s
     world = world or World()
@@ -174,22 +219,39 @@ def run_eval(bundle, cfg, hb, run_dir, step: int, eval_examples: list[Example], 
                     break
                 prompt = item if isinstance(item, str) else item.prompt
                 reference = None if isinstance(item, str) else item.reference
-                gen = generate_prompt(bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop,
-                                      order=order)
-                record = {"step": step, "prompt": prompt, "reference": reference, "output": gen.text,
-                          "loss": loss, "attempt": attempt, "t": time.time()}
+                gen = generate_prompt(
+                    bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop, order=order
+                )
+                record = {
+                    "step": step,
+                    "prompt": prompt,
+                    "reference": reference,
+                    "output": gen.text,
+                    "loss": loss,
+                    "attempt": attempt,
+                    "t": time.time(),
+                }
                 records.append(record)
                 if gen.truncated is not None:
                     # The supervisor ended this phase: the prompts after this one are not generated.
-                    record.update(truncated=True, tokens=gen.truncated["tokens"], limit=gen.truncated["limit"],
-                                  skipped_prompts=len(prompts) - i - 1)
+                    record.update(
+                        truncated=True,
+                        tokens=gen.truncated["tokens"],
+                        limit=gen.truncated["limit"],
+                        skipped_prompts=len(prompts) - i - 1,
+                    )
                     hb.progress(**{TRUNCATED_FIELD: truncation_report(gen.truncated, prompt=prompt, output=gen.text)})
                     break
         return records
 
     with set_aside(bundle):
-        loss = eval_loss(bundle, eval_examples, cfg.train.micro_batch_size, on_batch=lambda: hb.progress(note="eval loss"),
-                         world=world)
+        loss = eval_loss(
+            bundle,
+            eval_examples,
+            cfg.train.micro_batch_size,
+            on_batch=lambda: hb.progress(note="eval loss"),
+            world=world,
+        )
         records = world.on_main(hb, "generate", generate_all) or []
     if records:
         append_evolution(run_dir, records)

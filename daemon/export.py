@@ -5,6 +5,7 @@ The export is written to a temporary directory, every file and directory fsynced
 for an earlier export by two renames; a crash leaves the old export or the new one under `final/`
 (and at worst a hidden leftover beside it).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,12 @@ def export_final(bundle: ModelBundle, cfg, out_dir: os.PathLike | str, step: int
         base_ref = "base_model"
         plain = build_tiny_model(cfg.model.tiny, bundle.tokenizer, cfg.train.seed, extra_head=False)
         plain.save_pretrained(tmp / base_ref)
-    info = {"base_model": base_ref, "extra_modules": sorted(bundle.extra), "step": step,
-            "hidden_size": int(bundle.base.config.hidden_size)}
+    info = {
+        "base_model": base_ref,
+        "extra_modules": sorted(bundle.extra),
+        "step": step,
+        "hidden_size": int(bundle.base.config.hidden_size),
+    }
     (tmp / FINAL_INFO).write_text(json.dumps(info, indent=2) + "\n")
     fsync_tree(tmp)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -78,7 +83,7 @@ def load_final(final_dir: os.PathLike | str):
     if extras:
         sd = load_file(str(final / EXTRA_FILE))
         for name, mod in extras.items():
-            mod.load_state_dict({k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")})
+            mod.load_state_dict({k[len(name) + 1 :]: v for k, v in sd.items() if k.startswith(name + ".")})
     model = PeftModel.from_pretrained(base, str(final), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(final, local_files_only=True)
     return model, tok, extras

@@ -35,6 +35,7 @@ processor that takes EOS away, and that eval's `max_new_tokens` raised to RUNAWA
 the processor carries as its `max_new_tokens` for `evaluate.generate_prompt`).  The eval-time kinds are
 handed to the eval as the logits processors `before_eval` returns.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -112,7 +113,9 @@ def spawn_fault_children(spawn: Callable = subprocess.Popen) -> list[int]:
     argv = [sys.executable, "-c", "import time; time.sleep(86400)", CHILD_MARK]
     kids = [
         spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
+        spawn(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        ),
     ]
     return [k.pid for k in kids]
 
@@ -193,10 +196,12 @@ def _runaway_cap(model) -> int:
 def _eos_ids(bundle) -> set:
     """Every id that would end a generation: the tokenizer's eos and the model's generation config's."""
     ids = set()
-    sources = [getattr(bundle.tokenizer, "eos_token_id", None),
-               getattr(getattr(bundle.model, "generation_config", None), "eos_token_id", None)]
+    sources = [
+        getattr(bundle.tokenizer, "eos_token_id", None),
+        getattr(getattr(bundle.model, "generation_config", None), "eos_token_id", None),
+    ]
     for value in sources:
-        for i in (value if isinstance(value, (list, tuple)) else [value]):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(i, int) and i >= 0:
                 ids.add(i)
     return ids
@@ -208,8 +213,17 @@ class FaultPlan:
     Lifecycle: built once per attempt; the trainer calls `before_step(step, ...)` at the start of
     every optimizer step and `before_eval(step, eval_number, ...)` at every eval."""
 
-    def __init__(self, faults: list, run_dir: os.PathLike | str, hb, *, attempt: int = 1,
-                 spawn: Callable = subprocess.Popen, rank: int = 0, shared: bool = False):
+    def __init__(
+        self,
+        faults: list,
+        run_dir: os.PathLike | str,
+        hb,
+        *,
+        attempt: int = 1,
+        spawn: Callable = subprocess.Popen,
+        rank: int = 0,
+        shared: bool = False,
+    ):
         """`rank`: this process's rank (only its faults fire here); `shared`: other ranks record
         into the same file, so records are made under a lock."""
         self.run_dir = Path(run_dir)
@@ -257,8 +271,16 @@ class FaultPlan:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self._locked():
             fired = self.fired_record()
-            fired.append({"key": key, "kind": fault.kind, "step": step, "attempt": self.attempt, "t": time.time(),
-                          **({"rank": self.rank} if self.shared else {})})
+            fired.append(
+                {
+                    "key": key,
+                    "kind": fault.kind,
+                    "step": step,
+                    "attempt": self.attempt,
+                    "t": time.time(),
+                    **({"rank": self.rank} if self.shared else {}),
+                }
+            )
             write_json_atomic(self._fired_file(), {"fired": fired})
 
     @contextlib.contextmanager
@@ -353,7 +375,9 @@ class FaultPlan:
         elif kind == "oom":
             import torch
 
-            raise torch.OutOfMemoryError(f"injected fault: CUDA out of memory at step {step} (tried to allocate 20.00 GiB)")
+            raise torch.OutOfMemoryError(
+                f"injected fault: CUDA out of memory at step {step} (tried to allocate 20.00 GiB)"
+            )
         elif kind == "nan":
             self.nan_remaining = fault.steps
         elif kind == "exit":
@@ -379,19 +403,31 @@ def format_size(size: int) -> str:
     return f"{size / 1073741824.0:.2f} GiB"
 
 
-def oom_message(*, tried_mb: float, total_mb: float, free_mb: float, in_use_mb: float, allocated_mb: float,
-                reserved_mb: float, allowed_mb: Optional[float] = None, gpu: int = 0) -> str:
+def oom_message(
+    *,
+    tried_mb: float,
+    total_mb: float,
+    free_mb: float,
+    in_use_mb: float,
+    allocated_mb: float,
+    reserved_mb: float,
+    allowed_mb: Optional[float] = None,
+    gpu: int = 0,
+) -> str:
     """torch 2.x's CUDA out-of-memory message, word for word, with the "allowed" part when the process is capped."""
+
     def size(mb: float) -> str:
         return format_size(int(round(mb * MIB)))
 
     allowed = f"{size(allowed_mb)} allowed; " if allowed_mb is not None else ""
-    return (f"CUDA out of memory. Tried to allocate {size(tried_mb)}. GPU {gpu} has a total capacity of {size(total_mb)} "
-            f"of which {size(free_mb)} is free. Including non-PyTorch memory, this process has {size(in_use_mb)} memory "
-            f"in use. {allowed}Of the allocated memory {size(allocated_mb)} is allocated by PyTorch, and "
-            f"{size(reserved_mb - allocated_mb)} is reserved by PyTorch but unallocated. If reserved but unallocated "
-            f"memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-            f"documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    return (
+        f"CUDA out of memory. Tried to allocate {size(tried_mb)}. GPU {gpu} has a total capacity of {size(total_mb)} "
+        f"of which {size(free_mb)} is free. Including non-PyTorch memory, this process has {size(in_use_mb)} memory "
+        f"in use. {allowed}Of the allocated memory {size(allocated_mb)} is allocated by PyTorch, and "
+        f"{size(reserved_mb - allocated_mb)} is reserved by PyTorch but unallocated. If reserved but unallocated "
+        f"memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        f"documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
 
 
 class FakeAllocator:
@@ -414,8 +450,14 @@ class FakeAllocator:
     def figures(self, device) -> dict[str, float]:
         """What torch.cuda would say: the weights allocated (a failed or finished forward's block is freed again)."""
         in_use = self.weights_mb + FAKE_CONTEXT_MB
-        return {"total_mb": self.total_mb, "allowed_mb": self.capacity_mb, "allocated_mb": self.weights_mb,
-                "peak_mb": self.peak_mb, "reserved_mb": self.weights_mb, "free_mb": self.total_mb - in_use}
+        return {
+            "total_mb": self.total_mb,
+            "allowed_mb": self.capacity_mb,
+            "allocated_mb": self.weights_mb,
+            "peak_mb": self.peak_mb,
+            "reserved_mb": self.weights_mb,
+            "free_mb": self.total_mb - in_use,
+        }
 
     def attach(self, step: int, bundle) -> None:
         if self._hooked or step < self.at_step:
@@ -440,9 +482,15 @@ class FakeAllocator:
         import torch
 
         f = self.figures(None)
-        message = oom_message(tried_mb=mb, total_mb=f["total_mb"], free_mb=f["free_mb"],
-                              in_use_mb=f["allocated_mb"] + FAKE_CONTEXT_MB, allocated_mb=f["allocated_mb"],
-                              reserved_mb=f["reserved_mb"], allowed_mb=f["allowed_mb"])
+        message = oom_message(
+            tried_mb=mb,
+            total_mb=f["total_mb"],
+            free_mb=f["free_mb"],
+            in_use_mb=f["allocated_mb"] + FAKE_CONTEXT_MB,
+            allocated_mb=f["allocated_mb"],
+            reserved_mb=f["reserved_mb"],
+            allowed_mb=f["allowed_mb"],
+        )
         if not self._announced:
             self._announced = True
             where = f"{self.weights_mb:g} MiB weights + {mb:g} MiB of {self.capacity_mb:g} MiB allowed"

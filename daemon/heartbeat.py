@@ -28,6 +28,7 @@ line is one `os.write` on an O_APPEND descriptor and shorter than PIPE_BUF, so l
 writers never interleave or tear.  Beats must come from the thread that does the work: a timer
 thread that beats would hide exactly the hangs the supervisor exists to catch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from hangwatch.common.protocol import (DUMP_SIGNAL, ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM,  # noqa: F401
-                                       ENV_RUN_DIR, EVENTS, REQUIRED, VERSION, decode_line, encode, rank_from_env)
+from hangwatch.common.protocol import (
+    DUMP_SIGNAL,
+    ENV_ATTEMPT,
+    ENV_HEARTBEAT_DIR,
+    ENV_RESUME_FROM,  # noqa: F401
+    ENV_RUN_DIR,
+    EVENTS,
+    VERSION,
+    encode,
+    rank_from_env,
+)
 from hangwatch.common.rundir import attempt_dir, dump_path_for, forked_dump_path, heartbeat_path, next_attempt  # noqa: F401
 
 
@@ -76,8 +86,13 @@ def launcher_fields(env) -> dict:
     if not env.get("TORCHELASTIC_RUN_ID"):
         return {}
     info: dict = {"run_id": env.get("TORCHELASTIC_RUN_ID")}
-    for key, name in (("TORCHELASTIC_RESTART_COUNT", "restart_count"), ("GROUP_RANK", "group_rank"),
-                      ("LOCAL_RANK", "local_rank"), ("WORLD_SIZE", "world_size"), ("LOCAL_WORLD_SIZE", "local_world_size")):
+    for key, name in (
+        ("TORCHELASTIC_RESTART_COUNT", "restart_count"),
+        ("GROUP_RANK", "group_rank"),
+        ("LOCAL_RANK", "local_rank"),
+        ("WORLD_SIZE", "world_size"),
+        ("LOCAL_WORLD_SIZE", "local_world_size"),
+    ):
         try:
             info[name] = int(env[key])
         except (KeyError, ValueError):
@@ -165,7 +180,9 @@ def target_from_env(env: Mapping[str, str], run_dir: os.PathLike | str | None = 
     """(heartbeat directory, rank, attempt) the environment names: where the supervisor said to write; without
     it, a fresh attempt in `run_dir` (or ./runs/standalone)."""
     rank = rank_from_env(env)
-    rd = env.get(ENV_RUN_DIR) or (str(run_dir) if run_dir is not None else os.path.join(os.getcwd(), "runs", "standalone"))
+    rd = env.get(ENV_RUN_DIR) or (
+        str(run_dir) if run_dir is not None else os.path.join(os.getcwd(), "runs", "standalone")
+    )
     attempt = int(env[ENV_ATTEMPT]) if env.get(ENV_ATTEMPT) else next_attempt(rd)
     directory = env.get(ENV_HEARTBEAT_DIR) or str(attempt_dir(rd, attempt))
     return directory, rank, attempt
@@ -325,8 +342,14 @@ class Heartbeat:
         os.write(self._fd, data)  # one write on O_APPEND: atomic for < PIPE_BUF
         return rec
 
-    def start(self, *, resumed_from: Optional[str] = None, skipped_checkpoints: list | tuple = (),
-              install_dump: bool = True, **extra: Any) -> dict:
+    def start(
+        self,
+        *,
+        resumed_from: Optional[str] = None,
+        skipped_checkpoints: list | tuple = (),
+        install_dump: bool = True,
+        **extra: Any,
+    ) -> dict:
         """Announce the process; registers the SIGUSR1 stack-dump handler unless told not to.
 
         Under automatic instrumentation this is the script's own start (a callback's, or its own code's), after
@@ -334,11 +357,18 @@ class Heartbeat:
         resume from): it carries what the bootstrap's could not, and tells the automatic instrumentation that
         someone else now beats this process's steps."""
         WRITERS.note_start(self)
-        return self._start(resumed_from=resumed_from, skipped_checkpoints=skipped_checkpoints,
-                           install_dump=install_dump, **extra)
+        return self._start(
+            resumed_from=resumed_from, skipped_checkpoints=skipped_checkpoints, install_dump=install_dump, **extra
+        )
 
-    def _start(self, *, resumed_from: Optional[str] = None, skipped_checkpoints: list | tuple = (),
-               install_dump: bool = True, **extra: Any) -> dict:
+    def _start(
+        self,
+        *,
+        resumed_from: Optional[str] = None,
+        skipped_checkpoints: list | tuple = (),
+        install_dump: bool = True,
+        **extra: Any,
+    ) -> dict:
         """The `start` line itself, leaving `WRITERS` alone (the automatic instrumentation's own start)."""
         if install_dump and self._dump_file is None:
             self._dump_file = install_dump_handler(self.dump_path)

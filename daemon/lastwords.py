@@ -9,6 +9,7 @@ sees half a file (hangwatch.common.durable); a death by signal leaves none, whic
 An out-of-memory failure's last words carry a `memory` object (`daemon.trainer.memory`): the figures the
 supervisor picks the next micro-batch from.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from hangwatch.common.durable import write_json_atomic
-from hangwatch.common.durable import disk_error
+from hangwatch.common.durable import disk_error, write_json_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.common.rundir import rank_exit_path
 from hangwatch.daemon.errors import CheckpointSaveError, DataError, NonFiniteStreak
@@ -79,15 +79,23 @@ def write_last_words(
     """Atomically write rank `rank`'s last words for `attempt`; returns their path."""
     path = rank_exit_path(run_dir, attempt, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"kind": kind, "message": message, "traceback": tb, "pid": os.getpid(), "attempt": attempt, "t": time.time()}
+    record = {
+        "kind": kind,
+        "message": message,
+        "traceback": tb,
+        "pid": os.getpid(),
+        "attempt": attempt,
+        "t": time.time(),
+    }
     if rank:
         record["rank"] = rank
     record.update(extra)
     return write_json_atomic(path, record, indent=2)
 
 
-def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int, rank: int = 0,
-                   **extra: Any) -> tuple[str, int, Path]:
+def last_words_for(
+    exc: BaseException, run_dir: os.PathLike | str, attempt: int, rank: int = 0, **extra: Any
+) -> tuple[str, int, Path]:
     """Classify `exc`, write rank `rank`'s last words, return (kind, exit code, path)."""
     kind, code = classify(exc)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -99,11 +107,14 @@ def last_words_for(exc: BaseException, run_dir: os.PathLike | str, attempt: int,
     if kind == "oom" and (figures := memory.evidence()) is not None:
         extra["memory"] = figures  # the micro-batch in force, the weights' share, the device's figures (never raises)
     try:
-        path = write_last_words(run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, rank=rank, exit_code=code,
-                                **extra)
+        path = write_last_words(
+            run_dir, attempt, kind, f"{type(exc).__name__}: {exc}", tb, rank=rank, exit_code=code, **extra
+        )
     except OSError as write_exc:  # a full disk takes the last words too: the exit code and stderr still speak
         path = rank_exit_path(run_dir, attempt, rank)
-        print(f"hangwatch worker: last words not written to {path} ({write_exc}); {kind}: {exc}", file=sys.stderr,
-              flush=True)
+        print(
+            f"hangwatch worker: last words not written to {path} ({write_exc}); {kind}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
     return kind, code, path
-

@@ -20,6 +20,7 @@ How we know it gives the worker's ids:
 - anything else (a hub id, a tokenizer without a `tokenizers` backend, a probe that came out different)
   stays with transformers, and a debug log on the `hangwatch` logger says why.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,14 @@ from typing import Optional
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 # Characters in the order they claim vocabulary slots when vocab_size is small.
-CHARSET = (" " + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789"
-           + ".,:;!?'\"-_()[]{}<>/\\|@#$%^&*+=~`" + "\n\t")
+CHARSET = (
+    " "
+    + "abcdefghijklmnopqrstuvwxyz"
+    + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    + "0123456789"
+    + ".,:;!?'\"-_()[]{}<>/\\|@#$%^&*+=~`"
+    + "\n\t"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
@@ -45,8 +52,16 @@ TINY_SPECIAL_TOKENS_MAP = {"bos_token": "<s>", "eos_token": "</s>", "unk_token":
 class LightTokenizer:
     """The part of a transformers tokenizer that `data.render` and `data.prompt_ids_for` use."""
 
-    def __init__(self, backend, *, chat_template: Optional[str], special_tokens_map: dict, eos_token_id: Optional[int],
-                 split_special_tokens: bool = False, source: str = ""):
+    def __init__(
+        self,
+        backend,
+        *,
+        chat_template: Optional[str],
+        special_tokens_map: dict,
+        eos_token_id: Optional[int],
+        split_special_tokens: bool = False,
+        source: str = "",
+    ):
         # As transformers calls it: no truncation or padding, special tokens split only when configured so.
         backend.no_truncation()
         backend.no_padding()
@@ -59,7 +74,9 @@ class LightTokenizer:
         self.eos_token_id = eos_token_id
         self.source = source
 
-    def apply_chat_template(self, conversation: list[dict], tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str:
         """The conversation rendered by the chat template, as transformers renders it (text only)."""
         if tokenize:
             raise TypeError("LightTokenizer.apply_chat_template renders text only (tokenize=False)")
@@ -69,8 +86,13 @@ class LightTokenizer:
             raise ValueError("this tokenizer has no chat template")
         # transformers drops keys whose value is None and hands the template plain copies.
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
-        return compiled(self.chat_template).render(messages=messages, tools=None, documents=None,
-                                                   add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        return compiled(self.chat_template).render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens_map,
+        )
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
@@ -137,9 +159,12 @@ def compiled(template: str):
         def _check_name(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
-                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}.")
+                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
+                )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -173,5 +198,10 @@ def tiny(vocab_size: int) -> LightTokenizer:
     backend = tiny_backend(vocab_size)
     # What transformers does with bos/eos/pad/unk and the role tokens: added as special, not normalized.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + ROLE_TOKENS])
-    return LightTokenizer(backend, chat_template=CHAT_TEMPLATE, special_tokens_map=TINY_SPECIAL_TOKENS_MAP,
-                          eos_token_id=backend.token_to_id("</s>"), source=f"tiny, vocab_size={vocab_size}")
+    return LightTokenizer(
+        backend,
+        chat_template=CHAT_TEMPLATE,
+        special_tokens_map=TINY_SPECIAL_TOKENS_MAP,
+        eos_token_id=backend.token_to_id("</s>"),
+        source=f"tiny, vocab_size={vocab_size}",
+    )

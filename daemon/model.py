@@ -19,6 +19,7 @@ and lists in `EXTRA_MODULES_ATTR`) are what PEFT silently freezes or drops: `wra
 back on and `ModelBundle.trainable_state` saves them with the adapter, and it refuses to run when
 some trainable parameter would be saved by neither.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,13 @@ def build_tiny_tokenizer(vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tiny_backend(vocab_size), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>", additional_special_tokens=ROLE_TOKENS, model_max_length=1 << 30,
+        tokenizer_object=tiny_backend(vocab_size),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=ROLE_TOKENS,
+        model_max_length=1 << 30,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -85,11 +91,17 @@ def build_tiny_model(tiny, tokenizer, seed: int, *, extra_head: Optional[bool] =
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=max(tiny.vocab_size, len(tokenizer)), hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size, num_hidden_layers=tiny.num_layers,
-        num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads,
-        max_position_embeddings=tiny.max_position, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=max(tiny.vocab_size, len(tokenizer)),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        max_position_embeddings=tiny.max_position,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -141,20 +153,30 @@ def check_4bit(cfg, device: torch.device) -> None:
     from hangwatch.common.config import ConfigError
 
     if device.type != "cuda":
-        raise ConfigError([f"model.load_in_4bit: 4-bit (QLoRA) loading needs a CUDA GPU and this worker runs on "
-                           f"{device.type} (torch sees no CUDA device); drop load_in_4bit or run on a GPU"])
+        raise ConfigError(
+            [
+                f"model.load_in_4bit: 4-bit (QLoRA) loading needs a CUDA GPU and this worker runs on "
+                f"{device.type} (torch sees no CUDA device); drop load_in_4bit or run on a GPU"
+            ]
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError(["model.load_in_4bit: bitsandbytes is not installed: pip install 'hangwatch[qlora]'"]) from None
+        raise ConfigError(
+            ["model.load_in_4bit: bitsandbytes is not installed: pip install 'hangwatch[qlora]'"]
+        ) from None
 
 
 def quantization_config(compute_dtype: torch.dtype):
     """NF4 with double quantisation, computing in `compute_dtype`: the QLoRA recipe."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
 
 
 def load_base(cfg, seed: int, device: Optional[torch.device] = None):
@@ -174,12 +196,19 @@ def load_base(cfg, seed: int, device: Optional[torch.device] = None):
             check_4bit(cfg, device)
             compute = torch.bfloat16 if bf16_supported(device) else torch.float16
             model = AutoModelForCausalLM.from_pretrained(
-                mcfg.name_or_path, local_files_only=True, dtype=compute, quantization_config=quantization_config(compute),
-                device_map={"": device.index if device.index is not None else torch.cuda.current_device()})
+                mcfg.name_or_path,
+                local_files_only=True,
+                dtype=compute,
+                quantization_config=quantization_config(compute),
+                device_map={"": device.index if device.index is not None else torch.cuda.current_device()},
+            )
             from peft import prepare_model_for_kbit_training
 
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=mcfg.gradient_checkpointing,
-                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=mcfg.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
             return model, tok
         model = AutoModelForCausalLM.from_pretrained(mcfg.name_or_path, local_files_only=True, dtype=dtype)
         return model, tok
@@ -233,8 +262,11 @@ class ModelBundle:
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        return {f"{name}.{k}": v.detach().to("cpu").contiguous().clone()
-                for name, mod in self.extra.items() for k, v in mod.state_dict().items()}
+        return {
+            f"{name}.{k}": v.detach().to("cpu").contiguous().clone()
+            for name, mod in self.extra.items()
+            for k, v in mod.state_dict().items()
+        }
 
     def load_adapter_state(self, sd: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict
@@ -243,12 +275,14 @@ class ModelBundle:
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         missing = [k for k in (getattr(result, "missing_keys", []) or []) if "lora_" in k or "modules_to_save" in k]
         if unexpected or missing:
-            raise RuntimeError(f"adapter state does not fit the model: unexpected {unexpected[:5]}, missing {missing[:5]}")
+            raise RuntimeError(
+                f"adapter state does not fit the model: unexpected {unexpected[:5]}, missing {missing[:5]}"
+            )
 
     def load_extra_state(self, sd: dict[str, torch.Tensor]) -> None:
         for name, mod in self.extra.items():
             prefix = name + "."
-            part = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
             mod.load_state_dict(part, strict=True)
         stray = [k for k in sd if k.split(".", 1)[0] not in self.extra]
         if stray:
@@ -264,8 +298,9 @@ class ModelBundle:
         loss, ce, aux, _ = self.compute_loss_rows(batch, n_label_total, module)
         return loss, ce, aux
 
-    def compute_loss_rows(self, batch: dict, n_label_total: int, module=None,
-                          poison: Optional[list[bool]] = None) -> tuple[torch.Tensor, float, float, list[int]]:
+    def compute_loss_rows(
+        self, batch: dict, n_label_total: int, module=None, poison: Optional[list[bool]] = None
+    ) -> tuple[torch.Tensor, float, float, list[int]]:
         """`compute_loss`, plus the rows (examples) of the micro-batch whose own loss is non-finite — looked for
         only when the micro-batch's loss is (the culprits of a non-finite step, for the quarantine).
         `poison`: rows whose logits are made non-finite (the `poison` fault: what a corrupt example does)."""
@@ -276,15 +311,20 @@ class ModelBundle:
             head = _peft_module(self.base, "causal_projection")
         forward = self.model if module is None else module
         with self.autocast():
-            out = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          output_hidden_states=head is not None, use_cache=False)
+            out = forward(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                output_hidden_states=head is not None,
+                use_cache=False,
+            )
         logits = out.logits[:, :-1].float()
         if poison is not None and any(poison):
             scale = torch.tensor([float("nan") if p else 1.0 for p in poison], device=logits.device)
             logits = logits * scale[:, None, None]
         target = labels[:, 1:]
-        ce = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                                         ignore_index=-100, reduction="sum")
+        ce = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100, reduction="sum"
+        )
         total = ce
         aux = torch.zeros((), device=ce.device)
         if head is not None:
@@ -294,8 +334,12 @@ class ModelBundle:
         bad_rows: list[int] = []
         if not (math.isfinite(ce_value) and math.isfinite(aux_value)):
             with torch.no_grad():
-                per_token = nn.functional.cross_entropy(logits.detach().reshape(-1, logits.size(-1)), target.reshape(-1),
-                                                        ignore_index=-100, reduction="none").view(target.shape)
+                per_token = nn.functional.cross_entropy(
+                    logits.detach().reshape(-1, logits.size(-1)),
+                    target.reshape(-1),
+                    ignore_index=-100,
+                    reduction="none",
+                ).view(target.shape)
                 per_row = per_token.sum(dim=1)
                 bad_rows = [i for i, v in enumerate(per_row.tolist()) if not math.isfinite(v)]
         return total / n_label_total, ce_value, aux_value, bad_rows
@@ -313,8 +357,11 @@ def wrap_lora(base, lora_cfg):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-        target_modules=list(lora_cfg.target_modules), modules_to_save=list(lora_cfg.modules_to_save) or None,
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        modules_to_save=list(lora_cfg.modules_to_save) or None,
         task_type="CAUSAL_LM",
     )
     with warnings.catch_warnings():
@@ -380,7 +427,9 @@ def prepare_for_training(bundle: ModelBundle, cfg, gradient_checkpointing: Optio
 def checkpointing_on(base) -> bool:
     """Whether activation checkpointing is on (transformers 5's name first, 4.x's after)."""
     on = getattr(type(base), "is_activation_checkpointing", None)
-    return bool(base.is_activation_checkpointing if on is not None else getattr(base, "is_gradient_checkpointing", False))
+    return bool(
+        base.is_activation_checkpointing if on is not None else getattr(base, "is_gradient_checkpointing", False)
+    )
 
 
 def keep_trainable_float32(bundle: ModelBundle) -> None:

@@ -33,6 +33,7 @@ and fails there, with the last words and exit code a cold worker would have.
 
 Standard library at import time (the supervisor's tests read `read_release` without torch).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,8 +49,12 @@ from typing import IO, Any, MutableMapping, Optional
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RESUME_FROM
 
 STANDBY_FLAG = "--standby"  # the worker's command-line switch (supervisor/processes/prewarm.py passes it)
-TRAINER_MODULES = ("hangwatch.daemon.distributed", "hangwatch.daemon.evaluate", "hangwatch.daemon.faults",
-                   "hangwatch.daemon.trainer.loop")
+TRAINER_MODULES = (
+    "hangwatch.daemon.distributed",
+    "hangwatch.daemon.evaluate",
+    "hangwatch.daemon.faults",
+    "hangwatch.daemon.trainer.loop",
+)
 
 
 class ReleaseError(ValueError):
@@ -72,7 +77,11 @@ def read_release(stream: IO[bytes], attempt: int) -> Optional[Release]:
         msg = json.loads(line)
     except ValueError as exc:
         raise ReleaseError(f"release line is not JSON: {exc}: {line[:200]!r}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("attempt"), int) or not isinstance(msg.get("resume_from"), str):
+    if (
+        not isinstance(msg, dict)
+        or not isinstance(msg.get("attempt"), int)
+        or not isinstance(msg.get("resume_from"), str)
+    ):
         raise ReleaseError(f"release line lacks attempt (int) and resume_from (str): {line[:200]!r}")
     if msg["attempt"] != attempt:
         raise ReleaseError(f"released as attempt {msg['attempt']}, but this standby was spawned for attempt {attempt}")
@@ -164,9 +173,13 @@ class Preloaded:
 
     def load_fields(self) -> dict:
         """For the `load` phase's end, once the preload is over: what it took and how long it waited."""
-        return {"prewarmed": True, "standby_preload_s": round(self.preload_s, 3), "standby_wait_s": round(self.waited_s, 3),
-                "standby_ready_t": None if self.ready_t is None else round(self.ready_t, 6),
-                "standby_preload_error": self.error}
+        return {
+            "prewarmed": True,
+            "standby_preload_s": round(self.preload_s, 3),
+            "standby_wait_s": round(self.waited_s, 3),
+            "standby_ready_t": None if self.ready_t is None else round(self.ready_t, 6),
+            "standby_preload_error": self.error,
+        }
 
     def on_device(self, cfg):
         """The preloaded bundle on the configured device (what `load_model` ends with)."""
@@ -199,8 +212,11 @@ def announce_ready(cfg, into: Preloaded, attempt: int) -> None:
         if into.released_t is not None:
             return
         try:
-            write_json_atomic(path, {"pid": os.getpid(), "attempt": attempt, "preload_s": round(into.preload_s, 3),
-                                     "error": into.error}, durable=False)
+            write_json_atomic(
+                path,
+                {"pid": os.getpid(), "attempt": attempt, "preload_s": round(into.preload_s, 3), "error": into.error},
+                durable=False,
+            )
         except OSError:
             pass
 
@@ -237,8 +253,12 @@ def preload(cfg, into: Preloaded, out: IO[str] = sys.stdout, attempt: int = 0) -
     into.preload_s = time.monotonic() - t0
     into.ready_t = time.time()
     announce_ready(cfg, into, attempt)
-    print(f"standby (pid {os.getpid()}): " + (f"preloaded in {into.preload_s:.1f}s" if into.error is None
-                                                 else "preload failed; will load cold"), file=out, flush=True)
+    print(
+        f"standby (pid {os.getpid()}): "
+        + (f"preloaded in {into.preload_s:.1f}s" if into.error is None else "preload failed; will load cold"),
+        file=out,
+        flush=True,
+    )
 
 
 def hold(cfg, environ: MutableMapping[str, str], stream: IO[bytes], out: IO[str] = sys.stdout) -> Optional[Preloaded]:
@@ -252,16 +272,26 @@ def hold(cfg, environ: MutableMapping[str, str], stream: IO[bytes], out: IO[str]
     (`prepare_torch`) are made again on the main thread before the model is used."""
     attempt = int(environ.get(ENV_ATTEMPT) or 0)
     pre = Preloaded()
-    pre.thread = threading.Thread(target=preload, args=(cfg, pre, out, attempt), name="hangwatch-standby-preload", daemon=True)
+    pre.thread = threading.Thread(
+        target=preload, args=(cfg, pre, out, attempt), name="hangwatch-standby-preload", daemon=True
+    )
     pre.thread.start()
-    print(f"standby for attempt {attempt} (pid {os.getpid()}): loading; waiting for the supervisor's release",
-          file=out, flush=True)
+    print(
+        f"standby for attempt {attempt} (pid {os.getpid()}): loading; waiting for the supervisor's release",
+        file=out,
+        flush=True,
+    )
     release = read_release(stream, attempt)
     if release is None:
         print(f"standby for attempt {attempt}: discarded (no release)", file=out, flush=True)
         return None
     forget_ready(cfg, pre)
     environ[ENV_RESUME_FROM] = release.resume_from
-    print(f"standby released as attempt {attempt}" + ("" if pre.ready_t is not None else " (still loading)")
-          + f"; HANGWATCH_RESUME_FROM={release.resume_from or '(none)'}", file=out, flush=True)
+    print(
+        f"standby released as attempt {attempt}"
+        + ("" if pre.ready_t is not None else " (still loading)")
+        + f"; HANGWATCH_RESUME_FROM={release.resume_from or '(none)'}",
+        file=out,
+        flush=True,
+    )
     return pre

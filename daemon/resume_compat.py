@@ -11,6 +11,7 @@ stream per rank and a step of micro × accumulation × world size examples, so r
 world size would not continue the same run.  That is refused, with its own message.  A single
 process's fingerprint has no `world_size` (it is what it always was), so it counts as 1.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ from hangwatch.daemon import checkpoint as ckpt
 FINGERPRINT_SECTIONS = ("model", "lora", "train")
 FINGERPRINT_DATA = ("max_length", "truncation")
 # Settings inside those that change nothing a checkpoint holds, so they may differ on resume.
-FINGERPRINT_FREE = {("train", "sleep_per_step_s"), ("train", "max_nonfinite_streak"),
-                    ("model", "gradient_checkpointing")}  # recomputes activations: the same numbers, bit for bit
+FINGERPRINT_FREE = {
+    ("train", "sleep_per_step_s"),
+    ("train", "max_nonfinite_streak"),
+    ("model", "gradient_checkpointing"),
+}  # recomputes activations: the same numbers, bit for bit
 # Settings added after checkpoints were already written: absent from an older fingerprint means the default.
 FINGERPRINT_DEFAULTS = {("model", "gradient_checkpointing"): False, ("model", "load_in_4bit"): False}
 
@@ -62,10 +66,13 @@ def check_resume_compatible(cfg: Any, path: os.PathLike | str, world_size: int =
             f"{path}: this run's checkpoints were made by {saved_size} rank(s) and this worker is one of "
             f"{world_size}; resuming with a different world size is not supported (every rank's RNG stream and data "
             f"share, and the effective batch, would change). Run with worker.nproc_per_node: {saved_size} "
-            "again, or use a new run_dir")
+            "again, or use a new run_dir"
+        )
     diffs = [d for d in fingerprint_differences(saved, fingerprint(cfg, world_size)) if not d.startswith("world_size:")]
     if diffs:
-        problems += [f"{path}: this run's checkpoints were made with different settings; resuming would not continue the "
-                     "same run. Restore the settings or use a new run_dir:"] + [f"  {d}" for d in diffs]
+        problems += [
+            f"{path}: this run's checkpoints were made with different settings; resuming would not continue the "
+            "same run. Restore the settings or use a new run_dir:"
+        ] + [f"  {d}" for d in diffs]
     if problems:
         raise ConfigError(problems)

@@ -11,6 +11,7 @@ SIGUSR1 (stack dump) belongs to faulthandler, installed by `Heartbeat.start`.
 
 Lifecycle: `install()` → the loop polls `requested` → `uninstall()` restores what was there.
 """
+
 from __future__ import annotations
 
 import signal

@@ -9,6 +9,7 @@ no torch) wherever it gives the worker's ids; --verbose says on stderr which one
 Prints `accepted NAME (N examples)` or `rejected NAME: why` per file; exits 65 when any file was
 rejected, 78 on a bad config or one whose run takes no files from an inbox.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         say_config_problems(exc.problems)
         return EXIT_CONFIG
     if not cfg.data.inbox:
-        print(f"hangwatch: {a.config}: data.inbox is false: the run at {cfg.run_dir} does not take files from an inbox",
-              file=sys.stderr)
+        print(
+            f"hangwatch: {a.config}: data.inbox is false: the run at {cfg.run_dir} does not take files from an inbox",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
 
     from hangwatch.daemon.data import load_tokenizer, validate_file
@@ -63,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
 
     files, priority = a.files, a.priority
     tokenizer = load_tokenizer(cfg)
-    assessments = validate_only(files, lambda p: validate_file(p, tokenizer, cfg), run_dir=cfg.run_dir,
-                                max_file_bytes=cfg.data.max_file_bytes, on_bad_lines=cfg.data.on_bad_lines)
+    assessments = validate_only(
+        files,
+        lambda p: validate_file(p, tokenizer, cfg),
+        run_dir=cfg.run_dir,
+        max_file_bytes=cfg.data.max_file_bytes,
+        on_bad_lines=cfg.data.on_bad_lines,
+    )
     failed = 0
     for a in assessments:
         name = a.path.name

@@ -11,6 +11,7 @@ directory's path, the content of its files (weights aside) and the versions of t
 and jinja2: any change to any of them is a new key, so a record is never used for anything but what it
 was checked on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,23 +31,47 @@ BIG_FILE = 64 * 2**20  # files larger than this are fingerprinted by size and mt
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 
 # What data.render calls on a tokenizer: a class that redefines any of these may not be the generic one's.
-ENCODING_METHODS = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus", "encode",
-                    "prepare_for_tokenization", "apply_chat_template", "get_chat_template")
+ENCODING_METHODS = (
+    "__call__",
+    "_call_one",
+    "encode_plus",
+    "_encode_plus",
+    "_batch_encode_plus",
+    "encode",
+    "prepare_for_tokenization",
+    "apply_chat_template",
+    "get_chat_template",
+)
 MAX_PROBE_SPECIALS = 64
 PROBES = [
     [{"role": "user", "content": "upper: fox"}, {"role": "assistant", "content": "FOX"}],
-    [{"role": "system", "content": "transform the word"}, {"role": "user", "content": "reverse: lamp"},
-     {"role": "assistant", "content": "pmal"}],
-    [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"}, {"role": "user", "content": "second"},
-     {"role": "assistant", "content": "two"}],
-    [{"role": "user", "content": "  leading\n\n\ttabs  and  double  spaces\r\nCRLF  "},
-     {"role": "assistant", "content": " trailing space \n"}],
-    [{"role": "user", "content": "Ünïcödé — 日本語, emoji 🙂, שלום, e\u0301, \u00a0nbsp, ½ ∑ ∞ ™"},
-     {"role": "assistant", "content": "ÀÉÎÕÜ ß 한국어"}],
-    [{"role": "user", "content": '{"a": [1, 2.5, null]}\n```python\nprint(f"{x!r}")\n```'},
-     {"role": "assistant", "content": "x = 12345678901234567890; y = -0.001e-10"}],
-    [{"role": "user", "content": " ".join(["the quick brown fox jumps over the lazy dog"] * 40)},
-     {"role": "assistant", "content": "done"}],
+    [
+        {"role": "system", "content": "transform the word"},
+        {"role": "user", "content": "reverse: lamp"},
+        {"role": "assistant", "content": "pmal"},
+    ],
+    [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "two"},
+    ],
+    [
+        {"role": "user", "content": "  leading\n\n\ttabs  and  double  spaces\r\nCRLF  "},
+        {"role": "assistant", "content": " trailing space \n"},
+    ],
+    [
+        {"role": "user", "content": "Ünïcödé — 日本語, emoji 🙂, שלום, e\u0301, \u00a0nbsp, ½ ∑ ∞ ™"},
+        {"role": "assistant", "content": "ÀÉÎÕÜ ß 한국어"},
+    ],
+    [
+        {"role": "user", "content": '{"a": [1, 2.5, null]}\n```python\nprint(f"{x!r}")\n```'},
+        {"role": "assistant", "content": "x = 12345678901234567890; y = -0.001e-10"},
+    ],
+    [
+        {"role": "user", "content": " ".join(["the quick brown fox jumps over the lazy dog"] * 40)},
+        {"role": "assistant", "content": "done"},
+    ],
 ]
 
 
@@ -78,8 +103,12 @@ def versions() -> dict:
     import jinja2
     import tokenizers
 
-    return {"format": CACHE_FORMAT, "transformers": transformers_version(), "tokenizers": tokenizers.__version__,
-            "jinja2": jinja2.__version__}
+    return {
+        "format": CACHE_FORMAT,
+        "transformers": transformers_version(),
+        "tokenizers": tokenizers.__version__,
+        "jinja2": jinja2.__version__,
+    }
 
 
 def fingerprint(model_dir: Path) -> list:
@@ -90,8 +119,11 @@ def fingerprint(model_dir: Path) -> list:
         if not path.is_file() or path.name.endswith(WEIGHTS):
             continue
         st = path.stat()
-        digest = (f"size {st.st_size} mtime {st.st_mtime_ns}" if st.st_size > BIG_FILE
-                  else hashlib.sha256(path.read_bytes()).hexdigest())
+        digest = (
+            f"size {st.st_size} mtime {st.st_mtime_ns}"
+            if st.st_size > BIG_FILE
+            else hashlib.sha256(path.read_bytes()).hexdigest()
+        )
         out.append([str(path.relative_to(model_dir)), digest])
     return out
 
@@ -105,9 +137,14 @@ def record_path(model_dir: Path, env: Mapping[str, str] = os.environ) -> Path:
 def from_record(rec: dict, source: str) -> LightTokenizer:
     from tokenizers import Tokenizer
 
-    return LightTokenizer(Tokenizer.from_str(rec["backend"]), chat_template=rec["chat_template"],
-                          special_tokens_map=rec["special_tokens_map"], eos_token_id=rec["eos_token_id"],
-                          split_special_tokens=rec["split_special_tokens"], source=source)
+    return LightTokenizer(
+        Tokenizer.from_str(rec["backend"]),
+        chat_template=rec["chat_template"],
+        special_tokens_map=rec["special_tokens_map"],
+        eos_token_id=rec["eos_token_id"],
+        split_special_tokens=rec["split_special_tokens"],
+        source=source,
+    )
 
 
 def cached(name_or_path: str, env: Mapping[str, str] = os.environ) -> Optional[LightTokenizer]:
@@ -128,8 +165,11 @@ def cached(name_or_path: str, env: Mapping[str, str] = os.environ) -> Optional[L
         rec = json.loads(path.read_text())
         tok = from_record(rec, f"{model_dir}, verified record {path}")
     except FileNotFoundError:
-        log.debug("tokenizer: no verified record for %s as it is now (first use, or its files or the versions "
-                  "of transformers/tokenizers/jinja2 changed): loading it through transformers", model_dir)
+        log.debug(
+            "tokenizer: no verified record for %s as it is now (first use, or its files or the versions "
+            "of transformers/tokenizers/jinja2 changed): loading it through transformers",
+            model_dir,
+        )
         return None
     except Exception as exc:  # a torn or foreign record (tokenizers raises its own kinds): never trusted
         log.debug("tokenizer: unreadable record %s (%s): loading %s through transformers", path, exc, model_dir)
@@ -152,7 +192,9 @@ def record_of(tok) -> tuple[Optional[dict], str]:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return None, f"{type(tok).__name__} has no `tokenizers` backend"
-    changed = [m for m in ENCODING_METHODS if getattr(type(tok), m, None) is not getattr(PreTrainedTokenizerFast, m, None)]
+    changed = [
+        m for m in ENCODING_METHODS if getattr(type(tok), m, None) is not getattr(PreTrainedTokenizerFast, m, None)
+    ]
     if changed:
         return None, f"{type(tok).__name__} redefines {', '.join(changed)}"
     template = None
@@ -168,9 +210,14 @@ def record_of(tok) -> tuple[Optional[dict], str]:
     specials = dict(tok.special_tokens_map)
     if not all(_plain_strings(v) for v in specials.values()):
         return None, "its special tokens are not plain strings"
-    return {"chat_template": template, "special_tokens_map": specials, "eos_token_id": tok.eos_token_id,
-            "split_special_tokens": bool(getattr(tok, "split_special_tokens", False)),
-            "tokenizer_class": type(tok).__name__, "backend": backend.to_str()}, ""
+    return {
+        "chat_template": template,
+        "special_tokens_map": specials,
+        "eos_token_id": tok.eos_token_id,
+        "split_special_tokens": bool(getattr(tok, "split_special_tokens", False)),
+        "tokenizer_class": type(tok).__name__,
+        "backend": backend.to_str(),
+    }, ""
 
 
 def _outcome(fn: Callable[[], Any]) -> Any:
@@ -188,8 +235,12 @@ def differences(real, light) -> list[str]:
     if bool(real.chat_template) != bool(light.chat_template):
         found.append("one has a chat template, the other not")
     specials = sorted(set(real.all_special_tokens) | set(real.get_added_vocab()))[:MAX_PROBE_SPECIALS]
-    probes = PROBES + [[{"role": "user", "content": " ".join(specials) + "x".join(specials)},
-                        {"role": "assistant", "content": "".join(specials) + " end"}]]
+    probes = PROBES + [
+        [
+            {"role": "user", "content": " ".join(specials) + "x".join(specials)},
+            {"role": "assistant", "content": "".join(specials) + " end"},
+        ]
+    ]
     for n, conv in enumerate(probes):
         texts = [m["content"] for m in conv]
         if real.chat_template:
@@ -205,7 +256,9 @@ def differences(real, light) -> list[str]:
                 a = _outcome(lambda: list(real(text, add_special_tokens=special)["input_ids"]))
                 b = _outcome(lambda: list(light(text, add_special_tokens=special)["input_ids"]))
                 if a != b:
-                    found.append(f"probe {n}: {text[:40]!r} (add_special_tokens={special}) encodes as {a!s:.60} vs {b!s:.60}")
+                    found.append(
+                        f"probe {n}: {text[:40]!r} (add_special_tokens={special}) encodes as {a!s:.60} vs {b!s:.60}"
+                    )
     return found
 
 
@@ -236,7 +289,9 @@ def remember(tok, name_or_path: str, env: Mapping[str, str] = os.environ) -> Opt
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({**rec, "model_dir": str(model_dir), "versions": versions()}), durable=False)
     except OSError as exc:
-        log.debug("tokenizer: cannot write %s (%s); the next submit loads %s through transformers again", path, exc, model_dir)
+        log.debug(
+            "tokenizer: cannot write %s (%s); the next submit loads %s through transformers again", path, exc, model_dir
+        )
         return None
     log.debug("tokenizer: recorded %s for %s: later submits load it without transformers", path, model_dir)
     return path

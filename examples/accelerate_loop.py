@@ -14,6 +14,7 @@ all ranks save into one temporary directory, wait for each other, then rank 0 fs
 renames the directory into place and fsyncs the parent.  A crash mid-save leaves a `.tmp-*` directory,
 never a `step-*` directory that looks complete and is not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,11 @@ import shutil
 import time
 from pathlib import Path
 
+import tiny_model  # examples/tiny_model.py: stands in for your from_pretrained(...)
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-import tiny_model  # examples/tiny_model.py: stands in for your from_pretrained(...)
 from hangwatch.daemon.heartbeat import Heartbeat, NullHeartbeat  # hangwatch
 from hangwatch.daemon.integrations.generation import GenerateWatch  # hangwatch
 
@@ -36,8 +37,11 @@ PROMPTS = ["question 3: what is 3 plus 3? answer:", "question 11: what is 11 plu
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output-dir", default=None,
-                   help="checkpoints/ and final/ go here (default: the hangwatch run dir, else out/accelerate_loop)")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="checkpoints/ and final/ go here (default: the hangwatch run dir, else out/accelerate_loop)",
+    )
     p.add_argument("--max-steps", type=int, default=24)
     p.add_argument("--batch-size", type=int, default=8, help="per process")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -122,7 +126,7 @@ def evaluate(accelerator, model, tok, eval_set, max_new_tokens: int) -> float:
             enc = tok(prompt, return_tensors="pt")
             # No hangwatch line here: the GenerateWatch installed in main() puts this call in the `generate` phase.
             out = net.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-            text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             print(f"  {prompt!r} -> {text!r}", flush=True)
         net.train()
     accelerator.wait_for_everyone()
@@ -137,7 +141,9 @@ def main() -> None:
     supervised = bool(os.environ.get("HANGWATCH_RUN_DIR"))  # hangwatch
     hb = Heartbeat.from_env() if supervised else NullHeartbeat()  # hangwatch
     # Outputs next to the run's heartbeats and incidents (your own --output-dir works just as well).
-    out = Path(args.output_dir or (os.environ["HANGWATCH_RUN_DIR"] if supervised else "out/accelerate_loop"))  # hangwatch
+    out = Path(
+        args.output_dir or (os.environ["HANGWATCH_RUN_DIR"] if supervised else "out/accelerate_loop")
+    )  # hangwatch
     ckpt_dir = out / "checkpoints"
 
     torch.manual_seed(args.seed)
@@ -152,7 +158,8 @@ def main() -> None:
     # A prepared scheduler steps once per process per optimizer step: count its steps that way.
     warmup, total = args.warmup_steps * accelerator.num_processes, args.max_steps * accelerator.num_processes
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+    )
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
@@ -205,8 +212,9 @@ def main() -> None:
         epoch, skip = epoch + 1, 0
 
     final = out / "final"
-    accelerator.unwrap_model(model).save_pretrained(final, is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save)
+    accelerator.unwrap_model(model).save_pretrained(
+        final, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
         tok.save_pretrained(final)
     accelerator.wait_for_everyone()

@@ -7,13 +7,14 @@ same script runs as it always did.
 
 `tiny_model` stands in for `from_pretrained` so the example runs on a CPU with no model hub.
 """
+
 from __future__ import annotations
 
 import argparse
 
+import tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import tiny_model
 from hangwatch.daemon.integrations.transformers import HangwatchCallback, resume_from  # hangwatch
 
 PROMPTS = ["question 3: what is 3 plus 3? answer:", "question 60: what is 60 plus 60? answer:"]
@@ -29,9 +30,10 @@ class SampleGenerations(TrainerCallback):
     def on_evaluate(self, args, state, control, model=None, **kwargs):
         for prompt in PROMPTS:
             enc = self.tok(prompt, return_tensors="pt", return_token_type_ids=False).to(model.device)
-            out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                 pad_token_id=self.tok.pad_token_id)
-            answer = self.tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                **enc, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
+            answer = self.tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             print(f"step {state.global_step}: {prompt!r} -> {answer!r}", flush=True)
 
 

@@ -9,6 +9,7 @@ show how the model is doing: the `generate()` call that, on a real model, can ru
 are written every `--ckpt-every` optimizer steps and all kept, so hangwatch can resume an attempt from the
 last *good* one.  Runs in seconds on a CPU with the tiny model of `tiny_model.py`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,11 @@ import os
 import warnings
 
 import lightning.pytorch as L
+import tiny_model  # your own script: AutoTokenizer / AutoModelForCausalLM .from_pretrained(...)
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
 
-import tiny_model  # your own script: AutoTokenizer / AutoModelForCausalLM .from_pretrained(...)
 from hangwatch.daemon.integrations.lightning import HangwatchCallback, resume_from  # hangwatch
 
 PROMPT = "question 7: what is 7 plus 7? answer:"
@@ -50,7 +51,7 @@ class CausalLM(L.LightningModule):
     def generate_sample(self, prompt: str) -> str:
         enc = self.tok(prompt, return_tensors="pt").to(self.device)
         out = self.model.generate(**enc, pad_token_id=self.tok.pad_token_id, **self.generate_kwargs)
-        return self.tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return self.tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking:
@@ -93,12 +94,28 @@ def main(argv=None) -> None:
     data = tiny_model.TextDataset(tok)
     train = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     val = DataLoader(Subset(data, range(8)), batch_size=8)
-    checkpoints = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), filename="step-{step:06d}",
-                                  auto_insert_metric_name=False, every_n_train_steps=args.ckpt_every, save_top_k=-1)
-    trainer = L.Trainer(max_steps=args.max_steps, accelerator="auto", devices=1, accumulate_grad_batches=args.grad_accum,
-                        val_check_interval=args.val_every, check_val_every_n_epoch=None, limit_val_batches=1,
-                        num_sanity_val_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=args.out, callbacks=[checkpoints, HangwatchCallback()])  # hangwatch
+    checkpoints = ModelCheckpoint(
+        dirpath=os.path.join(args.out, "checkpoints"),
+        filename="step-{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=args.ckpt_every,
+        save_top_k=-1,
+    )
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        accelerator="auto",
+        devices=1,
+        accumulate_grad_batches=args.grad_accum,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+        callbacks=[checkpoints, HangwatchCallback()],
+    )  # hangwatch
     trainer.fit(module, train, val, ckpt_path=resume_from())  # hangwatch
     print(f"finished at step {trainer.global_step}; checkpoints in {checkpoints.dirpath}", flush=True)
 

@@ -20,6 +20,7 @@ Checkpoints are written the way a crash cannot half-write them: into a temporary
 file fsynced, renamed into place, the parent directory fsynced.  A process killed mid-save leaves a
 `.tmp-*` directory behind, never a `step-*` directory that looks complete and is not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import tiny_model  # examples/tiny_model.py: stands in for your from_pretrained(...)
 import torch
 from torch.utils.data import DataLoader
 
-import tiny_model  # examples/tiny_model.py: stands in for your from_pretrained(...)
 from hangwatch.daemon.heartbeat import Heartbeat, NullHeartbeat  # hangwatch
 from hangwatch.daemon.integrations.generation import GenerateWatch  # hangwatch
 
@@ -44,8 +45,11 @@ PROMPTS = ["question 3: what is 3 plus 3? answer:", "question 11: what is 11 plu
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output-dir", default=None,
-                   help="checkpoints/ and final/ go here (default: the hangwatch run dir, else out/plain_loop)")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="checkpoints/ and final/ go here (default: the hangwatch run dir, else out/plain_loop)",
+    )
     p.add_argument("--max-steps", type=int, default=24)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -77,8 +81,13 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler) -> P
         shutil.rmtree(leftover, ignore_errors=True)
     final = ckpt_dir / f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=ckpt_dir))
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
     with open(tmp / "state.pt", "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -118,8 +127,9 @@ def batches(dataset, batch_size: int, num_workers: int, seed: int, start_step: i
     epoch, skip = divmod(start_step, steps_per_epoch)
     for epoch in itertools.count(epoch):
         order = torch.Generator().manual_seed(seed + epoch)
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=order,
-                            num_workers=num_workers)
+        loader = DataLoader(
+            dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=order, num_workers=num_workers
+        )
         yield from itertools.islice(loader, skip, None)
         skip = 0
 
@@ -136,8 +146,9 @@ def evaluate(model, tok, eval_set, max_new_tokens: int) -> float:
         enc = tok(prompt, return_tensors="pt")
         # No hangwatch line here: the GenerateWatch installed in main() puts this call in the `generate` phase.
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        print(f"  {prompt!r} -> {tok.decode(out[0, enc['input_ids'].shape[1]:], skip_special_tokens=True)!r}",
-              flush=True)
+        print(
+            f"  {prompt!r} -> {tok.decode(out[0, enc['input_ids'].shape[1] :], skip_special_tokens=True)!r}", flush=True
+        )
     model.train()
     return loss
 
@@ -170,7 +181,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup, total = args.warmup_steps, args.max_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+    )
 
     step = 0
     # The last GOOD checkpoint (announced, then confirmed by finite steps after it), or None.

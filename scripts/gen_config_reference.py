@@ -10,6 +10,7 @@
 
 One schema (common/config/schema.py) drives validation, this table and `hangwatch run --help`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 if the file is out of date")
     # --readme: the option's former name, from when the table lived in README.md
-    ap.add_argument("--file", "--readme", dest="file", type=Path, default=DEFAULT_TARGET,
-                    help="the Markdown file holding the markers (default: docs/configuration.md)")
+    ap.add_argument(
+        "--file",
+        "--readme",
+        dest="file",
+        type=Path,
+        default=DEFAULT_TARGET,
+        help="the Markdown file holding the markers (default: docs/configuration.md)",
+    )
     args = ap.parse_args(argv)
     try:
         current = args.file.read_text()
@@ -59,8 +66,11 @@ def main(argv=None) -> int:
         return 2
     if args.check:
         if wanted != current:
-            print(f"gen_config_reference: the config reference in {args.file} is out of date; "
-                  "run: python scripts/gen_config_reference.py", file=sys.stderr)
+            print(
+                f"gen_config_reference: the config reference in {args.file} is out of date; "
+                "run: python scripts/gen_config_reference.py",
+                file=sys.stderr,
+            )
             return 1
         print(f"{args.file}: config reference is current")
         return 0

@@ -9,6 +9,7 @@ events alerts are made of.  It only decides on the loop; everything slow (HTTP, 
 scrapes) runs on threads of its own, so it never delays detection or recovery.  It never reads the
 supervisor itself.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,16 +21,16 @@ import structlog
 from hangwatch.common.config import Config
 from hangwatch.common.config.ops_schema import host_port
 from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
+from hangwatch.supervisor.control import make_control
+from hangwatch.supervisor.loop.supervisor import Supervisor
+from hangwatch.supervisor.loop.view import View
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
-from hangwatch.supervisor.control import make_control
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
-from hangwatch.supervisor.rules.policy import ProgressPolicy
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
-from hangwatch.supervisor.loop.supervisor import Supervisor
-from hangwatch.supervisor.loop.view import View
+from hangwatch.supervisor.rules.policy import ProgressPolicy
 
 log = structlog.get_logger("hangwatch")
 
@@ -42,8 +43,15 @@ def no_progress_limit(cfg: Config) -> int:
     return cfg.restart.no_progress_restarts
 
 
-def run(cfg: Config, *, control_factory: Optional[Callable[[Config], Any]] = make_control,
-        notifier: Any = None, configure_logging: bool = True, ops: Optional["Ops"] = None, **seams) -> int:
+def run(
+    cfg: Config,
+    *,
+    control_factory: Optional[Callable[[Config], Any]] = make_control,
+    notifier: Any = None,
+    configure_logging: bool = True,
+    ops: Optional["Ops"] = None,
+    **seams,
+) -> int:
     """Supervise `cfg` until done; return the exit code.
 
     Exit codes: 0 finished or stopped; the worker's 65/78 when it reported a do-not-restart error;
@@ -93,7 +101,9 @@ class Ops:
     is also in the notifier fan-out, for `next_due_s` (when the loop must pass again on its account).
     Seams: `sinks` replaces the alert sinks (apprise URLs, the command), `ping_get` the ping's HTTP GET."""
 
-    def __init__(self, cfg: Config, *, sinks: Optional[list] = None, ping_get: Optional[Callable[[str, float], int]] = None):
+    def __init__(
+        self, cfg: Config, *, sinks: Optional[list] = None, ping_get: Optional[Callable[[str, float], int]] = None
+    ):
         a, m = cfg.alerts, cfg.metrics
         self.cfg = cfg
         self.stats = Stats()
@@ -110,8 +120,11 @@ class Ops:
         if a.ping_url:
             pinger = Pinger(a.ping_url, a.timeout_s, self.stats, get=ping_get)
             self.deadman = DeadMan(a.ping_every_s, Outbox("deadman", pinger, maxsize=1, stats=self.stats))
-        self.metrics = Metrics(host_port(m.listen) if m.listen else None, m.textfile, m.textfile_every_s, self.stats) \
-            if (m.listen or m.textfile) else None
+        self.metrics = (
+            Metrics(host_port(m.listen) if m.listen else None, m.textfile, m.textfile_every_s, self.stats)
+            if (m.listen or m.textfile)
+            else None
+        )
         self.recovery = Recovery()
         self._tapped = False
 

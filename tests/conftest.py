@@ -12,12 +12,12 @@ own choice whenever there is one (the HF Trainer saves CUDA RNG states, PEFT loa
 fail only for the fake: tests of it are marked `cuda_when_present` and left unfaked.  Subprocesses see the machine
 as it is.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from fixtures.fakes.workers import PYTHON, make_config
 
 FAKE_CUDA_ENV = "HANGWATCH_TEST_FAKE_CUDA"
@@ -48,8 +48,9 @@ def no_cuda_here() -> "str | None":
 @pytest.fixture(autouse=True)
 def _fake_cuda_present(request, monkeypatch):
     """HANGWATCH_TEST_FAKE_CUDA=1: torch says one CUDA device is there (see the module's docstring)."""
-    if os.environ.get(FAKE_CUDA_ENV) != "1" or any(request.node.get_closest_marker(m) is not None
-                                                   for m in ("gpu", "cuda_when_present")):
+    if os.environ.get(FAKE_CUDA_ENV) != "1" or any(
+        request.node.get_closest_marker(m) is not None for m in ("gpu", "cuda_when_present")
+    ):
         return
     import torch
 

@@ -13,8 +13,16 @@
 
 Import from here (`from hangwatch.common.config import Config, load_config`); the split is internal.
 """
+
 from hangwatch.common.config.errors import ConfigError
-from hangwatch.common.config.load import dump_config, load_checked, load_config, parse_config, resolve_paths, script_name
+from hangwatch.common.config.load import (
+    dump_config,
+    load_checked,
+    load_config,
+    parse_config,
+    resolve_paths,
+    script_name,
+)
 from hangwatch.common.config.reference import reference_markdown, reference_rows, reference_text
 from hangwatch.common.config.schema import (
     FAULT_KINDS,
@@ -37,8 +45,31 @@ from hangwatch.common.config.schema import (
 )
 
 __all__ = [
-    "FAULT_KINDS", "CheckpointCfg", "Config", "ConfigError", "ControlCfg", "DataCfg", "EvalCfg", "EvalPrompt",
-    "FaultCfg", "LoggingCfg", "LoraCfg", "ModelCfg", "RestartCfg", "Section", "TinyModelCfg", "TrainCfg",
-    "WatchdogCfg", "WorkerCfg", "dump_config", "load_checked", "load_config", "parse_config", "reference_markdown", "script_name",
-    "reference_rows", "reference_text", "resolve_paths",
+    "FAULT_KINDS",
+    "CheckpointCfg",
+    "Config",
+    "ConfigError",
+    "ControlCfg",
+    "DataCfg",
+    "EvalCfg",
+    "EvalPrompt",
+    "FaultCfg",
+    "LoggingCfg",
+    "LoraCfg",
+    "ModelCfg",
+    "RestartCfg",
+    "Section",
+    "TinyModelCfg",
+    "TrainCfg",
+    "WatchdogCfg",
+    "WorkerCfg",
+    "dump_config",
+    "load_checked",
+    "load_config",
+    "parse_config",
+    "reference_markdown",
+    "script_name",
+    "reference_rows",
+    "reference_text",
+    "resolve_paths",
 ]

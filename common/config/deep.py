@@ -22,6 +22,7 @@ Findings are `(key path, message)` like `rules`; the loader adds the file and li
 library only (the supervisor side runs this; it must not import the worker), and pynvml when a config puts
 the built-in worker on a GPU.
 """
+
 from __future__ import annotations
 
 import grp
@@ -33,9 +34,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from hangwatch.common import gpus
-from hangwatch.common.example_shape import EXPECTED, FIRST_LINE_WHY, ExampleRejected, example_of_line
 from hangwatch.common.config.rules import Finding, builtin_worker
 from hangwatch.common.config.schema import Config
+from hangwatch.common.example_shape import EXPECTED, FIRST_LINE_WHY, ExampleRejected, example_of_line
 
 SAMPLE_LINES = 20  # non-blank lines of a data file whose shape is checked
 SAMPLE_BYTES = 1 << 20  # most bytes read from a data file for that
@@ -48,8 +49,9 @@ class Found:
     warnings: list[Finding] = field(default_factory=list)
 
 
-def check(cfg: Config, environ: Mapping[str, str],
-          gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids) -> Found:
+def check(
+    cfg: Config, environ: Mapping[str, str], gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids
+) -> Found:
     """Everything the config names that this machine lacks (errors) or that looks wrong (warnings).
     `gpu_uuids`: the machine's GPUs as NVML lists them, None without NVML (the seam tests replace)."""
     found = Found()
@@ -81,8 +83,9 @@ def check(cfg: Config, environ: Mapping[str, str],
     return found
 
 
-def gpu_placement(cfg: Config, environ: Mapping[str, str],
-                  gpu_uuids: Callable[[], Optional[Sequence[str]]]) -> list[Finding]:
+def gpu_placement(
+    cfg: Config, environ: Mapping[str, str], gpu_uuids: Callable[[], Optional[Sequence[str]]]
+) -> list[Finding]:
     """The built-in worker's ranks against the GPUs it will see: a rank without a GPU of its own fails at
     NCCL's start, after the model load.  A worker.command's backend is its own business: not checked."""
     if not builtin_worker(cfg) or cfg.model.device == "cpu":
@@ -116,8 +119,9 @@ def _data_file(found: Found, loc: tuple, path: Path, *, shape: bool) -> None:
         found.errors.append((loc, f"{path}: empty: no example in it"))
     elif len(bad) == len(sampled):
         lineno, why = bad[0]
-        found.errors.append((loc, f"{path}:{lineno}: {why} (and every other of the first {len(sampled)} line(s)): "
-                                  f"{EXPECTED}"))
+        found.errors.append(
+            (loc, f"{path}:{lineno}: {why} (and every other of the first {len(sampled)} line(s)): {EXPECTED}")
+        )
     elif bad and bad[0][0] == sampled[0][0]:
         lineno, why = bad[0]
         found.errors.append((loc, f"{path}:{lineno}: {why}: {FIRST_LINE_WHY}; {EXPECTED}"))
@@ -177,9 +181,14 @@ def _model(name: str, base: Path, env: Mapping[str, str]) -> list[Finding]:
     cache = hub_cache(env)
     if _in_hub_cache(name, cache):
         return []
-    return [(loc, f"{name!r} is neither a directory (no {local}) nor in the Hugging Face hub cache ({cache}); "
-                  f"hangwatch never downloads a model: give a model directory, or fetch it into the cache first "
-                  f"(`hf download {name}`)")]
+    return [
+        (
+            loc,
+            f"{name!r} is neither a directory (no {local}) nor in the Hugging Face hub cache ({cache}); "
+            f"hangwatch never downloads a model: give a model directory, or fetch it into the cache first "
+            f"(`hf download {name}`)",
+        )
+    ]
 
 
 def _command(program: str, cwd: Path, env: Mapping[str, str]) -> list[Finding]:
@@ -206,9 +215,10 @@ def _writable_dir(loc: tuple, path: Path, what: str) -> list[Finding]:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        return [(loc, f"{path}: {probe} is not a directory, so {what} cannot be {'used' if probe == path else 'created'}")]
+        return [
+            (loc, f"{path}: {probe} is not a directory, so {what} cannot be {'used' if probe == path else 'created'}")
+        ]
     if not os.access(probe, os.W_OK | os.X_OK):
         verb = "written" if probe == path else "created"
         return [(loc, f"{path}: {what} cannot be {verb}: {probe} is not writable by uid {os.geteuid()}")]
     return []
-

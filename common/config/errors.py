@@ -3,6 +3,7 @@
 Every problem is one line `FILE:LINE: dotted.key: what is wrong`; the line is the key's own, or that
 of its nearest parent written in the file (a default the file does not mention has no line of its own).
 """
+
 from __future__ import annotations
 
 from typing import Optional

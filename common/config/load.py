@@ -9,6 +9,7 @@ machine (`deep`): what `hangwatch validate-config` and `hangwatch run` do before
 In a Slurm job (`worker.nnodes: auto`, or not written) the settings the job already holds are written into
 the worker section before the records validate it (`slurm`), so every consumer reads plain values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,15 +27,17 @@ from hangwatch.common.config.schema import Config
 from hangwatch.common.config.yamldoc import Lines, read_yaml
 
 
-def parse_config(text: str, source: str = "<config>", base_dir: Optional[Path] = None,
-                 environ: Optional[Mapping[str, str]] = None) -> Config:
+def parse_config(
+    text: str, source: str = "<config>", base_dir: Optional[Path] = None, environ: Optional[Mapping[str, str]] = None
+) -> Config:
     """Validate YAML text (records, then the rules across settings). Raises ConfigError, one line per problem.
     `environ` (default: this process's) is where a Slurm job's settings are read (`slurm.resolve`)."""
     return _parse(text, source, base_dir, environ=environ)[0]
 
 
-def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None,
-                environ: Optional[Mapping[str, str]] = None) -> Config:
+def load_config(
+    path: Union[str, os.PathLike], run_dir: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
+) -> Config:
     """Read, validate and resolve a config file. `run_dir` (from --run-dir) overrides the file's (and the
     per-node directory a Slurm job would put under it); `environ` as for `parse_config`."""
     return _load(path, run_dir, environ=environ)[0]
@@ -43,9 +46,12 @@ def load_config(path: Union[str, os.PathLike], run_dir: Optional[str] = None,
 COMMAND_LINE = "<command line>"  # the source named in problems when there is no config file
 
 
-def load_checked(path: Union[str, os.PathLike, None], run_dir: Optional[str] = None,
-                 environ: Optional[Mapping[str, str]] = None,
-                 command: Optional[list[str]] = None) -> tuple[Config, list[str]]:
+def load_checked(
+    path: Union[str, os.PathLike, None],
+    run_dir: Optional[str] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    command: Optional[list[str]] = None,
+) -> tuple[Config, list[str]]:
     """`load_config`, then the checks against this machine (files, model, command, directories):
     what `validate-config` and `run` use.  Returns (config, warnings); raises ConfigError with every
     problem.  `environ` is the supervisor's environment (the worker's is it plus `worker.env`).
@@ -70,8 +76,13 @@ def _in_file_order(findings: list[rules.Finding], source: str, lines: Lines) -> 
     return [located(loc, msg, source, lines) for loc, msg in order]
 
 
-def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[list[str]] = None,
-           environ: Optional[Mapping[str, str]] = None) -> tuple[Config, Lines]:
+def _parse(
+    text: str,
+    source: str,
+    base_dir: Optional[Path],
+    command: Optional[list[str]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> tuple[Config, Lines]:
     data, lines = read_yaml(text, source)
     if data is None:
         data = {}
@@ -80,8 +91,9 @@ def _parse(text: str, source: str, base_dir: Optional[Path], command: Optional[l
     if command is not None:
         worker = data.setdefault("worker", {})
         if not isinstance(worker, dict):
-            raise ConfigError([located(("worker",), f"expected a mapping of settings, got {type(worker).__name__}",
-                                       source, lines)])
+            raise ConfigError(
+                [located(("worker",), f"expected a mapping of settings, got {type(worker).__name__}", source, lines)]
+            )
         worker["command"] = list(command)
         lines = {k: v for k, v in lines.items() if k[:2] != ("worker", "command")}  # not the file's any more
         if "run_dir" not in data:
@@ -125,8 +137,12 @@ def _given_run_dir(cfg: Config, run_dir: str) -> None:
         cfg.worker._slurm = dataclasses.replace(derived, run_subdir=None)
 
 
-def _load(path: Union[str, os.PathLike, None], run_dir: Optional[str],
-          command: Optional[list[str]] = None, environ: Optional[Mapping[str, str]] = None) -> tuple[Config, Lines]:
+def _load(
+    path: Union[str, os.PathLike, None],
+    run_dir: Optional[str],
+    command: Optional[list[str]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> tuple[Config, Lines]:
     if path is None:  # `hangwatch run -- CMD`: the defaults, relative to where the command is run
         cfg, lines = _parse("", COMMAND_LINE, Path.cwd(), command, environ)
         if run_dir is not None:
@@ -149,7 +165,13 @@ def _load(path: Union[str, os.PathLike, None], run_dir: Optional[str],
     return cfg, lines
 
 
-LAUNCHERS = {"torchrun": 0, "accelerate": 1, "deepspeed": 0, "python": 0, "env": 0}  # words before the script (+ subcommand)
+LAUNCHERS = {
+    "torchrun": 0,
+    "accelerate": 1,
+    "deepspeed": 0,
+    "python": 0,
+    "env": 0,
+}  # words before the script (+ subcommand)
 SCRIPT_SUFFIXES = (".py", ".sh", ".bash")
 
 

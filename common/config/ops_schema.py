@@ -4,14 +4,24 @@ Kept apart from schema.py so the operations side grows without touching the trai
 includes these sections.  Nothing here imports apprise or prometheus-client: the worker loads the same
 config and must not pay for them.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ALERT_EVENTS = ("incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged",
-                "generate_truncated", "unkillable")
+ALERT_EVENTS = (
+    "incident",
+    "recovered",
+    "failed",
+    "crash_loop",
+    "no_progress",
+    "lost_peer",
+    "resume_diverged",
+    "generate_truncated",
+    "unkillable",
+)
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
@@ -23,7 +33,8 @@ class AlertsCfg(_Section):
     urls: list[str] = Field(
         default_factory=list,
         description="apprise URLs, each its own channel: slack://…, discord://…, msteams://…, mailto://…, ntfy://…, "
-        "tgram://…, json://host/path (a generic JSON webhook: {title, message, type}). See apprise's docs.")
+        "tgram://…, json://host/path (a generic JSON webhook: {title, message, type}). See apprise's docs.",
+    )
     on: list[str] = Field(
         default_factory=lambda: list(ALERT_EVENTS),
         description="Events that alert: incident (a stall or a crash, once handled: what fired, the culprit and its "
@@ -33,20 +44,29 @@ class AlertsCfg(_Section):
         "differs from the same step before it: sent at once, never held), generate_truncated (a runaway generate() was "
         "ended at a token limit, nothing restarted: the first of the run is sent, later ones are counted into summaries), "
         "unkillable (processes of the worker's tree outlived SIGKILL: a reboot or a GPU reset may be needed; sent at "
-        "once, never held).")
+        "once, never held).",
+    )
     command: Optional[list[str]] = Field(
-        None, description="An argv run per alert with the alert as one JSON object on stdin (exit 0: delivered).")
+        None, description="An argv run per alert with the alert as one JSON object on stdin (exit 0: delivered)."
+    )
     timeout_s: float = Field(10, gt=0, description="Most time one delivery (a URL, the command, a ping) may take.")
     retries: int = Field(2, ge=0, description="Further tries of a delivery that failed (1 s, then 2 s, 4 s … apart).")
     min_interval_s: float = Field(
-        300, ge=0, description="After an incident alert, later incidents within this interval (or before the run "
+        300,
+        ge=0,
+        description="After an incident alert, later incidents within this interval (or before the run "
         "recovers) are not sent one by one: they are counted into one summary, so a crash loop is one alert and one "
-        "summary, never a storm.")
+        "summary, never a storm.",
+    )
     ping_url: Optional[str] = Field(
-        None, description="Dead-man's switch (healthchecks-style URL, GET): pinged every `ping_every_s` while the run is "
+        None,
+        description="Dead-man's switch (healthchecks-style URL, GET): pinged every `ping_every_s` while the run is "
         "healthy — stepping, or idle in continuous mode.  The pings stop when the run stalls, the supervisor hangs or "
-        "the box dies, and the service that expects them raises the alarm.")
-    ping_every_s: float = Field(60, gt=0, description="Dead-man's ping interval; also how recent the last step must be.")
+        "the box dies, and the service that expects them raises the alarm.",
+    )
+    ping_every_s: float = Field(
+        60, gt=0, description="Dead-man's ping interval; also how recent the last step must be."
+    )
 
     @field_validator("on")
     @classmethod
@@ -81,10 +101,13 @@ class AlertsCfg(_Section):
 
 class MetricsCfg(_Section):
     listen: Optional[str] = Field(
-        None, description="HOST:PORT serving Prometheus /metrics (e.g. 127.0.0.1:9464; a bare PORT listens on "
-        "127.0.0.1); null: no server.  Listening beyond loopback exposes run names and paths to that network.")
+        None,
+        description="HOST:PORT serving Prometheus /metrics (e.g. 127.0.0.1:9464; a bare PORT listens on "
+        "127.0.0.1); null: no server.  Listening beyond loopback exposes run names and paths to that network.",
+    )
     textfile: Optional[str] = Field(
-        None, description="A .prom file rewritten (atomically) for node_exporter's textfile collector; null: none.")
+        None, description="A .prom file rewritten (atomically) for node_exporter's textfile collector; null: none."
+    )
     textfile_every_s: float = Field(15, gt=0, description="How often the textfile is rewritten.")
 
     @field_validator("listen")

@@ -3,6 +3,7 @@
 One source: a key, its type, its default and its doc come from the pydantic record itself, so the
 documentation cannot drift from what is validated (tests/e2e/test_ops_systemd.py checks docs/configuration.md).
 """
+
 from __future__ import annotations
 
 import typing
@@ -28,7 +29,9 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
             default_s = "required"
         else:
             default = f.default_factory() if f.default_factory is not None else f.default
-            default_s = yaml.safe_dump(default, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+            default_s = (
+                yaml.safe_dump(default, default_flow_style=True, width=float("inf")).strip().removesuffix("...").strip()
+            )
         # a word the loader turns into a value before the record sees it (`worker.nnodes: auto`) is part of the type
         also = (f.json_schema_extra or {}).get("also", []) if isinstance(f.json_schema_extra, dict) else []
         rows.append((key, " or ".join([type_name(f.annotation), *also]), default_s, f.description or ""))
@@ -37,7 +40,9 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
 
 def reference_markdown() -> str:
     """The reference table (docs/configuration.md): every key, then the keys of one `watchdog.landmarks[]` and one `faults[]` entry."""
-    rows = reference_rows() + reference_rows(LandmarkCfg, "watchdog.landmarks[].") + reference_rows(FaultCfg, "faults[].")
+    rows = (
+        reference_rows() + reference_rows(LandmarkCfg, "watchdog.landmarks[].") + reference_rows(FaultCfg, "faults[].")
+    )
     out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     out += [f"| `{key}` | {typ} | `{default}` | {doc} |" for key, typ, default, doc in rows]
     return "\n".join(out) + "\n"

@@ -42,6 +42,7 @@ The node list is expanded by `expand_hostlist` (Slurm's compressed syntax) rathe
 hostnames`: the config is loaded several times per start (validate, preflight, the worker), and a call to
 the controller each time would buy nothing the syntax below does not already say.
 """
+
 from __future__ import annotations
 
 import re
@@ -206,9 +207,16 @@ def resolve(worker: Mapping[str, Any], env: Mapping[str, str], hostname: str) ->
         return None  # a number (or a mistake the record will name): the config's word
     if not in_slurm(env):
         if nnodes == AUTO:
-            raise SlurmProblems([(NNODES, f"auto takes the node count from Slurm, but this process is not in a Slurm "
-                                          f"job ({missing_words(env)}): run it as an srun task inside an "
-                                          "allocation, or write the number of nodes (1 on a single machine)")])
+            raise SlurmProblems(
+                [
+                    (
+                        NNODES,
+                        f"auto takes the node count from Slurm, but this process is not in a Slurm "
+                        f"job ({missing_words(env)}): run it as an srun task inside an "
+                        "allocation, or write the number of nodes (1 on a single machine)",
+                    )
+                ]
+            )
         return None
     job = env[JOB_ID]
     count_key = next(k for k in NODE_COUNTS if env.get(k))
@@ -218,10 +226,15 @@ def resolve(worker: Mapping[str, Any], env: Mapping[str, str], hostname: str) ->
     problems = _one_task_per_node(env)
     step = env.get(STEP_ID) or None
     if count > 1 and step is None:
-        problems.append((NNODES, f"Slurm job {job} has {count} nodes ({count_key}), but this process is not an srun "
-                                 f"task ({STEP_ID} not set): it runs on this node only and the other {count - 1} start "
-                                 "no hangwatch; start it on every node with `srun --ntasks-per-node=1 hangwatch run "
-                                 "CONFIG`, or write worker.nnodes: 1 to train on this node alone"))
+        problems.append(
+            (
+                NNODES,
+                f"Slurm job {job} has {count} nodes ({count_key}), but this process is not an srun "
+                f"task ({STEP_ID} not set): it runs on this node only and the other {count - 1} start "
+                "no hangwatch; start it on every node with `srun --ntasks-per-node=1 hangwatch run "
+                "CONFIG`, or write worker.nnodes: 1 to train on this node alone",
+            )
+        )
     if problems:
         raise SlurmProblems(problems)
     values: dict[str, Any] = {"nnodes": count}
@@ -232,13 +245,25 @@ def resolve(worker: Mapping[str, Any], env: Mapping[str, str], hostname: str) ->
     if not written(worker, "rdzv_endpoint"):
         list_key = next((k for k in NODE_LISTS if env.get(k)), None)
         if list_key is None:
-            raise SlurmProblems([(("worker", "rdzv_endpoint"), f"no node list to take the rendezvous host from "
-                                                               f"({', '.join(NODE_LISTS)} not set): write it")])
+            raise SlurmProblems(
+                [
+                    (
+                        ("worker", "rdzv_endpoint"),
+                        f"no node list to take the rendezvous host from ({', '.join(NODE_LISTS)} not set): write it",
+                    )
+                ]
+            )
         try:
             host = first_host(env[list_key])
         except ValueError as exc:
-            raise SlurmProblems([(("worker", "rdzv_endpoint"), f"{list_key}={env[list_key]!r} is not a Slurm host "
-                                                               f"list ({exc}): write the endpoint")]) from None
+            raise SlurmProblems(
+                [
+                    (
+                        ("worker", "rdzv_endpoint"),
+                        f"{list_key}={env[list_key]!r} is not a Slurm host list ({exc}): write the endpoint",
+                    )
+                ]
+            ) from None
         port = worker.get("rdzv_port")
         port = port if isinstance(port, int) and not isinstance(port, bool) else DEFAULT_RDZV_PORT
         values["rdzv_endpoint"] = f"{host}:{port}"
@@ -258,8 +283,10 @@ def resolve(worker: Mapping[str, Any], env: Mapping[str, str], hostname: str) ->
 
 
 def _one_task_per_node(env: Mapping[str, str]) -> list[Problem]:
-    fix = ("each task would be a hangwatch of its own, and one per node starts that node's worker.nproc_per_node "
-           "ranks itself: use `srun --ntasks-per-node=1`")
+    fix = (
+        "each task would be a hangwatch of its own, and one per node starts that node's worker.nproc_per_node "
+        "ranks itself: use `srun --ntasks-per-node=1`"
+    )
     per_node = env.get(STEP_TASKS)
     counts = _task_counts(per_node) if per_node else []
     if counts and max(counts) > 1:
@@ -297,9 +324,14 @@ def gpu_advice(derived: Optional[Derived], nproc_per_node: int) -> list[Problem]
     """A node with more GPUs of the job than ranks per node: said, never changed (see the module's doc)."""
     if derived is None or derived.gpus_on_node is None or derived.gpus_on_node <= nproc_per_node:
         return []
-    return [(("worker", "nproc_per_node"), f"{nproc_per_node}, but Slurm gave this node {derived.gpus_on_node} GPUs "
-                                           f"({GPUS_ON_NODE}): {derived.gpus_on_node - nproc_per_node} would sit idle; "
-                                           f"write worker.nproc_per_node: {derived.gpus_on_node} to use them all")]
+    return [
+        (
+            ("worker", "nproc_per_node"),
+            f"{nproc_per_node}, but Slurm gave this node {derived.gpus_on_node} GPUs "
+            f"({GPUS_ON_NODE}): {derived.gpus_on_node - nproc_per_node} would sit idle; "
+            f"write worker.nproc_per_node: {derived.gpus_on_node} to use them all",
+        )
+    ]
 
 
 def describe(derived: Derived, run_dir: Optional[str] = None) -> str:

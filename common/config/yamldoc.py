@@ -5,6 +5,7 @@ would silently be the second value; here the node tree is walked before it is co
 duplicate is a problem naming both lines.  The same walk records the line of each key path, which
 every later message (`FILE:LINE: dotted.key: ...`) uses.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -48,8 +49,10 @@ def _walk(node: yaml.Node, path: tuple, lines: Lines, problems: list[str], sourc
             ident = (k.tag, k.value)  # `1` and `"1"` are different keys
             key = (*path, k.value)
             if ident in first:
-                problems.append(f"{source}:{line}: {dotted(key)}: duplicate key (first at line {first[ident]}); "
-                                "YAML would silently keep only the last one: remove one of them")
+                problems.append(
+                    f"{source}:{line}: {dotted(key)}: duplicate key (first at line {first[ident]}); "
+                    "YAML would silently keep only the last one: remove one of them"
+                )
                 continue
             first[ident] = line
             lines[key] = line

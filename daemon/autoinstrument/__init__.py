@@ -28,6 +28,7 @@ HANGWATCH_INSTRUMENT other than "auto") `install()` does nothing at all.
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,7 +70,9 @@ def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
     return env.get(ENV_INSTRUMENT) == "auto" and bool(env.get(ENV_RUN_DIR))
 
 
-def install(environ: Optional[MutableMapping[str, str]] = None, argv: Optional[Sequence[str]] = None) -> Optional[Context]:
+def install(
+    environ: Optional[MutableMapping[str, str]] = None, argv: Optional[Sequence[str]] = None
+) -> Optional[Context]:
     """Instrument this process (see the module docstring); the rank's Context, or None when this process is no
     rank or hangwatch does not run it.  Once per process: a second call returns the first one's answer.
     `environ` (default os.environ) receives the rank claim its children inherit; `argv`: the interpreter's
@@ -155,21 +158,22 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
     frameworks = Frameworks(ctx, saves)
     hooks = _installed.hooks = PostImportHooks(on_error=patch_failed)
     for name, callback in (
-            ("torch.optim.optimizer", steps.patch_optimizer_module),
-            ("torch.autograd", steps.patch_autograd),
-            ("torch.amp.grad_scaler", steps.patch_grad_scaler),
-            ("torch.cuda.amp.grad_scaler", steps.patch_grad_scaler),  # torch < 2.3: its own GradScaler
-            ("torch.nn.modules.module", evals.patch),
-            ("torch.serialization", saves.patch_torch_save),
-            ("safetensors.torch", saves.patch_safetensors),
-            ("transformers.modeling_utils", saves.patch_modeling_utils),
-            ("transformers.generation.utils", generate.patch),
-            ("transformers.trainer", frameworks.patch_hf_trainer),
-            ("peft.peft_model", saves.patch_peft),
-            ("accelerate.accelerator", saves.patch_accelerate),
-            ("lightning.fabric.fabric", saves.patch_fabric),
-            ("lightning.pytorch.trainer.trainer", frameworks.patch_lightning_trainer),
-            ("pytorch_lightning.trainer.trainer", frameworks.patch_lightning_trainer)):
+        ("torch.optim.optimizer", steps.patch_optimizer_module),
+        ("torch.autograd", steps.patch_autograd),
+        ("torch.amp.grad_scaler", steps.patch_grad_scaler),
+        ("torch.cuda.amp.grad_scaler", steps.patch_grad_scaler),  # torch < 2.3: its own GradScaler
+        ("torch.nn.modules.module", evals.patch),
+        ("torch.serialization", saves.patch_torch_save),
+        ("safetensors.torch", saves.patch_safetensors),
+        ("transformers.modeling_utils", saves.patch_modeling_utils),
+        ("transformers.generation.utils", generate.patch),
+        ("transformers.trainer", frameworks.patch_hf_trainer),
+        ("peft.peft_model", saves.patch_peft),
+        ("accelerate.accelerator", saves.patch_accelerate),
+        ("lightning.fabric.fabric", saves.patch_fabric),
+        ("lightning.pytorch.trainer.trainer", frameworks.patch_lightning_trainer),
+        ("pytorch_lightning.trainer.trainer", frameworks.patch_lightning_trainer),
+    ):
         hooks.register(name, callback)
     return ctx
 

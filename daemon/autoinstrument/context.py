@@ -9,6 +9,7 @@ the run.
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import os

@@ -25,6 +25,7 @@ prints the traceback.  Every error here is contained like any hook's (`Context.f
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,7 +36,6 @@ from typing import Any, Optional
 
 from hangwatch.common.protocol import EXIT_STOP_REASON as EXIT_REASON
 from hangwatch.daemon.autoinstrument.context import Context
-
 
 _NOTHING = object()  # sys.exit was not called
 

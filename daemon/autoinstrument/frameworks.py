@@ -18,6 +18,7 @@ Lightning: `fit(..., ckpt_path=None)` likewise (`"last"`, `"best"`, `"hpc"`, `"r
 Standard library only at import; the integrations (which import transformers or Lightning) are imported when
 a Trainer is built, by which time the script has imported its framework.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,7 @@ LIGHTNING_KEYWORDS = ("last", "best", "hpc", "registry")
 PASS, KEEP, WARN = "pass", "keep", "warn"
 
 
-def resume_decision(given: Any, offered: Optional[str], usable: Callable[[str], bool],
-                    keywords: tuple = ()) -> tuple:
+def resume_decision(given: Any, offered: Optional[str], usable: Callable[[str], bool], keywords: tuple = ()) -> tuple:
     """What to do with the checkpoint argument `given` a script passed, when hangwatch offers `offered`:
     (PASS, offered) — pass it; (KEEP, None) — leave the call alone; (WARN, message) — leave it and say why."""
     if not offered:
@@ -91,8 +91,10 @@ class Frameworks:
             trainer.add_callback(HangwatchCallback(stop_beat=False, tokenizer=tokenizer))
 
         self._each(ctx.hook("HF Trainer callback"), lambda hook: self._after_init(cls, hook, add))
-        self._each(ctx.hook("HF Trainer resume"), lambda hook: self._resume(
-            cls, "train", hook, "resume_from_checkpoint", hf_checkpoint, ()))
+        self._each(
+            ctx.hook("HF Trainer resume"),
+            lambda hook: self._resume(cls, "train", hook, "resume_from_checkpoint", hf_checkpoint, ()),
+        )
 
         def target(a: tuple, k: dict):
             trainer = a[0]
@@ -126,16 +128,20 @@ class Frameworks:
 
             cb = HangwatchCallback(stop_beat=False)
             if callback_base is not None and not isinstance(cb, callback_base):
-                raise TypeError("hangwatch's Lightning callback is no %s.Callback (the other Lightning package "
-                                "was imported first)" % module.__name__.split(".trainer")[0])
+                raise TypeError(
+                    "hangwatch's Lightning callback is no %s.Callback (the other Lightning package "
+                    "was imported first)" % module.__name__.split(".trainer")[0]
+                )
             connector = getattr(trainer, "_callback_connector", None)
             reorder = getattr(type(connector), "_reorder_callbacks", None) if connector is not None else None
             # ModelCheckpoint callbacks run last, as Lightning's own __init__ arranges them.
             trainer.callbacks = reorder(callbacks + [cb]) if callable(reorder) else _checkpoints_last(callbacks + [cb])
 
         self._each(ctx.hook("Lightning callback"), lambda hook: self._after_init(cls, hook, add))
-        self._each(ctx.hook("Lightning resume"), lambda hook: self._resume(
-            cls, "fit", hook, "ckpt_path", lightning_checkpoint, LIGHTNING_KEYWORDS))
+        self._each(
+            ctx.hook("Lightning resume"),
+            lambda hook: self._resume(cls, "fit", hook, "ckpt_path", lightning_checkpoint, LIGHTNING_KEYWORDS),
+        )
 
         def target(a: tuple, k: dict):
             trainer = a[0]
@@ -176,8 +182,9 @@ class Frameworks:
         __init__.__hangwatch_original__ = original
         cls.__init__ = __init__
 
-    def _resume(self, cls: type, method: str, hook, parameter: str, usable: Callable[[str], bool],
-                keywords: tuple) -> None:
+    def _resume(
+        self, cls: type, method: str, hook, parameter: str, usable: Callable[[str], bool], keywords: tuple
+    ) -> None:
         import inspect  # here, not at start-up: the framework importing us has loaded it already
 
         original = cls.__dict__[method]
@@ -198,8 +205,17 @@ class Frameworks:
         wrapper.__hangwatch_original__ = original
         setattr(cls, method, wrapper)
 
-    def _resumed(self, hook, args: tuple, kwargs: dict, parameter: str, position: Optional[int],
-                 usable: Callable[[str], bool], keywords: tuple, method: str) -> tuple:
+    def _resumed(
+        self,
+        hook,
+        args: tuple,
+        kwargs: dict,
+        parameter: str,
+        position: Optional[int],
+        usable: Callable[[str], bool],
+        keywords: tuple,
+        method: str,
+    ) -> tuple:
         at = position - 1 if position is not None else None  # in `args`, which lack `self`
         if parameter in kwargs:
             given = kwargs[parameter]
@@ -210,10 +226,12 @@ class Frameworks:
         what, value = resume_decision(given, self.ctx.resume_from, usable, keywords)
         if what == PASS:
             if parameter not in kwargs and at is not None and len(args) > at:
-                args = args[:at] + (value,) + args[at + 1:]
+                args = args[:at] + (value,) + args[at + 1 :]
             else:
                 kwargs = dict(kwargs, **{parameter: value})
-            _say("%s(%s=%r): resuming from the last good checkpoint (HANGWATCH_RESUME_FROM)" % (method, parameter, value))
+            _say(
+                "%s(%s=%r): resuming from the last good checkpoint (HANGWATCH_RESUME_FROM)" % (method, parameter, value)
+            )
         elif what == WARN:
             if not self.ctx.hb.closed:
                 self.ctx.hb.warn(value, hook=hook.name)

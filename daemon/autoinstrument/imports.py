@@ -20,6 +20,7 @@ raises gets no callback (its import fails as it would have).
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import sys

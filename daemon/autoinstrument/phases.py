@@ -18,6 +18,7 @@ script's own GenerateWatch on the instance, `PeftModel.generate` → the base mo
 
 Standard library only at import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,11 +39,11 @@ class EvalPhase:
         self.ctx = ctx
         self.steps = steps
         self.hook = ctx.hook("eval phase")
-        self.entered: Optional[tuple] = None   # (phase, budget) we left for eval, while our eval is open
-        self.nested = False                    # inside an outermost train() of the training thread
+        self.entered: Optional[tuple] = None  # (phase, budget) we left for eval, while our eval is open
+        self.nested = False  # inside an outermost train() of the training thread
         self.trained_in_eval = 0
-        self._cache: dict = {}                 # id(module) → (weakref to it, holds a trained parameter)
-        self._ids: Optional[tuple] = None      # (weakref to the optimizer, ids of its parameters)
+        self._cache: dict = {}  # id(module) → (weakref to it, holds a trained parameter)
+        self._ids: Optional[tuple] = None  # (weakref to the optimizer, ids of its parameters)
         steps.on_primary.append(self._forget)
         steps.on_step.append(self.stepped)
 
@@ -137,14 +138,20 @@ class GeneratePhase:
         cls = module.GenerationMixin
         original = cls.__dict__["generate"]
         ctx, hook = self.ctx, self.hook
-        watch = self.watch = generation.GenerateWatch(ctx.hb, budget_s=None, progress_every=PROGRESS_EVERY,
-                                                      on_error=lambda exc: ctx.failed(hook, exc))
+        watch = self.watch = generation.GenerateWatch(
+            ctx.hb, budget_s=None, progress_every=PROGRESS_EVERY, on_error=lambda exc: ctx.failed(hook, exc)
+        )
         generating = generation.generating
 
         @functools.wraps(original)
         def generate(this, *args, **kwargs):
-            if (not hook.on or generating() or not ctx.usable() or ctx.manual()
-                    or threading.get_ident() != ctx.train_thread):
+            if (
+                not hook.on
+                or generating()
+                or not ctx.usable()
+                or ctx.manual()
+                or threading.get_ident() != ctx.train_thread
+            ):
                 return original(this, *args, **kwargs)
             return watch.call(functools.partial(original, this), args, kwargs, True)
 

@@ -29,6 +29,7 @@ rank of its own.  A process that exec'd itself keeps its pid and stays the rank.
 
 Standard library only; nothing here reads the process's own state except `command_line()`.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,12 +46,17 @@ HELPER = "helper"
 INHERITED = "inherited"
 OWN = "own"
 
-LAUNCHER_MODULES = frozenset({
-    "torch.distributed.run", "torch.distributed.launch",
-    "accelerate.commands.launch", "accelerate.commands.accelerate_cli",
-    "deepspeed.launcher.runner", "deepspeed.launcher.launch",
-    "trl.cli",
-})
+LAUNCHER_MODULES = frozenset(
+    {
+        "torch.distributed.run",
+        "torch.distributed.launch",
+        "accelerate.commands.launch",
+        "accelerate.commands.accelerate_cli",
+        "deepspeed.launcher.runner",
+        "deepspeed.launcher.launch",
+        "trl.cli",
+    }
+)
 LAUNCHER_SCRIPTS = frozenset({"torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl"})
 HELPER_MODULE_PREFIXES = ("multiprocessing.", "torch._inductor.")
 OWN_SCRIPTS = frozenset({"hangwatch"})
@@ -62,6 +68,7 @@ _OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 class Command(NamedTuple):
     """What an interpreter command line runs: a module (`-m`), code (`-c`), a script, or none of them
     (an interactive interpreter, stdin); `args` follow it."""
+
     module: Optional[str] = None
     code: Optional[str] = None
     script: Optional[str] = None
@@ -69,9 +76,9 @@ class Command(NamedTuple):
 
 
 class Role(NamedTuple):
-    kind: str          # RANK, LAUNCHER, HELPER, INHERITED or OWN
-    rank: int          # the rank the process stands for (its dump file is named after it)
-    why: str           # one phrase, for the record
+    kind: str  # RANK, LAUNCHER, HELPER, INHERITED or OWN
+    rank: int  # the rank the process stands for (its dump file is named after it)
+    why: str  # one phrase, for the record
 
 
 def command_line() -> List[str]:
@@ -102,9 +109,9 @@ def parse_command(argv: Sequence[str]) -> Command:
     while i < n:
         word = argv[i]
         if word == "--":
-            return Command(script=argv[i + 1], args=tuple(argv[i + 2:])) if i + 1 < n else Command()
+            return Command(script=argv[i + 1], args=tuple(argv[i + 2 :])) if i + 1 < n else Command()
         if word == "-":
-            return Command(args=tuple(argv[i + 1:]))
+            return Command(args=tuple(argv[i + 1 :]))
         if word in _OPTIONS_WITH_VALUE:
             i += 2
             continue
@@ -116,7 +123,7 @@ def parse_command(argv: Sequence[str]) -> Command:
             # `-W`/`-X` likewise (`-Wd`).
             for j in range(1, len(word)):
                 flag = word[j]
-                rest = word[j + 1:]
+                rest = word[j + 1 :]
                 if flag in "mc":
                     if rest:
                         value, after = rest, i + 1
@@ -133,7 +140,7 @@ def parse_command(argv: Sequence[str]) -> Command:
                     break
             i += 1
             continue
-        return Command(script=word, args=tuple(argv[i + 1:]))
+        return Command(script=word, args=tuple(argv[i + 1 :]))
     return Command()
 
 
@@ -196,8 +203,11 @@ def is_helper(cmd: Command, argv: Sequence[str]) -> bool:
         return True
     if cmd.module is not None and cmd.module.startswith(HELPER_MODULE_PREFIXES):
         return True
-    if cmd.code is not None and "multiprocessing" in cmd.code and any(
-            word in cmd.code for word in ("spawn_main", "forkserver", "resource_tracker", "semaphore_tracker")):
+    if (
+        cmd.code is not None
+        and "multiprocessing" in cmd.code
+        and any(word in cmd.code for word in ("spawn_main", "forkserver", "resource_tracker", "semaphore_tracker"))
+    ):
         return True
     return False
 
@@ -235,5 +245,22 @@ def release_claim(env: MutableMapping[str, str]) -> None:
     env.pop(ENV_CLAIM, None)
 
 
-__all__ = ["Command", "Role", "Claim", "ENV_CLAIM", "RANK", "LAUNCHER", "HELPER", "INHERITED", "OWN", "command_line",
-           "parse_command", "effective_rank", "decide", "claim", "release_claim", "parse_claim", "format_claim"]
+__all__ = [
+    "Command",
+    "Role",
+    "Claim",
+    "ENV_CLAIM",
+    "RANK",
+    "LAUNCHER",
+    "HELPER",
+    "INHERITED",
+    "OWN",
+    "command_line",
+    "parse_command",
+    "effective_rank",
+    "decide",
+    "claim",
+    "release_claim",
+    "parse_claim",
+    "format_claim",
+]

@@ -15,6 +15,7 @@ writes nothing and announces nothing.
 
 Standard library only at import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -124,7 +125,9 @@ class Saves:
         original = cls.__dict__["save_pretrained"]
 
         def target(a: tuple, k: dict):
-            main = _arg(a, k, main_position, "is_main_process", True) if main_position else k.get("is_main_process", True)
+            main = (
+                _arg(a, k, main_position, "is_main_process", True) if main_position else k.get("is_main_process", True)
+            )
             if not main:
                 return None
             return file_target(_arg(a, k, 1, "save_directory"))

@@ -24,6 +24,7 @@ truth per step.
 
 Standard library only at import; torch is touched only through what the hooks are given.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,14 +41,14 @@ class LossProbe:
     """The last scalar loss backward ran on, readable at the step without a device sync."""
 
     def __init__(self):
-        self.last = None          # a CPU tensor
-        self.pending = None       # (pinned host buffer, CUDA event) for a CUDA one
-        self.scaled = None        # (GradScaler's output, the loss it scaled)
+        self.last = None  # a CPU tensor
+        self.pending = None  # (pinned host buffer, CUDA event) for a CUDA one
+        self.scaled = None  # (GradScaler's output, the loss it scaled)
         self._buffers: dict = {}  # dtype → pinned host scalar
-        self._events: dict = {}   # device index → CUDA event
-        self._cuda = None         # torch.cuda, once a CUDA loss was seen
+        self._events: dict = {}  # device index → CUDA event
+        self._cuda = None  # torch.cuda, once a CUDA loss was seen
         self._streams: dict = {}  # device index → its current Stream, as last seen
-        self._raw_stream = None   # torch._C._cuda_getCurrentStream (False where this torch has none)
+        self._raw_stream = None  # torch._C._cuda_getCurrentStream (False where this torch has none)
 
     def seen(self, tensors) -> None:
         """`torch.autograd.backward(tensors, …)` is about to run (once per micro-batch: kept cheap)."""
@@ -139,10 +140,10 @@ class StepCounter:
         self.loss_hook = ctx.hook("loss")
         self.probe = LossProbe()
         self.count = 0
-        self.primary: Optional[weakref.ref] = None        # the first optimizer that stepped
+        self.primary: Optional[weakref.ref] = None  # the first optimizer that stepped
         self.first_created: Optional[weakref.ref] = None  # before any step: the first one constructed
-        self.on_primary: List[Callable[[], None]] = []    # told when the optimizer changes
-        self.on_step: List[Callable[[], None]] = []       # told at each step of the optimizer (the thread that steps)
+        self.on_primary: List[Callable[[], None]] = []  # told when the optimizer changes
+        self.on_step: List[Callable[[], None]] = []  # told at each step of the optimizer (the thread that steps)
         self._last_t: Optional[float] = None
         self._last_phase_changes = -1
         self.handle = None

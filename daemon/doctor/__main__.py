@@ -5,6 +5,7 @@ It lives on the worker side because it runs the worker's own code (tokenizer, da
 generate), which the supervisor package never imports.  Exit 0 when no check FAILs, 1 when one does,
 78 for a config that does not load (its problems on stderr, in `hangwatch run`'s words).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hangwatch doctor")
     ap.add_argument("config")
     ap.add_argument("--run-dir")
-    ap.add_argument("--cheap", action="store_true", help="no model load: config, data, tokenizer, schedule, disk, py-spy")
+    ap.add_argument(
+        "--cheap", action="store_true", help="no model load: config, data, tokenizer, schedule, disk, py-spy"
+    )
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--plain", action="store_true")

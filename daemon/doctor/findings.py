@@ -3,6 +3,7 @@ saying how to fix it, a few detail lines), and the exit code a list of them mean
 
 Pure data and the standard library, so that checks stay small functions that tests can call with fakes.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -5,10 +5,10 @@ activations for micro_batch_size × max_length, logits), and the device memory i
 
 `estimate` and `check_memory` are pure; `meta_counts` and `available_memory` touch torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hangwatch.daemon.doctor.findings import Finding, fail, ok, warn
 
@@ -61,7 +61,7 @@ def meta_counts(cfg) -> Counts:
     config, model.wrap_lora), on the meta device: shapes without storage."""
     import torch
 
-    from hangwatch.daemon.model import EXTRA_MODULES_ATTR, build_tiny_tokenizer, build_tiny_model, wrap_lora
+    from hangwatch.daemon.model import EXTRA_MODULES_ATTR, build_tiny_model, build_tiny_tokenizer, wrap_lora
 
     with torch.device("meta"):
         if cfg.model.name_or_path:
@@ -76,9 +76,15 @@ def meta_counts(cfg) -> Counts:
         model, _ = wrap_lora(base, cfg.lora)
     names, numel = classify(model.named_parameters(), extras)
     text = getattr(conf, "get_text_config", lambda: conf)()
-    return Counts(total=sum(p.numel() for p in model.parameters()), trainable=names, trainable_numel=numel,
-                  hidden=int(getattr(text, "hidden_size", 0) or 0), intermediate=int(getattr(text, "intermediate_size", 0) or 0),
-                  layers=int(getattr(text, "num_hidden_layers", 0) or 0), vocab=int(getattr(text, "vocab_size", 0) or 0))
+    return Counts(
+        total=sum(p.numel() for p in model.parameters()),
+        trainable=names,
+        trainable_numel=numel,
+        hidden=int(getattr(text, "hidden_size", 0) or 0),
+        intermediate=int(getattr(text, "intermediate_size", 0) or 0),
+        layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        vocab=int(getattr(text, "vocab_size", 0) or 0),
+    )
 
 
 def weight_bytes_per_param(dtype: str, load_in_4bit: bool, cuda: bool, bf16_ok: bool) -> float:
@@ -91,8 +97,16 @@ def weight_bytes_per_param(dtype: str, load_in_4bit: bool, cuda: bool, bf16_ok: 
     return 4.0
 
 
-def estimate(counts: Counts, *, micro_batch: int, max_length: int, weight_bytes: float, act_bytes: int,
-             gradient_checkpointing: bool, cuda: bool) -> dict[str, int]:
+def estimate(
+    counts: Counts,
+    *,
+    micro_batch: int,
+    max_length: int,
+    weight_bytes: float,
+    act_bytes: int,
+    gradient_checkpointing: bool,
+    cuda: bool,
+) -> dict[str, int]:
     """Bytes of the training peak, by part.  Trainable parameters are float32 with a gradient and AdamW's
     two moments (16 bytes each).  Activations per layer and token ≈ (12·hidden + 5·intermediate) elements
     kept for backward (attention through SDPA: no seq² term); with gradient checkpointing only each
@@ -140,8 +154,10 @@ def check_memory(parts: dict[str, int], available: int, where: str, *, dtype_tex
     breakdown = ", ".join(f"{k} {fmt(v)}" for k, v in parts.items() if k != "total")
     details = [breakdown, f"{dtype_text}; {shape_text}"]
     text = f"~{fmt(need)} needed for training, {fmt(available)} free on {where}"
-    fix = ("lower train.micro_batch_size (raise grad_accum to keep the batch), data.max_length, or use "
-           "model.gradient_checkpointing / bfloat16 / load_in_4bit, or a bigger device")
+    fix = (
+        "lower train.micro_batch_size (raise grad_accum to keep the batch), data.max_length, or use "
+        "model.gradient_checkpointing / bfloat16 / load_in_4bit, or a bigger device"
+    )
     if need > available:
         return fail(name, text + ": the model does not fit", fix, details)
     if need > 0.8 * available:

@@ -5,6 +5,7 @@ keeps, and py-spy with the ptrace permission it needs.
 No torch: pure functions of the config and of numbers the runner measures (free bytes, device count),
 so that tests call them with plain values.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,34 +25,54 @@ LR_WARN_TINY = 5e-2  # the tiny model starts from random weights and tolerates m
 GIB = 1 << 30
 
 
-def check_lr_schedule(lr: float, warmup: int, max_steps: int, *, pretrained: bool, effective_batch: int,
-                      n_examples: Optional[int] = None) -> Finding:
+def check_lr_schedule(
+    lr: float, warmup: int, max_steps: int, *, pretrained: bool, effective_batch: int, n_examples: Optional[int] = None
+) -> Finding:
     """Peak LR, warm-up against the total optimizer steps, and the schedule the worker will follow."""
     name = "learning rate"
     sched = WarmupCosine(warmup, max_steps)
     lrs = [lr * sched(s) for s in range(max_steps)]
     peak_at = max(range(max_steps), key=lrs.__getitem__)
     low = sum(1 for x in lrs if x < 0.1 * lr)
-    details = [f"{max_steps} optimizer steps × {effective_batch} examples; warm-up {warmup} steps; lr at step 1 "
-               f"{lrs[0]:.3g}, peak {lrs[peak_at]:.3g} at step {peak_at + 1}, last {lrs[-1]:.3g} (cosine to a floor of 0); "
-               f"{low} steps below 10% of the peak"]
+    details = [
+        f"{max_steps} optimizer steps × {effective_batch} examples; warm-up {warmup} steps; lr at step 1 "
+        f"{lrs[0]:.3g}, peak {lrs[peak_at]:.3g} at step {peak_at + 1}, last {lrs[-1]:.3g} (cosine to a floor of 0); "
+        f"{low} steps below 10% of the peak"
+    ]
     if n_examples:
         details.append(f"{max_steps * effective_batch / n_examples:.1f} epochs over {n_examples} usable examples")
     fix_lr = "set train.lr to 1e-4..3e-4 for LoRA (1e-5 for a full fine-tune)"
     if lr >= LR_FAIL:
-        return fail(name, f"train.lr {lr:g}: AdamW moves every trainable weight by about lr per step — the loss diverges "
-                    "(NaN) within a few steps", fix_lr, details)
+        return fail(
+            name,
+            f"train.lr {lr:g}: AdamW moves every trainable weight by about lr per step — the loss diverges "
+            "(NaN) within a few steps",
+            fix_lr,
+            details,
+        )
     if warmup >= max_steps:  # a valid run (config rules warn too), but one that never reaches its peak lr
-        return warn(name, f"train.warmup_steps {warmup} >= train.max_steps {max_steps}: the whole run is warm-up, "
-                    f"the peak lr {lr:g} is never reached and never decays", "set train.warmup_steps to ~3-10% of max_steps",
-                    details)
+        return warn(
+            name,
+            f"train.warmup_steps {warmup} >= train.max_steps {max_steps}: the whole run is warm-up, "
+            f"the peak lr {lr:g} is never reached and never decays",
+            "set train.warmup_steps to ~3-10% of max_steps",
+            details,
+        )
     limit = LR_WARN_PRETRAINED if pretrained else LR_WARN_TINY
     if lr > limit:
-        return warn(name, f"train.lr {lr:g} is high for {'a pretrained' if pretrained else 'the tiny'} model "
-                    f"(above {limit:g})", fix_lr, details)
+        return warn(
+            name,
+            f"train.lr {lr:g} is high for {'a pretrained' if pretrained else 'the tiny'} model (above {limit:g})",
+            fix_lr,
+            details,
+        )
     if warmup * 2 > max_steps:
-        return warn(name, f"warm-up {warmup} of {max_steps} steps: more than half the run at a rising lr",
-                    "set train.warmup_steps to ~3-10% of max_steps", details)
+        return warn(
+            name,
+            f"warm-up {warmup} of {max_steps} steps: more than half the run at a rising lr",
+            "set train.warmup_steps to ~3-10% of max_steps",
+            details,
+        )
     return ok(name, f"peak {lr:g} after {warmup} warm-up steps, cosine to 0 at step {max_steps}", details)
 
 
@@ -75,16 +96,26 @@ def check_placement(device: str, nproc: int, cuda_count: Optional[int], visible:
     if device == "cpu":
         return ok(name, f"cpu, {nproc} rank(s){' (gloo)' if nproc > 1 else ''}")
     if cuda_count is None:
-        return skip(name, f"model.device {device}, {nproc} rank(s), {env}: GPUs not counted (no NVML on this "
-                          "machine, and the cheap checks load no torch)")
+        return skip(
+            name,
+            f"model.device {device}, {nproc} rank(s), {env}: GPUs not counted (no NVML on this "
+            "machine, and the cheap checks load no torch)",
+        )
     if cuda_count == 0:
         if device == "cuda":
-            return fail(name, f"model.device cuda but no CUDA device is visible ({env})",
-                        "fix CUDA_VISIBLE_DEVICES (worker.env) or set model.device: cpu")
+            return fail(
+                name,
+                f"model.device cuda but no CUDA device is visible ({env})",
+                "fix CUDA_VISIBLE_DEVICES (worker.env) or set model.device: cpu",
+            )
         return ok(name, f"cpu (no CUDA device visible, {env}), {nproc} rank(s)")
     if nproc > cuda_count:
-        return fail(name, f"worker.nproc_per_node {nproc} but {cuda_count} GPU(s) visible ({env}): ranks would share "
-                    "a GPU (NCCL refuses it; memory halves)", f"set worker.nproc_per_node: {cuda_count} or make more GPUs visible")
+        return fail(
+            name,
+            f"worker.nproc_per_node {nproc} but {cuda_count} GPU(s) visible ({env}): ranks would share "
+            "a GPU (NCCL refuses it; memory halves)",
+            f"set worker.nproc_per_node: {cuda_count} or make more GPUs visible",
+        )
     if nproc < cuda_count:
         return ok(name, f"{nproc} rank(s) on {cuda_count} visible GPUs ({env}): {cuda_count - nproc} GPU(s) left idle")
     return ok(name, f"{nproc} rank(s), one per visible GPU ({env})")
@@ -117,8 +148,10 @@ def check_disk(keep_last: int, checkpoint_bytes: Optional[int], free_bytes: int,
     if checkpoint_bytes is None:
         return ok(name, f"{free_bytes / GIB:.1f} GiB free at {where} (checkpoint size unknown until the first one)")
     need = int((keep_last + 1 + 0.34) * checkpoint_bytes)
-    text = (f"{free_bytes / GIB:.2f} GiB free at {where}; retention needs ~{need / GIB:.3f} GiB "
-            f"(checkpoint.keep_last {keep_last} + 1 being written + export, {checkpoint_bytes / (1 << 20):.1f} MiB each, {basis})")
+    text = (
+        f"{free_bytes / GIB:.2f} GiB free at {where}; retention needs ~{need / GIB:.3f} GiB "
+        f"(checkpoint.keep_last {keep_last} + 1 being written + export, {checkpoint_bytes / (1 << 20):.1f} MiB each, {basis})"
+    )
     if need > free_bytes:
         return fail(name, text, "free disk space, move run_dir, or lower checkpoint.keep_last")
     if need * 2 > free_bytes:
@@ -159,33 +192,44 @@ def has_cap_sys_ptrace(status_path: str = "/proc/self/status") -> bool:
     return False
 
 
-def check_py_spy(enabled: bool, exe: Optional[str], scope: Optional[int], cap: bool,
-                 probe: Optional[tuple[bool, str]] = None) -> Finding:
+def check_py_spy(
+    enabled: bool, exe: Optional[str], scope: Optional[int], cap: bool, probe: Optional[tuple[bool, str]] = None
+) -> Finding:
     """py-spy found, and allowed to attach to the worker (a sibling of py-spy under the supervisor).
     `probe`: (attached, message) of a real `py-spy dump` of a child, when the runner tried one."""
     name = "py-spy"
     if not enabled:
         return skip(name, "watchdog.py_spy is false: stall dumps are faulthandler stacks only")
     if exe is None:
-        return warn(name, "py-spy not found (watchdog.py_spy_path, beside this Python, PATH): stall incidents get "
-                    "Python stacks only, no native frames of a hang in C (a rank inside backward() only probably "
-                    "waits in DDP's all-reduce)",
-                    "pip install py-spy into hangwatch's venv (a dependency of hangwatch: an install without it is "
-                    "incomplete)")
+        return warn(
+            name,
+            "py-spy not found (watchdog.py_spy_path, beside this Python, PATH): stall incidents get "
+            "Python stacks only, no native frames of a hang in C (a rank inside backward() only probably "
+            "waits in DDP's all-reduce)",
+            "pip install py-spy into hangwatch's venv (a dependency of hangwatch: an install without it is incomplete)",
+        )
     scope_text = "no Yama" if scope is None else f"ptrace_scope {scope}"
-    fix = ("sudo sysctl kernel.yama.ptrace_scope=0, or give py-spy CAP_SYS_PTRACE "
-           "(setcap cap_sys_ptrace+ep, or AmbientCapabilities=CAP_SYS_PTRACE in the unit)")
+    fix = (
+        "sudo sysctl kernel.yama.ptrace_scope=0, or give py-spy CAP_SYS_PTRACE "
+        "(setcap cap_sys_ptrace+ep, or AmbientCapabilities=CAP_SYS_PTRACE in the unit)"
+    )
     if probe is not None:
         attached, msg = probe
         if not attached:
             return warn(name, f"{exe}: could not dump a test process ({scope_text}): {msg}", fix)
         return ok(name, f"{exe}: attached to a test process ({scope_text}{', CAP_SYS_PTRACE' if cap else ''})")
     if scope == 3:
-        return warn(name, f"{exe}: ptrace_scope 3 forbids every attach: stall dumps will fail",
-                    "kernel.yama.ptrace_scope=3 cannot be lowered without a reboot; stall dumps fall back to faulthandler")
+        return warn(
+            name,
+            f"{exe}: ptrace_scope 3 forbids every attach: stall dumps will fail",
+            "kernel.yama.ptrace_scope=3 cannot be lowered without a reboot; stall dumps fall back to faulthandler",
+        )
     if scope in (1, 2) and not cap:
-        return warn(name, f"{exe}: {scope_text} and no CAP_SYS_PTRACE: py-spy may not attach to the worker "
-                    "(not its descendant)", fix)
+        return warn(
+            name,
+            f"{exe}: {scope_text} and no CAP_SYS_PTRACE: py-spy may not attach to the worker (not its descendant)",
+            fix,
+        )
     return ok(name, f"{exe} ({scope_text}{', CAP_SYS_PTRACE' if cap else ''})")
 
 
@@ -197,7 +241,9 @@ def probe_py_spy(exe: str, timeout_s: float = 15) -> tuple[bool, str]:
         done = subprocess.run([exe, "dump", "--pid", str(child.pid)], capture_output=True, text=True, timeout=timeout_s)
         if done.returncode == 0:
             return True, "ok"
-        return False, (done.stderr or done.stdout).strip().splitlines()[-1:][0] if (done.stderr or done.stdout).strip() else f"exit {done.returncode}"
+        return False, (done.stderr or done.stdout).strip().splitlines()[-1:][0] if (
+            done.stderr or done.stdout
+        ).strip() else f"exit {done.returncode}"
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     finally:
@@ -205,7 +251,9 @@ def probe_py_spy(exe: str, timeout_s: float = 15) -> tuple[bool, str]:
         child.wait()
 
 
-def check_rendezvous(endpoint: str, checkpoint_dir: Optional[str], nnodes: int, connect_timeout_s: float = 1.0) -> Finding:
+def check_rendezvous(
+    endpoint: str, checkpoint_dir: Optional[str], nnodes: int, connect_timeout_s: float = 1.0
+) -> Finding:
     """Several nodes: the store's endpoint — this machine's (its hangwatch will host the store: the port must be free
     or already held by a store) or another's (reachable?) — and a checkpoint directory every node sees."""
     import socket
@@ -215,9 +263,12 @@ def check_rendezvous(endpoint: str, checkpoint_dir: Optional[str], nnodes: int, 
 
     name = "rendezvous"
     if not checkpoint_dir:
-        return warn(name, f"{nnodes} nodes, but checkpoint.dir is not set: each node keeps its checkpoints in its own run dir",
-                    "set checkpoint.dir to a directory every node sees (NFS, Lustre, …): rank 0 may run on another node "
-                    "after a restart, and every rank must resume from the checkpoint it wrote")
+        return warn(
+            name,
+            f"{nnodes} nodes, but checkpoint.dir is not set: each node keeps its checkpoints in its own run dir",
+            "set checkpoint.dir to a directory every node sees (NFS, Lustre, …): rank 0 may run on another node "
+            "after a restart, and every rank must resume from the checkpoint it wrote",
+        )
     host, port = parse_endpoint(endpoint)
     addrs = resolve(host)
     local = is_local(host, socket.gethostname(), local_addresses(), addrs)
@@ -233,5 +284,9 @@ def check_rendezvous(endpoint: str, checkpoint_dir: Optional[str], nnodes: int, 
         return fail(name, f"{endpoint}: {host!r} does not resolve", "use a host name or address every node can reach")
     if up:
         return ok(name, f"{endpoint} answers (the store the node owning that address hosts)")
-    return warn(name, f"{endpoint} does not answer yet", f"start hangwatch on the node that owns {host} (it hosts the "
-                "store); this node waits for it, and reports a lost peer after worker.rdzv_timeout_s")
+    return warn(
+        name,
+        f"{endpoint} does not answer yet",
+        f"start hangwatch on the node that owns {host} (it hosts the "
+        "store); this node waits for it, and reports a lost peer after worker.rdzv_timeout_s",
+    )

@@ -1,6 +1,7 @@
 """How the doctor's findings are shown: a rich table (a terminal), JSON (`--json`, for scripts and CI), or
 plain lines (`--plain`: what `hangwatch run` echoes before its first attempt — only what needs attention,
 then one summary line)."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,24 @@ STYLE = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 def summary_line(findings: list[Finding], seconds: float) -> str:
     n = {s: sum(1 for f in findings if f.status == s) for s in (OK, WARN, FAIL, SKIP)}
-    return (f"doctor: {len(findings)} checks in {seconds:.1f}s: {n[OK]} OK, {n[WARN]} warning(s), {n[FAIL]} failure(s)"
-            + (f", {n[SKIP]} skipped" if n[SKIP] else ""))
+    return (
+        f"doctor: {len(findings)} checks in {seconds:.1f}s: {n[OK]} OK, {n[WARN]} warning(s), {n[FAIL]} failure(s)"
+        + (f", {n[SKIP]} skipped" if n[SKIP] else "")
+    )
 
 
 def as_json(config: str, mode: str, findings: list[Finding], seconds: float) -> str:
-    return json.dumps({"config": config, "mode": mode, "exit_code": exit_code(findings), "seconds": round(seconds, 3),
-                       "findings": [f.to_dict() for f in findings]}, indent=2, ensure_ascii=False)
+    return json.dumps(
+        {
+            "config": config,
+            "mode": mode,
+            "exit_code": exit_code(findings),
+            "seconds": round(seconds, 3),
+            "findings": [f.to_dict() for f in findings],
+        },
+        indent=2,
+        ensure_ascii=False,
+    )
 
 
 def as_plain(findings: list[Finding], seconds: float) -> list[str]:

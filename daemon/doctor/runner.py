@@ -10,6 +10,7 @@ batch padding, a time-boxed generate per eval prompt, and a real py-spy attach.
 Each check runs in a daemon thread joined with a time limit: a check that hangs (a generate, a model load
 from a stalled filesystem) becomes a FAIL naming the limit, and the doctor goes on to the next.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,11 +47,16 @@ def timed(name: str, fn: Callable[[], Finding], timeout_s: float) -> Finding:
     thread.join(timeout_s)
     took = time.monotonic() - t0
     if thread.is_alive():
-        finding = fail(name, f"did not finish within {timeout_s:g}s", "look at what it waits for (py-spy dump the doctor)")
+        finding = fail(
+            name, f"did not finish within {timeout_s:g}s", "look at what it waits for (py-spy dump the doctor)"
+        )
     elif "error" in box:
         exc = box["error"]
-        finding = fail(name, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                       "fix what the error names")
+        finding = fail(
+            name,
+            f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            "fix what the error names",
+        )
     else:
         finding = box["finding"]
     finding.seconds = took
@@ -60,8 +66,14 @@ def timed(name: str, fn: Callable[[], Finding], timeout_s: float) -> Finding:
 class Doctor:
     """One preflight of one config.  `env`: the environment the worker will inherit (before worker.env)."""
 
-    def __init__(self, cfg, *, cheap: bool = False, env: Optional[dict] = None,
-                 gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids):
+    def __init__(
+        self,
+        cfg,
+        *,
+        cheap: bool = False,
+        env: Optional[dict] = None,
+        gpu_uuids: Callable[[], Optional[Sequence[str]]] = gpus.nvml_uuids,
+    ):
         self.cfg = cfg
         self.cheap = cheap
         self.env = dict(os.environ if env is None else env)
@@ -93,14 +105,21 @@ class Doctor:
             self.add("memory estimate", self.memory_finding, MODEL_TIMEOUT_S)
         self.add("disk", self.disk_finding)
         if cfg.worker.nnodes > 1:
-            self.add("rendezvous", lambda: plan.check_rendezvous(cfg.worker.rdzv_endpoint, cfg.checkpoint.dir,
-                                                                 cfg.worker.nnodes))
+            self.add(
+                "rendezvous",
+                lambda: plan.check_rendezvous(cfg.worker.rdzv_endpoint, cfg.checkpoint.dir, cfg.worker.nnodes),
+            )
         self.add("py-spy", self.py_spy_finding, 30)
         if not self.cheap and builtin:
             self.run_model_checks()
         if not builtin:
-            self.findings.append(skip("training checks", "worker.command is your own script: the doctor checks the "
-                                      "built-in worker's tokenizer, data, model and schedule"))
+            self.findings.append(
+                skip(
+                    "training checks",
+                    "worker.command is your own script: the doctor checks the "
+                    "built-in worker's tokenizer, data, model and schedule",
+                )
+            )
         return self.findings
 
     def run_text_checks(self) -> None:
@@ -111,19 +130,28 @@ class Doctor:
         if cfg.data.train:
             self.add("training data", lambda: self.data_finding("training", cfg.data.train, True))
         else:
-            self.findings.append(skip("training data", "data.inbox: files are checked as they arrive (`hangwatch submit`)"))
+            self.findings.append(
+                skip("training data", "data.inbox: files are checked as they arrive (`hangwatch submit`)")
+            )
         if cfg.data.eval:
             self.add("eval data", lambda: self.data_finding("eval", cfg.data.eval, False))
         examples = self.train or self.eval
         self.add("tokenizer special tokens", lambda: text.check_special_tokens(self.tok, examples))
-        self.add("chat template", lambda: text.check_chat_template(self.tok, text.first_object(cfg.data.train or cfg.data.eval)))
+        self.add(
+            "chat template",
+            lambda: text.check_chat_template(self.tok, text.first_object(cfg.data.train or cfg.data.eval)),
+        )
         self.add("decoded example", lambda: text.check_example(self.tok, examples))
         self.add("label alignment", lambda: text.check_label_alignment(examples, text.special_ids(self.tok)["eos"][1]))
 
     def run_model_checks(self) -> None:
         memory = next((f for f in self.findings if f.check == "memory estimate"), None)
         placement = next((f for f in self.findings if f.check == "device placement"), None)
-        if self.tok is None or (memory is not None and memory.status == FAIL) or (placement and placement.status == FAIL):
+        if (
+            self.tok is None
+            or (memory is not None and memory.status == FAIL)
+            or (placement and placement.status == FAIL)
+        ):
             why = "the memory estimate" if memory is not None and memory.status == FAIL else "the failures above"
             self.findings.append(skip("model checks", f"model not loaded because of {why}"))
             return
@@ -139,10 +167,16 @@ class Doctor:
             from hangwatch.daemon.data import collate
 
             eos = self.bundle.tokenizer.eos_token_id
-            self.add("batch padding", lambda: model_checks.check_batch(
-                collate(chunk, self.bundle.tokenizer.pad_token_id), chunk, eos), WORK_TIMEOUT_S)
-            self.add("forward/backward", lambda: model_checks.check_forward_backward(
-                self.bundle, chunk, list(self.cfg.lora.modules_to_save)), WORK_TIMEOUT_S)
+            self.add(
+                "batch padding",
+                lambda: model_checks.check_batch(collate(chunk, self.bundle.tokenizer.pad_token_id), chunk, eos),
+                WORK_TIMEOUT_S,
+            )
+            self.add(
+                "forward/backward",
+                lambda: model_checks.check_forward_backward(self.bundle, chunk, list(self.cfg.lora.modules_to_save)),
+                WORK_TIMEOUT_S,
+            )
         prompts = [p if isinstance(p, str) else p.prompt for p in self.cfg.eval.prompts]
         budget = model_checks.PROBE_SECONDS * len(prompts) + WORK_TIMEOUT_S
         self.add("generate / eos", lambda: self.generate_finding(prompts), budget)
@@ -154,7 +188,9 @@ class Doctor:
 
         self.tok = load_tokenizer(self.cfg)
         kind = type(self.tok).__name__
-        return ok("tokenizer", f"{self.cfg.model.name_or_path or 'tiny'} ({kind}, the tokenizer the worker's ids come from)")
+        return ok(
+            "tokenizer", f"{self.cfg.model.name_or_path or 'tiny'} ({kind}, the tokenizer the worker's ids come from)"
+        )
 
     def data_finding(self, what: str, path: str, required: bool) -> Finding:
         from hangwatch.daemon.data import validate_file
@@ -176,9 +212,14 @@ class Doctor:
 
     def lr_finding(self) -> Finding:
         t = self.cfg.train
-        return plan.check_lr_schedule(t.lr, t.warmup_steps, t.max_steps, pretrained=bool(self.cfg.model.name_or_path),
-                                      effective_batch=t.micro_batch_size * t.grad_accum * self.world(),
-                                      n_examples=len(self.train) or None)
+        return plan.check_lr_schedule(
+            t.lr,
+            t.warmup_steps,
+            t.max_steps,
+            pretrained=bool(self.cfg.model.name_or_path),
+            effective_batch=t.micro_batch_size * t.grad_accum * self.world(),
+            n_examples=len(self.train) or None,
+        )
 
     def visible(self) -> Optional[str]:
         return self.cfg.worker.env.get("CUDA_VISIBLE_DEVICES", self.env.get("CUDA_VISIBLE_DEVICES"))
@@ -206,7 +247,10 @@ class Doctor:
         free = shutil.disk_usage(where).free
         size, basis = plan.newest_checkpoint_bytes(root), "measured on the newest checkpoint"
         if size is None and self.counts is not None:
-            size, basis = self.counts.n_trainable * 12 + (64 << 10), "estimated: 4 bytes per trainable parameter + AdamW's 8"
+            size, basis = (
+                self.counts.n_trainable * 12 + (64 << 10),
+                "estimated: 4 bytes per trainable parameter + AdamW's 8",
+            )
         return plan.check_disk(self.cfg.checkpoint.keep_last, size, free, str(where), basis=basis)
 
     def py_spy_finding(self) -> Finding:
@@ -232,14 +276,25 @@ class Doctor:
         ckpt = bool(getattr(cfg.model, "gradient_checkpointing", False))
         wbytes = memory.weight_bytes_per_param(cfg.model.dtype, four_bit, cuda, bf16_ok)
         abytes = 2 if cuda and bf16_ok and cfg.model.dtype != "float32" else 4
-        parts = memory.estimate(counts, micro_batch=cfg.train.micro_batch_size, max_length=cfg.data.max_length,
-                                weight_bytes=wbytes, act_bytes=abytes, gradient_checkpointing=ckpt, cuda=cuda)
+        parts = memory.estimate(
+            counts,
+            micro_batch=cfg.train.micro_batch_size,
+            max_length=cfg.data.max_length,
+            weight_bytes=wbytes,
+            act_bytes=abytes,
+            gradient_checkpointing=ckpt,
+            cuda=cuda,
+        )
         available, where = memory.available_memory(cuda)
-        dtype_text = (f"base weights {'4-bit' if four_bit else {2.0: 'bfloat16', 4.0: 'float32'}.get(wbytes, wbytes)}, "
-                      f"compute {'bfloat16' if abytes == 2 else 'float32'}, trainable float32"
-                      f"{', gradient checkpointing' if ckpt else ''}")
-        shape_text = (f"{counts.total:,} parameters ({counts.n_trainable:,} trainable), {counts.layers} layers × hidden "
-                      f"{counts.hidden}, micro_batch_size {cfg.train.micro_batch_size} × max_length {cfg.data.max_length}")
+        dtype_text = (
+            f"base weights {'4-bit' if four_bit else {2.0: 'bfloat16', 4.0: 'float32'}.get(wbytes, wbytes)}, "
+            f"compute {'bfloat16' if abytes == 2 else 'float32'}, trainable float32"
+            f"{', gradient checkpointing' if ckpt else ''}"
+        )
+        shape_text = (
+            f"{counts.total:,} parameters ({counts.n_trainable:,} trainable), {counts.layers} layers × hidden "
+            f"{counts.hidden}, micro_batch_size {cfg.train.micro_batch_size} × max_length {cfg.data.max_length}"
+        )
         return memory.check_memory(parts, available, where, dtype_text=dtype_text, shape_text=shape_text)
 
     def load_model(self) -> Finding:
@@ -252,8 +307,11 @@ class Doctor:
         params = list(self.bundle.model.parameters())
         size = sum(p.numel() * p.element_size() for p in params)
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
-        return ok("model load", f"load_model in {time.monotonic() - t0:.1f}s on {self.bundle.device}: "
-                       f"{size / (1 << 20):.1f} MiB of parameters ({', '.join(dtypes)})")
+        return ok(
+            "model load",
+            f"load_model in {time.monotonic() - t0:.1f}s on {self.bundle.device}: "
+            f"{size / (1 << 20):.1f} MiB of parameters ({', '.join(dtypes)})",
+        )
 
     def generate_finding(self, prompts: list[str]) -> Finding:
         from hangwatch.daemon.doctor import model_checks
@@ -267,6 +325,11 @@ class Doctor:
         probes = [model_checks.probe_generate(self.bundle, p, cfg.eval, n, model_checks.PROBE_SECONDS) for p in prompts]
         budgets = cfg.watchdog.phase_budgets_s
         tok = self.bundle.tokenizer
-        return model_checks.check_generate(probes, eos=tok.eos_token_id, eos_text=str(tok.eos_token),
-                                           max_new_tokens=cfg.eval.max_new_tokens, do_sample=cfg.eval.do_sample,
-                                           budget_s=budgets.get("generate", cfg.watchdog.default_phase_budget_s))
+        return model_checks.check_generate(
+            probes,
+            eos=tok.eos_token_id,
+            eos_text=str(tok.eos_token),
+            max_new_tokens=cfg.eval.max_new_tokens,
+            do_sample=cfg.eval.do_sample,
+            budget_s=budgets.get("generate", cfg.watchdog.default_phase_budget_s),
+        )

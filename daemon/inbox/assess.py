@@ -3,6 +3,7 @@
 Intake decides with `assess`; `hangwatch submit` runs the same checks first (`validate_only`), so
 a writer hears why a file would be rejected before it is published.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,8 +81,12 @@ def check_on_bad_lines(on_bad_lines: str) -> None:
         raise ValueError(f"on_bad_lines must be reject_file or skip_lines, got {on_bad_lines!r}")
 
 
-def check_file(path: os.PathLike | str, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Assessment:
+def check_file(
+    path: os.PathLike | str,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Assessment:
     """File-level checks, one streaming pass that also computes the sha256.
 
     Reasons (codes): not_regular, unreadable, too_large, empty, binary (a NUL byte), not_utf8,
@@ -96,8 +101,9 @@ def check_file(path: os.PathLike | str, *, max_file_bytes: int = DEFAULT_MAX_FIL
         a.reasons.append(reason("not_regular", "not a regular file (symlink, device or fifo)"))
         return a
     if st.st_size > max_file_bytes:
-        a.reasons.append(reason(
-            "too_large", f"file is {st.st_size} bytes, larger than data.max_file_bytes = {max_file_bytes}"))
+        a.reasons.append(
+            reason("too_large", f"file is {st.st_size} bytes, larger than data.max_file_bytes = {max_file_bytes}")
+        )
         return a
     h = hashlib.sha256()
     seen: set[str] = set()
@@ -137,17 +143,26 @@ def check_file(path: os.PathLike | str, *, max_file_bytes: int = DEFAULT_MAX_FIL
             elif huge:
                 if "huge_line" not in seen:
                     seen.add("huge_line")
-                    a.reasons.append(reason(
-                        "huge_line", f"line {lineno} is {length} bytes, longer than the {max_line_bytes}-byte limit",
-                        line=lineno))
+                    a.reasons.append(
+                        reason(
+                            "huge_line",
+                            f"line {lineno} is {length} bytes, longer than the {max_line_bytes}-byte limit",
+                            line=lineno,
+                        )
+                    )
             elif "not_utf8" not in seen and "binary" not in seen:
                 try:
                     chunk.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     seen.add("not_utf8")
-                    a.reasons.append(reason(
-                        "not_utf8", f"not UTF-8 text: invalid byte 0x{chunk[exc.start]:02x} on line {lineno}, "
-                        f"column {exc.start + 1}", line=lineno))
+                    a.reasons.append(
+                        reason(
+                            "not_utf8",
+                            f"not UTF-8 text: invalid byte 0x{chunk[exc.start]:02x} on line {lineno}, "
+                            f"column {exc.start + 1}",
+                            line=lineno,
+                        )
+                    )
             if huge or chunk.strip():
                 nonblank += 1
     a.lines = lineno
@@ -169,13 +184,21 @@ def normalize_problem(p: Any) -> dict:
     else:
         line = getattr(p, "line", None)
         error = getattr(p, "error", None) or getattr(p, "message", None)
-    return {"line": line if isinstance(line, int) and line > 0 else None,
-            "error": str(error if error is not None else p)}
+    return {
+        "line": line if isinstance(line, int) and line > 0 else None,
+        "error": str(error if error is not None else p),
+    }
 
 
-def assess(path: os.PathLike | str, validator: Validator, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-           max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, on_bad_lines: str = "reject_file",
-           known_digests: Optional[dict[str, str]] = None) -> Assessment:
+def assess(
+    path: os.PathLike | str,
+    validator: Validator,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    on_bad_lines: str = "reject_file",
+    known_digests: Optional[dict[str, str]] = None,
+) -> Assessment:
     """Everything intake decides about a file, without moving it.
 
     `validator(path) -> (examples, problems)`, problems as [{line, error}].  `known_digests` maps
@@ -188,9 +211,13 @@ def assess(path: os.PathLike | str, validator: Validator, *, max_file_bytes: int
     if not a.reasons and len(name.encode()) > MAX_NAME_BYTES:
         a.reasons.append(reason("name_too_long", check_name(name) or "file name too long"))
     if not a.reasons and known_digests and a.sha16 in known_digests:
-        a.reasons.append(reason(
-            "duplicate", f"same content (sha256 {a.sha16}…) as {known_digests[a.sha16]}: "
-            "every example would get an id that is already taken"))
+        a.reasons.append(
+            reason(
+                "duplicate",
+                f"same content (sha256 {a.sha16}…) as {known_digests[a.sha16]}: "
+                "every example would get an id that is already taken",
+            )
+        )
     if a.reasons:
         return a
     try:
@@ -203,20 +230,33 @@ def assess(path: os.PathLike | str, validator: Validator, *, max_file_bytes: int
     a.problems_total = len(normalized)
     a.problems = normalized[:MAX_REPORTED_PROBLEMS]
     if a.examples == 0:
-        a.reasons.append(reason("no_examples", "no usable example in the file"
-                                + (f" ({a.problems_total} bad line(s))" if normalized else "")))
+        a.reasons.append(
+            reason(
+                "no_examples",
+                "no usable example in the file" + (f" ({a.problems_total} bad line(s))" if normalized else ""),
+            )
+        )
     elif normalized and on_bad_lines == "reject_file":
-        a.reasons.append(reason(
-            "bad_lines", f"{a.problems_total} of {a.problems_total + a.examples} example line(s) are bad "
-            "(data.on_bad_lines = reject_file)"))
+        a.reasons.append(
+            reason(
+                "bad_lines",
+                f"{a.problems_total} of {a.problems_total + a.examples} example line(s) are bad "
+                "(data.on_bad_lines = reject_file)",
+            )
+        )
     else:
         a.accepted = True
         a.skipped_lines = bool(normalized)
     return a
 
 
-def validate_only(paths: Iterable[os.PathLike | str], validator: Validator, *,
-                  run_dir: Optional[os.PathLike | str] = None, **limits: Any) -> list[Assessment]:
+def validate_only(
+    paths: Iterable[os.PathLike | str],
+    validator: Validator,
+    *,
+    run_dir: Optional[os.PathLike | str] = None,
+    **limits: Any,
+) -> list[Assessment]:
     """The pre-check of `hangwatch submit FILE…`: what would be accepted, and why not.
 
     Nothing is moved or written.  With `run_dir`, content already queued, in training or done

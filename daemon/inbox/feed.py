@@ -35,6 +35,7 @@ the unfinished step are handed out again after the resume, since a checkpoint's 
 the last step boundary.  `train.max_steps` still ends a run (reason `finished`); files not yet
 trained then stay where they are for the next run in the same run dir.
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,16 +78,26 @@ class WorkerInbox(Inbox):
         self.intakes += 1
         a = result.assessment
         if result.outcome == "queued":
-            skipped = f", {a.problems_total} bad line(s) left out (report {result.report.name})" if a.skipped_lines else ""
+            skipped = (
+                f", {a.problems_total} bad line(s) left out (report {result.report.name})" if a.skipped_lines else ""
+            )
             self.log(f"inbox: queued {name} as {result.path.name}: {a.examples} example(s){skipped}")
             if a.skipped_lines:
-                self.hb.warn(f"inbox: {name}: {a.problems_total} bad line(s) left out", file=name,
-                             report=str(result.report), problems=a.problems[:MAX_PROBLEMS_IN_BEAT])
+                self.hb.warn(
+                    f"inbox: {name}: {a.problems_total} bad line(s) left out",
+                    file=name,
+                    report=str(result.report),
+                    problems=a.problems[:MAX_PROBLEMS_IN_BEAT],
+                )
         else:
             self.log(f"inbox: {a.summary()} (report rejected/{result.report.name})")
-            self.hb.warn(f"inbox: rejected {name}", file=name, report=str(result.report),
-                         reasons=[r["message"] for r in a.reasons][:MAX_PROBLEMS_IN_BEAT],
-                         problems=a.problems[:MAX_PROBLEMS_IN_BEAT])
+            self.hb.warn(
+                f"inbox: rejected {name}",
+                file=name,
+                report=str(result.report),
+                reasons=[r["message"] for r in a.reasons][:MAX_PROBLEMS_IN_BEAT],
+                problems=a.problems[:MAX_PROBLEMS_IN_BEAT],
+            )
         return result
 
 
@@ -94,9 +105,19 @@ class InboxFeed:
     """`daemon.data.ContinuousDataSource` over the inbox: `take_step` may wait for data, `commit`
     records what a committed checkpoint covers, `close` stops the watcher thread."""
 
-    def __init__(self, source: ContinuousSource, inbox: WorkerInbox, hb, stop, *, flush_after_s: float,
-                 idle_exit_s: Optional[float], clock: Callable[[], float] = time.monotonic,
-                 beat_every_s: float = BEAT_EVERY_S, out: TextIO = sys.stdout):
+    def __init__(
+        self,
+        source: ContinuousSource,
+        inbox: WorkerInbox,
+        hb,
+        stop,
+        *,
+        flush_after_s: float,
+        idle_exit_s: Optional[float],
+        clock: Callable[[], float] = time.monotonic,
+        beat_every_s: float = BEAT_EVERY_S,
+        out: TextIO = sys.stdout,
+    ):
         self.source = source
         self.inbox = inbox
         self.hb = hb
@@ -113,10 +134,13 @@ class InboxFeed:
     def open(cls, cfg, hb, stop, validator: Validator, **kw: Any) -> "InboxFeed":
         """Start watching `<run_dir>/inbox/`; files already there are taken in by the first `take_step`."""
         budget = cfg.watchdog.phase_budgets_s.get("intake")
-        inbox = WorkerInbox.from_config(cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget,
-                                        log=printer(kw.get("out", sys.stdout)))
+        inbox = WorkerInbox.from_config(
+            cfg.run_dir, validator, cfg.data, hb=hb, budget_s=budget, log=printer(kw.get("out", sys.stdout))
+        )
         source = ContinuousSource.from_config(cfg.run_dir, validator, cfg)
-        feed = cls(source, inbox, hb, stop, flush_after_s=cfg.data.flush_after_s, idle_exit_s=cfg.data.idle_exit_s, **kw)
+        feed = cls(
+            source, inbox, hb, stop, flush_after_s=cfg.data.flush_after_s, idle_exit_s=cfg.data.idle_exit_s, **kw
+        )
         inbox.start()
         return feed
 
@@ -135,15 +159,21 @@ class InboxFeed:
         try:
             summary = self.source.restore(position, step)
         except PositionError as exc:
-            raise ConfigError([
-                f"data.inbox: the checkpoint being resumed does not hold a continuous-mode data position ({exc}); "
-                "it was made by a run with data.inbox: false — use a new run_dir"]) from None
+            raise ConfigError(
+                [
+                    f"data.inbox: the checkpoint being resumed does not hold a continuous-mode data position ({exc}); "
+                    "it was made by a run with data.inbox: false — use a new run_dir"
+                ]
+            ) from None
         self._pass_on_warnings()
-        changes = {k: summary[k] for k in ("ledger_trimmed", "ledger_added", "replay_trimmed", "replay_added")
-                   if summary[k]}
+        changes = {
+            k: summary[k] for k in ("ledger_trimmed", "ledger_added", "replay_trimmed", "replay_added") if summary[k]
+        }
         if changes or summary["completed"] or summary["reopened"]:
-            self.log(f"inbox: ledger brought to the resumed position: {changes}; completed {summary['completed']}, "
-                     f"reopened {summary['reopened']}")
+            self.log(
+                f"inbox: ledger brought to the resumed position: {changes}; completed {summary['completed']}, "
+                f"reopened {summary['reopened']}"
+            )
 
     def commit(self, position: dict, step: int) -> None:
         result = self.source.commit(position, step)
@@ -177,7 +207,9 @@ class InboxFeed:
         calls for a flush ("flush") or the end ("idle"): `idle.IdlePolicy`."""
         since = last_activity = self._clock()
         intakes = self.inbox.intakes
-        self.log(f"idle: no new data ({have} example(s) of the next step in hand); waiting for files in {self.inbox.dir}")
+        self.log(
+            f"idle: no new data ({have} example(s) of the next step in hand); waiting for files in {self.inbox.dir}"
+        )
         with self.hb.phase("idle", waiting_examples=have):
             while True:
                 if self.stop:
@@ -193,17 +225,28 @@ class InboxFeed:
                     intakes, last_activity = self.inbox.intakes, now
                 quiet = now - last_activity
                 decision = self.policy.decide(quiet, self._flushed)
-                self.hb.progress(idle_s=round(now - since, 1), waiting_examples=have, arriving=self.inbox.arriving(),
-                                 **({"decision": decision} if decision else {}))
+                self.hb.progress(
+                    idle_s=round(now - since, 1),
+                    waiting_examples=have,
+                    arriving=self.inbox.arriving(),
+                    **({"decision": decision} if decision else {}),
+                )
                 if decision == IDLE:
-                    self.log(f"idle for {quiet:.1f}s (data.idle_exit_s = {self.policy.idle_exit_s:g}): "
-                             f"finishing with {have} example(s) in the last step")
+                    self.log(
+                        f"idle for {quiet:.1f}s (data.idle_exit_s = {self.policy.idle_exit_s:g}): "
+                        f"finishing with {have} example(s) in the last step"
+                    )
                     return IDLE
                 if decision == FLUSH:
                     self._flushed = True
-                    self.log(f"no new data for {quiet:.1f}s (data.flush_after_s = {self.policy.flush_after_s:g}): "
-                             + (f"training the {have} example(s) in hand as a partial step" if have
-                                else "making the last step durable"))
+                    self.log(
+                        f"no new data for {quiet:.1f}s (data.flush_after_s = {self.policy.flush_after_s:g}): "
+                        + (
+                            f"training the {have} example(s) in hand as a partial step"
+                            if have
+                            else "making the last step durable"
+                        )
+                    )
                     return FLUSH
 
     def _pass_on_warnings(self) -> None:

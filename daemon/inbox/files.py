@@ -4,6 +4,7 @@ rejecting a file with its report, and removing the temporaries a crash left behi
 Every change goes through an `FsOps` (hangwatch.common.durable): the crash tests pass one that
 dies between operations.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,8 +25,9 @@ def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode()
 
 
-def remove_temporaries(directory: Path, older_than_s: float = 0.0, now: Optional[float] = None,
-                       ops: Optional[FsOps] = None) -> list[str]:
+def remove_temporaries(
+    directory: Path, older_than_s: float = 0.0, now: Optional[float] = None, ops: Optional[FsOps] = None
+) -> list[str]:
     """Delete `.tmp-*` leftovers of writes a crash interrupted (only ones older than `older_than_s`)."""
     now = time.time() if now is None else now
     removed = []
@@ -47,8 +49,9 @@ def remove_temporaries(directory: Path, older_than_s: float = 0.0, now: Optional
     return removed
 
 
-def reject(run_dir: os.PathLike | str, filename: str, src: Stage, report: Callable[[str], dict],
-           ops: FsOps) -> tuple[Path, Path]:
+def reject(
+    run_dir: os.PathLike | str, filename: str, src: Stage, report: Callable[[str], dict], ops: FsOps
+) -> tuple[Path, Path]:
     """Move `src/filename` to rejected/ under the first free name, its `report(name)` beside it
     (written first); returns (where the file is now, the report's path).
 
@@ -78,8 +81,14 @@ class Loaded:
 class TrainingFiles:
     """The data files of processing/ and done/, in take order, loaded through the validator."""
 
-    def __init__(self, run_dir: os.PathLike | str, loader: Validator, *,
-                 line_of: Callable[[Any], int] = default_line_of, cache_files: int = 4):
+    def __init__(
+        self,
+        run_dir: os.PathLike | str,
+        loader: Validator,
+        *,
+        line_of: Callable[[Any], int] = default_line_of,
+        cache_files: int = 4,
+    ):
         self.run_dir = Path(run_dir)
         self._loader = loader
         self._line_of = line_of

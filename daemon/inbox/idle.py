@@ -12,6 +12,7 @@ or rejected), or a file was still arriving.  Two things can come due:
 
 The ending wins when both are due: `Trainer.finish` trains and checkpoints what is in hand too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@
 Threads: the watchdog observer thread only records names in a queue; validation and moves happen
 in the thread that calls `poll` and `wait_for_work` (the training thread).
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,15 @@ from watchdog.observers import Observer
 
 from hangwatch.common.durable import FsOps
 from hangwatch.common.inbox_layout import DataName, Stage, data_files, ensure_dirs, is_candidate_name, move
-from hangwatch.daemon.inbox.assess import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_LINE_BYTES, Assessment, Validator,
-                                           assess, check_on_bad_lines, known_digests)
+from hangwatch.daemon.inbox.assess import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_LINE_BYTES,
+    Assessment,
+    Validator,
+    assess,
+    check_on_bad_lines,
+    known_digests,
+)
 from hangwatch.daemon.inbox.files import json_bytes, reject, remove_temporaries
 
 _READY_KINDS = ("moved", "closed")  # the writer is done: renamed into place, or closed after writing
@@ -69,18 +77,31 @@ class Inbox:
     every `rescan_s`, in case the kernel dropped events.
     """
 
-    def __init__(self, run_dir: os.PathLike | str, validator: Validator, *,
-                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-                 on_bad_lines: str = "reject_file", settle_s: float = 1.0, rescan_s: float = 2.0,
-                 stale_tmp_s: float = 3600.0, observer_factory: Callable[[], Any] = Observer,
-                 ops: Optional[FsOps] = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        run_dir: os.PathLike | str,
+        validator: Validator,
+        *,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        on_bad_lines: str = "reject_file",
+        settle_s: float = 1.0,
+        rescan_s: float = 2.0,
+        stale_tmp_s: float = 3600.0,
+        observer_factory: Callable[[], Any] = Observer,
+        ops: Optional[FsOps] = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         check_on_bad_lines(on_bad_lines)
         self.run_dir = Path(run_dir)
         self.dir = Stage.INBOX.dir(run_dir)
         self._validator = validator
-        self._limits = {"max_file_bytes": max_file_bytes, "max_line_bytes": max_line_bytes,
-                        "on_bad_lines": on_bad_lines}
+        self._limits = {
+            "max_file_bytes": max_file_bytes,
+            "max_line_bytes": max_line_bytes,
+            "on_bad_lines": on_bad_lines,
+        }
         self._settle_s = settle_s
         self._rescan_s = rescan_s
         self._stale_tmp_s = stale_tmp_s
@@ -95,8 +116,7 @@ class Inbox:
 
     @classmethod
     def from_config(cls, run_dir: os.PathLike | str, validator: Validator, data_cfg: Any, **kw: Any) -> "Inbox":
-        return cls(run_dir, validator, max_file_bytes=data_cfg.max_file_bytes,
-                   on_bad_lines=data_cfg.on_bad_lines, **kw)
+        return cls(run_dir, validator, max_file_bytes=data_cfg.max_file_bytes, on_bad_lines=data_cfg.on_bad_lines, **kw)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -240,8 +260,13 @@ class Inbox:
         except FileNotFoundError:
             return None  # taken back by its writer while we looked
         if not a.accepted:
-            dest, report = reject(self.run_dir, name, Stage.INBOX,
-                                  lambda rname: a.report(action="reject_file", rejected_as=rname), self._ops)
+            dest, report = reject(
+                self.run_dir,
+                name,
+                Stage.INBOX,
+                lambda rname: a.report(action="reject_file", rejected_as=rname),
+                self._ops,
+            )
             return IntakeResult(name, "rejected", dest, a, report)
         seq = max((d.number for d in data_files(self.run_dir, Stage.QUEUED)), default=0) + 1
         qname = DataName(seq, a.sha16, name).filename

@@ -6,6 +6,7 @@ On resume it is cut back to the examples before the resumed position (a rollback
 training past it) and the missing ones are appended; a torn last line (a kill mid-append) is cut
 off when the log is read.
 """
+
 from __future__ import annotations
 
 import collections

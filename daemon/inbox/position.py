@@ -5,6 +5,7 @@ trained (`file`, its take number `take`), the next example's index (`next`) and 
 replay draw counter (`rng`), the replays so far (`replay_n`) and the draws not yet logged
 (`replay_pending`).  Its frontier is the (take, line) pair below which every example was trained.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,6 +1,7 @@
 """Publishing into the inbox (`hangwatch submit`, scripts): the copy appears under its final name
 complete, or not at all, and never replaces another writer's file.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -76,8 +77,13 @@ class _RenameAt2:
 rename_noreplace = _RenameAt2()
 
 
-def publish(src_path: os.PathLike | str, run_dir: os.PathLike | str, *, name: Optional[str] = None,
-            priority: Optional[int] = None) -> Path:
+def publish(
+    src_path: os.PathLike | str,
+    run_dir: os.PathLike | str,
+    *,
+    name: Optional[str] = None,
+    priority: Optional[int] = None,
+) -> Path:
     """Copy a file into `<run_dir>/inbox/` so that the inbox only ever sees it complete.
 
     The copy is written to `inbox/.tmp-<name>-<rand>` (dot-files are ignored), fsynced, then

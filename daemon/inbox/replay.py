@@ -4,6 +4,7 @@ finished before the current one instead of being a fresh one.
 Every random decision is a counter-based draw (`uniform(seed, k)` depends only on the seed and
 the draw number), so the whole generator state is one integer that a checkpoint stores.
 """
+
 from __future__ import annotations
 
 import bisect

@@ -15,6 +15,7 @@ Everything runs in the calling (training) thread.  Both `commit` and `restore` b
 moves to done/ is repaired by the next `restore`.  Replay draws carry an ordinal `n`; those not yet
 logged travel inside the position until a commit logs them to done/replay.jsonl.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,8 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 from hangwatch.common.durable import FsOps
 from hangwatch.common.inbox_layout import CURRENT, DataName, Stage, data_files, ensure_dirs, move, queue_order
 from hangwatch.daemon.inbox.assess import Validator
-from hangwatch.daemon.inbox.files import (Loaded, TrainingFiles, default_line_of, json_bytes, reject,
-                                          remove_temporaries)
+from hangwatch.daemon.inbox.files import Loaded, TrainingFiles, default_line_of, json_bytes, reject, remove_temporaries
 from hangwatch.daemon.inbox.ledger import Key, Ledger
 from hangwatch.daemon.inbox.position import KIND, VERSION, check_position, covers_file, frontier
 from hangwatch.daemon.inbox.replay import Replay
@@ -56,9 +56,17 @@ class ContinuousSource:
     `processing/` agree with that checkpoint.
     """
 
-    def __init__(self, run_dir: os.PathLike | str, loader: Validator, *, replay_ratio: float = 0.0,
-                 seed: int = 0, line_of: Callable[[Any], int] = default_line_of, cache_files: int = 4,
-                 ops: Optional[FsOps] = None):
+    def __init__(
+        self,
+        run_dir: os.PathLike | str,
+        loader: Validator,
+        *,
+        replay_ratio: float = 0.0,
+        seed: int = 0,
+        line_of: Callable[[Any], int] = default_line_of,
+        cache_files: int = 4,
+        ops: Optional[FsOps] = None,
+    ):
         self.run_dir = Path(run_dir)
         self._replay = Replay(replay_ratio, seed)
         self._files = TrainingFiles(run_dir, loader, line_of=line_of, cache_files=cache_files)
@@ -82,8 +90,11 @@ class ContinuousSource:
     def _write_current(self) -> None:
         cur = self._cur
         live = cur is not None and self._next_index < len(cur.lines)
-        state = {"file": cur.dn.filename if live else None, "index": self._next_index if live else 0,
-                 "total": len(cur.lines) if live else 0}
+        state = {
+            "file": cur.dn.filename if live else None,
+            "index": self._next_index if live else 0,
+            "total": len(cur.lines) if live else 0,
+        }
         self._ops.write_file(Stage.PROCESSING.dir(self.run_dir) / CURRENT, json_bytes(state), durable=False)
 
     # ---- position ------------------------------------------------------------------------
@@ -110,8 +121,12 @@ class ContinuousSource:
     def progress(self) -> dict:
         """Small fields for a heartbeat."""
         cur = self._cur
-        return {"file": cur.dn.filename if cur else None, "index": self._next_index,
-                "total": len(cur.lines) if cur else 0, "replays": self._replay.count}
+        return {
+            "file": cur.dn.filename if cur else None,
+            "index": self._next_index,
+            "total": len(cur.lines) if cur else 0,
+            "replays": self._replay.count,
+        }
 
     # ---- what a position covers ----------------------------------------------------------
 
@@ -194,15 +209,17 @@ class ContinuousSource:
         try:
             self._cur = self._files.load(DataName.parse(pos["file"]))  # type: ignore[arg-type]
         except FileNotFoundError:
-            self.warnings.append(f"{pos['file']} (the file the checkpoint was training on) is gone; "
-                                 "continuing with the next file")
+            self.warnings.append(
+                f"{pos['file']} (the file the checkpoint was training on) is gone; continuing with the next file"
+            )
             return
         lines = self._cur.lines
         self._next_index = len(lines) if pos.get("line") is None else bisect.bisect_left(lines, pos["line"])
         if self._next_index != pos["next"]:
             self.warnings.append(
                 f"{pos['file']}: line {pos.get('line')} is example {self._next_index}, the checkpoint said "
-                f"{pos['next']} (did the validator or data settings change?)")
+                f"{pos['next']} (did the validator or data settings change?)"
+            )
 
     def commit(self, position: dict, step: Optional[int] = None) -> dict:
         """A checkpoint holding `position` was committed: record and complete what it covers.
@@ -259,9 +276,16 @@ class ContinuousSource:
         message = f"could not be loaded for training: {type(exc).__name__}: {exc}"
 
         def report(rname: str) -> dict:
-            return {"file": dn.filename, "sha256_16": dn.sha16, "action": "reject_file", "rejected_as": rname,
-                    "reasons": [{"code": "load_failed", "message": message}], "problems": [], "problems_total": 0,
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            return {
+                "file": dn.filename,
+                "sha256_16": dn.sha16,
+                "action": "reject_file",
+                "rejected_as": rname,
+                "reasons": [{"code": "load_failed", "message": message}],
+                "problems": [],
+                "problems_total": 0,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
 
         dest, _ = reject(self.run_dir, dn.filename, Stage.PROCESSING, report, self._ops)
         self.warnings.append(f"{dn.filename}: {message}; moved to rejected/{dest.name}")

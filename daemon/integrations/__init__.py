@@ -6,6 +6,7 @@
 
 Resuming: `resume_from()` is the last good checkpoint the supervisor hands each attempt (or None).
 """
+
 from hangwatch.daemon.heartbeat import Heartbeat
 
 resume_from = Heartbeat.resume_from

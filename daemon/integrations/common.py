@@ -3,6 +3,7 @@
 Outside hangwatch (no HANGWATCH_RUN_DIR in the environment) a callback is a no-op: it writes nothing,
 installs no signal handler and patches nothing, so the same script runs unchanged on a laptop.
 """
+
 from __future__ import annotations
 
 import math

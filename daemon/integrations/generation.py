@@ -38,6 +38,7 @@ runs the original), and copies of a model (`copy.deepcopy`, pickling) carry noth
 `generate` set on the instance itself (monkeypatched by someone else) is wrapped on the instance.
 `uninstall` puts every attribute back the way it was.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,10 +53,10 @@ from typing import Any, Callable, Optional
 from hangwatch.common.protocol import GENERATE_STOP_NAME, MAX_LINE, TRUNCATED_FIELD
 
 POLL_INTERVAL_S = 0.05  # how stale a stop order may be read: a stat per 50 ms, not one per token
-PROMPT_CHARS = 500      # of the prompt in a `generate_truncated` report
-TAIL_CHARS = 200        # of the output's end in a `generate_truncated` report
-PROMPT_IDS = 32         # ids of the prompt reported when no tokenizer can decode them
-TAIL_TOKENS = 400       # decoded for the output's tail: a runaway output can be far too long to decode whole
+PROMPT_CHARS = 500  # of the prompt in a `generate_truncated` report
+TAIL_CHARS = 200  # of the output's end in a `generate_truncated` report
+PROMPT_IDS = 32  # ids of the prompt reported when no tokenizer can decode them
+TAIL_TOKENS = 400  # decoded for the output's tail: a runaway output can be far too long to decode whole
 REPORT_BYTES = MAX_LINE - 1000  # the report's JSON; the rest of the `progress` line stays well inside MAX_LINE
 
 _lock = threading.RLock()
@@ -68,8 +69,15 @@ _local = threading.local()  # .active: the criterion of this thread's outermost 
 class GenerateWatch:
     """Puts every `generate` call of the installed modules in the `generate` phase, with progress beats."""
 
-    def __init__(self, hb, *, budget_s: Optional[float] = None, progress_every: int = 8,
-                 on_error: Optional[Callable[[BaseException], None]] = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        hb,
+        *,
+        budget_s: Optional[float] = None,
+        progress_every: int = 8,
+        on_error: Optional[Callable[[BaseException], None]] = None,
+        tokenizer: Any = None,
+    ):
         """`on_error`: None — an error of the watch's own (a heartbeat that cannot be written) propagates, as a
         callback the script added should fail loudly; a callable — the error is handed to it and the call runs
         on unwatched (the automatic instrumentation, which must never break a run).  `tokenizer` (also settable
@@ -84,8 +92,8 @@ class GenerateWatch:
         self.on_error = on_error
         self.tokenizer = tokenizer
         self.last_truncated: Optional[dict] = None  # the report of this watch's last truncated outermost call
-        self._classed: "weakref.WeakSet[Any]" = weakref.WeakSet()   # instances watched through their class
-        self._own: list[tuple[weakref.ref, Callable]] = []          # instances whose own attribute was wrapped
+        self._classed: "weakref.WeakSet[Any]" = weakref.WeakSet()  # instances watched through their class
+        self._own: list[tuple[weakref.ref, Callable]] = []  # instances whose own attribute was wrapped
 
     # ---- installing ------------------------------------------------------------------------
 
@@ -176,7 +184,9 @@ class GenerateWatch:
             return fn(*args, **kwargs)
         _local.last = self.last_truncated = None
         try:
-            criterion = make_progress_criterion(self.hb, self.progress_every, self.on_error, order=StopOrder.of(self.hb))
+            criterion = make_progress_criterion(
+                self.hb, self.progress_every, self.on_error, order=StopOrder.of(self.hb)
+            )
             watched_args, watched_kwargs = with_criterion(args, kwargs, criterion) if takes_criteria else (args, kwargs)
             phase = self.hb.phase("generate", self.budget_s)
             phase.__enter__()
@@ -252,6 +262,7 @@ def _attr(obj: Any, name: str) -> Any:
 
 # ---- the supervisor's stop order ------------------------------------------------------------------
 
+
 class StopOrder:
     """Reads the supervisor's order to end a runaway generate: `GENERATE_STOP_NAME` in the attempt's directory,
     `{"order": N, "tokens": LIMIT, ...}`, replaced atomically by the supervisor.
@@ -323,8 +334,9 @@ def _read_order(path: str) -> Optional[tuple[int, int]]:
     return order, tokens
 
 
-def truncation_report(truncated: dict, *, prompt: Optional[str] = None, output: Optional[str] = None,
-                      prompt_ids: Optional[list] = None) -> dict:
+def truncation_report(
+    truncated: dict, *, prompt: Optional[str] = None, output: Optional[str] = None, prompt_ids: Optional[list] = None
+) -> dict:
     """`truncated` ({"order", "limit", "tokens", "prompt_tokens"}) with the prompt (at most PROMPT_CHARS, its
     middle elided), the output's last TAIL_CHARS (`output_tail`), and, when there is no text, the first
     PROMPT_IDS `prompt_ids`: shortened further until the whole report fits REPORT_BYTES, so the `progress`
@@ -335,10 +347,13 @@ def truncation_report(truncated: dict, *, prompt: Optional[str] = None, output: 
         if prompt is not None:
             report["prompt"] = _clip_middle(prompt, prompt_chars)
         if output is not None:
-            report["output_tail"] = output[len(output) - tail_chars:] if tail_chars < len(output) else output
+            report["output_tail"] = output[len(output) - tail_chars :] if tail_chars < len(output) else output
         if prompt_ids is not None:
             report["prompt_ids"] = [int(i) for i in list(prompt_ids)[:PROMPT_IDS]]
-        if len(json.dumps(report, separators=(",", ":"), default=str)) <= REPORT_BYTES or prompt_chars + tail_chars == 0:
+        if (
+            len(json.dumps(report, separators=(",", ":"), default=str)) <= REPORT_BYTES
+            or prompt_chars + tail_chars == 0
+        ):
             return report
         if prompt_chars >= tail_chars:
             prompt_chars //= 2
@@ -352,7 +367,7 @@ def _clip_middle(text: str, limit: int) -> str:
     if limit < 8:
         return text[:limit]
     head = limit * 2 // 5
-    return text[:head] + "…" + text[len(text) - (limit - head - 1):]
+    return text[:head] + "…" + text[len(text) - (limit - head - 1) :]
 
 
 def _row_zero(result, prompt_len: Optional[int], tokenizer) -> dict:
@@ -366,13 +381,16 @@ def _row_zero(result, prompt_len: Optional[int], tokenizer) -> dict:
     prompt_len = min(int(prompt_len), int(shape[1]))
     decode = getattr(tokenizer, "decode", None)
     if not callable(decode):
-        return {"prompt_ids": row[:min(prompt_len, PROMPT_IDS)].tolist()}
+        return {"prompt_ids": row[: min(prompt_len, PROMPT_IDS)].tolist()}
     new = row[prompt_len:]
-    return {"prompt": decode(row[:prompt_len].tolist(), skip_special_tokens=True),
-            "output": decode(new[max(0, int(new.shape[0]) - TAIL_TOKENS):].tolist(), skip_special_tokens=True)}
+    return {
+        "prompt": decode(row[:prompt_len].tolist(), skip_special_tokens=True),
+        "output": decode(new[max(0, int(new.shape[0]) - TAIL_TOKENS) :].tolist(), skip_special_tokens=True),
+    }
 
 
 # ---- the stopping criterion ---------------------------------------------------------------------
+
 
 def with_criterion(args: tuple, kwargs: dict, criterion) -> tuple[tuple, dict]:
     """`generate`'s arguments with `criterion` added to its `stopping_criteria` (the caller's list is not mutated).
@@ -398,8 +416,9 @@ def _merged(user, criterion):
     return out
 
 
-def make_progress_criterion(hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None,
-                            order: Optional[StopOrder] = None):
+def make_progress_criterion(
+    hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None, order: Optional[StopOrder] = None
+):
     """The criterion that beats `progress` every `every` new tokens; with `on_error`, a beat that fails is handed
     to it and the criterion beats no more (generation goes on), else the error propagates.  With `order` (a
     `StopOrder`) it also ends the generation the supervisor's order names, and keeps what it did in `truncated`."""
@@ -442,8 +461,11 @@ def _criterion_class():
                         self.on_error(exc)
             order = self.order
             # `poll`'s own test, inline: the common case (no order, not yet time to look) is one clock read.
-            if (order is not None and (order.limit is not None or order._clock() >= order._next_poll)
-                    and self._ordered(new)):
+            if (
+                order is not None
+                and (order.limit is not None or order._clock() >= order._next_poll)
+                and self._ordered(new)
+            ):
                 return torch.ones(int(input_ids.shape[0]), dtype=torch.bool, device=input_ids.device)
             rows = int(input_ids.shape[0])
             no = self._no
@@ -465,14 +487,19 @@ def _criterion_class():
             if limit is None or new < limit:
                 return False
             if self.truncated is None:
-                self.truncated = {"order": self.order.order, "limit": limit, "tokens": new,
-                                  "prompt_tokens": self.prompt_len}
+                self.truncated = {
+                    "order": self.order.order,
+                    "limit": limit,
+                    "tokens": new,
+                    "prompt_tokens": self.prompt_len,
+                }
             return True
 
     return ProgressCriterion
 
 
 # ---- wrapping ----------------------------------------------------------------------------------
+
 
 class _ClassPatch:
     """One class whose `generate` dispatches to the watch of the instance (or to the original)."""
@@ -573,5 +600,13 @@ def _is_own_wrapper(obj) -> bool:
     return getattr(_instance_dict(obj).get("generate"), "__hangwatch_own__", False)
 
 
-__all__ = ["GenerateWatch", "StopOrder", "generating", "last_truncation", "make_progress_criterion", "tokenizer_of",
-           "truncation_report", "with_criterion"]
+__all__ = [
+    "GenerateWatch",
+    "StopOrder",
+    "generating",
+    "last_truncation",
+    "make_progress_criterion",
+    "tokenizer_of",
+    "truncation_report",
+    "with_criterion",
+]

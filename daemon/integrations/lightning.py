@@ -31,6 +31,7 @@ iterable"; `LightningCLI` checks subclasses).  The class therefore derives from 
 Lightning package the script has already imported, or of every one installed when none is imported yet,
 so it is a Callback to either Trainer.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,14 +41,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
+from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 from hangwatch.daemon.integrations import resume_from
 from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
 from hangwatch.daemon.integrations.generation import GenerateWatch, tokenizer_of
-from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
-INSTALL_HINT = ("hangwatch.daemon.integrations.lightning needs Lightning: pip install hangwatch[lightning] "
-                "(or `pip install lightning`; `pytorch_lightning` works too)")
+INSTALL_HINT = (
+    "hangwatch.daemon.integrations.lightning needs Lightning: pip install hangwatch[lightning] "
+    "(or `pip install lightning`; `pytorch_lightning` works too)"
+)
 
 
 def choose_packages(imported: Iterable[str]) -> tuple[str, ...]:
@@ -133,13 +136,16 @@ def _memory(device: Any) -> dict:
     import torch
 
     mb = 1 << 20
-    return {"mem_allocated_mb": round(torch.cuda.memory_allocated(device) / mb, 1),
-            "max_mem_allocated_mb": round(torch.cuda.max_memory_allocated(device) / mb, 1)}
+    return {
+        "mem_allocated_mb": round(torch.cuda.memory_allocated(device) / mb, 1),
+        "max_mem_allocated_mb": round(torch.cuda.max_memory_allocated(device) / mb, 1),
+    }
 
 
 @dataclass
 class _Window:
     """The micro-batches of the optimizer step in progress."""
+
     started: Optional[float] = None
     losses: list = field(default_factory=list)
     rows: int = 0
@@ -161,12 +167,23 @@ class HangwatchCallback(*_callback_bases()):
     between `progress` beats inside `generate`.  `stop_beat`: say `stop` when the fit ends (False: the
     supervisor judges the process by its exit, as when hangwatch added the callback itself)."""
 
-    def __init__(self, *, eval_budget_s: Optional[float] = None, predict_budget_s: Optional[float] = None,
-                 checkpoint_budget_s: Optional[float] = None, generate_budget_s: Optional[float] = None,
-                 progress_every: int = 8, stop_beat: bool = True):
+    def __init__(
+        self,
+        *,
+        eval_budget_s: Optional[float] = None,
+        predict_budget_s: Optional[float] = None,
+        checkpoint_budget_s: Optional[float] = None,
+        generate_budget_s: Optional[float] = None,
+        progress_every: int = 8,
+        stop_beat: bool = True,
+    ):
         super().__init__()
-        for name, value in (("eval_budget_s", eval_budget_s), ("predict_budget_s", predict_budget_s),
-                            ("checkpoint_budget_s", checkpoint_budget_s), ("generate_budget_s", generate_budget_s)):
+        for name, value in (
+            ("eval_budget_s", eval_budget_s),
+            ("predict_budget_s", predict_budget_s),
+            ("checkpoint_budget_s", checkpoint_budget_s),
+            ("generate_budget_s", generate_budget_s),
+        ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None for the supervisor's default (got {value})")
         if progress_every < 1:
@@ -178,15 +195,15 @@ class HangwatchCallback(*_callback_bases()):
         if supervised():
             claim_steps()  # this callback beats the steps: the automatic optimizer hook stays quiet
         self._hb = None
-        self._live = False          # between our `start` and `stop`
+        self._live = False  # between our `start` and `stop`
         self._watch: Optional[GenerateWatch] = None
-        self._returns: list[tuple[str, str]] = []   # (phase entered, phase to return to)
+        self._returns: list[tuple[str, str]] = []  # (phase entered, phase to return to)
         self._window = _Window()
         self._last_step = 0
         self._samples = 0
         self._tokens = 0
-        self._opt: dict = {}        # lr and grad norm of the optimizer step being taken
-        self._pending: list[tuple[str, int]] = []   # saved, file not there yet (asynchronous checkpoint IO)
+        self._opt: dict = {}  # lr and grad norm of the optimizer step being taken
+        self._pending: list[tuple[str, int]] = []  # saved, file not there yet (asynchronous checkpoint IO)
 
     @property
     def heartbeat(self):
@@ -202,8 +219,9 @@ class HangwatchCallback(*_callback_bases()):
             self._hb = heartbeat_or_none(env)
         if self._hb is None:
             return
-        self._watch = self._watch or GenerateWatch(self._hb, budget_s=self.generate_budget_s,
-                                                   progress_every=self.progress_every)
+        self._watch = self._watch or GenerateWatch(
+            self._hb, budget_s=self.generate_budget_s, progress_every=self.progress_every
+        )
         if self._watch.tokenizer is None:  # decodes what a generate the supervisor ended was given and made
             try:
                 self._watch.tokenizer = tokenizer_of(getattr(pl_module, "tokenizer", None))
@@ -212,7 +230,7 @@ class HangwatchCallback(*_callback_bases()):
         self._watch.install(pl_module)
         self._wrap_save(trainer)
         if stage != "fit":
-            self._start(None)   # trainer.validate / test / predict on their own
+            self._start(None)  # trainer.validate / test / predict on their own
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self._hb is not None:
@@ -264,8 +282,15 @@ class HangwatchCallback(*_callback_bases()):
         if self._hb is None:
             return
         rows, tokens = batch_size_and_tokens(batch)
-        self._window.add(step_loss(outputs, bool(getattr(pl_module, "automatic_optimization", True)),
-                                   getattr(trainer, "accumulate_grad_batches", 1)), rows, tokens)
+        self._window.add(
+            step_loss(
+                outputs,
+                bool(getattr(pl_module, "automatic_optimization", True)),
+                getattr(trainer, "accumulate_grad_batches", 1),
+            ),
+            rows,
+            tokens,
+        )
         step = int(trainer.global_step)
         if step > self._last_step:
             self._beat_step(trainer, pl_module, step)
@@ -278,8 +303,13 @@ class HangwatchCallback(*_callback_bases()):
         self._samples += w.rows
         self._tokens += w.tokens or 0
         loss = sum(w.losses) / len(w.losses) if w.losses else None
-        metrics: dict = {"loss": loss, **{k: v for k, v in self._opt.items() if v is not None},
-                         "examples": w.rows, "samples": self._samples, "epoch": int(trainer.current_epoch)}
+        metrics: dict = {
+            "loss": loss,
+            **{k: v for k, v in self._opt.items() if v is not None},
+            "examples": w.rows,
+            "samples": self._samples,
+            "epoch": int(trainer.current_epoch),
+        }
         if elapsed:
             metrics["step_s"] = round(elapsed, 4)
             if w.tokens:
@@ -382,7 +412,7 @@ class HangwatchCallback(*_callback_bases()):
     def _enter(self, name: str, **extra: Any) -> None:
         if self._hb is None:
             return
-        if not self._live:      # e.g. trainer.test() after a fit that already said `stop`
+        if not self._live:  # e.g. trainer.test() after a fit that already said `stop`
             self._start(None)
         self._returns.append((name, self._hb.current_phase))
         self._hb.enter_phase(name, self.budgets.get(name), **extra)

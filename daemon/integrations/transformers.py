@@ -33,6 +33,7 @@ there).  lr comes from the optimizer right after it stepped (`on_optimizer_step`
 (a callback driven by something else) the steps still beat (lr, step time) and the callback says so in a
 `warn` line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,10 +45,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from transformers import TrainerCallback
 
+from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 from hangwatch.daemon.integrations import resume_from
 from hangwatch.daemon.integrations.common import as_float, heartbeat_or_none, nonfinite, supervised
 from hangwatch.daemon.integrations.generation import GenerateWatch, tokenizer_of
-from hangwatch.daemon.heartbeat import WRITERS, claim_steps
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, stable since v2
 
@@ -55,18 +56,32 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT
 class HangwatchCallback(TrainerCallback):
     """Heartbeats for a `transformers.Trainer` run under `hangwatch run`; a no-op outside it."""
 
-    def __init__(self, *, eval_budget_s: Optional[float] = None, predict_budget_s: Optional[float] = None,
-                 checkpoint_budget_s: Optional[float] = None, generate_budget_s: Optional[float] = None,
-                 train_budget_s: Optional[float] = None, progress_every: int = 8,
-                 environ: Optional[Mapping[str, str]] = None, stop_beat: bool = True, tokenizer: Any = None):
+    def __init__(
+        self,
+        *,
+        eval_budget_s: Optional[float] = None,
+        predict_budget_s: Optional[float] = None,
+        checkpoint_budget_s: Optional[float] = None,
+        generate_budget_s: Optional[float] = None,
+        train_budget_s: Optional[float] = None,
+        progress_every: int = 8,
+        environ: Optional[Mapping[str, str]] = None,
+        stop_beat: bool = True,
+        tokenizer: Any = None,
+    ):
         """Budgets in seconds; None: the supervisor's budget for that phase name.  `train` is normally governed
         by the step deadline, not a budget.  `progress_every`: new tokens between progress beats in generate.
         `stop_beat`: say `stop` when training ends (False: the supervisor judges the process by its exit, as
         when hangwatch added the callback itself: what the script does after `train()` is then not bounded by
         `watchdog.exit_after_stop_s`).  `tokenizer`: decodes the prompt and output of a generate the supervisor
         ended (None: the Trainer's `processing_class`)."""
-        self.budgets = {"train": train_budget_s, "eval": eval_budget_s, "predict": predict_budget_s,
-                        "checkpoint": checkpoint_budget_s, "generate": generate_budget_s}
+        self.budgets = {
+            "train": train_budget_s,
+            "eval": eval_budget_s,
+            "predict": predict_budget_s,
+            "checkpoint": checkpoint_budget_s,
+            "generate": generate_budget_s,
+        }
         for name, value in self.budgets.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name}_budget_s must be > 0, or None for the supervisor's budget (got {value})")
@@ -103,14 +118,24 @@ class HangwatchCallback(TrainerCallback):
         WRITERS.own_phases(self)
         self.hb.enter_phase("train", self.budgets["train"])
         self._meter.restart(time.monotonic())
-        self._watch = GenerateWatch(self._phases, budget_s=self.budgets["generate"], progress_every=self.progress_every,
-                                    tokenizer=tokenizer_of(self.tokenizer, kwargs.get("processing_class"),
-                                                           kwargs.get("tokenizer"), getattr(trainer, "processing_class", None)))
+        self._watch = GenerateWatch(
+            self._phases,
+            budget_s=self.budgets["generate"],
+            progress_every=self.progress_every,
+            tokenizer=tokenizer_of(
+                self.tokenizer,
+                kwargs.get("processing_class"),
+                kwargs.get("tokenizer"),
+                getattr(trainer, "processing_class", None),
+            ),
+        )
         for target in {id(m): m for m in (model, getattr(trainer, "model", None)) if m is not None}.values():
             self._watch.install(target)
         if trainer is None:
-            self.hb.warn("HangwatchCallback: no transformers.Trainer found calling it; loss, grad norm, tokens/s "
-                         "and the eval/predict/checkpoint phases are not reported")
+            self.hb.warn(
+                "HangwatchCallback: no transformers.Trainer found calling it; loss, grad norm, tokens/s "
+                "and the eval/predict/checkpoint phases are not reported"
+            )
         else:
             self._wrap(trainer)
 
@@ -182,6 +207,7 @@ class HangwatchCallback(TrainerCallback):
                     out = original(*a, **kw)
                 meter.restart(time.monotonic())  # time spent here is no step's
                 return out
+
             return wrapper
 
         def save_checkpoint(original, *a, **kw):
@@ -207,6 +233,7 @@ class HangwatchCallback(TrainerCallback):
 
 
 # ---- pieces --------------------------------------------------------------------------------------
+
 
 class _Phases:
     """The heartbeat, with a `phase()` that restores the phase it interrupted *with that phase's budget*
@@ -260,9 +287,13 @@ class _StepMeter:
 
     def finish(self, now: float) -> dict:
         elapsed = max(now - self.since, 1e-9)
-        out = {"loss": as_float(self.loss), "grad_norm": as_float(self.grad_norm), "step_time_s": round(elapsed, 6),
-               "tokens_per_s": round(self.tokens / elapsed, 3) if self.tokens else None,
-               "samples": self.samples or None}
+        out = {
+            "loss": as_float(self.loss),
+            "grad_norm": as_float(self.grad_norm),
+            "step_time_s": round(elapsed, 6),
+            "tokens_per_s": round(self.tokens / elapsed, 3) if self.tokens else None,
+            "samples": self.samples or None,
+        }
         self.loss, self.grad_norm, self.tokens, self.samples = None, None, 0, 0
         self.restart(now)
         return out
@@ -326,8 +357,8 @@ def checkpoint_step(path: str) -> Optional[int]:
     """`…/checkpoint-120` → 120 (the Trainer's directory naming), None when the name says no step."""
     tail = os.path.basename(os.path.normpath(path))
     prefix = CHECKPOINT_PREFIX + "-"
-    if tail.startswith(prefix) and tail[len(prefix):].isdigit():
-        return int(tail[len(prefix):])
+    if tail.startswith(prefix) and tail[len(prefix) :].isdigit():
+        return int(tail[len(prefix) :])
     return None
 
 

@@ -31,6 +31,7 @@ beat — finishes it the same way (idempotent writes of the same values), so a w
 its claim and the gen still moves the generation, and a reader that sees gen G+1 always finds its
 notice already written.  A loser's notice is never written anywhere.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -41,11 +42,11 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-
 Emit = Callable[[dict], None]
 
 
 # ---------------------------------------------------------------- pure parts
+
 
 def parse_endpoint(text: str) -> tuple[str, int]:
     """'HOST:PORT' or '[V6]:PORT' → (host, port); ValueError naming the value otherwise."""
@@ -68,8 +69,11 @@ def is_local(host: str, hostname: str, local_addrs: set[str], resolved: list[str
             ip = ipaddress.ip_address(a.split("%")[0])
         except ValueError:
             continue
-        if ip.is_loopback or str(ip) in local_addrs or (ip.version == 6 and ip.ipv4_mapped
-                                                         and str(ip.ipv4_mapped) in local_addrs):
+        if (
+            ip.is_loopback
+            or str(ip) in local_addrs
+            or (ip.version == 6 and ip.ipv4_mapped and str(ip.ipv4_mapped) in local_addrs)
+        ):
             return True
     return False
 
@@ -180,9 +184,17 @@ class Peerlink:
     outage, and every beat tries `connect` again until it works.  Commands that need the store while there is
     none are answered at once with an error (the supervisor retries)."""
 
-    def __init__(self, rdzv_id: str, node: str, connect: Callable[[], tuple[Any, str]], emit: Emit,
-                 clock: Callable[[], float] = time.monotonic, endpoint: str = "", pid: Optional[int] = None,
-                 hostname: Optional[str] = None):
+    def __init__(
+        self,
+        rdzv_id: str,
+        node: str,
+        connect: Callable[[], tuple[Any, str]],
+        emit: Emit,
+        clock: Callable[[], float] = time.monotonic,
+        endpoint: str = "",
+        pid: Optional[int] = None,
+        hostname: Optional[str] = None,
+    ):
         self.prefix, self.node, self.endpoint = f"hangwatch/{rdzv_id}/", node, endpoint
         self.connect, self.emit = connect, emit
         self.pid = os.getpid() if pid is None else pid
@@ -302,9 +314,12 @@ class Peerlink:
                 self._need(cmd, "id")
                 if proposal is not None and not isinstance(proposal, dict):
                     raise KeyError("proposal (an object or null)")
-                self._store_op(lambda: self.emit({"ev": "resume", "id": cid, "gen": g,
-                                                  "choice": agree_resume(self.kv, g, proposal, self.node)}),
-                               False) or self._unavailable(op, cid)
+                self._store_op(
+                    lambda: self.emit(
+                        {"ev": "resume", "id": cid, "gen": g, "choice": agree_resume(self.kv, g, proposal, self.node)}
+                    ),
+                    False,
+                ) or self._unavailable(op, cid)
             else:
                 self.emit({"ev": "error", "id": cid, "error": f"unknown op {op!r}"})
         except KeyError as e:

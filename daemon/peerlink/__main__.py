@@ -1,4 +1,5 @@
 """`python -m hangwatch.daemon.peerlink …`: the helper process (see the package's docstring for the protocol)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ def die_with_parent() -> None:
     """prctl(PR_SET_PDEATHSIG, SIGTERM): never outlive the supervisor (Linux, best effort)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
     except Exception:  # noqa: BLE001
         pass
@@ -46,9 +48,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         a.host_name, a.port = parse_endpoint(a.endpoint)
     except ValueError as e:
         p.exit(EXIT_CONFIG, f"peerlink: {e}\n")
-    for bad, what in [(a.nnodes < 1, f"--nnodes {a.nnodes}"), (not a.beat_s > 0, f"--beat-s {a.beat_s}"),
-                      (not a.connect_timeout_s > 0, f"--connect-timeout-s {a.connect_timeout_s}"),
-                      (not a.node.strip(), f"--node {a.node!r}"), (not a.rdzv_id.strip(), f"--rdzv-id {a.rdzv_id!r}")]:
+    for bad, what in [
+        (a.nnodes < 1, f"--nnodes {a.nnodes}"),
+        (not a.beat_s > 0, f"--beat-s {a.beat_s}"),
+        (not a.connect_timeout_s > 0, f"--connect-timeout-s {a.connect_timeout_s}"),
+        (not a.node.strip(), f"--node {a.node!r}"),
+        (not a.rdzv_id.strip(), f"--rdzv-id {a.rdzv_id!r}"),
+    ]:
         if bad:
             p.exit(EXIT_CONFIG, f"peerlink: {what} is not valid\n")
     return a
@@ -65,8 +71,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.write(json.dumps(ev) + "\n")
         sys.stdout.flush()
 
-    link = Peerlink(a.rdzv_id, a.node, make_connect(a.host_name, a.port, a.host, eligible, a.connect_timeout_s),
-                    emit, endpoint=a.endpoint)
+    link = Peerlink(
+        a.rdzv_id,
+        a.node,
+        make_connect(a.host_name, a.port, a.host, eligible, a.connect_timeout_s),
+        emit,
+        endpoint=a.endpoint,
+    )
     buf, next_beat = b"", time.monotonic()
     try:
         while True:

@@ -4,6 +4,7 @@ Hosting when the endpoint is this machine's (the first helper to bind the port h
 machine becomes a client), else a client; `AsyncConnect` keeps the command loop from ever waiting for the torch
 import or a handshake, `Bounded` keeps a frozen host from wedging a call (see `Bounded`).
 """
+
 from __future__ import annotations
 
 import socket
@@ -22,6 +23,7 @@ def call_bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
             box["v"] = fn()
         except BaseException as e:  # noqa: BLE001 — handed to the caller
             box["e"] = e
+
     t = threading.Thread(target=run, daemon=True, name=f"peerlink-{what}")
     t.start()
     t.join(timeout_s)
@@ -52,14 +54,20 @@ class Bounded:
             except TimeoutError as e:
                 self.broken = str(e)
                 raise
+
         return call
 
 
 def local_addresses() -> set[str]:
     try:
         import psutil
-        return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-                if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+        return {
+            a.address.split("%")[0]
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+        }
     except Exception:  # noqa: BLE001 — best effort; loopback and names still count
         return set()
 
@@ -76,17 +84,20 @@ def make_connect(host: str, port: int, mode: str, eligible: bool, timeout_s: flo
         import datetime
 
         from torch.distributed import TCPStore
+
         timeout = datetime.timedelta(seconds=timeout_s)
         if mode == "always" or (mode == "auto" and eligible):
             try:  # binding fails at once when another process (a node on this machine) hosts it
-                return TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                                timeout=timeout), "host"
+                return TCPStore(
+                    host, port, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timeout
+                ), "host"
             except Exception:  # noqa: BLE001
                 if mode == "always":
                     raise
         # a plain connect first: refused fails at once, where TCPStore would retry for seconds
         socket.create_connection((host, port), timeout=timeout_s).close()
         return TCPStore(host, port, is_master=False, timeout=timeout), "client"
+
     return AsyncConnect(connect, timeout_s)
 
 
@@ -117,5 +128,3 @@ class AsyncConnect:
             raise self.box["e"]
         store, role = self.box["v"]
         return Bounded(store, self.timeout_s), role
-
-

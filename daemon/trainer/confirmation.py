@@ -18,6 +18,7 @@ and a kill meanwhile would go back to the last confirmed checkpoint, or to step 
   * a non-finite held-out loss, like a non-finite streak, withdraws every provisional marker, so
     the rollback goes to the newest good checkpoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,17 @@ class Pending:
 class Confirmation:
     """The checkpoints of one attempt that wait for confirmation, and what becomes of them."""
 
-    def __init__(self, run_dir: os.PathLike | str, hb, confirm_steps: int, keep_last: int,
-                 log: Callable[[str], None], *, provisional_on_commit: bool = False, root: Optional[os.PathLike] = None):
+    def __init__(
+        self,
+        run_dir: os.PathLike | str,
+        hb,
+        confirm_steps: int,
+        keep_last: int,
+        log: Callable[[str], None],
+        *,
+        provisional_on_commit: bool = False,
+        root: Optional[os.PathLike] = None,
+    ):
         self.root = Path(root) if root is not None else ckpt.checkpoints_root(run_dir)
         self.hb = hb
         self.confirm_steps = confirm_steps
@@ -83,13 +93,19 @@ class Confirmation:
 
     def mark_good(self, p: Pending, step: int, **why) -> None:
         if ckpt.validate(p.path, verify_hashes=False) is not None:
-            self.hb.warn(f"checkpoint {p.path.name} is gone or damaged before it could be confirmed", path=str(p.path),
-                         unconfirmed_checkpoints=[str(p.path)])  # the supervisor's ledger marks it bad
+            self.hb.warn(
+                f"checkpoint {p.path.name} is gone or damaged before it could be confirmed",
+                path=str(p.path),
+                unconfirmed_checkpoints=[str(p.path)],
+            )  # the supervisor's ledger marks it bad
             return
         state = ckpt.read_state(p.path)
         if not state.get("weights_finite", False):
-            self.hb.warn(f"checkpoint {p.path.name} has non-finite weights: never good", path=str(p.path),
-                         unconfirmed_checkpoints=[str(p.path)])
+            self.hb.warn(
+                f"checkpoint {p.path.name} has non-finite weights: never good",
+                path=str(p.path),
+                unconfirmed_checkpoints=[str(p.path)],
+            )
             return
         ckpt.mark_good(p.path, confirmed_at_step=step, **why)
         self.hb.checkpoint(p.path, p.step, True)
@@ -136,9 +152,13 @@ class Confirmation:
         self.pending.remove(p)
         if not math.isfinite(heldout_loss):
             self.withdraw_provisional()
-            self.hb.warn(f"checkpoint {p.path.name}: non-finite held-out loss while idle: never good; "
-                         "provisional checkpoints withdrawn", path=str(p.path), heldout_loss=heldout_loss,
-                         unconfirmed_checkpoints=[str(p.path)])
+            self.hb.warn(
+                f"checkpoint {p.path.name}: non-finite held-out loss while idle: never good; "
+                "provisional checkpoints withdrawn",
+                path=str(p.path),
+                heldout_loss=heldout_loss,
+                unconfirmed_checkpoints=[str(p.path)],
+            )
             self.retain()
             raise NonFiniteHeldOut(step, heldout_loss)
         self.mark_good(p, step, reason="idle: finite held-out loss", heldout_loss=heldout_loss)

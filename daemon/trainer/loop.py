@@ -37,6 +37,7 @@ keep the fingerprint of the config as written (`configured`).  Every step beat n
 optimizer step can be compared across runs.  A non-finite step remembers its examples and those whose own
 loss was non-finite; the streak that ends the attempt quarantines them (`trainer.quarantine`) before exit 75.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,11 +63,23 @@ from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
 from hangwatch.daemon.trainer.schedule import WarmupCosine
 
 
-
 class Trainer:
-    def __init__(self, cfg, hb, run_dir, bundle: ModelBundle, source: DataSource, eval_examples: list[Example],
-                 faults, stop, *, attempt: int = 1, out: Optional[TextIO] = None, world: Optional[World] = None,
-                 configured=None):
+    def __init__(
+        self,
+        cfg,
+        hb,
+        run_dir,
+        bundle: ModelBundle,
+        source: DataSource,
+        eval_examples: list[Example],
+        faults,
+        stop,
+        *,
+        attempt: int = 1,
+        out: Optional[TextIO] = None,
+        world: Optional[World] = None,
+        configured=None,
+    ):
         """`configured`: the config as written, when `cfg` is a remedied copy of it (its fingerprint is the run's)."""
         self.cfg = cfg
         self.configured = configured if configured is not None else cfg
@@ -75,10 +88,19 @@ class Trainer:
         self.continuous: Optional[ContinuousDataSource] = source if isinstance(source, ContinuousDataSource) else None
         if self.continuous is not None and self.world.size > 1:
             raise ValueError("continuous mode (data.inbox) trains on one rank only")
-        self.confirmation = (Confirmation(run_dir, hb, cfg.checkpoint.confirm_steps, cfg.checkpoint.keep_last, self.log,
-                                          provisional_on_commit=self.continuous is not None,
-                                          root=ckpt.checkpoints_root(run_dir, cfg.checkpoint.dir))
-                             if self.world.is_main else RankConfirmation(hb))
+        self.confirmation = (
+            Confirmation(
+                run_dir,
+                hb,
+                cfg.checkpoint.confirm_steps,
+                cfg.checkpoint.keep_last,
+                self.log,
+                provisional_on_commit=self.continuous is not None,
+                root=ckpt.checkpoints_root(run_dir, cfg.checkpoint.dir),
+            )
+            if self.world.is_main
+            else RankConfirmation(hb)
+        )
         self.hb = hb
         self.run_dir = Path(run_dir)
         self.bundle = bundle
@@ -132,8 +154,11 @@ class Trainer:
             "data_position": self.boundary_position,
             "world_size": self.world.size,
             "ranks": ranks.ranks_record(rank_states or [self.rank_state()]),
-            "accumulation": {"micro_step": self.accum, "grad_accum": self.cfg.train.grad_accum,
-                             "micro_batch_size": self.cfg.train.micro_batch_size},
+            "accumulation": {
+                "micro_step": self.accum,
+                "grad_accum": self.cfg.train.grad_accum,
+                "micro_batch_size": self.cfg.train.micro_batch_size,
+            },
             "samples": self.samples,
             "tokens": self.tokens,
             "nonfinite_total": self.nonfinite_total,
@@ -154,8 +179,14 @@ class Trainer:
     def fill_checkpoint(self, tmp: Path, rank_states: Optional[list] = None) -> None:
         """Write this step's checkpoint files into `tmp` (for `checkpoint.commit`)."""
         rank_states = rank_states or [self.rank_state()]
-        state.fill(tmp, self.bundle, self.optimizer, self.scheduler, self.trainer_state(rank_states),
-                   [s["rng"] for s in rank_states])
+        state.fill(
+            tmp,
+            self.bundle,
+            self.optimizer,
+            self.scheduler,
+            self.trainer_state(rank_states),
+            [s["rng"] for s in rank_states],
+        )
 
     def restore(self, path: Path) -> None:
         """Continue from checkpoint `path` exactly where it left off."""
@@ -215,8 +246,11 @@ class Trainer:
             last = self.accum == len(micro) - 1
             with contextlib.nullcontext() if last else self.world.no_sync(self.train_module):
                 loss, ce, aux, bad_rows = self.bundle.compute_loss_rows(
-                    collate(batch, self.bundle.tokenizer.pad_token_id), n_labels, self.train_module,
-                    poison=self.faults.poisoned(number, [e.id for e in batch]))
+                    collate(batch, self.bundle.tokenizer.pad_token_id),
+                    n_labels,
+                    self.train_module,
+                    poison=self.faults.poisoned(number, [e.id for e in batch]),
+                )
                 own_bad += [batch[i].id for i in bad_rows]
                 if poison:
                     loss = loss * float("nan")
@@ -261,11 +295,21 @@ class Trainer:
         self.boundary_position = self.source.position()
         own = {"step_time_s": round(own_s, 4)} if self.world.size > 1 else {}  # for the supervisor's straggler check
         return {
-            "finite": finite, "loss": loss_value, "aux_loss": aux_total / n_labels, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None, "step_s": round(elapsed, 4),
-            "samples": self.samples, "tokens": self.tokens, "examples": len(examples), "partial": partial,
-            "examples_digest": examples_digest(ids), **({"example_ids": ids} if len(ids) <= MAX_IDS_IN_BEAT else {}),
-            **own, **self.source.progress(),
+            "finite": finite,
+            "loss": loss_value,
+            "aux_loss": aux_total / n_labels,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": round(n_tokens / elapsed, 1) if elapsed > 0 else None,
+            "step_s": round(elapsed, 4),
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "examples": len(examples),
+            "partial": partial,
+            "examples_digest": examples_digest(ids),
+            **({"example_ids": ids} if len(ids) <= MAX_IDS_IN_BEAT else {}),
+            **own,
+            **self.source.progress(),
         }
 
     def after_step(self, m: dict) -> None:
@@ -280,15 +324,25 @@ class Trainer:
             where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
             if m["partial"]:
                 where += f" (partial: {m['examples']} of {self.step_size} examples)"
-            self.log(f"step {self.step}/{t.max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.3e} "
-                     f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} {where}")
+            self.log(
+                f"step {self.step}/{t.max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.3e} "
+                f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']} {where}"
+            )
             self.confirmation.confirm(self.step)
             return
         dropped = self.confirmation.unconfirm()
-        self.hb.warn("non-finite loss or gradient norm: optimizer step skipped", loss=m["loss"], grad_norm=m["grad_norm"],
-                     streak=self.nonfinite_streak, nonfinite_total=self.nonfinite_total, unconfirmed_checkpoints=dropped)
-        self.log(f"step {self.step + 1}: non-finite (loss {m['loss']}, grad_norm {m['grad_norm']}) — skipped, "
-                 f"{self.nonfinite_streak} in a row (limit {t.max_nonfinite_streak})")
+        self.hb.warn(
+            "non-finite loss or gradient norm: optimizer step skipped",
+            loss=m["loss"],
+            grad_norm=m["grad_norm"],
+            streak=self.nonfinite_streak,
+            nonfinite_total=self.nonfinite_total,
+            unconfirmed_checkpoints=dropped,
+        )
+        self.log(
+            f"step {self.step + 1}: non-finite (loss {m['loss']}, grad_norm {m['grad_norm']}) — skipped, "
+            f"{self.nonfinite_streak} in a row (limit {t.max_nonfinite_streak})"
+        )
         if self.nonfinite_streak >= t.max_nonfinite_streak:
             self.confirmation.withdraw_provisional()
             self.quarantine_streak()
@@ -323,16 +377,25 @@ class Trainer:
             position = self.boundary_position
             # Continuous mode: resumable (provisional) from the instant it exists, before it is announced
             # and before its data is recorded as done.
-            path = ckpt.commit(root, self.step, lambda tmp: self.fill_checkpoint(tmp, rank_states),
-                               markers=self.confirmation.commit_markers)
+            path = ckpt.commit(
+                root,
+                self.step,
+                lambda tmp: self.fill_checkpoint(tmp, rank_states),
+                markers=self.confirmation.commit_markers,
+            )
             self.last_saved_step = self.step
             provisional = (path / ckpt.PROVISIONAL).exists()
-            self.hb.checkpoint(path, self.step, False, save_s=round(time.perf_counter() - started, 4),
-                               provisional=provisional)
-            self.log(f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)"
-                     + (", provisional" if provisional else ""))
+            self.hb.checkpoint(
+                path, self.step, False, save_s=round(time.perf_counter() - started, 4), provisional=provisional
+            )
+            self.log(
+                f"checkpoint {path.name} saved ({time.perf_counter() - started:.2f}s)"
+                + (", provisional" if provisional else "")
+            )
             if self.continuous is not None:
-                self.continuous.commit(position, self.step)  # after the manifest: a kill before this is repaired by the resume
+                self.continuous.commit(
+                    position, self.step
+                )  # after the manifest: a kill before this is repaired by the resume
             self.confirmation.committed(Pending(path, self.step), self.step)
         return path
 
@@ -341,12 +404,23 @@ class Trainer:
         number = self.step // every
         with self.hb.phase("eval", budget_s=self.cfg.watchdog.phase_budgets_s.get("eval")):
             processors = self.faults.before_eval(self.step, number, self.bundle)
-            summary = run_eval(self.bundle, self.cfg, self.hb, self.run_dir, self.step, self.eval_examples,
-                               attempt=self.attempt, processors=processors, should_stop=lambda: bool(self.stop),
-                               world=self.world)
+            summary = run_eval(
+                self.bundle,
+                self.cfg,
+                self.hb,
+                self.run_dir,
+                self.step,
+                self.eval_examples,
+                attempt=self.attempt,
+                processors=processors,
+                should_stop=lambda: bool(self.stop),
+                world=self.world,
+            )
         loss = summary["loss"]
-        self.log(f"eval {number} at step {self.step}: loss {'-' if loss is None else f'{loss:.4f}'}, "
-                 f"{summary['generations']} generations")
+        self.log(
+            f"eval {number} at step {self.step}: loss {'-' if loss is None else f'{loss:.4f}'}, "
+            f"{summary['generations']} generations"
+        )
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -404,8 +478,11 @@ class Trainer:
             # The step's checkpoint may already exist (saved on schedule just before the request,
             # common while continuous mode idles): it too must not wait for a confirmation that
             # this attempt will never give.
-            path = (self.save_checkpoint() if self.last_saved_step != self.step
-                    else ckpt.checkpoints_root(self.run_dir, self.cfg.checkpoint.dir) / ckpt.step_name(self.step))
+            path = (
+                self.save_checkpoint()
+                if self.last_saved_step != self.step
+                else ckpt.checkpoints_root(self.run_dir, self.cfg.checkpoint.dir) / ckpt.step_name(self.step)
+            )
             finite = self.nonfinite_streak == 0 and self.bundle.weights_finite()
             self.confirmation.provisional_on_stop(path, finite, f"graceful stop on {self.stop_reason}")
         self.log(f"stopping on {self.stop_reason} at step {self.step}")

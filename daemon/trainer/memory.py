@@ -18,6 +18,7 @@ is one too, and the trainer hands it in (`note_model(probe=...)`).  Gathering ev
 that cannot be read is left out, and with nothing noted there is no `memory` object.  The state is the process's
 (one worker, one trainer); a new trainer notes it afresh.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

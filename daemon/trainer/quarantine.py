@@ -23,6 +23,7 @@ knows whether it fails at the same optimizer steps again.
 Multi-rank: each rank looks at its own share of the step; rank 0 gathers and writes (`trainer.loop`).
 Continuous mode (the inbox) has no quarantine: its files are accepted or rejected whole at intake.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,13 +89,21 @@ def culprits(streak: list[BadStep], earlier: list[dict], streaks: list[dict]) ->
 def record(run_dir: os.PathLike | str, streak: list[BadStep], attempt: int, now: Optional[float] = None) -> list[dict]:
     """Append the culprits of `streak` to quarantine.jsonl (durably, before the worker exits); returns the new records."""
     t = time.time() if now is None else now
-    new = [{"id": i, "reason": reason, "step": step, "attempt": attempt, "t": t}
-           for i, reason, step in culprits(streak, read(run_dir), read_streaks(run_dir))]
+    new = [
+        {"id": i, "reason": reason, "step": step, "attempt": attempt, "t": t}
+        for i, reason, step in culprits(streak, read(run_dir), read_streaks(run_dir))
+    ]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if new:
         append_durable(path_for(run_dir), "".join(json.dumps(r) + "\n" for r in new).encode("utf-8"))
-    seen = {"steps": sorted({s.step for s in streak}), "attempt": attempt, "own": [i for s in streak for i in s.own],
-            "examples": sum(len(s.ids) for s in streak), "quarantined": len(new), "t": t}
+    seen = {
+        "steps": sorted({s.step for s in streak}),
+        "attempt": attempt,
+        "own": [i for s in streak for i in s.own],
+        "examples": sum(len(s.ids) for s in streak),
+        "quarantined": len(new),
+        "t": t,
+    }
     append_durable(Path(run_dir) / STREAKS_NAME, (json.dumps(seen) + "\n").encode("utf-8"))
     return new
 
@@ -104,10 +113,16 @@ def report(new: list[dict], hb, log) -> None:
     if not new:
         return
     ids = [r["id"] for r in new]
-    hb.warn(f"quarantined {len(ids)} training example(s): {', '.join(ids[:10])}" + (" …" if len(ids) > 10 else ""),
-            quarantined=ids, reason=new[0]["reason"], step=new[0]["step"])
-    log(f"quarantine: {len(ids)} example(s) ({new[0]['reason']}) will be skipped from the next attempt on: "
-        + ", ".join(ids))
+    hb.warn(
+        f"quarantined {len(ids)} training example(s): {', '.join(ids[:10])}" + (" …" if len(ids) > 10 else ""),
+        quarantined=ids,
+        reason=new[0]["reason"],
+        step=new[0]["step"],
+    )
+    log(
+        f"quarantine: {len(ids)} example(s) ({new[0]['reason']}) will be skipped from the next attempt on: "
+        + ", ".join(ids)
+    )
 
 
 def examples_digest(ids: list[str]) -> str:

@@ -14,6 +14,7 @@ Per-rank state.  Dropout must differ between ranks, so each rank seeds its RNGs 
 states and data position: rank 0 gathers them and writes `rng.pt` (its own, the single-process file)
 and `rng-rank<R>.pt` for the others, and `ranks` in trainer_state.json: [{rank, data_position}].
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -27,9 +28,10 @@ def rank_micro_batches(examples: Sequence, rank: int, world: int, micro: int) ->
     if world > 1 and len(examples) % per_micro:
         # Every rank must run as many forward/backward passes as the others, or their gradient
         # exchanges would not pair up.
-        raise ValueError(f"a step of {len(examples)} examples does not split into micro-batches of {micro} "
-                         f"on each of {world} ranks")
-    return [list(examples[i + rank * micro:i + (rank + 1) * micro]) for i in range(0, len(examples), per_micro)]
+        raise ValueError(
+            f"a step of {len(examples)} examples does not split into micro-batches of {micro} on each of {world} ranks"
+        )
+    return [list(examples[i + rank * micro : i + (rank + 1) * micro]) for i in range(0, len(examples), per_micro)]
 
 
 def eval_shard(examples: Sequence, rank: int, world: int) -> list:
@@ -78,5 +80,9 @@ def saved_world_size(saved: dict) -> int:
 
 def effective_batch(micro: int, grad_accum: int, world: int) -> dict[str, Any]:
     """The numbers the start beat and log report: examples per optimizer step, and how they come about."""
-    return {"world_size": world, "micro_batch_size": micro, "grad_accum": grad_accum,
-            "effective_batch": micro * grad_accum * world}
+    return {
+        "world_size": world,
+        "micro_batch_size": micro,
+        "grad_accum": grad_accum,
+        "effective_batch": micro * grad_accum * world,
+    }

@@ -11,6 +11,7 @@ and `model.gradient_checkpointing`, and checkpoints keep the fingerprint of the 
 A record made for another config (the user changed the batch since) or one whose product is not the
 config's effective batch is ignored, with a warning.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ KEYS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
 
 
 def configured(cfg) -> dict:
-    return {"micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
-            "gradient_checkpointing": bool(cfg.model.gradient_checkpointing)}
+    return {
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+    }
 
 
 def read(run_dir: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]]:
@@ -37,14 +41,20 @@ def read(run_dir: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]
     base = configured(cfg)
     try:
         setting = {k: record[k] for k in KEYS}
-        ok = (record.get("version") == FORMAT_VERSION and record.get("configured") == base
-              and int(setting["micro_batch_size"]) >= 1 and int(setting["grad_accum"]) >= 1
-              and setting["micro_batch_size"] * setting["grad_accum"] == base["micro_batch_size"] * base["grad_accum"])
+        ok = (
+            record.get("version") == FORMAT_VERSION
+            and record.get("configured") == base
+            and int(setting["micro_batch_size"]) >= 1
+            and int(setting["grad_accum"]) >= 1
+            and setting["micro_batch_size"] * setting["grad_accum"] == base["micro_batch_size"] * base["grad_accum"]
+        )
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        return None, (f"{REMEDIATION_NAME} does not apply to this config (made for {record.get('configured')}, the config "
-                      f"has {base}): training with the config's setting")
+        return None, (
+            f"{REMEDIATION_NAME} does not apply to this config (made for {record.get('configured')}, the config "
+            f"has {base}): training with the config's setting"
+        )
     if setting == base:
         return None, None
     return {**setting, "configured": base, "oom_restarts": len(record.get("history", []))}, None
@@ -54,8 +64,9 @@ def apply(cfg, setting: Optional[dict]):
     """A copy of `cfg` training with `setting` (`cfg` itself when there is none)."""
     if setting is None:
         return cfg
-    train = cfg.train.model_copy(update={"micro_batch_size": int(setting["micro_batch_size"]),
-                                         "grad_accum": int(setting["grad_accum"])})
+    train = cfg.train.model_copy(
+        update={"micro_batch_size": int(setting["micro_batch_size"]), "grad_accum": int(setting["grad_accum"])}
+    )
     model = cfg.model.model_copy(update={"gradient_checkpointing": bool(setting["gradient_checkpointing"])})
     return cfg.model_copy(update={"train": train, "model": model})
 
@@ -64,9 +75,11 @@ def words(setting: dict) -> str:
     """The start line's words."""
     c = setting["configured"]
     gc = ", gradient checkpointing on" if setting["gradient_checkpointing"] and not c["gradient_checkpointing"] else ""
-    return (f"OOM remediation in force ({setting['oom_restarts']} out-of-memory restart(s)): micro_batch_size "
-            f"{setting['micro_batch_size']} × grad_accum {setting['grad_accum']}{gc} (configured "
-            f"{c['micro_batch_size']} × {c['grad_accum']}; the same effective batch and examples per optimizer step)")
+    return (
+        f"OOM remediation in force ({setting['oom_restarts']} out-of-memory restart(s)): micro_batch_size "
+        f"{setting['micro_batch_size']} × grad_accum {setting['grad_accum']}{gc} (configured "
+        f"{c['micro_batch_size']} × {c['grad_accum']}; the same effective batch and examples per optimizer step)"
+    )
 
 
 def beat_fields(setting: Optional[dict]) -> dict:

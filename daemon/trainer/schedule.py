@@ -1,4 +1,5 @@
 """The learning-rate schedule, in optimizer steps (so a resumed run continues it exactly)."""
+
 from __future__ import annotations
 
 import math

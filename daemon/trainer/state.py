@@ -8,6 +8,7 @@ an optimizer-step boundary; one saved mid-accumulation is refused.
 A multi-rank run's checkpoint is written once, by rank 0, with every rank's RNG states: rank 0's in
 `rng.pt` (the single-process file), rank R's in `rng-rank<R>.pt` (`trainer.ranks`).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_current"])
 
 
-def fill(tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: dict, rngs: Optional[list] = None) -> None:
+def fill(
+    tmp: Path, bundle: ModelBundle, optimizer, scheduler, trainer_state: dict, rngs: Optional[list] = None
+) -> None:
     """Write a checkpoint's files into `tmp` (the directory `checkpoint.commit` then makes durable);
     `rngs` are every rank's RNG states in rank order (default: this process's)."""
     from safetensors.torch import save_file
@@ -96,11 +99,15 @@ def load_weights(path: Path, bundle: ModelBundle, optimizer, scheduler) -> dict:
     state = ckpt.read_state(path)
     accum = state["accumulation"]
     if accum["micro_step"] != 0:
-        raise RuntimeError(f"{path}: saved mid-accumulation (micro_step {accum['micro_step']}); checkpoints are step boundaries")
+        raise RuntimeError(
+            f"{path}: saved mid-accumulation (micro_step {accum['micro_step']}); checkpoints are step boundaries"
+        )
     bundle.load_adapter_state(load_file(str(path / ADAPTER_FILE), device="cpu"))
     if (path / EXTRA_FILE).exists() or bundle.extra:
         if not (path / EXTRA_FILE).exists():
-            raise RuntimeError(f"{path}: the model has extra trainable modules {sorted(bundle.extra)} but the checkpoint holds none")
+            raise RuntimeError(
+                f"{path}: the model has extra trainable modules {sorted(bundle.extra)} but the checkpoint holds none"
+            )
         bundle.load_extra_state(load_file(str(path / EXTRA_FILE), device="cpu"))
     if not bundle.weights_finite():
         raise RuntimeError(f"{path}: restored weights are not finite")

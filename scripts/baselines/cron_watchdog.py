@@ -10,6 +10,7 @@ Prints one JSON object: whether it noticed, when (seconds after start, and as wa
 many times it polled and restarted, and whether the run finished within the allowance.  It takes no
 stack dump by construction; whether one exists is for the caller to check in the run directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,21 @@ def main() -> int:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    print(json.dumps({"noticed": noticed_at is not None, "noticed_after_s": noticed_at, "noticed_unix": noticed_unix,
-                      "started_unix": started_unix, "poll_s": a.poll_s, "threshold_s": a.threshold_s, "polls": polls,
-                      "restarts": restarts, "finished": finished}))
+    print(
+        json.dumps(
+            {
+                "noticed": noticed_at is not None,
+                "noticed_after_s": noticed_at,
+                "noticed_unix": noticed_unix,
+                "started_unix": started_unix,
+                "poll_s": a.poll_s,
+                "threshold_s": a.threshold_s,
+                "polls": polls,
+                "restarts": restarts,
+                "finished": finished,
+            }
+        )
+    )
     return 0
 
 

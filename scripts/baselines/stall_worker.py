@@ -13,6 +13,7 @@ looks like; later attempts run `--steps` steps and exit 0 after `stop finished`.
 SIGTERM is only recorded, as the real worker does while it is stuck: the read goes on, so the
 supervisor has to escalate to SIGKILL.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -6,6 +6,7 @@ Each rank writes `start`, enters `train` and emits one `step` beat per period fo
 `stop finished`. It stands in for `torchrun --nproc-per-node=8 train.py` when measuring what the
 supervisor itself costs, without the ranks' own training work skewing the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,11 @@ def main() -> int:
     procs = []
     for r in range(a.ranks):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(a.ranks))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-child", "--hz", str(a.hz),
-                                       "--seconds", str(a.seconds)], env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank-child", "--hz", str(a.hz), "--seconds", str(a.seconds)], env=env
+            )
+        )
     codes = [p.wait() for p in procs]
     return max(codes)
 

@@ -54,6 +54,7 @@ prints the markdown.  The figures are for reading: no threshold on them passes o
 exit status says whether every section could be measured: 0; 1 when a section raised (the others still
 run, and its error is in both files); 2 for a usage error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,39 @@ from typing import Optional
 if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; import it as the package `bench`
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench import (cli_latency, detection, footprint, heartbeat_cost, instrument_cost, multinode, own_command,  # noqa: E402
-                   overrun, prewarm, recovery, side_by_side, soak, weight)
+from bench import (
+    cli_latency,
+    detection,
+    footprint,
+    heartbeat_cost,
+    instrument_cost,
+    multinode,
+    overrun,
+    own_command,  # noqa: E402
+    prewarm,
+    recovery,
+    side_by_side,
+    soak,
+    weight,
+)
 from bench.harness import ROOT  # noqa: E402
 from bench.report import machine_info, to_markdown  # noqa: E402
 
-SECTIONS = ("heartbeat", "detection", "recovery", "footprint", "side_by_side", "cli", "prewarm", "multinode",
-            "instrument", "own_command", "overrun", "soak", "weight")
+SECTIONS = (
+    "heartbeat",
+    "detection",
+    "recovery",
+    "footprint",
+    "side_by_side",
+    "cli",
+    "prewarm",
+    "multinode",
+    "instrument",
+    "own_command",
+    "overrun",
+    "soak",
+    "weight",
+)
 ON_REQUEST = ("soak",)  # an hour long: run when named in --only, never as part of the whole benchmark
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ON_REQUEST)
 
@@ -97,7 +124,9 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
     if name == "detection":
         return detection.section(work, args.quick, args.jobs)
     if name == "recovery":  # beside recovery, the cold start the heartbeat section measured (when it ran)
-        return recovery.section(work, args.quick, (res["sections"].get("heartbeat") or {}).get("cold_start_to_first_step"))
+        return recovery.section(
+            work, args.quick, (res["sections"].get("heartbeat") or {}).get("cold_start_to_first_step")
+        )
     if name == "footprint":
         return footprint.section(work, args.quick)
     if name == "cli":
@@ -120,17 +149,31 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="tiny trial counts and durations (plumbing check)")
     ap.add_argument("--out", type=Path, default=ROOT, help="where bench-results.json and bench-results.md go")
-    ap.add_argument("--only", type=parse_only, default=list(DEFAULT_SECTIONS), metavar="SECTION[,SECTION…]",
-                    help=f"run only these sections: {', '.join(SECTIONS)} (soak only when named here)")
+    ap.add_argument(
+        "--only",
+        type=parse_only,
+        default=list(DEFAULT_SECTIONS),
+        metavar="SECTION[,SECTION…]",
+        help=f"run only these sections: {', '.join(SECTIONS)} (soak only when named here)",
+    )
     ap.add_argument("--jobs", type=int, default=4, help="detection trials run at once (default 4)")
-    ap.add_argument("--allowance-s", type=float, default=None,
-                    help="wall clock each side-by-side contender gets (default 120; 20 with --quick)")
-    ap.add_argument("--soak-minutes", type=float, default=None,
-                    help="how long the soak section runs (default 60; 1 with --quick)")
+    ap.add_argument(
+        "--allowance-s",
+        type=float,
+        default=None,
+        help="wall clock each side-by-side contender gets (default 120; 20 with --quick)",
+    )
+    ap.add_argument(
+        "--soak-minutes", type=float, default=None, help="how long the soak section runs (default 60; 1 with --quick)"
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (with --workdir)")
     return ap
@@ -171,8 +214,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     t0 = time.monotonic()
     given = argv if argv is not None else sys.argv[1:]
-    res: dict = {"command": " ".join(["python scripts/bench", *given]), "quick": args.quick, "machine": machine_info(),
-                 "sections": {}, "section_wall_s": {}, "section_load_average_1min_at_start": {}}
+    res: dict = {
+        "command": " ".join(["python scripts/bench", *given]),
+        "quick": args.quick,
+        "machine": machine_info(),
+        "sections": {},
+        "section_wall_s": {},
+        "section_load_average_1min_at_start": {},
+    }
     base = Path(tempfile.mkdtemp(prefix="hangwatch-bench-", dir=args.workdir))
     try:
         failed = run_sections(args, base, res)
@@ -188,7 +237,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "bench-results.md").write_text(md + "\n")
     print(md)
     if failed:
-        print(f"bench: section(s) failed: {', '.join(failed)} (see their error in the table and the JSON)", file=sys.stderr)
+        print(
+            f"bench: section(s) failed: {', '.join(failed)} (see their error in the table and the JSON)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -4,6 +4,7 @@ of a 1,000-line file (the CLI, then the worker-side check with the run's tokeniz
 the tiny model's tokenizer and for a local tokenizer directory (saved with save_pretrained) both before and
 after its first use.  Also which heavy packages each command imported (PYTHONPROFILEIMPORTTIME, which a
 child process inherits), because "imports only what it needs" is what keeps these figures down."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,15 @@ SUBMIT_GOAL_S = 1.0
 SUBMIT_LINES = 1000
 JITTER_S = 0.3  # a little more than the default loop period (watchdog.poll_interval_s 0.25)
 HEAVY = ("pydantic", "yaml", "structlog", "rich", "torch", "transformers", "numpy", "jinja2", "tokenizers")
-TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
-        "num_kv_heads": 2, "max_position": 128}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_position": 128,
+}
 
 
 def hangwatch_argv() -> list[str]:
@@ -45,15 +53,20 @@ def timed(argv: list[str], child_env: dict) -> tuple[float, subprocess.Completed
 
 def heavy_imports(argv: list[str], child_env: dict) -> list[str]:
     """The packages of HEAVY that one run of `argv` (and any Python child it starts) imported."""
-    done = subprocess.run(argv, cwd=ROOT, env={**child_env, "PYTHONPROFILEIMPORTTIME": "1"}, capture_output=True,
-                          text=True, timeout=120)
-    names = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()
-             if line.startswith("import time:") and "|" in line}
+    done = subprocess.run(
+        argv, cwd=ROOT, env={**child_env, "PYTHONPROFILEIMPORTTIME": "1"}, capture_output=True, text=True, timeout=120
+    )
+    names = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
     return sorted(names & set(HEAVY))
 
 
-def trials(argv: list[str], child_env: dict, n: int, ok=lambda d: d.returncode == 0,
-           jitter_s: float = 0.0) -> tuple[list[float], list[str]]:
+def trials(
+    argv: list[str], child_env: dict, n: int, ok=lambda d: d.returncode == 0, jitter_s: float = 0.0
+) -> tuple[list[float], list[str]]:
     """Wall times of `n` sequential runs of `argv`; the runs that failed, as errors.  A random pause of up to
     `jitter_s` before each keeps the runs from falling into step with the supervisor's loop period (a person
     typing a command is not in step with it either)."""
@@ -104,8 +117,11 @@ def instant_daemon(path: Path, reply: dict):
 def status_figures(work: Path, n: int, child_env: dict) -> dict:
     """`hangwatch status` (rich view) and `status --json` against a real supervisor watching a sleeping worker."""
     run_dir = work / "run"
-    cfg = {"run_dir": str(run_dir), "worker": {"command": [PY, "-c", "import time; time.sleep(600)"]},
-           "watchdog": {"py_spy": False, "startup_timeout_s": 600}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": [PY, "-c", "import time; time.sleep(600)"]},
+        "watchdog": {"py_spy": False, "startup_timeout_s": 600},
+    }
     proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out")
     try:
         limit = time.monotonic() + 60
@@ -122,12 +138,18 @@ def status_figures(work: Path, n: int, child_env: dict) -> dict:
             alone = [*hangwatch_argv(), "status", "--socket", str(sock)]
             view_alone, e1 = trials(alone, child_env, n)
             json_alone, e2 = trials([*alone, "--json"], child_env, n)
-        return {"python_startup_s": summary(floor), "status_s": summary(view), "status_json_s": summary(as_json),
-                "status_samples_s": view, "status_json_samples_s": as_json,
-                "status_instant_s": summary(view_alone), "status_json_instant_s": summary(json_alone),
-                "errors": view_err + json_err + e1 + e2,
-                "status_imports": heavy_imports(base, child_env),
-                "status_json_imports": heavy_imports([*base, "--json"], child_env)}
+        return {
+            "python_startup_s": summary(floor),
+            "status_s": summary(view),
+            "status_json_s": summary(as_json),
+            "status_samples_s": view,
+            "status_json_samples_s": as_json,
+            "status_instant_s": summary(view_alone),
+            "status_json_instant_s": summary(json_alone),
+            "errors": view_err + json_err + e1 + e2,
+            "status_imports": heavy_imports(base, child_env),
+            "status_json_imports": heavy_imports([*base, "--json"], child_env),
+        }
     finally:
         proc.send_signal(signal.SIGTERM)
         wait_exit(proc, 30)
@@ -151,9 +173,11 @@ def thousand_lines(path: Path, salt: str) -> Path:
 
 def save_local_tokenizer(where: Path) -> Path:
     """A model directory holding only the tiny tokenizer (save_pretrained) and a config.json."""
-    code = ("import sys; from hangwatch.daemon.model import build_tiny_tokenizer; "
-            "from transformers import LlamaConfig; d = sys.argv[1]; "
-            "build_tiny_tokenizer(128).save_pretrained(d); LlamaConfig(vocab_size=128).save_pretrained(d)")
+    code = (
+        "import sys; from hangwatch.daemon.model import build_tiny_tokenizer; "
+        "from transformers import LlamaConfig; d = sys.argv[1]; "
+        "build_tiny_tokenizer(128).save_pretrained(d); LlamaConfig(vocab_size=128).save_pretrained(d)"
+    )
     subprocess.run([PY, "-c", code, str(where)], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
     return where
 
@@ -182,7 +206,9 @@ def submit_figures(work: Path, n: int, child_env: dict) -> dict:
     cfg = {"run_dir": str(work / "imports" / "run"), "model": tiny, "data": {"inbox": True, "max_length": 64}}
     data = thousand_lines(work / "imports.jsonl", "imports-")
     out["submit_tiny_imports"] = heavy_imports(
-        [*hangwatch_argv(), "submit", "--config", str(write_yaml(work / "imports" / "cfg.yaml", cfg)), str(data)], child_env)
+        [*hangwatch_argv(), "submit", "--config", str(write_yaml(work / "imports" / "cfg.yaml", cfg)), str(data)],
+        child_env,
+    )
 
     local = {"name_or_path": str(save_local_tokenizer(work / "local-model")), "device": "cpu"}
     first, err = submit_trial(work, "local-first", 0, local, child_env)
@@ -203,17 +229,21 @@ def section(work: Path, quick: bool) -> dict:
     submit = submit_figures(work / "submit", n_submit, child_env)
     return {
         "method": f"`{' '.join(Path(a).name for a in hangwatch_argv())} status --run-dir RUN` (and `--json`) spawned "
-                  f"{n_status} times in a row (a random 0–{JITTER_S:g} s pause before each, so as not to fall into step "
-                  f"with the loop period) against a real supervisor watching a sleeping worker, wall clock from "
-                  f"spawn to exit (time.perf_counter), beside `python -c pass` for the interpreter's own start, and "
-                  f"against a socket that answers at once (threads of the bench, the real supervisor's status reply "
-                  f"canned): the command's own share; "
-                  f"`hangwatch submit --config CFG FILE` of a fresh {SUBMIT_LINES}-line file (configs/data/train.jsonl "
-                  f"cycled, both formats) into a fresh run dir, {n_submit} times: the tiny model's tokenizer, and a "
-                  f"local model directory holding the tiny tokenizer saved with save_pretrained (its first submit, "
-                  f"with an empty XDG_CACHE_HOME, then the later ones). Imports: one more run of each with "
-                  f"PYTHONPROFILEIMPORTTIME=1 (children inherit it), the heavy packages named ({', '.join(HEAVY)}).",
-        "goals": {"status_p50_s": STATUS_GOAL_S, "submit_s": SUBMIT_GOAL_S}, "lines": SUBMIT_LINES,
-        **status, **{k: v for k, v in submit.items() if k != "errors"}, "errors": status["errors"] + submit["errors"],
-        "python": sys.version.split()[0], "cores_usable": len(os.sched_getaffinity(0)),
+        f"{n_status} times in a row (a random 0–{JITTER_S:g} s pause before each, so as not to fall into step "
+        f"with the loop period) against a real supervisor watching a sleeping worker, wall clock from "
+        f"spawn to exit (time.perf_counter), beside `python -c pass` for the interpreter's own start, and "
+        f"against a socket that answers at once (threads of the bench, the real supervisor's status reply "
+        f"canned): the command's own share; "
+        f"`hangwatch submit --config CFG FILE` of a fresh {SUBMIT_LINES}-line file (configs/data/train.jsonl "
+        f"cycled, both formats) into a fresh run dir, {n_submit} times: the tiny model's tokenizer, and a "
+        f"local model directory holding the tiny tokenizer saved with save_pretrained (its first submit, "
+        f"with an empty XDG_CACHE_HOME, then the later ones). Imports: one more run of each with "
+        f"PYTHONPROFILEIMPORTTIME=1 (children inherit it), the heavy packages named ({', '.join(HEAVY)}).",
+        "goals": {"status_p50_s": STATUS_GOAL_S, "submit_s": SUBMIT_GOAL_S},
+        "lines": SUBMIT_LINES,
+        **status,
+        **{k: v for k, v in submit.items() if k != "errors"},
+        "errors": status["errors"] + submit["errors"],
+        "python": sys.version.split()[0],
+        "cores_usable": len(os.sched_getaffinity(0)),
     }

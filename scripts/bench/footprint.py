@@ -2,6 +2,7 @@
 second while it watches synthetic ranks (scripts/baselines/synthetic_ranks.py) — 8 ranks at 20 Hz and
 64 ranks at 10 Hz, each against its goal — and while it watches a worker with nothing due (idle); and
 how long it takes to start."""
+
 from __future__ import annotations
 
 import signal
@@ -19,8 +20,10 @@ from .harness import PY, SYNTHETIC_RANKS, control, hangwatch_run, summary, wait_
 LOADS = ((8, 20.0, 1.0), (64, 10.0, 3.0))
 RSS_GOAL_MIB = 40.0
 RANKS, HZ = LOADS[0][:2]  # the headline load (the figures at the top level of the section's results)
-IDLE_WORKER = ("from hangwatch.daemon.heartbeat import Heartbeat; import time; hb = Heartbeat.from_env(); "
-               "hb.start(); hb.enter_phase('idle'); time.sleep(3600)")
+IDLE_WORKER = (
+    "from hangwatch.daemon.heartbeat import Heartbeat; import time; hb = Heartbeat.from_env(); "
+    "hb.start(); hb.enter_phase('idle'); time.sleep(3600)"
+)
 
 
 def line_count(files: list[Path]) -> int:
@@ -50,8 +53,14 @@ def sample(sup: psutil.Process, window: float) -> dict:
         cpu_pct.append(100.0 * (c - prev_c) / (now - prev_w))
         prev_c, prev_w = c, now
     wall = time.monotonic() - w0
-    return {"rss": rss, "cpu_pct": cpu_pct, "cpu_total_s": cpu_s(sup) - c0, "wall_s": wall,
-            "wakeups_per_s": (wakeups(sup) - k0) / wall, "threads": sup.num_threads()}
+    return {
+        "rss": rss,
+        "cpu_pct": cpu_pct,
+        "cpu_total_s": cpu_s(sup) - c0,
+        "wall_s": wall,
+        "wakeups_per_s": (wakeups(sup) - k0) / wall,
+        "threads": sup.num_threads(),
+    }
 
 
 def start_synthetic(work: Path, ranks: int, hz: float, seconds: float, environ: Optional[dict] = None) -> tuple:
@@ -59,11 +68,14 @@ def start_synthetic(work: Path, ranks: int, hz: float, seconds: float, environ: 
     beaten: (the supervisor's Popen, the run dir, the heartbeat files).  `environ`: the supervisor's environment
     (default: the harness's)."""
     run_dir = work / "run"
-    cfg = {"run_dir": str(run_dir),
-           "worker": {"command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz),
-                                  "--seconds", str(seconds)],
-                      "instrument": "off"},  # one process writing every rank's beats: the supervisor's cost alone
-           "watchdog": {"py_spy": False}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {
+            "command": [PY, str(SYNTHETIC_RANKS), "--ranks", str(ranks), "--hz", str(hz), "--seconds", str(seconds)],
+            "instrument": "off",
+        },  # one process writing every rank's beats: the supervisor's cost alone
+        "watchdog": {"py_spy": False},
+    }
     cfg_path = write_yaml(work / "cfg.yaml", cfg)
     proc = hangwatch_run(cfg_path, work / "supervisor.out", environ=environ)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(ranks)]
@@ -87,13 +99,22 @@ def watch_load(work: Path, ranks: int, hz: float, window: float, settle: float, 
     proc.send_signal(signal.SIGTERM)
     code = wait_exit(proc, 60)
     state = rundir.read_json(run_dir / rundir.STATE_NAME) or {}
-    return {"ranks": ranks, "hz": hz, "window_s": s["wall_s"],
-            "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
-            "cpu_percent_per_second": s["cpu_pct"], "cpu_percent": summary(s["cpu_pct"]),
-            "rss_bytes_samples": s["rss"], "rss_mib": summary([r / 2**20 for r in s["rss"]]),
-            "wakeups_per_s": s["wakeups_per_s"], "threads": s["threads"],
-            "heartbeat_lines_in_window": lines, "lines_per_s": lines / s["wall_s"],
-            "torn_lines": state.get("torn_lines"), "supervisor_exit": code}
+    return {
+        "ranks": ranks,
+        "hz": hz,
+        "window_s": s["wall_s"],
+        "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
+        "cpu_percent_per_second": s["cpu_pct"],
+        "cpu_percent": summary(s["cpu_pct"]),
+        "rss_bytes_samples": s["rss"],
+        "rss_mib": summary([r / 2**20 for r in s["rss"]]),
+        "wakeups_per_s": s["wakeups_per_s"],
+        "threads": s["threads"],
+        "heartbeat_lines_in_window": lines,
+        "lines_per_s": lines / s["wall_s"],
+        "torn_lines": state.get("torn_lines"),
+        "supervisor_exit": code,
+    }
 
 
 def idle(work: Path, window: float) -> dict:
@@ -114,16 +135,23 @@ def idle(work: Path, window: float) -> dict:
     s = sample(sup, window)
     proc.send_signal(signal.SIGTERM)
     code = wait_exit(proc, 60)
-    return {"window_s": s["wall_s"], "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
-            "wakeups_per_s": s["wakeups_per_s"], "rss_mib": summary([r / 2**20 for r in s["rss"]]),
-            "supervisor_exit": code}
+    return {
+        "window_s": s["wall_s"],
+        "cpu_percent_whole_window": 100.0 * s["cpu_total_s"] / s["wall_s"],
+        "wakeups_per_s": s["wakeups_per_s"],
+        "rss_mib": summary([r / 2**20 for r in s["rss"]]),
+        "supervisor_exit": code,
+    }
 
 
 def supervisor_start_trial(tmp: Path) -> dict:
     """Spawn of `hangwatch run` → its worker spawned, and → its control socket answering `status`."""
     run_dir = tmp / "run"
-    cfg = {"run_dir": str(run_dir), "worker": {"command": [PY, "-c", "import time; time.sleep(600)"]},
-           "watchdog": {"py_spy": False, "startup_timeout_s": 600}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": [PY, "-c", "import time; time.sleep(600)"]},
+        "watchdog": {"py_spy": False, "startup_timeout_s": 600},
+    }
     cfg_path = write_yaml(tmp / "cfg.yaml", cfg)
     t0 = time.monotonic()
     proc = hangwatch_run(cfg_path, tmp / "supervisor.out")
@@ -166,19 +194,35 @@ def section(work: Path, quick: bool) -> dict:
     head = loads[0]
     return {
         "method": "`hangwatch run` watching synthetic ranks (scripts/baselines/synthetic_ranks.py) each beating a "
-                  f"step line at a fixed rate — {', '.join(f'{r} ranks at {h:g} Hz (goal ≤ {g:g} % of one core)' for r, h, g in LOADS)}, "
-                  f"RSS goal ≤ {RSS_GOAL_MIB:g} MiB — one load at a time, nothing else of this benchmark running; after all "
-                  f"ranks started and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s for "
-                  f"{window:g} s with psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary "
-                  "context switches a second. Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for "
-                  "120 s), sampled the same way. Start time: spawn of `hangwatch run` → the worker spawned "
-                  "(attempts/0001/worker.log created) and → the control socket answering `status`, sequential trials.",
+        f"step line at a fixed rate — {', '.join(f'{r} ranks at {h:g} Hz (goal ≤ {g:g} % of one core)' for r, h, g in LOADS)}, "
+        f"RSS goal ≤ {RSS_GOAL_MIB:g} MiB — one load at a time, nothing else of this benchmark running; after all "
+        f"ranks started and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s for "
+        f"{window:g} s with psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary "
+        "context switches a second. Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for "
+        "120 s), sampled the same way. Start time: spawn of `hangwatch run` → the worker spawned "
+        "(attempts/0001/worker.log created) and → the control socket answering `status`, sequential trials.",
         "loads": loads,
         "idle": quiet,
         # the headline load (8 ranks at 20 Hz) at the top level, as before
-        **{k: head[k] for k in ("ranks", "hz", "window_s", "cpu_percent_whole_window", "cpu_percent_per_second",
-                                "cpu_percent", "rss_bytes_samples", "rss_mib", "threads", "heartbeat_lines_in_window",
-                                "lines_per_s", "torn_lines", "supervisor_exit", "wakeups_per_s")},
+        **{
+            k: head[k]
+            for k in (
+                "ranks",
+                "hz",
+                "window_s",
+                "cpu_percent_whole_window",
+                "cpu_percent_per_second",
+                "cpu_percent",
+                "rss_bytes_samples",
+                "rss_mib",
+                "threads",
+                "heartbeat_lines_in_window",
+                "lines_per_s",
+                "torn_lines",
+                "supervisor_exit",
+                "wakeups_per_s",
+            )
+        },
         "start": starts,
         "start_to_worker_spawned_s": summary([s.get("to_worker_spawned_s") for s in starts]),
         "start_to_socket_ready_s": summary([s.get("to_socket_ready_s") for s in starts]),

@@ -1,5 +1,6 @@
 """What every section shares: the child environment, starting and ending process trees, the summary of
 samples, and readers of what a run directory holds afterwards (layout from hangwatch.common.rundir)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -55,12 +56,19 @@ def spawn(argv: list[str], out_path: Path, environ: Optional[dict] = None) -> su
     """`argv` in a session of its own (so its whole tree can be found and killed), output appended to `out_path`;
     `environ`: its environment (default `env()`)."""
     with open(out_path, "ab") as out:
-        return subprocess.Popen(argv, cwd=ROOT, env=environ if environ is not None else env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=environ if environ is not None else env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
-def hangwatch_run(cfg_path: Path, out_path: Path, run_dir: Optional[Path] = None,
-                  environ: Optional[dict] = None) -> subprocess.Popen:
+def hangwatch_run(
+    cfg_path: Path, out_path: Path, run_dir: Optional[Path] = None, environ: Optional[dict] = None
+) -> subprocess.Popen:
     """`hangwatch run CONFIG` as a user starts it (control socket, supervisor.log), in its own session."""
     return spawn(supervisor_argv(cfg_path, run_dir), out_path, environ)
 
@@ -111,8 +119,11 @@ def demo_worker_config(run_dir: Path, **changes) -> dict:
     """configs/demo.yaml with absolute data paths, `run_dir`, and `changes` merged one level deep."""
     cfg = yaml.safe_load(DEMO_CONFIG.read_text())
     cfg["run_dir"] = str(run_dir)
-    cfg["data"] = {**cfg["data"], "train": str(ROOT / "configs/data/train.jsonl"),
-                   "eval": str(ROOT / "configs/data/eval.jsonl")}
+    cfg["data"] = {
+        **cfg["data"],
+        "train": str(ROOT / "configs/data/train.jsonl"),
+        "eval": str(ROOT / "configs/data/eval.jsonl"),
+    }
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
             cfg[key] = {**cfg[key], **value}
@@ -153,7 +164,7 @@ attempts_of = rundir.attempt_numbers
 def incidents_of(run_dir: Path) -> list[dict]:
     """Every incident.json under incidents/, oldest first, each with its directory under `_dir`."""
     base = run_dir / rundir.INCIDENTS
-    found = (((d, rundir.read_json(d / "incident.json")) for d in sorted(base.iterdir())) if base.is_dir() else ())
+    found = ((d, rundir.read_json(d / "incident.json")) for d in sorted(base.iterdir())) if base.is_dir() else ()
     return [{**inc, "_dir": str(d)} for d, inc in found if inc is not None]
 
 
@@ -205,4 +216,6 @@ def supervisor_log_time(run_dir: Path, event: str) -> Optional[float]:
 
 def suspension_gaps(run_dir: Path) -> list[float]:
     """Gaps the supervisor logged in its own loop (it was not scheduled: an overloaded or paused machine)."""
-    return [rec["gap_s"] for rec in supervisor_log(run_dir) if rec.get("event") == "supervisor_suspended" and "gap_s" in rec]
+    return [
+        rec["gap_s"] for rec in supervisor_log(run_dir) if rec.get("event") == "supervisor_suspended" and "gap_s" in rec
+    ]

@@ -1,5 +1,6 @@
 """Section 1, heartbeat cost: step time of the demo model with real heartbeats vs none (same process,
 interleaved rounds), what one beat costs on its own, a checkpoint save, and the worker's cold start."""
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,17 @@ def build_trainer(cfg, hb):
     stop = StopRequest()
     with contextlib.redirect_stdout(io.StringIO()):
         source, eval_examples = load_data(cfg, bundle.tokenizer, NullHeartbeat(), stop)
-    trainer = Trainer(cfg, hb, cfg.run_dir, bundle, source, eval_examples, FaultPlan([], cfg.run_dir, NullHeartbeat()),
-                      stop, out=io.StringIO())
+    trainer = Trainer(
+        cfg,
+        hb,
+        cfg.run_dir,
+        bundle,
+        source,
+        eval_examples,
+        FaultPlan([], cfg.run_dir, NullHeartbeat()),
+        stop,
+        out=io.StringIO(),
+    )
     trainer.seed_fresh()
     bundle.model.train()
     return trainer
@@ -105,9 +115,14 @@ def cold_start(run_dir: Path, timeout: float = 300) -> dict:
     cfg_path.write_text(dump_config(bench_config(run_dir)))
     hb_file = rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), 0)
     t0 = time.monotonic()
-    proc = subprocess.Popen([PY, "-m", "hangwatch.daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)],
-                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [PY, "-m", "hangwatch.daemon", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     found: dict = {}
     try:
         while time.monotonic() - t0 < timeout and "step" not in found and proc.poll() is None:
@@ -121,7 +136,11 @@ def cold_start(run_dir: Path, timeout: float = 300) -> dict:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    return {"to_start_s": found.get("start"), "to_train_phase_s": found.get("train"), "to_first_step_s": found.get("step")}
+    return {
+        "to_start_s": found.get("start"),
+        "to_train_phase_s": found.get("train"),
+        "to_first_step_s": found.get("step"),
+    }
 
 
 def section(work: Path, quick: bool) -> dict:
@@ -140,8 +159,8 @@ def section(work: Path, quick: bool) -> dict:
     s_with, s_without = summary(with_hb), summary(without_hb)
     return {
         "method": f"{rounds} interleaved rounds × {per_round} optimizer steps each way after {warmup} warm-up steps, "
-                  "one process, same model and data stream (configs/demo.yaml, no sleeps, no evals); heartbeat "
-                  "= hangwatch.daemon.heartbeat.Heartbeat writing to a file vs its NullHeartbeat",
+        "one process, same model and data stream (configs/demo.yaml, no sleeps, no evals); heartbeat "
+        "= hangwatch.daemon.heartbeat.Heartbeat writing to a file vs its NullHeartbeat",
         "step_s_with_heartbeat": with_hb,
         "step_s_without_heartbeat": without_hb,
         "summary_with": s_with,

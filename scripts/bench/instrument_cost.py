@@ -14,6 +14,7 @@ hook (lr, the loss read with `.item()`, one `step` beat written), the backward w
 figure noise cannot hide.  Plus the interpreter start-up each way (`python -c pass`): the bootstrap's price per
 Python process.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,20 +70,32 @@ def child_env(work: Path, instrumented: bool, attempt: int) -> dict:
     if instrumented:
         run_dir = work / "run"
         e.update(instrument_env(e))
-        e.update(HANGWATCH_RUN_DIR=str(run_dir), HANGWATCH_ATTEMPT=str(attempt),
-                 HANGWATCH_HEARTBEAT_DIR=str(run_dir / "attempts" / f"{attempt:04d}"), HANGWATCH_RESUME_FROM="")
+        e.update(
+            HANGWATCH_RUN_DIR=str(run_dir),
+            HANGWATCH_ATTEMPT=str(attempt),
+            HANGWATCH_HEARTBEAT_DIR=str(run_dir / "attempts" / f"{attempt:04d}"),
+            HANGWATCH_RESUME_FROM="",
+        )
     return e
 
 
 def one_run(script: Path, work: Path, instrumented: bool, attempt: int, timeout: float = 600) -> dict:
-    p = subprocess.run([PY, str(script)], cwd=str(work), env=child_env(work, instrumented, attempt),
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [PY, str(script)],
+        cwd=str(work),
+        env=child_env(work, instrumented, attempt),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"the bench loop exited {p.returncode}: {p.stderr[-2000:]}")
     out = json.loads(p.stdout.strip().splitlines()[-1])
     if out["instrumented"] != instrumented:
-        raise RuntimeError(f"the loop ran {'with' if out['instrumented'] else 'without'} instrumentation, "
-                           f"asked {'with' if instrumented else 'without'}: {p.stderr[-2000:]}")
+        raise RuntimeError(
+            f"the loop ran {'with' if out['instrumented'] else 'without'} instrumentation, "
+            f"asked {'with' if instrumented else 'without'}: {p.stderr[-2000:]}"
+        )
     return out
 
 
@@ -90,8 +103,7 @@ def startup_s(work: Path, instrumented: bool, n: int) -> list[float]:
     times = []
     for i in range(n):
         t0 = time.perf_counter()
-        subprocess.run([PY, "-c", "pass"], env=child_env(work / "startup", instrumented, i + 1), check=True,
-                       timeout=60)
+        subprocess.run([PY, "-c", "pass"], env=child_env(work / "startup", instrumented, i + 1), check=True, timeout=60)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -157,9 +169,16 @@ def in_process(work: Path, calls: int) -> dict:
     hb.close()
     lines = hb.path.read_bytes().count(b"\n")
     modules = sum(1 for _ in model.modules())
-    return {"calls": calls, "step_hook_us": hook_us, "train_plain_us": plain_us, "train_wrapped_us": wrapped_us,
-            "train_wrapper_us": max(0.0, wrapped_us - plain_us), "modules": modules, "lines_written": lines,
-            "total_us": hook_us + max(0.0, wrapped_us - plain_us)}
+    return {
+        "calls": calls,
+        "step_hook_us": hook_us,
+        "train_plain_us": plain_us,
+        "train_wrapped_us": wrapped_us,
+        "train_wrapper_us": max(0.0, wrapped_us - plain_us),
+        "modules": modules,
+        "lines_written": lines,
+        "total_us": hook_us + max(0.0, wrapped_us - plain_us),
+    }
 
 
 def section(work: Path, quick: bool) -> dict:
@@ -175,27 +194,42 @@ def section(work: Path, quick: bool) -> dict:
             attempt += 1
             out = one_run(script, work, instrumented, attempt)
             (with_s if instrumented else without_s).extend(out["step_s"])
-            per_run.append({"instrumented": instrumented, "median_s": statistics.median(out["step_s"]),
-                            "steps": len(out["step_s"])})
-    beats_written = sum(Path(p).read_bytes().count(b'"event":"step"')
-                        for p in (work / "run").rglob("heartbeat-rank0.jsonl"))
+            per_run.append(
+                {
+                    "instrumented": instrumented,
+                    "median_s": statistics.median(out["step_s"]),
+                    "steps": len(out["step_s"]),
+                }
+            )
+    beats_written = sum(
+        Path(p).read_bytes().count(b'"event":"step"') for p in (work / "run").rglob("heartbeat-rank0.jsonl")
+    )
     s_with, s_without = summary(with_s), summary(without_s)
     ratio = s_with["median"] / s_without["median"]
     own = in_process(work, calls)
     up_with, up_without = startup_s(work, True, starts), startup_s(work, False, starts)
     return {
         "method": f"{rounds} run(s) each way, alternating, of {steps} timed optimizer steps after {warmup} warm-up "
-                  "steps (examples/tiny_model.py's Llama, AdamW, batch 8 × 48 tokens, model.train() every step, one "
-                  "CPU thread); the same unedited script with the bootstrap environment and without; in process: "
-                  f"{calls} calls of each hook on the same model, in {ROUNDS} alternating rounds",
-        "steps_per_run": steps, "rounds": rounds,
-        "step_s_with": with_s, "step_s_without": without_s,
-        "summary_with": s_with, "summary_without": s_without,
-        "ratio_of_medians": ratio, "cost_percent": (ratio - 1.0) * 100.0, "target_percent": TARGET_PERCENT,
-        "per_run": per_run, "step_beats_written": beats_written,
-        "in_process": own, "own_work_percent": own["total_us"] / (s_without["median"] * 1e6) * 100.0,
-        "startup_s_with": up_with, "startup_s_without": up_without,
-        "startup_with": summary(up_with), "startup_without": summary(up_without),
+        "steps (examples/tiny_model.py's Llama, AdamW, batch 8 × 48 tokens, model.train() every step, one "
+        "CPU thread); the same unedited script with the bootstrap environment and without; in process: "
+        f"{calls} calls of each hook on the same model, in {ROUNDS} alternating rounds",
+        "steps_per_run": steps,
+        "rounds": rounds,
+        "step_s_with": with_s,
+        "step_s_without": without_s,
+        "summary_with": s_with,
+        "summary_without": s_without,
+        "ratio_of_medians": ratio,
+        "cost_percent": (ratio - 1.0) * 100.0,
+        "target_percent": TARGET_PERCENT,
+        "per_run": per_run,
+        "step_beats_written": beats_written,
+        "in_process": own,
+        "own_work_percent": own["total_us"] / (s_without["median"] * 1e6) * 100.0,
+        "startup_s_with": up_with,
+        "startup_s_without": up_without,
+        "startup_with": summary(up_with),
+        "startup_without": summary(up_without),
     }
 
 
@@ -210,21 +244,34 @@ def render(s: dict) -> tuple:
         return ", ".join(f"{r['median_s'] * 1000:.3f}" for r in s["per_run"] if r["instrumented"] == instrumented)
 
     verdict = "within" if s["own_work_percent"] <= s["target_percent"] else "over"
-    return ("9. Automatic instrumentation cost per optimizer step (unedited plain loop, tiny Llama, CPU)",
-            ["figure", "value"], [
-        ["step time, instrumented (bootstrap env)", stats_cell(s["summary_with"], "ms", 1000, 3)],
-        ["step time, not instrumented", stats_cell(s["summary_without"], "ms", 1000, 3)],
-        ["**cost end to end (ratio of medians − 1)**", f"**{s['cost_percent']:+.2f} %** (target ≤ {s['target_percent']:g} %)"],
-        ["per-run medians, instrumented / not (ms)", f"{runs(True)} / {runs(False)} "
-                                                    f"(spread {max(spread) - min(spread):.3f} ms)"],
-        ["`step` beats written by the hook", str(s["step_beats_written"])],
-        ["in process: optimizer hook (loss .item(), lr, one beat)", f"{own['step_hook_us']:.1f} µs"],
-        [f"in process: `Module.train` wrapper on model.train() ({own['modules']} modules)",
-         f"{own['train_wrapper_us']:.1f} µs ({own['train_plain_us']:.1f} → {own['train_wrapped_us']:.1f})"],
-        ["**own work per step / median step**", f"**{s['own_work_percent']:.3f} %** ({verdict} the target)"],
-        ["interpreter start-up (`python -c pass`), with / without the bootstrap",
-         f"{stats_cell(s['startup_with'], 'ms', 1000, 1)} / {stats_cell(s['startup_without'], 'ms', 1000, 1)}"],
-    ], f"{s['method']} (bench/instrument_cost.py).")
+    return (
+        "9. Automatic instrumentation cost per optimizer step (unedited plain loop, tiny Llama, CPU)",
+        ["figure", "value"],
+        [
+            ["step time, instrumented (bootstrap env)", stats_cell(s["summary_with"], "ms", 1000, 3)],
+            ["step time, not instrumented", stats_cell(s["summary_without"], "ms", 1000, 3)],
+            [
+                "**cost end to end (ratio of medians − 1)**",
+                f"**{s['cost_percent']:+.2f} %** (target ≤ {s['target_percent']:g} %)",
+            ],
+            [
+                "per-run medians, instrumented / not (ms)",
+                f"{runs(True)} / {runs(False)} (spread {max(spread) - min(spread):.3f} ms)",
+            ],
+            ["`step` beats written by the hook", str(s["step_beats_written"])],
+            ["in process: optimizer hook (loss .item(), lr, one beat)", f"{own['step_hook_us']:.1f} µs"],
+            [
+                f"in process: `Module.train` wrapper on model.train() ({own['modules']} modules)",
+                f"{own['train_wrapper_us']:.1f} µs ({own['train_plain_us']:.1f} → {own['train_wrapped_us']:.1f})",
+            ],
+            ["**own work per step / median step**", f"**{s['own_work_percent']:.3f} %** ({verdict} the target)"],
+            [
+                "interpreter start-up (`python -c pass`), with / without the bootstrap",
+                f"{stats_cell(s['startup_with'], 'ms', 1000, 1)} / {stats_cell(s['startup_without'], 'ms', 1000, 1)}",
+            ],
+        ],
+        f"{s['method']} (bench/instrument_cost.py).",
+    )
 
 
 __all__ = ["section", "render", "TARGET_PERCENT"]

@@ -11,6 +11,7 @@ earliest incident), and "every rank stepping again" — the latest, over every r
 step line in the attempt after the incident; and, with two nodes, how long after the culprit's node the other
 node's incident was opened (how fast the peer learnt).  Alternating runs, so a busier stretch falls on both.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,15 +21,29 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .harness import (attempts_of, first, hangwatch_run, incidents_of, read_beats, summary, wait_exit,
-                      demo_worker_config, write_yaml)
+from .harness import (
+    attempts_of,
+    demo_worker_config,
+    first,
+    hangwatch_run,
+    incidents_of,
+    read_beats,
+    summary,
+    wait_exit,
+    write_yaml,
+)
 
 HANG_AT = 12
 STEP_TIMEOUT_S = 3.0
 RUN_LIMIT_S = 420.0
 MODES = ("one_node", "two_nodes")
-FIGURES = ("hang_to_detection_s", "detection_to_all_stepping_s", "hang_to_all_stepping_s", "peer_learnt_after_s",
-           "steps_lost")
+FIGURES = (
+    "hang_to_detection_s",
+    "detection_to_all_stepping_s",
+    "hang_to_all_stepping_s",
+    "peer_learnt_after_s",
+    "steps_lost",
+)
 
 
 def free_port() -> int:
@@ -91,15 +106,21 @@ def trial(tmp: Path, mode: str) -> dict:
     procs, run_dirs = {}, {}
     for n in names:
         run_dirs[n] = tmp / n / "run"
-        worker = ({"nproc_per_node": 2} if mode == "one_node" else
-                  {"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": "bench", "node_name": n})
+        worker = (
+            {"nproc_per_node": 2}
+            if mode == "one_node"
+            else {"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": "bench", "node_name": n}
+        )
         cfg = write_yaml(tmp / n / "cfg.yaml", node_config(run_dirs[n], shared, **worker))
         procs[n] = hangwatch_run(cfg, tmp / f"{n}.out")
         time.sleep(0.5)
     limit = time.monotonic() + RUN_LIMIT_S
     codes = {n: wait_exit(p, max(1.0, limit - time.monotonic())) for n, p in procs.items()}
     row: dict = {"mode": mode, "exit_codes": codes, "dir": str(tmp)}
-    incs = {n: [i for i in incidents_of(d) if i.get("kind") in ("stall", "peer_restart", "crash")] for n, d in run_dirs.items()}
+    incs = {
+        n: [i for i in incidents_of(d) if i.get("kind") in ("stall", "peer_restart", "crash")]
+        for n, d in run_dirs.items()
+    }
     firsts = [(i["time_unix"], n, i) for n, v in incs.items() for i in v[:1]]
     hang = hang_time(shared, list(run_dirs.values()))
     if not firsts or hang is None:
@@ -115,16 +136,23 @@ def trial(tmp: Path, mode: str) -> dict:
         row["error"] = f"{mode}: a rank never stepped after the restart"
         return row
     all_stepping = max(stepping)
-    resumed = [first(read_beats(d, (incs[n][0]["attempt"] if incs[n] else 1) + 1, r), "start")
-               for n, d in run_dirs.items() for r in (0, 1)]
+    resumed = [
+        first(read_beats(d, (incs[n][0]["attempt"] if incs[n] else 1) + 1, r), "start")
+        for n, d in run_dirs.items()
+        for r in (0, 1)
+    ]
     resumed_step = next((s["step"] for s in resumed if s and s.get("step") is not None), None)
     row.update(
-        hang_to_detection_s=detected - hang, detection_to_all_stepping_s=all_stepping - detected,
+        hang_to_detection_s=detected - hang,
+        detection_to_all_stepping_s=all_stepping - detected,
         hang_to_all_stepping_s=all_stepping - hang,
         peer_learnt_after_s=(firsts[1][0] - firsts[0][0]) if len(firsts) > 1 else None,
-        kinds={n: [i["kind"] for i in v] for n, v in incs.items()}, culprit_rank=culprit_inc.get("culprit_rank"),
+        kinds={n: [i["kind"] for i in v] for n, v in incs.items()},
+        culprit_rank=culprit_inc.get("culprit_rank"),
         steps_lost=None if resumed_step is None else HANG_AT - 1 - resumed_step,
-        final_weights=digest(shared, list(run_dirs.values())), finished=all(c == 0 for c in codes.values()))
+        final_weights=digest(shared, list(run_dirs.values())),
+        finished=all(c == 0 for c in codes.values()),
+    )
     return row
 
 
@@ -137,20 +165,24 @@ def section(work: Path, quick: bool) -> dict:
     modes = {}
     for m, rs in rows.items():
         ok = [r for r in rs if "error" not in r]
-        modes[m] = {"raw": rs, "trials": len(rs), "errors": [r["error"] for r in rs if "error" in r],
-                    **{k: summary([r.get(k) for r in ok]) for k in FIGURES},
-                    "finished": sum(1 for r in ok if r.get("finished"))}
+        modes[m] = {
+            "raw": rs,
+            "trials": len(rs),
+            "errors": [r["error"] for r in rs if "error" in r],
+            **{k: summary([r.get(k) for r in ok]) for k in FIGURES},
+            "finished": sum(1 for r in ok if r.get("finished")),
+        }
     pairs = [(a.get("final_weights"), b.get("final_weights")) for a, b in zip(rows["one_node"], rows["two_nodes"])]
     return {
         "method": f"{trials} runs per mode, alternating, of the demo model (world size 2, gloo, 0.05 s sleep per step, "
-                  f"step_timeout_s {STEP_TIMEOUT_S:g}, checkpoint every 5 steps confirmed after 2, backoff 0) with a "
-                  f"block_c fault (a read on a pipe nobody writes) on global rank 1 at step {HANG_AT}: one node "
-                  "(`worker.nproc_per_node: 2`, torchrun --standalone) vs two `hangwatch run` on this machine as two "
-                  "nodes (`worker.nnodes: 2`, one rank each, c10d rendezvous on 127.0.0.1, a shared checkpoint.dir). "
-                  "Hang: the fault's record (written the instant before it fires); detection: the earliest incident; "
-                  "every rank stepping: the latest first step line of the next attempt over all ranks of all nodes; "
-                  "peer learnt: the second node's incident time − the first's. Both nodes share 2 cores here, so the "
-                  "two-node restart pays two torchrun and two rank start-ups on the same CPUs",
+        f"step_timeout_s {STEP_TIMEOUT_S:g}, checkpoint every 5 steps confirmed after 2, backoff 0) with a "
+        f"block_c fault (a read on a pipe nobody writes) on global rank 1 at step {HANG_AT}: one node "
+        "(`worker.nproc_per_node: 2`, torchrun --standalone) vs two `hangwatch run` on this machine as two "
+        "nodes (`worker.nnodes: 2`, one rank each, c10d rendezvous on 127.0.0.1, a shared checkpoint.dir). "
+        "Hang: the fault's record (written the instant before it fires); detection: the earliest incident; "
+        "every rank stepping: the latest first step line of the next attempt over all ranks of all nodes; "
+        "peer learnt: the second node's incident time − the first's. Both nodes share 2 cores here, so the "
+        "two-node restart pays two torchrun and two rank start-ups on the same CPUs",
         "modes": modes,
         "same_final_weights": f"{sum(1 for a, b in pairs if a and a == b)} of {len(pairs)}",
     }
@@ -167,13 +199,17 @@ def render(p: dict) -> tuple:
     def row(label: str, key: str) -> list[str]:
         return [label] + [cell(modes[m].get(key)) for m in MODES]
 
-    return ("8. Recovery across nodes: a hang on global rank 1 → every rank stepping again, one node vs two",
-            ["figure", "one node, 2 ranks (torchrun --standalone)", "two nodes, 1 rank each (c10d, loopback)"], [
-        row("hang → first detection", "hang_to_detection_s"),
-        row("detection → every rank of every node stepping again", "detection_to_all_stepping_s"),
-        row("**hang → every rank stepping again**", "hang_to_all_stepping_s"),
-        row("the other node's incident after the culprit node's", "peer_learnt_after_s"),
-        ["runs finished"] + [f"{modes[m]['finished']} of {modes[m]['trials']}" for m in MODES],
-        ["same final weights, one node vs two (bitwise, same round)", p["same_final_weights"], "–"],
-        ["runs that could not be measured"] + ["; ".join(modes[m]["errors"]) or "none" for m in MODES],
-    ], p["method"])
+    return (
+        "8. Recovery across nodes: a hang on global rank 1 → every rank stepping again, one node vs two",
+        ["figure", "one node, 2 ranks (torchrun --standalone)", "two nodes, 1 rank each (c10d, loopback)"],
+        [
+            row("hang → first detection", "hang_to_detection_s"),
+            row("detection → every rank of every node stepping again", "detection_to_all_stepping_s"),
+            row("**hang → every rank stepping again**", "hang_to_all_stepping_s"),
+            row("the other node's incident after the culprit node's", "peer_learnt_after_s"),
+            ["runs finished"] + [f"{modes[m]['finished']} of {modes[m]['trials']}" for m in MODES],
+            ["same final weights, one node vs two (bitwise, same round)", p["same_final_weights"], "–"],
+            ["runs that could not be measured"] + ["; ".join(modes[m]["errors"]) or "none" for m in MODES],
+        ],
+        p["method"],
+    )

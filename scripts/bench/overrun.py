@@ -8,6 +8,7 @@ process) and `restart` (the old way: a livelock, killed, the worker restarted fr
 The figure is each run's wall time (its goodput ledger's sum, goodput.json) and what it adds to the baseline's;
 beside it the ledger's lost time, the restarts and the incidents.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,41 @@ def trial(work: Path, mode: str, i: int) -> dict:
     run_dir = work / f"{mode}-{i}"
     faults = [] if mode == "baseline" else [{"kind": "runaway_generate", "at_step": 20}]
     cfg = demo_worker_config(
-        run_dir, faults=faults,
+        run_dir,
+        faults=faults,
         train={"max_steps": 60, "sleep_per_step_s": 0.05},
-        watchdog={"generate_overrun": "restart" if mode == "restart" else "truncate",
-                  "phase_budgets_s": {"eval": 60, "generate": 5, "checkpoint": 60}},
-        checkpoint={"every_steps": 10, "keep_last": 3, "confirm_steps": 2})
+        watchdog={
+            "generate_overrun": "restart" if mode == "restart" else "truncate",
+            "phase_budgets_s": {"eval": 60, "generate": 5, "checkpoint": 60},
+        },
+        checkpoint={"every_steps": 10, "keep_last": 3, "confirm_steps": 2},
+    )
     path = write_yaml(work / f"{mode}-{i}.yaml", cfg)
-    done = subprocess.run([PY, "-m", "hangwatch.supervisor", "run", str(path)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [PY, "-m", "hangwatch.supervisor", "run", str(path)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{mode} run {i} ended {done.returncode}: {done.stdout[-800:]}{done.stderr[-800:]}")
     g = json.loads((run_dir / "goodput.json").read_text())
-    incidents = sorted(p.name.split("-", 1)[1] for p in (run_dir / "incidents").iterdir()) if (run_dir / "incidents").is_dir() else []
+    incidents = (
+        sorted(p.name.split("-", 1)[1] for p in (run_dir / "incidents").iterdir())
+        if (run_dir / "incidents").is_dir()
+        else []
+    )
     state = json.loads((run_dir / "state.json").read_text())
-    return {"wall_s": g["wall_s"], "lost_s": g["lost_s"], "eval_s": g["categories"]["eval"],
-            "restarts": state.get("restarts", 0), "incidents": incidents, "goodput_pct": g["goodput_pct"]}
+    return {
+        "wall_s": g["wall_s"],
+        "lost_s": g["lost_s"],
+        "eval_s": g["categories"]["eval"],
+        "restarts": state.get("restarts", 0),
+        "incidents": incidents,
+        "goodput_pct": g["goodput_pct"],
+    }
 
 
 def section(work: Path, quick: bool) -> dict:
@@ -50,8 +71,8 @@ def section(work: Path, quick: bool) -> dict:
     base = walls["baseline"]["median"]
     return {
         "method": f"{rounds} interleaved round(s) of three `hangwatch run` on the demo model (60 steps, an eval every 20, "
-                  "a 5 s generate budget): no fault; a runaway generate() (runaway_generate at the eval of step 20) with "
-                  "generate_overrun truncate; the same with restart. Wall time = the run's goodput ledger (goodput.json)",
+        "a 5 s generate budget): no fault; a runaway generate() (runaway_generate at the eval of step 20) with "
+        "generate_overrun truncate; the same with restart. Wall time = the run's goodput ledger (goodput.json)",
         "runs": runs,
         "wall_s": walls,
         "added_s": {m: walls[m]["median"] - base for m in MODES if m != "baseline"},
@@ -63,15 +84,29 @@ def render(s: dict) -> tuple:
     from .report import stats_cell
 
     rows = []
-    for m, label in (("baseline", "no fault"), ("truncate", "runaway generate, `generate_overrun: truncate`"),
-                     ("restart", "runaway generate, `generate_overrun: restart`")):
+    for m, label in (
+        ("baseline", "no fault"),
+        ("truncate", "runaway generate, `generate_overrun: truncate`"),
+        ("restart", "runaway generate, `generate_overrun: restart`"),
+    ):
         last = s["runs"][m][-1]
         added = "—" if m == "baseline" else f"**{s['added_s'][m]:+.1f} s**"
-        rows.append([label, stats_cell(s["wall_s"][m], "s", 1, 1), added, str(last["restarts"]),
-                     ", ".join(last["incidents"]) or "none", f"{last['goodput_pct']:.1f} %"])
-    return ("11. A runaway eval `generate()`: truncated in process vs restarted",
-            ["run", "wall time", "added to no fault (medians)", "restarts", "incidents", "goodput"], rows,
-            f"{s['method']} (bench/overrun.py).")
+        rows.append(
+            [
+                label,
+                stats_cell(s["wall_s"][m], "s", 1, 1),
+                added,
+                str(last["restarts"]),
+                ", ".join(last["incidents"]) or "none",
+                f"{last['goodput_pct']:.1f} %",
+            ]
+        )
+    return (
+        "11. A runaway eval `generate()`: truncated in process vs restarted",
+        ["run", "wall time", "added to no fault (medians)", "restarts", "incidents", "goodput"],
+        rows,
+        f"{s['method']} (bench/overrun.py).",
+    )
 
 
 __all__ = ["section", "render"]

@@ -8,6 +8,7 @@ instrumentation (`worker.instrument: auto`: the bootstrap on PYTHONPATH, heartbe
 moment the command is launched to the step line's time stamp (the script's own clock, the same machine): the
 supervisor's start (its imports, the config check, the interpreter probe) plus the worker's own start.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 from .cli_latency import hangwatch_argv
 from .harness import PY, ROOT, env, summary, write_yaml
 
-SCRIPT = '''\
+SCRIPT = """\
 import sys, time
 sys.path.insert(0, {examples!r})
 import torch
@@ -31,7 +32,7 @@ loss = model(**batch).loss
 loss.backward()
 opt.step()
 print(f"step 1 loss {{loss.item():.4f}} t={{time.time():.6f}}", flush=True)
-'''
+"""
 STEP = re.compile(r"step 1 loss \S+ t=([0-9.]+)")
 
 
@@ -68,8 +69,8 @@ def section(work: Path, quick: bool) -> dict:
     sums = {k: summary(v) for k, v in samples.items()}
     return {
         "method": f"{rounds} interleaved rounds: the same unedited script (tiny Llama, CPU, one AdamW step) bare, under "
-                  "`hangwatch run -- python train.py` (instrument auto) and with instrument off; launch → the step "
-                  "line's own time stamp",
+        "`hangwatch run -- python train.py` (instrument auto) and with instrument off; launch → the step "
+        "line's own time stamp",
         "samples_s": samples,
         "summary": sums,
         "overhead_auto_s": sums["hangwatch_auto"]["median"] - sums["bare"]["median"],
@@ -82,13 +83,23 @@ def render(s: dict) -> tuple:
     from .report import stats_cell
 
     sums = s["summary"]
-    return ("10. `hangwatch run -- CMD`: launch → first optimizer step, beside the bare command",
-            ["figure", "value"], [
-        ["bare `python train.py`", stats_cell(sums["bare"], "s", 1, 2)],
-        ["`hangwatch run -- python train.py` (instrument auto)", stats_cell(sums["hangwatch_auto"], "s", 1, 2)],
-        ["`hangwatch run off.yaml -- python train.py` (instrument off)", stats_cell(sums["hangwatch_off"], "s", 1, 2)],
-        ["**added by hangwatch (medians), auto / off**", f"**{s['overhead_auto_s']:+.2f} s / {s['overhead_off_s']:+.2f} s**"],
-    ], f"{s['method']} (bench/own_command.py).")
+    return (
+        "10. `hangwatch run -- CMD`: launch → first optimizer step, beside the bare command",
+        ["figure", "value"],
+        [
+            ["bare `python train.py`", stats_cell(sums["bare"], "s", 1, 2)],
+            ["`hangwatch run -- python train.py` (instrument auto)", stats_cell(sums["hangwatch_auto"], "s", 1, 2)],
+            [
+                "`hangwatch run off.yaml -- python train.py` (instrument off)",
+                stats_cell(sums["hangwatch_off"], "s", 1, 2),
+            ],
+            [
+                "**added by hangwatch (medians), auto / off**",
+                f"**{s['overhead_auto_s']:+.2f} s / {s['overhead_off_s']:+.2f} s**",
+            ],
+        ],
+        f"{s['method']} (bench/own_command.py).",
+    )
 
 
 __all__ = ["section", "render"]

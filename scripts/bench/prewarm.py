@@ -6,6 +6,7 @@ alternating runs of the same hang; with this run's own cold start (the first att
 measured in every run, and whether they all ended in the same weights.  Then the same hang, cold against
 `always`, on a ~1B-parameter Llama built from a config and saved as safetensors (float32, on the CPU), where
 the cold start is the loading of the weights; with the standby's RAM as `status` reports it."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -17,8 +18,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .harness import (PY, ROOT, control, env, first, hangwatch_run, read_beats, stall_incidents, summary,
-                      supervisor_log, wait_exit, demo_worker_config, write_yaml)
+from .harness import (
+    PY,
+    ROOT,
+    control,
+    demo_worker_config,
+    env,
+    first,
+    hangwatch_run,
+    read_beats,
+    stall_incidents,
+    summary,
+    supervisor_log,
+    wait_exit,
+    write_yaml,
+)
 
 HANG_AT = 12
 STEP_TIMEOUT_S = 3.0
@@ -26,18 +40,34 @@ RUN_LIMIT_S = 300.0
 MODES = ("cold", "prewarm", "always")
 PREWARM = {"cold": False, "prewarm": True, "always": "always"}
 # The large model: a Llama of ~1.06 B parameters, float32 (4.2 GB of safetensors), trained with LoRA on the CPU.
-LARGE = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 18,
-         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}
+LARGE = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 LARGE_MODES = ("cold", "always")
 LARGE_HANG_AT = 6
 LARGE_STEP_TIMEOUT_S = 60.0
 LARGE_RUN_LIMIT_S = 1200.0
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hangwatch" / "bench"
-FIGURES = ("spawn_to_first_step_s", "detection_to_gone_s", "detection_to_next_process_s", "standby_preload_s",
-           "standby_spawn_to_ready_s", "ready_and_released_to_first_step_s", "release_to_start_beat_s",
-           "handoff_to_first_step_s", "detection_to_next_step_s", "next_step_minus_cold_start_s",
-           "handoff_to_first_step_over_cold_start")
+FIGURES = (
+    "spawn_to_first_step_s",
+    "detection_to_gone_s",
+    "detection_to_next_process_s",
+    "standby_preload_s",
+    "standby_spawn_to_ready_s",
+    "ready_and_released_to_first_step_s",
+    "release_to_start_beat_s",
+    "handoff_to_first_step_s",
+    "detection_to_next_step_s",
+    "next_step_minus_cold_start_s",
+    "handoff_to_first_step_over_cold_start",
+)
 
 
 def trial_config(run_dir: Path, prewarm) -> dict:
@@ -127,8 +157,11 @@ def measure(tmp: Path, mode: str, cfg: dict, limit_s: float) -> dict:
         standby_preload_s=loaded.get("standby_preload_s"),
         standby_ready_before_release=(loaded.get("standby_wait_s") or 0) > 0 if prewarmed else None,
         standby_spawn_to_ready_s=minus(loaded.get("standby_ready_t"), next_process),
-        ready_and_released_to_first_step_s=minus(step and step["t"], max(handoff or 0, loaded.get("standby_ready_t") or 0))
-        if handoff and loaded.get("standby_ready_t") else None,
+        ready_and_released_to_first_step_s=minus(
+            step and step["t"], max(handoff or 0, loaded.get("standby_ready_t") or 0)
+        )
+        if handoff and loaded.get("standby_ready_t")
+        else None,
         release_to_start_beat_s=minus(start and start["t"], handoff),
         handoff_to_first_step_s=minus(step and step["t"], handoff),
         detection_to_next_step_s=minus(step and step["t"], detected),
@@ -136,8 +169,9 @@ def measure(tmp: Path, mode: str, cfg: dict, limit_s: float) -> dict:
     )
     row["next_step_minus_cold_start_s"] = minus(row["detection_to_next_step_s"], row["spawn_to_first_step_s"])
     cold = row["spawn_to_first_step_s"]
-    row["handoff_to_first_step_over_cold_start"] = (None if row["handoff_to_first_step_s"] is None or not cold
-                                                    else row["handoff_to_first_step_s"] / cold)
+    row["handoff_to_first_step_over_cold_start"] = (
+        None if row["handoff_to_first_step_s"] is None or not cold else row["handoff_to_first_step_s"] / cold
+    )
     if mode != "cold" and not prewarmed:
         row["error"] = "the next attempt did not come from the standby"
     if mode == "always":
@@ -163,11 +197,13 @@ def large_model_dir() -> tuple[Path, int]:
     where = CACHE / f"llama-1b-{key}"
     marker = where / "params.txt"
     if not marker.exists():
-        code = ("import sys, torch; from pathlib import Path; from transformers import LlamaConfig, LlamaForCausalLM; "
-                "from hangwatch.daemon.model import build_tiny_tokenizer; d = Path(sys.argv[1]); "
-                f"torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig(**{LARGE!r})); "
-                "m.save_pretrained(d, safe_serialization=True); build_tiny_tokenizer(512).save_pretrained(d); "
-                "(d / 'params.txt').write_text(str(sum(p.numel() for p in m.parameters())))")
+        code = (
+            "import sys, torch; from pathlib import Path; from transformers import LlamaConfig, LlamaForCausalLM; "
+            "from hangwatch.daemon.model import build_tiny_tokenizer; d = Path(sys.argv[1]); "
+            f"torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig(**{LARGE!r})); "
+            "m.save_pretrained(d, safe_serialization=True); build_tiny_tokenizer(512).save_pretrained(d); "
+            "(d / 'params.txt').write_text(str(sum(p.numel() for p in m.parameters())))"
+        )
         where.mkdir(parents=True, exist_ok=True)
         subprocess.run([PY, "-c", code, str(where)], cwd=ROOT, env=env(), check=True, timeout=1800)
     return where, int(marker.read_text())
@@ -190,20 +226,33 @@ def large_config(run_dir: Path, model_dir: Path, mode: str) -> dict:
 
 def large_section(work: Path) -> dict:
     model_dir, params = large_model_dir()
-    rows = {m: measure(work / f"large-{m}", m, large_config(work / f"large-{m}" / "run", model_dir, m),
-                       LARGE_RUN_LIMIT_S) for m in LARGE_MODES}
+    rows = {
+        m: measure(work / f"large-{m}", m, large_config(work / f"large-{m}" / "run", model_dir, m), LARGE_RUN_LIMIT_S)
+        for m in LARGE_MODES
+    }
     cold, warm = rows["cold"], rows["always"]
-    ratio = (None if not cold.get("detection_to_next_step_s") or warm.get("detection_to_next_step_s") is None
-             else warm["detection_to_next_step_s"] / cold["detection_to_next_step_s"])
-    return {"params": params, "model_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
-            "modes": {m: mode_summary([rows[m]]) for m in LARGE_MODES}, "always_over_cold": ratio,
-            "same_final_weights": cold.get("weights") is not None and cold.get("weights") == warm.get("weights")}
+    ratio = (
+        None
+        if not cold.get("detection_to_next_step_s") or warm.get("detection_to_next_step_s") is None
+        else warm["detection_to_next_step_s"] / cold["detection_to_next_step_s"]
+    )
+    return {
+        "params": params,
+        "model_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
+        "modes": {m: mode_summary([rows[m]]) for m in LARGE_MODES},
+        "always_over_cold": ratio,
+        "same_final_weights": cold.get("weights") is not None and cold.get("weights") == warm.get("weights"),
+    }
 
 
 def mode_summary(rows: list[dict]) -> dict:
     ok = [r for r in rows if "error" not in r]
-    out: dict = {"raw": rows, "trials": len(rows), "errors": [r["error"] for r in rows if "error" in r],
-                 **{key: summary([r.get(key) for r in ok]) for key in FIGURES}}
+    out: dict = {
+        "raw": rows,
+        "trials": len(rows),
+        "errors": [r["error"] for r in rows if "error" in r],
+        **{key: summary([r.get(key) for r in ok]) for key in FIGURES},
+    }
     out["below_cold_start"] = sum(1 for r in ok if (r.get("next_step_minus_cold_start_s") or 0) < 0)
     out["standby_ready_before_release"] = sum(1 for r in ok if r.get("standby_ready_before_release"))
     out["standby_rss_mb"] = summary([r.get("standby_rss_mb") for r in ok])
@@ -225,26 +274,31 @@ def demo_section(work: Path, quick: bool) -> dict:
         for m in MODES:
             rows[m].append(trial(work / f"{m}-{i}", m))
     pairs = list(zip(rows["cold"], rows["prewarm"]))
-    same = [a.get("weights") is not None and a.get("weights") == b.get("weights") == c.get("weights")
-            for a, b, c in zip(rows["cold"], rows["prewarm"], rows["always"])]
+    same = [
+        a.get("weights") is not None and a.get("weights") == b.get("weights") == c.get("weights")
+        for a, b, c in zip(rows["cold"], rows["prewarm"], rows["always"])
+    ]
     # The prewarmed restart against a cold start in the same situation: the cold run's restart, same round.
-    versus = [minus(b.get("detection_to_next_step_s"), a.get("handoff_to_first_step_s")) for a, b in pairs
-              if "error" not in a and "error" not in b]
+    versus = [
+        minus(b.get("detection_to_next_step_s"), a.get("handoff_to_first_step_s"))
+        for a, b in pairs
+        if "error" not in a and "error" not in b
+    ]
     return {
         "method": f"{trials} runs of `hangwatch run` per mode, alternating, on the demo model (configs/demo.yaml "
-                  f"watchdog: dump_grace_s 3, term_grace_s 5; step_timeout_s {STEP_TIMEOUT_S:g}; checkpoint every 5 "
-                  f"steps, confirmed after 2; 0.05 s sleep per step; no backoff): a block_c fault (a read on a pipe "
-                  f"nobody writes) at step {HANG_AT}, `restart.prewarm` false (cold) or true (prewarm). Cold start: "
-                  "the run's first attempt, `worker_spawned` log line → its first step line. Detection: the incident "
-                  "time. `always`: `restart.prewarm: always`, the standby spawned once the first attempt stepped. Next process: "
-                  "the cold worker's `worker_spawned`, or the `standby_spawned` line. Handoff: "
-                  "`worker_spawned` (cold) or `standby_released` (prewarm) → the next attempt's first step line. "
-                  "Standby preload: its `load` progress beat's standby_preload_s (imports, model and data on the CPU); "
-                  "ready before release: its standby_wait_s > 0; ready → first step: the first step line − the "
-                  "later of `standby_released` and that beat's standby_ready_t (wall clock). Against a cold start: "
-                  "the prewarmed run's detection → next step − the cold run's spawn → first step of its restart, "
-                  "same round. Weights: sha256 of final/*.safetensors of the three runs of a round. Standby RAM: the "
-                  "largest `rss_mb` of a ready standby in `status` (asked every 0.5 s).",
+        f"watchdog: dump_grace_s 3, term_grace_s 5; step_timeout_s {STEP_TIMEOUT_S:g}; checkpoint every 5 "
+        f"steps, confirmed after 2; 0.05 s sleep per step; no backoff): a block_c fault (a read on a pipe "
+        f"nobody writes) at step {HANG_AT}, `restart.prewarm` false (cold) or true (prewarm). Cold start: "
+        "the run's first attempt, `worker_spawned` log line → its first step line. Detection: the incident "
+        "time. `always`: `restart.prewarm: always`, the standby spawned once the first attempt stepped. Next process: "
+        "the cold worker's `worker_spawned`, or the `standby_spawned` line. Handoff: "
+        "`worker_spawned` (cold) or `standby_released` (prewarm) → the next attempt's first step line. "
+        "Standby preload: its `load` progress beat's standby_preload_s (imports, model and data on the CPU); "
+        "ready before release: its standby_wait_s > 0; ready → first step: the first step line − the "
+        "later of `standby_released` and that beat's standby_ready_t (wall clock). Against a cold start: "
+        "the prewarmed run's detection → next step − the cold run's spawn → first step of its restart, "
+        "same round. Weights: sha256 of final/*.safetensors of the three runs of a round. Standby RAM: the "
+        "largest `rss_mb` of a ready standby in `status` (asked every 0.5 s).",
         "trials": trials,
         "modes": {m: mode_summary(rows[m]) for m in MODES},
         "same_final_weights": f"{sum(same)} of {len(same)}",
@@ -262,8 +316,7 @@ def render(p: dict) -> tuple:
             return "–"
         if s["n"] == 1:
             return f"{s['median']:.{digits}f} {unit}"
-        return (f"{s['median']:.{digits}f} {unit} (n={s['n']}; min {s['min']:.{digits}f}, "
-                f"max {s['max']:.{digits}f})")
+        return f"{s['median']:.{digits}f} {unit} (n={s['n']}; min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
 
     def row(label: str, key: str, unit: str = "s", digits: int = 2, of: dict = modes) -> list[str]:
         return [label] + [cell(of[m].get(key), unit, digits) if m in of else "–" for m in MODES]
@@ -274,22 +327,34 @@ def render(p: dict) -> tuple:
     rows = [
         row("this run's cold start: first attempt spawned → first step", "spawn_to_first_step_s"),
         row("detection → process tree gone", "detection_to_gone_s"),
-        row("detection → next attempt's process spawned (cold worker / standby; `always`: negative, before)",
-            "detection_to_next_process_s"),
+        row(
+            "detection → next attempt's process spawned (cold worker / standby; `always`: negative, before)",
+            "detection_to_next_process_s",
+        ),
         row("standby: imports, model and data on the CPU", "standby_preload_s"),
         row("standby: spawned → preloaded (its own start included)", "standby_spawn_to_ready_s"),
         ["standby ready before its release"] + ["–"] + count("standby_ready_before_release")[1:],
         row("standby's RAM while it waits (`status`)", "standby_rss_mb", "MiB", 0),
-        row("standby: released and preloaded (the later of the two) → first step: what a restart costs once "
-            "the standby is ready", "ready_and_released_to_first_step_s"),
+        row(
+            "standby: released and preloaded (the later of the two) → first step: what a restart costs once "
+            "the standby is ready",
+            "ready_and_released_to_first_step_s",
+        ),
         row("spawn (cold) / release (standby) → its `start` beat", "release_to_start_beat_s"),
         row("spawn (cold) / release (standby) → first step of the next attempt", "handoff_to_first_step_s"),
         row("· as a fraction of this run's cold start", "handoff_to_first_step_over_cold_start", "×", 2),
         row("**detection → first step of the next attempt** (goal with `always`: ≤ 2 s)", "detection_to_next_step_s"),
-        row("detection → next step − this run's cold start (below 0: shorter than a cold start)", "next_step_minus_cold_start_s"),
+        row(
+            "detection → next step − this run's cold start (below 0: shorter than a cold start)",
+            "next_step_minus_cold_start_s",
+        ),
         ["runs where detection → next step was below the cold start"] + count("below_cold_start"),
-        ["`true`: detection → next step − the cold restart's spawn → first step, same round", "–",
-         cell(p["prewarm_detection_to_next_step_minus_cold_restart_start_s"]), "–"],
+        [
+            "`true`: detection → next step − the cold restart's spawn → first step, same round",
+            "–",
+            cell(p["prewarm_detection_to_next_step_minus_cold_restart_start_s"]),
+            "–",
+        ],
         ["same final weights, cold vs `true` vs `always` run of a round (bitwise)", p["same_final_weights"], "–", "–"],
         ["runs that could not be measured"] + ["; ".join(modes[m]["errors"]) or "none" for m in MODES],
     ]
@@ -304,17 +369,33 @@ def render(p: dict) -> tuple:
             row("· standby: imports, model and data on the CPU", "standby_preload_s", of=lm),
             row("· standby's RAM while it waits (`status`)", "standby_rss_mb", "MiB", 0, of=lm),
             row("· **detection → first step of the next attempt**", "detection_to_next_step_s", of=lm),
-            ["· `always` ÷ cold, detection → next step (goal ≤ 0.5)", "–", "–",
-             "–" if large["always_over_cold"] is None else f"{large['always_over_cold']:.2f}"],
-            ["· same final weights, cold vs `always` (bitwise)", "yes" if large["same_final_weights"] else "NO", "–", "–"],
-            ["· runs that could not be measured"] + ["; ".join(lm[m]["errors"]) or "none" if m in lm else "–" for m in MODES],
+            [
+                "· `always` ÷ cold, detection → next step (goal ≤ 0.5)",
+                "–",
+                "–",
+                "–" if large["always_over_cold"] is None else f"{large['always_over_cold']:.2f}",
+            ],
+            [
+                "· same final weights, cold vs `always` (bitwise)",
+                "yes" if large["same_final_weights"] else "NO",
+                "–",
+                "–",
+            ],
+            ["· runs that could not be measured"]
+            + ["; ".join(lm[m]["errors"]) or "none" if m in lm else "–" for m in MODES],
         ]
-        how += (f" The ~1B model: transformers' LlamaForCausalLM built from a config ({', '.join(f'{k} {v}' for k, v in LARGE.items())}), "
-                f"seeded, saved with save_pretrained as safetensors (kept in {CACHE}); one run per mode, cold then "
-                f"`always`, LoRA r 8 on every projection and nothing else trained, micro-batch 1 of at most 32 tokens, checkpoint every 2 steps confirmed after 1, "
-                f"block_c at step {LARGE_HANG_AT}, step_timeout_s {LARGE_STEP_TIMEOUT_S:g}.")
+        how += (
+            f" The ~1B model: transformers' LlamaForCausalLM built from a config ({', '.join(f'{k} {v}' for k, v in LARGE.items())}), "
+            f"seeded, saved with save_pretrained as safetensors (kept in {CACHE}); one run per mode, cold then "
+            f"`always`, LoRA r 8 on every projection and nothing else trained, micro-batch 1 of at most 32 tokens, checkpoint every 2 steps confirmed after 1, "
+            f"block_c at step {LARGE_HANG_AT}, step_timeout_s {LARGE_STEP_TIMEOUT_S:g}."
+        )
     elif "large" in p:
         rows.append(["~1B Llama", "not measured under --quick", "–", "–"])
-    return ("7. Restart with `restart.prewarm` (hang in C): cold spawn vs a standby spawned at the stall (`true`) "
-            "vs one kept ready (`always`)", ["figure", "prewarm off (cold spawn)", "`true` (standby at the stall)",
-                                            "`always` (standby kept ready)"], rows, how)
+    return (
+        "7. Restart with `restart.prewarm` (hang in C): cold spawn vs a standby spawned at the stall (`true`) "
+        "vs one kept ready (`always`)",
+        ["figure", "prewarm off (cold spawn)", "`true` (standby at the stall)", "`always` (standby kept ready)"],
+        rows,
+        how,
+    )

@@ -7,6 +7,7 @@ restart after a healthy stretch is immediate, so no backoff shows unless the pol
 the worker runs under torchrun (`worker.nproc_per_node: 2`, gloo) and the hang is on rank 1, so the incident's
 verdict has a culprit to name that the tie-break of equal deadlines (rank 0) would not; the tree is torchrun
 and both ranks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,22 @@ from pathlib import Path
 from typing import Optional
 
 from .detection import anchor_time
-from .harness import (attempts_of, control, demo_worker_config, finished_at, first, hangwatch_run, last_step,
-                      read_beats, stall_incidents, summary, supervisor_log, supervisor_log_time, wait_exit, write_yaml)
+from .harness import (
+    attempts_of,
+    control,
+    demo_worker_config,
+    finished_at,
+    first,
+    hangwatch_run,
+    last_step,
+    read_beats,
+    stall_incidents,
+    summary,
+    supervisor_log,
+    supervisor_log_time,
+    wait_exit,
+    write_yaml,
+)
 
 HANG_AT = 16
 RESTART_AT = 26
@@ -26,11 +41,28 @@ RUN_LIMIT_S = 300.0
 WORLDS = (1, 2)  # ranks of the built-in worker; the table has one column each
 GONE_ALLOWANCE_S = 0.5  # goal: detection → tree gone ≤ dump settle + this
 NEXT_STEP_ALLOWANCE_S = 1.0  # goal: detection → next attempt's first step ≤ the cold start + this
-FIGURES = ("overdue_s", "beyond_budget_from_last_line_s", "detection_to_gone_s", "snapshot_s", "dump_settle_s",
-           "dump_files_s", "py_spy_s", "detection_to_sigterm_s", "sigterm_to_gone_s", "gone_minus_goal_s",
-           "restart_delay_s", "detection_to_next_spawn_s", "next_spawn_to_first_step_s", "detection_to_next_step_s",
-           "spawn_to_first_step_s", "next_step_minus_goal_s", "cold_start_difference_s", "steps_lost_hang",
-           "steps_lost_graceful", "request_to_next_step_s")
+FIGURES = (
+    "overdue_s",
+    "beyond_budget_from_last_line_s",
+    "detection_to_gone_s",
+    "snapshot_s",
+    "dump_settle_s",
+    "dump_files_s",
+    "py_spy_s",
+    "detection_to_sigterm_s",
+    "sigterm_to_gone_s",
+    "gone_minus_goal_s",
+    "restart_delay_s",
+    "detection_to_next_spawn_s",
+    "next_spawn_to_first_step_s",
+    "detection_to_next_step_s",
+    "spawn_to_first_step_s",
+    "next_step_minus_goal_s",
+    "cold_start_difference_s",
+    "steps_lost_hang",
+    "steps_lost_graceful",
+    "request_to_next_step_s",
+)
 
 
 def hang_rank(nproc: int) -> int:
@@ -78,8 +110,12 @@ def detection_figures(run_dir: Path, inc: dict) -> dict:
     rank = d.get("rank") or 0
     beats = [b for b in read_beats(run_dir, inc["attempt"], rank) if b["t"] <= inc["time_unix"]]
     anchor = anchor_time("step", run_dir, beats) if d.get("name") == "step" else None
-    return {"deadline_fired": d.get("name"), "deadline_rank": rank, "overdue_s": d.get("overdue_s"),
-            "beyond_budget_from_last_line_s": None if anchor is None else inc["time_unix"] - (anchor + d["budget_s"])}
+    return {
+        "deadline_fired": d.get("name"),
+        "deadline_rank": rank,
+        "overdue_s": d.get("overdue_s"),
+        "beyond_budget_from_last_line_s": None if anchor is None else inc["time_unix"] - (anchor + d["budget_s"]),
+    }
 
 
 def log_times(run_dir: Path, event: str) -> list[float]:
@@ -103,12 +139,18 @@ def escalation_figures(inc: dict) -> dict:
     term_at = t.get("sigterm_at_s")
     if term_at is None and gone is not None and t.get("tree_gone_after_s") is not None:
         term_at = gone - t["tree_gone_after_s"]  # an older supervisor's record: derived
-    return {"snapshot_s": t.get("snapshot_s"), "dump_settle_s": settle, "dump_files_s": t.get("dump_files_s"),
-            "py_spy_s": t.get("py_spy_s"), "detection_to_sigterm_s": term_at,
-            "sigterm_to_gone_s": t.get("tree_gone_after_s"), "sigkill_after_s": t.get("sigkill_after_s"),
-            "detection_to_gone_s": gone,
-            "gone_minus_goal_s": None if gone is None or settle is None else gone - (settle + GONE_ALLOWANCE_S),
-            "restart_delay_s": (inc.get("decision") or {}).get("delay_s")}
+    return {
+        "snapshot_s": t.get("snapshot_s"),
+        "dump_settle_s": settle,
+        "dump_files_s": t.get("dump_files_s"),
+        "py_spy_s": t.get("py_spy_s"),
+        "detection_to_sigterm_s": term_at,
+        "sigterm_to_gone_s": t.get("tree_gone_after_s"),
+        "sigkill_after_s": t.get("sigkill_after_s"),
+        "detection_to_gone_s": gone,
+        "gone_minus_goal_s": None if gone is None or settle is None else gone - (settle + GONE_ALLOWANCE_S),
+        "restart_delay_s": (inc.get("decision") or {}).get("delay_s"),
+    }
 
 
 def recovery_trial(tmp: Path, nproc: int) -> dict:
@@ -126,8 +168,13 @@ def recovery_trial(tmp: Path, nproc: int) -> dict:
         code = wait_exit(proc, max(1.0, deadline - time.monotonic()))
     requested, reply = restart or (None, None)
     incs = stall_incidents(run_dir)
-    row: dict = {"ranks": nproc, "hang_rank": hang_rank(nproc), "supervisor_exit": code, "restart_reply": reply,
-                 "dir": str(tmp)}
+    row: dict = {
+        "ranks": nproc,
+        "hang_rank": hang_rank(nproc),
+        "supervisor_exit": code,
+        "restart_reply": reply,
+        "dir": str(tmp),
+    }
     spawned, step_1 = supervisor_log_time(run_dir, "worker_spawned"), first(read_beats(run_dir, 1), "step")
     row["spawn_to_first_step_s"] = None if spawned is None or step_1 is None else step_1["t"] - spawned
     if not incs:
@@ -151,7 +198,8 @@ def recovery_trial(tmp: Path, nproc: int) -> dict:
         detection_to_next_step_s=to_next,
         next_step_minus_goal_s=None if to_next is None or cold is None else to_next - (cold + NEXT_STEP_ALLOWANCE_S),
         # how much the restart's own cold start differs from the first one's: the machine's noise in that goal
-        cold_start_difference_s=None if next_spawn is None or first_step_2 is None or cold is None
+        cold_start_difference_s=None
+        if next_spawn is None or first_step_2 is None or cold is None
         else (first_step_2 - next_spawn) - cold,
         hang_last_step=hang_last,
         hang_resumed_step=start_2["step"] if start_2 else None,
@@ -160,9 +208,13 @@ def recovery_trial(tmp: Path, nproc: int) -> dict:
     row["steps_lost_hang"] = None if start_2 is None else hang_last - start_2["step"]
     last_2, start_3, first_step_3 = resumed(run_dir, a + 1, a + 2, nproc)
     if requested is not None and start_3 is not None:
-        row.update(graceful_last_step=last_2, graceful_resumed_step=start_3["step"],
-                   graceful_resumed_from=start_3.get("resumed_from"), steps_lost_graceful=last_2 - start_3["step"],
-                   request_to_next_step_s=None if first_step_3 is None else first_step_3 - requested)
+        row.update(
+            graceful_last_step=last_2,
+            graceful_resumed_step=start_3["step"],
+            graceful_resumed_from=start_3.get("resumed_from"),
+            steps_lost_graceful=last_2 - start_3["step"],
+            request_to_next_step_s=None if first_step_3 is None else first_step_3 - requested,
+        )
     row["finished"] = finished_at(run_dir) is not None
     row["run_wall_s"] = time.time() - t_spawn
     return row
@@ -171,11 +223,16 @@ def recovery_trial(tmp: Path, nproc: int) -> dict:
 def world_summary(rows: list[dict], nproc: int) -> dict:
     """The trials of one world size summed up; with several ranks, how many verdicts named the hung rank."""
     ok = [r for r in rows if "error" not in r]
-    out: dict = {"raw": rows, "trials": len(rows), "errors": [r["error"] for r in rows if "error" in r],
-                 **{key: summary([r.get(key) for r in ok]) for key in FIGURES},
-                 "gone_goal_met": sum(1 for r in ok if r.get("gone_minus_goal_s") is not None and r["gone_minus_goal_s"] <= 0),
-                 "next_step_goal_met": sum(1 for r in ok if r.get("next_step_minus_goal_s") is not None
-                                           and r["next_step_minus_goal_s"] <= 0)}
+    out: dict = {
+        "raw": rows,
+        "trials": len(rows),
+        "errors": [r["error"] for r in rows if "error" in r],
+        **{key: summary([r.get(key) for r in ok]) for key in FIGURES},
+        "gone_goal_met": sum(1 for r in ok if r.get("gone_minus_goal_s") is not None and r["gone_minus_goal_s"] <= 0),
+        "next_step_goal_met": sum(
+            1 for r in ok if r.get("next_step_minus_goal_s") is not None and r["next_step_minus_goal_s"] <= 0
+        ),
+    }
     if nproc > 1:
         out["culprit_named"] = sum(1 for r in ok if r.get("culprit_rank") == r["hang_rank"])
     return out
@@ -190,22 +247,22 @@ def section(work: Path, quick: bool, cold: Optional[dict]) -> dict:
             rows[n].append(recovery_trial(work / f"ranks{n}-trial-{i}", n))
     out = {
         "method": f"{trials} sequential runs of `hangwatch run` per world size, alternating, on the demo model "
-                  f"(configs/demo.yaml watchdog: dump_grace_s 3, term_grace_s 5, stuck_term_grace_s default; restart: "
-                  f"backoff_initial_s 1, max 10; step_timeout_s {STEP_TIMEOUT_S:g}; "
-                  f"checkpoint every 10 steps, confirmed after 2; 0.05 s sleep per step): a block_c fault (read on a "
-                  f"pipe nobody writes) at step {HANG_AT} — with 2 ranks (`worker.nproc_per_node: 2`, torchrun, "
-                  f"gloo, micro-batch per rank) on rank 1, whose peer then waits in DDP's all-reduce — then a "
-                  f"graceful `restart` over the control socket once the next attempt passed step {RESTART_AT}. "
-                  "Beyond the budget: incident.json deadline.overdue_s (supervisor clock), and incident time − "
-                  "(wall time of the last step line of the rank whose deadline fired + budget). Detection → gone: "
-                  "incident timings (supervisor clock; torchrun and every rank); its goal: ≤ dump settle + "
-                  f"{GONE_ALLOWANCE_S:g} s, the dump settle being incident timings dump_s (SIGUSR1 → every dump in). "
-                  "Detection → next step: the next attempt's first step line − incident time (wall clock); its "
-                  f"goal: ≤ the same run's cold start + {NEXT_STEP_ALLOWANCE_S:g} s, the cold start being the first "
-                  "attempt's `worker_spawned` log line → its first step line (spawn → first step). Next attempt: its "
-                  "`worker_spawned` line − incident time, and from there to its first step. Steps lost: furthest "
-                  "step line of any rank of the stopped attempt − step the next attempt resumed at (its start line). "
-                  "Verdict: the incident's culprit_rank is the hung rank.",
+        f"(configs/demo.yaml watchdog: dump_grace_s 3, term_grace_s 5, stuck_term_grace_s default; restart: "
+        f"backoff_initial_s 1, max 10; step_timeout_s {STEP_TIMEOUT_S:g}; "
+        f"checkpoint every 10 steps, confirmed after 2; 0.05 s sleep per step): a block_c fault (read on a "
+        f"pipe nobody writes) at step {HANG_AT} — with 2 ranks (`worker.nproc_per_node: 2`, torchrun, "
+        f"gloo, micro-batch per rank) on rank 1, whose peer then waits in DDP's all-reduce — then a "
+        f"graceful `restart` over the control socket once the next attempt passed step {RESTART_AT}. "
+        "Beyond the budget: incident.json deadline.overdue_s (supervisor clock), and incident time − "
+        "(wall time of the last step line of the rank whose deadline fired + budget). Detection → gone: "
+        "incident timings (supervisor clock; torchrun and every rank); its goal: ≤ dump settle + "
+        f"{GONE_ALLOWANCE_S:g} s, the dump settle being incident timings dump_s (SIGUSR1 → every dump in). "
+        "Detection → next step: the next attempt's first step line − incident time (wall clock); its "
+        f"goal: ≤ the same run's cold start + {NEXT_STEP_ALLOWANCE_S:g} s, the cold start being the first "
+        "attempt's `worker_spawned` log line → its first step line (spawn → first step). Next attempt: its "
+        "`worker_spawned` line − incident time, and from there to its first step. Steps lost: furthest "
+        "step line of any rank of the stopped attempt − step the next attempt resumed at (its start line). "
+        "Verdict: the incident's culprit_rank is the hung rank.",
         "trials": trials,
         "worlds": {str(n): world_summary(rows[n], n) for n in WORLDS},
     }

@@ -1,6 +1,7 @@
 """Section 5, side by side: the same hung worker (busy_loop, hang_generate) under hangwatch, plain
 `torchrun --max-restarts=3`, and a cron-style watchdog (scripts/baselines/cron_watchdog.py), each with
 the same wall-clock allowance."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,21 @@ from typing import Optional
 
 import psutil
 
-from .harness import (CRON_WATCHDOG, PY, attempts_of, demo_worker_config, finished_at, has_stack_dump,
-                      incidents_of, kill_tree, read_beats, spawn, supervisor_argv, suspension_gaps, write_yaml)
+from .harness import (
+    CRON_WATCHDOG,
+    PY,
+    attempts_of,
+    demo_worker_config,
+    finished_at,
+    has_stack_dump,
+    incidents_of,
+    kill_tree,
+    read_beats,
+    spawn,
+    supervisor_argv,
+    suspension_gaps,
+    write_yaml,
+)
 
 CONTENDERS = ("hangwatch", "torchrun", "cron_watchdog")
 BASELINES = ("torchrun", "cron_watchdog")
@@ -29,9 +43,29 @@ def contender_argv(contender: str, cfg_path: Path, run_dir: Path, allowance: flo
         return supervisor_argv(cfg_path, run_dir)
     nice = ["nice", "-n", str(BASELINE_NICE)] if shutil.which("nice") else []
     if contender == "torchrun":  # --standalone: a free rendezvous port, so several can run at once
-        return nice + [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3"] + worker
-    return nice + [PY, str(CRON_WATCHDOG), "--status-file", str(run_dir / "worker-stdout.log"), "--poll-s", "30",
-                   "--threshold-s", "600", "--allowance-s", str(allowance), "--", PY] + worker
+        return (
+            nice
+            + [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3"]
+            + worker
+        )
+    return (
+        nice
+        + [
+            PY,
+            str(CRON_WATCHDOG),
+            "--status-file",
+            str(run_dir / "worker-stdout.log"),
+            "--poll-s",
+            "30",
+            "--threshold-s",
+            "600",
+            "--allowance-s",
+            str(allowance),
+            "--",
+            PY,
+        ]
+        + worker
+    )
 
 
 def cron_report(out_path: Path) -> dict:
@@ -51,9 +85,13 @@ class Contender:
         self.tmp, self.contender, self.fault, self.allowance = tmp, contender, fault, allowance
         self.run_dir = tmp / "run"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg = demo_worker_config(self.run_dir, train={"max_steps": 30, "sleep_per_step_s": 0.0},
-                                 eval={"every_steps": 10}, checkpoint={"every_steps": 10, "confirm_steps": 2},
-                                 faults=[FAULTS[fault]])
+        cfg = demo_worker_config(
+            self.run_dir,
+            train={"max_steps": 30, "sleep_per_step_s": 0.0},
+            eval={"every_steps": 10},
+            checkpoint={"every_steps": 10, "confirm_steps": 2},
+            faults=[FAULTS[fault]],
+        )
         self.argv = contender_argv(contender, write_yaml(tmp / "cfg.yaml", cfg), self.run_dir, allowance)
         self.out_path = tmp / "contender.out"
         self.started = time.time()
@@ -113,13 +151,23 @@ class Contender:
         code = self.proc.wait()
         hang_t = self.fault_fired_at()
         fin = finished_at(self.run_dir)
-        row = {"contender": self.contender, "fault": self.fault, "allowance_s": self.allowance, "argv": self.argv,
-               "started_unix": self.started, "wall_s": time.monotonic() - self.t0, "exit_code": code,
-               "ended_by_itself": ended_by_itself, "still_running_at_end": hung,
-               "hang_began_after_s": None if hang_t is None else hang_t - self.started,
-               "attempts": len(attempts_of(self.run_dir)), "stack_dump": has_stack_dump(self.run_dir),
-               "dir": str(self.tmp), "finished": fin is not None,
-               "finished_after_s": None if fin is None else fin - self.started}
+        row = {
+            "contender": self.contender,
+            "fault": self.fault,
+            "allowance_s": self.allowance,
+            "argv": self.argv,
+            "started_unix": self.started,
+            "wall_s": time.monotonic() - self.t0,
+            "exit_code": code,
+            "ended_by_itself": ended_by_itself,
+            "still_running_at_end": hung,
+            "hang_began_after_s": None if hang_t is None else hang_t - self.started,
+            "attempts": len(attempts_of(self.run_dir)),
+            "stack_dump": has_stack_dump(self.run_dir),
+            "dir": str(self.tmp),
+            "finished": fin is not None,
+            "finished_after_s": None if fin is None else fin - self.started,
+        }
         noticed_t, how = self.noticed(row)
         row["noticed"] = noticed_t is not None
         row["noticed_how"] = how
@@ -142,19 +190,22 @@ def section(work: Path, allowance: float) -> dict:
     rows.sort(key=lambda r: order[(r["fault"], r["contender"])])
     return {
         "method": f"The built-in worker on the demo model (configs/demo.yaml: max_steps 30, eval every 10, checkpoint "
-                  f"every 10 confirmed after 2, no sleeps) with one fault: hang_generate (generate() waits forever at "
-                  f"the eval of step 20) or busy_loop (a pure-Python loop in attention's forward from step 15). Each "
-                  f"run gets {allowance:g} s of wall clock from its own start; then whatever still runs is killed. "
-                  f"hangwatch: `hangwatch run` with the demo's watchdog settings; torchrun: `python -m "
-                  f"torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=3 -m hangwatch.daemon …`; cron "
-                  f"watchdog: scripts/baselines/cron_watchdog.py, status file = the worker's stdout log, polled every "
-                  f"30 s, threshold 600 s, kill -9 and restart. Schedule: the four torchrun/cron runs start together "
-                  f"at nice {BASELINE_NICE} (a hung busy_loop spins a core for the whole allowance; the niceness "
-                  f"cannot change whether they notice: torchrun reacts only to a worker's exit, the cron watchdog "
-                  f"only to the status file's age); the two hangwatch runs start together once those four faults "
-                  f"fired ({waited:.0f} s later). 'Noticed' = an incident (hangwatch), a new attempt (torchrun), "
-                  f"the watchdog's own report (cron), timed from the fault's record in faults-fired.json; 'stack "
-                  f"dump' = a file under the run dir holding a Python stack; 'finished' = a `stop finished` "
-                  f"heartbeat line.",
-        "allowance_s": allowance, "baselines_alone_s": waited, "wall_s": time.monotonic() - t0, "runs": rows,
+        f"every 10 confirmed after 2, no sleeps) with one fault: hang_generate (generate() waits forever at "
+        f"the eval of step 20) or busy_loop (a pure-Python loop in attention's forward from step 15). Each "
+        f"run gets {allowance:g} s of wall clock from its own start; then whatever still runs is killed. "
+        f"hangwatch: `hangwatch run` with the demo's watchdog settings; torchrun: `python -m "
+        f"torch.distributed.run --standalone --nproc-per-node=1 --max-restarts=3 -m hangwatch.daemon …`; cron "
+        f"watchdog: scripts/baselines/cron_watchdog.py, status file = the worker's stdout log, polled every "
+        f"30 s, threshold 600 s, kill -9 and restart. Schedule: the four torchrun/cron runs start together "
+        f"at nice {BASELINE_NICE} (a hung busy_loop spins a core for the whole allowance; the niceness "
+        f"cannot change whether they notice: torchrun reacts only to a worker's exit, the cron watchdog "
+        f"only to the status file's age); the two hangwatch runs start together once those four faults "
+        f"fired ({waited:.0f} s later). 'Noticed' = an incident (hangwatch), a new attempt (torchrun), "
+        f"the watchdog's own report (cron), timed from the fault's record in faults-fired.json; 'stack "
+        f"dump' = a file under the run dir holding a Python stack; 'finished' = a `stop finished` "
+        f"heartbeat line.",
+        "allowance_s": allowance,
+        "baselines_alone_s": waited,
+        "wall_s": time.monotonic() - t0,
+        "runs": rows,
     }

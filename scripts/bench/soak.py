@@ -4,6 +4,7 @@ beating at 20 Hz (scripts/baselines/synthetic_ranks.py) for N minutes (--soak-mi
 (renamed, then SIGHUP: logrotate without copytruncate) once a minute.  Its RSS, open descriptors
 (/proc/PID/fd) and CPU are compared between the start (after a warm-up) and the end: growth that a
 one-minute footprint cannot show — a leaked connection, a log file never closed, a list that only grows."""
+
 from __future__ import annotations
 
 import os
@@ -72,8 +73,12 @@ def rotate(run_dir: Path, sup: psutil.Process, n: int) -> None:
 
 def reopened(run_dir: Path) -> int:
     """`log_reopened` records in the supervisor's log and every rotated one."""
-    return sum(1 for f in run_dir.glob(f"{rundir.SUPERVISOR_LOG_NAME}*")
-               for line in f.read_bytes().splitlines() if b"log_reopened" in line)
+    return sum(
+        1
+        for f in run_dir.glob(f"{rundir.SUPERVISOR_LOG_NAME}*")
+        for line in f.read_bytes().splitlines()
+        if b"log_reopened" in line
+    )
 
 
 def window(samples: list[dict], lo: float, hi: float) -> list[dict]:
@@ -119,8 +124,15 @@ def soak(work: Path, seconds: float, warmup: float, rotate_every: float) -> dict
         if now >= next_sample:  # before the request: the last connection had a second to close
             next_sample += SAMPLE_EVERY_S
             fds = descriptors(sup.pid)
-            samples.append({"t": el, "rss": sup.memory_info().rss, "fds": len(fds), "cpu_s": cpu_s(sup),
-                            "threads": sup.num_threads()})
+            samples.append(
+                {
+                    "t": el,
+                    "rss": sup.memory_info().rss,
+                    "fds": len(fds),
+                    "cpu_s": cpu_s(sup),
+                    "threads": sup.num_threads(),
+                }
+            )
             if fds_start is None and el >= warmup:
                 fds_start = fds
         if now >= next_rotate:
@@ -157,26 +169,44 @@ def soak(work: Path, seconds: float, warmup: float, rotate_every: float) -> dict
     added = sorted(set(fds_end.values()) - set((fds_start or {}).values()))
     gone = sorted(set((fds_start or {}).values()) - set(fds_end.values()))
     return {
-        "seconds": seconds, "warmup_s": warmup, "rotate_every_s": rotate_every, "wall_s": wall, "window_s": span, "ranks": RANKS, "hz": HZ,
-        "ended_early": ended_early, "supervisor_exit": code,
+        "seconds": seconds,
+        "warmup_s": warmup,
+        "rotate_every_s": rotate_every,
+        "wall_s": wall,
+        "window_s": span,
+        "ranks": RANKS,
+        "hz": HZ,
+        "ended_early": ended_early,
+        "supervisor_exit": code,
         "samples": samples,
-        "rss_mib_first": samples[0]["rss"] / 2**20 if samples else None, "fds_first": samples[0]["fds"] if samples else None,
-        "rss_mib_start": start_rss, "rss_mib_end": end_rss,
+        "rss_mib_first": samples[0]["rss"] / 2**20 if samples else None,
+        "fds_first": samples[0]["fds"] if samples else None,
+        "rss_mib_start": start_rss,
+        "rss_mib_end": end_rss,
         "rss_mib_growth": None if start_rss is None or end_rss is None else end_rss - start_rss,
         "rss_mib_max_after_warmup": max((s["rss"] / 2**20 for s in after), default=None),
         "rss_mib_per_hour": (lambda v: None if v is None else v / 2**20)(slope_per_hour(after, "rss")),
-        "fds_start": start_fds, "fds_end": end_fds,
+        "fds_start": start_fds,
+        "fds_end": end_fds,
         "fds_growth": None if start_fds is None or end_fds is None else end_fds - start_fds,
         "fds_max_after_warmup": max((s["fds"] for s in after), default=None),
-        "fd_kinds_start": kinds(fds_start or {}), "fd_kinds_end": kinds(fds_end),
-        "fd_targets_added": added[:20], "fd_targets_gone": gone[:20],
-        "cpu_percent_start": cpu_percent(first), "cpu_percent_end": cpu_percent(last),
+        "fd_kinds_start": kinds(fds_start or {}),
+        "fd_kinds_end": kinds(fds_end),
+        "fd_targets_added": added[:20],
+        "fd_targets_gone": gone[:20],
+        "cpu_percent_start": cpu_percent(first),
+        "cpu_percent_end": cpu_percent(last),
         "cpu_percent_after_warmup": cpu_percent(after),
-        "threads_start": first[0]["threads"] if first else None, "threads_end": last[-1]["threads"] if last else None,
-        "status_asked": asked, "status_answered": answered, "status_errors": errors,
+        "threads_start": first[0]["threads"] if first else None,
+        "threads_end": last[-1]["threads"] if last else None,
+        "status_asked": asked,
+        "status_answered": answered,
+        "status_errors": errors,
         "status_latency_s": summary(latency),
-        "rotations": rotations, "log_reopened": reopened(run_dir),
-        "heartbeat_lines": lines, "torn_lines": state.get("torn_lines"),
+        "rotations": rotations,
+        "log_reopened": reopened(run_dir),
+        "heartbeat_lines": lines,
+        "torn_lines": state.get("torn_lines"),
     }
 
 
@@ -197,12 +227,14 @@ def section(work: Path, quick: bool, minutes: Optional[float] = None) -> dict:
         f"end = the last {s['window_s']:g} s: RSS is the median of the samples "
         "in each, descriptors the lowest count in each (a connection still being closed is not a leak), CPU the CPU "
         "time over the wall time across each (100 % = one core); RSS per hour = least-squares slope of every sample "
-        "after the warm-up")
+        "after the warm-up"
+    )
     return s
 
 
 def render(s: dict) -> tuple:
     """(title, header, rows, how) for report.py."""
+
     def mib(x: Optional[float], sign: bool = False) -> str:
         return "–" if x is None else f"{x:+.2f} MiB" if sign else f"{x:.2f} MiB"
 
@@ -212,27 +244,51 @@ def render(s: dict) -> tuple:
     errors = "; ".join(s["status_errors"]) or "none"
     fds_growth = s["fds_growth"]
     every = s["rotate_every_s"]
-    return (f"12. Soak: {s['minutes']:g} min at {s['ranks']} ranks × {s['hz']:g} Hz, `status` every second, "
-            f"log rotation every {'minute' if every == 60 else f'{every:g} s'}",
-            ["figure", "start", "end", "growth"], [
-                ["RSS", mib(s["rss_mib_start"]), mib(s["rss_mib_end"]), f"**{mib(s['rss_mib_growth'], True)}**"],
-                ["RSS / descriptors at the first sample, before the warm-up",
-                 f"{mib(s['rss_mib_first'])} / {s['fds_first']}", "", ""],
-                ["RSS, least-squares slope after the warm-up", "", "", mib(s["rss_mib_per_hour"], True) + " per hour"],
-                ["RSS, highest after the warm-up", "", mib(s["rss_mib_max_after_warmup"]), ""],
-                ["open descriptors", str(s["fds_start"]), str(s["fds_end"]),
-                 f"**{'–' if fds_growth is None else f'{fds_growth:+d}'}** (highest {s['fds_max_after_warmup']})"],
-                ["descriptors by kind", ", ".join(f"{k} {v}" for k, v in s["fd_kinds_start"].items()),
-                 ", ".join(f"{k} {v}" for k, v in s["fd_kinds_end"].items()), ""],
-                ["CPU (% of one core)", pct(s["cpu_percent_start"]), pct(s["cpu_percent_end"]),
-                 f"{pct(s['cpu_percent_after_warmup'])} over the whole run after the warm-up"],
-                ["threads", str(s["threads_start"]), str(s["threads_end"]), ""],
-                ["`status` requests answered", "", f"{s['status_answered']} of {s['status_asked']}",
-                 f"latency {s['status_latency_s'].get('median', 0) * 1000:.1f} ms median, "
-                 f"{s['status_latency_s'].get('p95', 0) * 1000:.1f} ms p95; failures: {errors}"],
-                ["log rotations (SIGHUP) / `log_reopened` records", "", f"{s['rotations']} / {s['log_reopened']}", ""],
-                ["heartbeat lines written / torn", "", f"{s['heartbeat_lines']} / {s['torn_lines']}", ""],
-            ], f"{s['method']} (bench/soak.py).")
+    return (
+        f"12. Soak: {s['minutes']:g} min at {s['ranks']} ranks × {s['hz']:g} Hz, `status` every second, "
+        f"log rotation every {'minute' if every == 60 else f'{every:g} s'}",
+        ["figure", "start", "end", "growth"],
+        [
+            ["RSS", mib(s["rss_mib_start"]), mib(s["rss_mib_end"]), f"**{mib(s['rss_mib_growth'], True)}**"],
+            [
+                "RSS / descriptors at the first sample, before the warm-up",
+                f"{mib(s['rss_mib_first'])} / {s['fds_first']}",
+                "",
+                "",
+            ],
+            ["RSS, least-squares slope after the warm-up", "", "", mib(s["rss_mib_per_hour"], True) + " per hour"],
+            ["RSS, highest after the warm-up", "", mib(s["rss_mib_max_after_warmup"]), ""],
+            [
+                "open descriptors",
+                str(s["fds_start"]),
+                str(s["fds_end"]),
+                f"**{'–' if fds_growth is None else f'{fds_growth:+d}'}** (highest {s['fds_max_after_warmup']})",
+            ],
+            [
+                "descriptors by kind",
+                ", ".join(f"{k} {v}" for k, v in s["fd_kinds_start"].items()),
+                ", ".join(f"{k} {v}" for k, v in s["fd_kinds_end"].items()),
+                "",
+            ],
+            [
+                "CPU (% of one core)",
+                pct(s["cpu_percent_start"]),
+                pct(s["cpu_percent_end"]),
+                f"{pct(s['cpu_percent_after_warmup'])} over the whole run after the warm-up",
+            ],
+            ["threads", str(s["threads_start"]), str(s["threads_end"]), ""],
+            [
+                "`status` requests answered",
+                "",
+                f"{s['status_answered']} of {s['status_asked']}",
+                f"latency {s['status_latency_s'].get('median', 0) * 1000:.1f} ms median, "
+                f"{s['status_latency_s'].get('p95', 0) * 1000:.1f} ms p95; failures: {errors}",
+            ],
+            ["log rotations (SIGHUP) / `log_reopened` records", "", f"{s['rotations']} / {s['log_reopened']}", ""],
+            ["heartbeat lines written / torn", "", f"{s['heartbeat_lines']} / {s['torn_lines']}", ""],
+        ],
+        f"{s['method']} (bench/soak.py).",
+    )
 
 
 __all__ = ["section", "render"]

@@ -16,6 +16,7 @@ libraries' bytecode is cached in both.  Both through a bytecode cache of this se
 (PYTHONPYCACHEPREFIX), filled by an untimed warm-up round; for the second condition hangwatch's part of it is
 removed and PYTHONDONTWRITEBYTECODE set.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,8 +41,27 @@ SPAWN_GOAL_S = 0.5
 CONDITIONS = ("cached", "compiled")
 CONDITION_NAMES = {"cached": "bytecode cached", "compiled": "hangwatch compiled at each start"}
 # what a supervisor process could import and never should on a plain run: the packages named in the table
-HEAVY = ("pydantic", "yaml", "structlog", "click", "psutil", "watchdog", "rich", "pygments", "asyncio", "ssl", "attr",
-         "apprise", "prometheus_client", "plotly", "jinja2", "tokenizers", "torch", "transformers", "numpy")
+HEAVY = (
+    "pydantic",
+    "yaml",
+    "structlog",
+    "click",
+    "psutil",
+    "watchdog",
+    "rich",
+    "pygments",
+    "asyncio",
+    "ssl",
+    "attr",
+    "apprise",
+    "prometheus_client",
+    "plotly",
+    "jinja2",
+    "tokenizers",
+    "torch",
+    "transformers",
+    "numpy",
+)
 SLEEPER = [PY, "-c", "import time; time.sleep(600)"]
 DOCTOR_LINE = re.compile(r"doctor: (\d+) checks in ([0-9.]+)s")
 KINDS = ("command_auto", "command_off", "builtin", "builtin_no_doctor")
@@ -78,26 +98,34 @@ def drop_own_bytecode(prefix: Path) -> list[str]:
 # ---------------------------------------------------------------- memory and CPU
 
 
-MODULES_AT_EXIT = ("import atexit, json, runpy, sys\n"
-                   "listing = sys.argv.pop(1)\n"
-                   "atexit.register(lambda: open(listing, 'w').write(json.dumps(sorted(sys.modules))))\n"
-                   "runpy.run_module('hangwatch.supervisor', run_name='__main__', alter_sys=True)\n")
+MODULES_AT_EXIT = (
+    "import atexit, json, runpy, sys\n"
+    "listing = sys.argv.pop(1)\n"
+    "atexit.register(lambda: open(listing, 'w').write(json.dumps(sorted(sys.modules))))\n"
+    "runpy.run_module('hangwatch.supervisor', run_name='__main__', alter_sys=True)\n"
+)
 
 
 def imported_by_supervisor(work: Path, environ: dict) -> dict:
     """One `hangwatch run` of the synthetic ranks, its modules written when it exits (its `sys.modules`, after the
     first attempt ran and a few seconds of watching): the heavy packages and the number of modules."""
     run_dir = work / "run"
-    cfg = {"run_dir": str(run_dir),
-           "worker": {"command": [PY, str(footprint.SYNTHETIC_RANKS), "--ranks", str(RANKS), "--hz", str(HZ),
-                                  "--seconds", "60"], "instrument": "off"},
-           "watchdog": {"py_spy": False}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {
+            "command": [PY, str(footprint.SYNTHETIC_RANKS), "--ranks", str(RANKS), "--hz", str(HZ), "--seconds", "60"],
+            "instrument": "off",
+        },
+        "watchdog": {"py_spy": False},
+    }
     listing = work / "modules.json"
     argv = [PY, "-c", MODULES_AT_EXIT, str(listing), "run", str(write_yaml(work / "cfg.yaml", cfg))]
     proc = spawn(argv, work / "supervisor.out", environ)
     hb_files = [rundir.heartbeat_path(rundir.attempt_dir(run_dir, 1), r) for r in range(RANKS)]
     limit = time.monotonic() + 60
-    while not all(h.exists() and h.stat().st_size for h in hb_files) and time.monotonic() < limit and proc.poll() is None:
+    while (
+        not all(h.exists() and h.stat().st_size for h in hb_files) and time.monotonic() < limit and proc.poll() is None
+    ):
         time.sleep(0.05)
     time.sleep(3.0)  # a few passes of watching (the inotify binding loads at the first attempt)
     proc.send_signal(signal.SIGTERM)
@@ -111,8 +139,18 @@ def imported_by_supervisor(work: Path, environ: dict) -> dict:
 
 def memory_round(work: Path, window: float, settle: float, environ: dict) -> dict:
     ld = footprint.watch_load(work, RANKS, HZ, window, settle, environ)
-    return {k: ld[k] for k in ("rss_mib", "cpu_percent_whole_window", "wakeups_per_s", "lines_per_s", "torn_lines",
-                               "threads", "supervisor_exit")}
+    return {
+        k: ld[k]
+        for k in (
+            "rss_mib",
+            "cpu_percent_whole_window",
+            "wakeups_per_s",
+            "lines_per_s",
+            "torn_lines",
+            "threads",
+            "supervisor_exit",
+        )
+    }
 
 
 # ---------------------------------------------------------------- `run` → worker spawned
@@ -125,7 +163,11 @@ def start_config(kind: str, run_dir: Path) -> tuple[dict, list[str]]:
         # the worker (killed while it imports torch) keeps the libraries' own bytecode, not this section's cache
         cfg["worker"] = {**(cfg.get("worker") or {}), "env": {"PYTHONPYCACHEPREFIX": ""}}
         return cfg, (["--no-doctor"] if kind == "builtin_no_doctor" else [])
-    cfg = {"run_dir": str(run_dir), "worker": {"command": SLEEPER}, "watchdog": {"py_spy": False, "startup_timeout_s": 600}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": SLEEPER},
+        "watchdog": {"py_spy": False, "startup_timeout_s": 600},
+    }
     if kind == "command_off":
         cfg["worker"]["instrument"] = "off"
     return cfg, []
@@ -160,8 +202,9 @@ def start_round(work: Path, per_round: int, environ: dict) -> dict[str, list[dic
 # ---------------------------------------------------------------- the section
 
 
-def condition(work: Path, environ: dict, rounds: int, window: float, settle: float, n_status: int,
-              per_round: int) -> dict:
+def condition(
+    work: Path, environ: dict, rounds: int, window: float, settle: float, n_status: int, per_round: int
+) -> dict:
     mem, status, starts = [], [], {k: [] for k in KINDS}
     for r in range(rounds):
         mem.append(memory_round(work / f"memory-{r}", window, settle, environ))
@@ -173,23 +216,47 @@ def condition(work: Path, environ: dict, rounds: int, window: float, settle: flo
         return median_of([p[key].get("median") for p in status])
 
     return {
-        "memory": {"rounds": mem, "rss_mib_per_round": [m["rss_mib"].get("median") for m in mem],
-                   "cpu_percent_per_round": [m["cpu_percent_whole_window"] for m in mem],
-                   "rss_mib": median_of([m["rss_mib"].get("median") for m in mem]),
-                   "cpu_percent": median_of([m["cpu_percent_whole_window"] for m in mem])},
-        "status": {"rounds": [{k: p[k] for k in ("python_startup_s", "status_s", "status_json_s", "status_instant_s",
-                                                 "status_json_instant_s")} for p in status],
-                   **{k: status_med(k) for k in ("status_s", "status_json_s", "status_instant_s",
-                                                 "status_json_instant_s", "python_startup_s")},
-                   "status_p50_per_round": [p["status_s"].get("median") for p in status],
-                   "status_json_p50_per_round": [p["status_json_s"].get("median") for p in status],
-                   "status_imports": status[-1]["status_imports"], "status_json_imports": status[-1]["status_json_imports"],
-                   "errors": [e for p in status for e in p["errors"]]},
-        "start": {kind: {"to_worker_spawned_s": summary([t.get("to_worker_spawned_s") for t in ts]),
-                         "to_socket_ready_s": summary([t.get("to_socket_ready_s") for t in ts]),
-                         "doctor_own_s": summary([t.get("doctor_own_s") for t in ts]),
-                         "errors": [t["error"] for t in ts if "error" in t], "trials": ts}
-                  for kind, ts in starts.items()},
+        "memory": {
+            "rounds": mem,
+            "rss_mib_per_round": [m["rss_mib"].get("median") for m in mem],
+            "cpu_percent_per_round": [m["cpu_percent_whole_window"] for m in mem],
+            "rss_mib": median_of([m["rss_mib"].get("median") for m in mem]),
+            "cpu_percent": median_of([m["cpu_percent_whole_window"] for m in mem]),
+        },
+        "status": {
+            "rounds": [
+                {
+                    k: p[k]
+                    for k in (
+                        "python_startup_s",
+                        "status_s",
+                        "status_json_s",
+                        "status_instant_s",
+                        "status_json_instant_s",
+                    )
+                }
+                for p in status
+            ],
+            **{
+                k: status_med(k)
+                for k in ("status_s", "status_json_s", "status_instant_s", "status_json_instant_s", "python_startup_s")
+            },
+            "status_p50_per_round": [p["status_s"].get("median") for p in status],
+            "status_json_p50_per_round": [p["status_json_s"].get("median") for p in status],
+            "status_imports": status[-1]["status_imports"],
+            "status_json_imports": status[-1]["status_json_imports"],
+            "errors": [e for p in status for e in p["errors"]],
+        },
+        "start": {
+            kind: {
+                "to_worker_spawned_s": summary([t.get("to_worker_spawned_s") for t in ts]),
+                "to_socket_ready_s": summary([t.get("to_socket_ready_s") for t in ts]),
+                "doctor_own_s": summary([t.get("doctor_own_s") for t in ts]),
+                "errors": [t["error"] for t in ts if "error" in t],
+                "trials": ts,
+            }
+            for kind, ts in starts.items()
+        },
     }
 
 
@@ -212,25 +279,28 @@ def section(work: Path, quick: bool) -> dict:
     results["compiled"] = condition(work / "compiled", envs["compiled"], rounds, window, settle, n_status, per_round)
     return {
         "method": f"{rounds} round(s) of each measurement under each condition, the figure is the median of the "
-                  f"rounds' figures (the starts: the median of every trial). Memory and CPU: `hangwatch run` watching "
-                  f"{RANKS} synthetic ranks each beating a step line at {HZ:g} Hz (scripts/baselines/synthetic_ranks.py, "
-                  f"instrument off), after {settle:g} s to settle sampled every 1 s for {window:g} s with psutil (RSS: "
-                  "the median sample; CPU: CPU time / wall time, 100 % = one core), as in the footprint section; the "
-                  "imports: one more such run, cached, its `sys.modules` written when it exits after a few seconds of "
-                  "watching. Status: "
-                  f"`hangwatch status --run-dir RUN` (and `--json`), the console script, spawned {n_status} times a round "
-                  "against a real supervisor watching a sleeping worker, spawn → exit, beside a socket that answers at "
-                  "once (cli_latency.py). Start: spawn of `python -m hangwatch.supervisor run CFG` → the worker spawned "
-                  f"(attempts/0001/worker.log created), {per_round} trial(s) of each kind a round, interleaved: a "
-                  "foreign `worker.command` (`python -c 'sleep'`; instrument auto, which asks that Python for its "
-                  "version, and off) and the built-in worker on configs/demo.yaml (the cheap doctor preflight, a child "
-                  "process, before the supervisor starts; and with --no-doctor). Conditions: 'bytecode cached' = "
-                  "hangwatch's modules and the libraries' from a bytecode cache (PYTHONPYCACHEPREFIX of the section, "
-                  "filled by an untimed warm-up round), as an installed package runs; 'compiled at each start' = "
-                  "the same cache without hangwatch's modules, PYTHONDONTWRITEBYTECODE=1: hangwatch compiled from "
-                  "source in every process, as in a checkout under PYTHONDONTWRITEBYTECODE.",
-        "rounds": rounds, "goals": {"rss_mib": RSS_GOAL_MIB, "status_s": STATUS_GOAL_S, "spawn_s": SPAWN_GOAL_S},
-        "imports": imports, "dropped_bytecode_of": dropped, "conditions": results,
+        f"rounds' figures (the starts: the median of every trial). Memory and CPU: `hangwatch run` watching "
+        f"{RANKS} synthetic ranks each beating a step line at {HZ:g} Hz (scripts/baselines/synthetic_ranks.py, "
+        f"instrument off), after {settle:g} s to settle sampled every 1 s for {window:g} s with psutil (RSS: "
+        "the median sample; CPU: CPU time / wall time, 100 % = one core), as in the footprint section; the "
+        "imports: one more such run, cached, its `sys.modules` written when it exits after a few seconds of "
+        "watching. Status: "
+        f"`hangwatch status --run-dir RUN` (and `--json`), the console script, spawned {n_status} times a round "
+        "against a real supervisor watching a sleeping worker, spawn → exit, beside a socket that answers at "
+        "once (cli_latency.py). Start: spawn of `python -m hangwatch.supervisor run CFG` → the worker spawned "
+        f"(attempts/0001/worker.log created), {per_round} trial(s) of each kind a round, interleaved: a "
+        "foreign `worker.command` (`python -c 'sleep'`; instrument auto, which asks that Python for its "
+        "version, and off) and the built-in worker on configs/demo.yaml (the cheap doctor preflight, a child "
+        "process, before the supervisor starts; and with --no-doctor). Conditions: 'bytecode cached' = "
+        "hangwatch's modules and the libraries' from a bytecode cache (PYTHONPYCACHEPREFIX of the section, "
+        "filled by an untimed warm-up round), as an installed package runs; 'compiled at each start' = "
+        "the same cache without hangwatch's modules, PYTHONDONTWRITEBYTECODE=1: hangwatch compiled from "
+        "source in every process, as in a checkout under PYTHONDONTWRITEBYTECODE.",
+        "rounds": rounds,
+        "goals": {"rss_mib": RSS_GOAL_MIB, "status_s": STATUS_GOAL_S, "spawn_s": SPAWN_GOAL_S},
+        "imports": imports,
+        "dropped_bytecode_of": dropped,
+        "conditions": results,
     }
 
 
@@ -263,36 +333,56 @@ def render(s: dict) -> tuple:
             st = c["status"]
             per = ", ".join(ms(v) for v in st[f"{key}_p50_per_round"])
             return f"{ms(st[key + '_s'])} ({per}){meets(st[key + '_s'], goals['status_s'])}"
+
         return cell
 
     def spawned(kind: str):
         def cell(c: dict) -> str:
             sp = c["start"][kind]["to_worker_spawned_s"]
             return stats_cell(sp, "s", 1, 3) + meets(sp.get("median"), goals["spawn_s"])
+
         return cell
 
-    errors = [e for c in CONDITIONS for e in conds[c]["status"]["errors"]
-              + [x for k in KINDS for x in conds[c]["start"][k]["errors"]]]
+    errors = [
+        e
+        for c in CONDITIONS
+        for e in conds[c]["status"]["errors"] + [x for k in KINDS for x in conds[c]["start"][k]["errors"]]
+    ]
     rows = [
         [f"supervisor RSS, {RANKS} ranks × {HZ:g} Hz (goal ≤ {goals['rss_mib']:g} MiB; rounds)", *each(rss)],
         [f"supervisor CPU, {RANKS} ranks × {HZ:g} Hz, % of one core (rounds)", *each(cpu)],
         ["`hangwatch status` (rich view), spawn → exit, p50 (goal ≤ 150 ms; rounds)", *each(status("status"))],
         ["`hangwatch status --json`, spawn → exit, p50 (rounds)", *each(status("status_json"))],
-        ["`status` / `--json` against a socket that answers at once; `python -c pass`",
-         *each(lambda c: f"{ms(c['status']['status_instant_s'])} / {ms(c['status']['status_json_instant_s'])}; "
-                         f"{ms(c['status']['python_startup_s'])}")],
+        [
+            "`status` / `--json` against a socket that answers at once; `python -c pass`",
+            *each(
+                lambda c: (
+                    f"{ms(c['status']['status_instant_s'])} / {ms(c['status']['status_json_instant_s'])}; "
+                    f"{ms(c['status']['python_startup_s'])}"
+                )
+            ),
+        ],
         ["`run` → worker spawned: foreign command, instrument auto (goal ≤ 0.5 s)", *each(spawned("command_auto"))],
         ["`run` → worker spawned: foreign command, instrument off", *each(spawned("command_off"))],
         ["`run` → worker spawned: built-in worker, demo config (doctor preflight first)", *each(spawned("builtin"))],
-        ["· the doctor's own checks (its line: `doctor: N checks in Xs`)",
-         *each(lambda c: stats_cell(c["start"]["builtin"]["doctor_own_s"], "s", 1, 2))],
+        [
+            "· the doctor's own checks (its line: `doctor: N checks in Xs`)",
+            *each(lambda c: stats_cell(c["start"]["builtin"]["doctor_own_s"], "s", 1, 2)),
+        ],
         ["`run --no-doctor` → worker spawned: built-in worker", *each(spawned("builtin_no_doctor"))],
-        ["heavy packages the supervisor imported (modules in all)",
-         f"{', '.join(s['imports']['heavy']) or 'none'} ({s['imports']['modules']})", "–"],
+        [
+            "heavy packages the supervisor imported (modules in all)",
+            f"{', '.join(s['imports']['heavy']) or 'none'} ({s['imports']['modules']})",
+            "–",
+        ],
         ["runs that failed", "; ".join(errors) or "none", ""],
     ]
-    return ("13. The supervisor's weight: memory, `status`, start",
-            ["figure", *(CONDITION_NAMES[c] for c in CONDITIONS)], rows, f"{s['method']} (bench/weight.py).")
+    return (
+        "13. The supervisor's weight: memory, `status`, start",
+        ["figure", *(CONDITION_NAMES[c] for c in CONDITIONS)],
+        rows,
+        f"{s['method']} (bench/weight.py).",
+    )
 
 
 __all__ = ["section", "render"]

@@ -3,6 +3,7 @@
 One connection per request: connect, send one JSON line, read one JSON line.  Every failure becomes
 a `ClientError` whose message is one line a person can act on, and whose `exit_code` the CLI uses.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,9 @@ class RequestFailed(ClientError):
     exit_code = EXIT_FAILED
 
 
-def resolve_socket(*, run_dir: Optional[os.PathLike | str] = None, socket_path: Optional[os.PathLike | str] = None) -> Path:
+def resolve_socket(
+    *, run_dir: Optional[os.PathLike | str] = None, socket_path: Optional[os.PathLike | str] = None
+) -> Path:
     """--socket wins; else the run dir's socket (or the one its `socket-path` records)."""
     if socket_path:
         return Path(socket_path)
@@ -58,7 +61,9 @@ class Client:
         self.path = Path(path)
         self.timeout = timeout
 
-    def request(self, req: dict, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None) -> dict:
+    def request(
+        self, req: dict, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None
+    ) -> dict:
         """Send one request, return the raw reply object.  `meanwhile()`, when given, runs once the request
         is sent and before the reply is read: work the caller needs anyway (importing what will show the
         answer) then overlaps with the daemon's time to answer."""
@@ -88,11 +93,12 @@ class Client:
         except ValueError:
             raise BadReply(f"hangwatch at {self.path} sent something that is not JSON: {raw[:80]!r}") from None
         if not isinstance(reply, dict) or "ok" not in reply:
-            raise BadReply(f"hangwatch at {self.path} sent a reply without \"ok\": {raw[:80]!r}")
+            raise BadReply(f'hangwatch at {self.path} sent a reply without "ok": {raw[:80]!r}')
         return reply
 
-    def call(self, cmd: str, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None,
-             **fields: Any) -> Any:
+    def call(
+        self, cmd: str, *, timeout: Optional[float] = None, meanwhile: Optional[Callable[[], Any]] = None, **fields: Any
+    ) -> Any:
         """Send `{"cmd": cmd, **fields}`; return the result or raise RequestFailed with the daemon's error.
         `meanwhile` as for `request`."""
         reply = self.request({"cmd": cmd, **fields}, timeout=timeout, meanwhile=meanwhile)
@@ -109,8 +115,9 @@ class Client:
         """
         where = self.path
         seconds = max(timeout, 0.001)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000)))
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+        )
         try:
             with unix_address(where) as addr:
                 sock.connect(addr)
@@ -119,7 +126,9 @@ class Client:
         except ConnectionRefusedError:
             raise DaemonUnavailable(f"no hangwatch running at {where} (connection refused)") from None
         except PermissionError:
-            raise DaemonUnavailable(f"not allowed to use {where} (permission denied; the socket belongs to {_owner(where)})") from None
+            raise DaemonUnavailable(
+                f"not allowed to use {where} (permission denied; the socket belongs to {_owner(where)})"
+            ) from None
         except (socket.timeout, BlockingIOError):
             raise DaemonUnavailable(f"hangwatch at {where} did not accept the connection within {timeout:g}s") from None
         except OSError as exc:

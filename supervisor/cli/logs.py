@@ -3,6 +3,7 @@
 Follows the newest attempt's worker log (switching when a new attempt starts), or the supervisor log,
 across rotation (rename + create) and truncation; `sleep` is a seam so tests drive it without waiting.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,14 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
-from hangwatch.common.rundir import (ATTEMPTS, STATE_NAME, SUPERVISOR_LOG_NAME, WORKER_LOG_NAME, read_json,
-                                     worker_log_path)
+from hangwatch.common.rundir import (
+    ATTEMPTS,
+    STATE_NAME,
+    SUPERVISOR_LOG_NAME,
+    WORKER_LOG_NAME,
+    read_json,
+    worker_log_path,
+)
 from hangwatch.supervisor.records.runlock import holder
 
 ENDED_STATES = ("finished", "failed", "stopped")
@@ -85,7 +92,11 @@ def follow_log(
                 path = target()
                 if path is None:
                     if not follow or ended():
-                        what = "supervisor log" if supervisor else (f"worker log for attempt {attempt}" if attempt else "worker log")
+                        what = (
+                            "supervisor log"
+                            if supervisor
+                            else (f"worker log for attempt {attempt}" if attempt else "worker log")
+                        )
                         raise NoLogYet(f"no {what} yet in {run_dir}")
                     sleep(poll_s)
                     continue

@@ -24,6 +24,7 @@ interpreter's start; `submit` leaves the config and the tokenizer to its worker-
 there either: daemon/light_tokenizer.py); `run` and `validate-config` load everything, and `run --help`
 builds its config reference only when it is shown.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -36,15 +37,17 @@ import click
 from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hangwatch.common.rundir import CONFIG_NAME
 from hangwatch.supervisor.cli import remote as cli_client
-from hangwatch.supervisor.cli.remote import client_for, daemon_options, fail
 from hangwatch.supervisor.cli.client import ClientError
+from hangwatch.supervisor.cli.remote import client_for, daemon_options, fail
 
 if TYPE_CHECKING:
     import subprocess
 
     from hangwatch.common.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout hangwatch runs from (an editable install): supervisor/cli/ → ../..
+REPO = (
+    Path(__file__).resolve().parents[2]
+)  # the checkout hangwatch runs from (an editable install): supervisor/cli/ → ../..
 INTERRUPTED = 130  # the shell's code for death by SIGINT
 
 
@@ -130,7 +133,7 @@ class _RunCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if "--" in args:
             cut = args.index("--")
-            ctx.meta["worker_command"] = args[cut + 1:]
+            ctx.meta["worker_command"] = args[cut + 1 :]
             args = args[:cut]
         return super().parse_args(ctx, args)
 
@@ -143,10 +146,15 @@ class _RunCommand(click.Command):
 
 @main.command(cls=_RunCommand, short_help="Run the supervisor in the foreground (a config, or -- your command).")
 @click.argument("config", required=False)
-@click.option("--run-dir", type=click.Path(file_okay=False),
-              help="Use this run directory (default: the config's run_dir; with `-- CMD` and no run_dir in a config: "
-                   "runs/<script name>).")
-@click.option("--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt.")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    help="Use this run directory (default: the config's run_dir; with `-- CMD` and no run_dir in a config: "
+    "runs/<script name>).",
+)
+@click.option(
+    "--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt."
+)
 @click.pass_context
 def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_doctor: bool) -> None:
     """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
@@ -176,10 +184,13 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
 
     command = ctx.meta.get("worker_command")
     if command is not None and not command:
-        raise click.UsageError("nothing after `--`: give the command to supervise, e.g. `hangwatch run -- python train.py`")
+        raise click.UsageError(
+            "nothing after `--`: give the command to supervise, e.g. `hangwatch run -- python train.py`"
+        )
     if config is None and command is None:
-        raise click.UsageError("give a config file, or the command to supervise after `--` "
-                               "(e.g. `hangwatch run -- python train.py`)")
+        raise click.UsageError(
+            "give a config file, or the command to supervise after `--` (e.g. `hangwatch run -- python train.py`)"
+        )
     cfg = check_or_exit(config, run_dir, command)  # nothing is started for a bad config
     taken = slurm_text(cfg)
     if taken:  # the job's output says what each node took from Slurm (config.yaml in its run dir holds the values)
@@ -221,8 +232,9 @@ def start_preflight(config: str, run_dir: str) -> subprocess.Popen:
     so that the supervisor's own imports overlap with it."""
     import subprocess
 
-    return subprocess.Popen(doctor_argv(config, run_dir, "--cheap", "--plain"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        doctor_argv(config, run_dir, "--cheap", "--plain"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def end_preflight(doctor: subprocess.Popen, config: str) -> None:
@@ -240,11 +252,17 @@ def end_preflight(doctor: subprocess.Popen, config: str) -> None:
     if doctor.returncode == EXIT_CONFIG:
         sys.exit(EXIT_CONFIG)
     if doctor.returncode == EXIT_FAILED:
-        click.echo("hangwatch: the preflight checks failed (above): nothing started. Fix them (details: "
-                   f"`hangwatch doctor {config}`), or skip the checks with `hangwatch run --no-doctor`.", err=True)
+        click.echo(
+            "hangwatch: the preflight checks failed (above): nothing started. Fix them (details: "
+            f"`hangwatch doctor {config}`), or skip the checks with `hangwatch run --no-doctor`.",
+            err=True,
+        )
         sys.exit(EXIT_CONFIG)
     if doctor.returncode != EXIT_OK:
-        click.echo(f"hangwatch: warning: the preflight checks exited {doctor.returncode}; the run goes on without them", err=True)
+        click.echo(
+            f"hangwatch: warning: the preflight checks exited {doctor.returncode}; the run goes on without them",
+            err=True,
+        )
 
 
 def say_finished(hint: list[str]) -> None:
@@ -280,7 +298,9 @@ def validate_config(config: str, run_dir: Optional[str]) -> None:
 @click.argument("config")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="As for `run`: override the config's run_dir.")
 @click.option("--json", "as_json", is_flag=True, help="The findings as JSON.")
-@click.option("--cheap", is_flag=True, help="Only what needs no model load (what `run` checks before its first attempt).")
+@click.option(
+    "--cheap", is_flag=True, help="Only what needs no model load (what `run` checks before its first attempt)."
+)
 def doctor(config: str, run_dir: Optional[str], as_json: bool, cheap: bool) -> None:
     """Check CONFIG as the built-in worker will run it, in seconds on a CPU (the GPU when there is one):
     tokenizer special tokens, chat template round-trip, a decoded training example with its masked span,
@@ -300,10 +320,15 @@ def doctor(config: str, run_dir: Optional[str], as_json: bool, cheap: bool) -> N
 @main.command(short_help="Check data files and publish the good ones into the inbox.")
 @daemon_options
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--config", "config_path",
-              help="The run's config (default: the run dir's config.yaml, the config as run).")
-@click.option("--priority", type=click.IntRange(0, 99), default=None,
-              help="0-99: files of higher priority are trained first (default 0).")
+@click.option(
+    "--config", "config_path", help="The run's config (default: the run dir's config.yaml, the config as run)."
+)
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 99),
+    default=None,
+    help="0-99: files of higher priority are trained first (default 0).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Say on stderr which tokenizer checked the files, and why.")
 def submit(run_dir, socket_path, timeout, files, config_path, priority, verbose) -> None:
     """Check FILE… as the worker will (JSON, fields, lengths, label masks, with the run's tokenizer)
@@ -338,8 +363,10 @@ def submit(run_dir, socket_path, timeout, files, config_path, priority, verbose)
     sys.exit(done.returncode)
 
 
-@main.command(short_help="Benchmark hangwatch on this machine (scripts/bench).",
-              context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@main.command(
+    short_help="Benchmark hangwatch on this machine (scripts/bench).",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args) -> None:
     """Run the benchmark (`scripts/bench` of the checkout hangwatch runs from) with ARGS, e.g. --quick

@@ -7,6 +7,7 @@ state that is not final whose supervisor is gone says so, instead of passing for
 
 Loaded only on that path: the socket's answer needs none of it.
 """
+
 from __future__ import annotations
 
 import time
@@ -69,14 +70,18 @@ def recorded_text(rec: dict) -> str:
     else:
         head += " — no supervisor answered, and the record does not say which one wrote it"
     lines = [head]
-    facts = [f"attempt {rec.get('attempt')}" if rec.get("attempt") is not None else None,
-             f"{rec['restarts']} restart(s)" if rec.get("restarts") else None,
-             f"{rec['incidents']} incident(s)" if rec.get("incidents") else None]
+    facts = [
+        f"attempt {rec.get('attempt')}" if rec.get("attempt") is not None else None,
+        f"{rec['restarts']} restart(s)" if rec.get("restarts") else None,
+        f"{rec['incidents']} incident(s)" if rec.get("incidents") else None,
+    ]
     if any(facts):
         lines.append("  " + ", ".join(f for f in facts if f))
     last = rec.get("last_incident")
     if isinstance(last, dict) and last.get("id"):
-        lines.append(f"  last incident {last.get('id')} {last.get('kind') or ''}: {last.get('summary') or ''}".rstrip(": "))
+        lines.append(
+            f"  last incident {last.get('id')} {last.get('kind') or ''}: {last.get('summary') or ''}".rstrip(": ")
+        )
     if rec.get("last_good_checkpoint"):
         step = f" (step {rec['last_good_step']})" if rec.get("last_good_step") is not None else ""
         lines.append(f"  last good checkpoint {rec['last_good_checkpoint']}{step}")

@@ -8,6 +8,7 @@ stderr and its exit code there.  Importing this module loads click and the socke
 shows an answer (render.py, rich) is imported while the request is in flight, and `--json` never
 needs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,19 @@ def fail(message: str, code: int) -> None:
 
 def daemon_options(f):
     f = click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for an answer.")(f)
-    f = click.option("--socket", "socket_path", envvar="HANGWATCH_SOCKET", type=click.Path(dir_okay=False),
-                     help="The control socket.")(f)
-    f = click.option("--run-dir", envvar="HANGWATCH_RUN_DIR", type=click.Path(file_okay=False),
-                     help="The run directory (its socket is found from there).")(f)
+    f = click.option(
+        "--socket",
+        "socket_path",
+        envvar="HANGWATCH_SOCKET",
+        type=click.Path(dir_okay=False),
+        help="The control socket.",
+    )(f)
+    f = click.option(
+        "--run-dir",
+        envvar="HANGWATCH_RUN_DIR",
+        type=click.Path(file_okay=False),
+        help="The run directory (its socket is found from there).",
+    )(f)
     return f
 
 
@@ -151,8 +161,9 @@ def _live(client: Client, interval: float, count: Optional[int], as_json: bool) 
 @click.option("--now", is_flag=True, help="Do not wait for a checkpoint: dump stacks and kill the worker.")
 def restart(run_dir, socket_path, timeout, now) -> None:
     """Restart the worker: by default it checkpoints first, so no step is lost."""
-    result = client_for(run_dir, socket_path, timeout).call("restart", mode="now" if now else "graceful",
-                                                           meanwhile=_load_renderer)
+    result = client_for(run_dir, socket_path, timeout).call(
+        "restart", mode="now" if now else "graceful", meanwhile=_load_renderer
+    )
     from hangwatch.supervisor.cli.render import result_message
 
     click.echo(result_message("restart", result))
@@ -170,10 +181,16 @@ def _simple(cmd: str, short_help: str, help_text: str) -> click.Command:
     return click.command(name=cmd, short_help=short_help, help=help_text)(daemon_options(command))
 
 
-stop = _simple("stop", "Checkpoint and stop the worker, then exit.",
-               "Stop the run: the worker checkpoints and exits, then the supervisor exits.")
-pause = _simple("pause", "Stop the worker after a checkpoint; stay up.",
-                "Stop the worker (after a checkpoint) but keep the supervisor; `resume` continues.")
+stop = _simple(
+    "stop",
+    "Checkpoint and stop the worker, then exit.",
+    "Stop the run: the worker checkpoints and exits, then the supervisor exits.",
+)
+pause = _simple(
+    "pause",
+    "Stop the worker after a checkpoint; stay up.",
+    "Stop the worker (after a checkpoint) but keep the supervisor; `resume` continues.",
+)
 resume = _simple("resume", "Start the worker again after pause.", "Start the worker again after `pause`.")
 
 
@@ -197,8 +214,11 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
     try:
         client = client_for(run_dir, socket_path, timeout)
         meanwhile = None if as_json else _load_renderer
-        result = (client.call("incidents", id=incident_id, meanwhile=meanwhile) if incident_id
-                  else client.call("incidents", meanwhile=meanwhile))
+        result = (
+            client.call("incidents", id=incident_id, meanwhile=meanwhile)
+            if incident_id
+            else client.call("incidents", meanwhile=meanwhile)
+        )
     except DaemonUnavailable:
         if not run_dir:
             raise

@@ -4,6 +4,7 @@ Everything here takes the plain dicts the control socket returns and builds rich
 never talks to the daemon.  Fields a daemon does not send are shown as "-", and fields this module
 does not know are left out of the human view (`--json` has them all).
 """
+
 from __future__ import annotations
 
 import json
@@ -96,7 +97,9 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
 
     worker = f"pid {number(st.get('pid'))}" if st.get("pid") is not None else "not running"
     pids = st.get("pids")
-    if isinstance(pids, (dict, list)) and (len(pids) > 1 or st.get("pid") not in (list(pids.values()) if isinstance(pids, dict) else pids)):
+    if isinstance(pids, (dict, list)) and (
+        len(pids) > 1 or st.get("pid") not in (list(pids.values()) if isinstance(pids, dict) else pids)
+    ):
         worker += f"   {pids_text(pids)}"  # several ranks, or a launcher (torchrun) in front of them
     if st.get("backoff_remaining_s") is not None:
         worker += f"   next attempt in {duration(st['backoff_remaining_s'])}"
@@ -191,28 +194,38 @@ def output_text(out: dict) -> str:
 
 
 def nodes_text(n: dict) -> str:
-    """"node a, 2 nodes, generation 3 (rendezvous hangwatch-g3 at 127.0.0.1:29500, store ok, host); peers: b running g3
+    """ "node a, 2 nodes, generation 3 (rendezvous hangwatch-g3 at 127.0.0.1:29500, store ok, host); peers: b running g3
     (0.4 s); torchrun round 2 (restarted its ranks 1× within this attempt)"."""
-    head = (f"node {n.get('node')}, {n.get('nnodes')} nodes, generation {n.get('attempt_generation')} "
-            f"(rendezvous {n.get('rdzv_id')} at {n.get('endpoint')}, store {n.get('store')}"
-            + (f", {n.get('store_role')}" if n.get("store_role") else "") + ")")
+    head = (
+        f"node {n.get('node')}, {n.get('nnodes')} nodes, generation {n.get('attempt_generation')} "
+        f"(rendezvous {n.get('rdzv_id')} at {n.get('endpoint')}, store {n.get('store')}"
+        + (f", {n.get('store_role')}" if n.get("store_role") else "")
+        + ")"
+    )
     if n.get("waiting_since"):
         head += f"; waiting at the rendezvous for {duration(time.time() - float(n['waiting_since']))}"
     peers = n.get("peers") or {}
-    others = [f"{name} {p.get('state')} g{p.get('gen')} ({number(p.get('age_s'), '.1f')} s)"
-              for name, p in peers.items() if name != n.get("node")]
+    others = [
+        f"{name} {p.get('state')} g{p.get('gen')} ({number(p.get('age_s'), '.1f')} s)"
+        for name, p in peers.items()
+        if name != n.get("node")
+    ]
     if others:
         head += "; peers: " + ", ".join(others)
     if n.get("torchrun_round_changes"):
         rounds = max((n.get("torchrun_rounds") or {}).values(), default=0)
-        head += f"; torchrun round {rounds + 1} (restarted its ranks {n['torchrun_round_changes']}× within this attempt)"
+        head += (
+            f"; torchrun round {rounds + 1} (restarted its ranks {n['torchrun_round_changes']}× within this attempt)"
+        )
     return head
 
 
 def pids_text(pids: Any) -> str:
     """Announced pids by rank: {"0": 123, "1": 124} → "rank 0: 123, rank 1: 124"."""
     if isinstance(pids, dict):
-        return ", ".join(f"rank {r}: {p}" for r, p in sorted(pids.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0))
+        return ", ".join(
+            f"rank {r}: {p}" for r, p in sorted(pids.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0)
+        )
     if isinstance(pids, list):
         return ", ".join(str(p) for p in pids)
     return ""
@@ -225,8 +238,10 @@ def ranks_text(ranks: list[dict]) -> Text:
         if i:
             out.append("\n")
         out.append(f"rank {number(r.get('rank'))}", style="bold")
-        out.append(f"  pid {number(r.get('pid'))}  {r.get('phase') or '-'} for {duration(r.get('phase_age_s'))}"
-                   f"  step {number(r.get('step'))}  beat {duration(r.get('last_beat_age_s'))} ago")
+        out.append(
+            f"  pid {number(r.get('pid'))}  {r.get('phase') or '-'} for {duration(r.get('phase_age_s'))}"
+            f"  step {number(r.get('step'))}  beat {duration(r.get('last_beat_age_s'))} ago"
+        )
         if r.get("stopped"):
             out.append("  stopped", style="dim")
         dls = [d for d in r.get("deadlines") or [] if isinstance(d, dict)]
@@ -236,9 +251,16 @@ def ranks_text(ranks: list[dict]) -> Text:
         s = r.get("straggler")
         if isinstance(s, dict):
             took, median = s.get("step_time_s"), s.get("others_median_s")
-            ratio = took / median if isinstance(took, (int, float)) and isinstance(median, (int, float)) and median > 0 else None
-            out.append(f"  straggler: {duration(s.get('step_time_s'))} a step"
-                       + (f", {ratio:.1f}× the others' median" if ratio else ""), style="yellow")
+            ratio = (
+                took / median
+                if isinstance(took, (int, float)) and isinstance(median, (int, float)) and median > 0
+                else None
+            )
+            out.append(
+                f"  straggler: {duration(s.get('step_time_s'))} a step"
+                + (f", {ratio:.1f}× the others' median" if ratio else ""),
+                style="yellow",
+            )
     return out
 
 
@@ -248,7 +270,14 @@ def deadline_text(deadlines: Iterable[dict]) -> Text:
         if i:
             out.append("   ")
         remaining, budget = d.get("remaining_s"), d.get("budget_s")
-        style = "red" if isinstance(remaining, (int, float)) and isinstance(budget, (int, float)) and budget and remaining < 0.2 * budget else ""
+        style = (
+            "red"
+            if isinstance(remaining, (int, float))
+            and isinstance(budget, (int, float))
+            and budget
+            and remaining < 0.2 * budget
+            else ""
+        )
         name = str(d.get("name", "?"))
         if d.get("rank") not in (None, 0, "0"):
             name += f"[rank {d['rank']}]"
@@ -330,8 +359,20 @@ def incident_view(inc: dict) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold", no_wrap=True)
     head.add_column()
-    for key in ("id", "kind", "time", "attempt", "phase", "step", "deadline", "culprit_rank", "classification", "summary",
-                "stuck_frame", "evidence"):
+    for key in (
+        "id",
+        "kind",
+        "time",
+        "attempt",
+        "phase",
+        "step",
+        "deadline",
+        "culprit_rank",
+        "classification",
+        "summary",
+        "stuck_frame",
+        "evidence",
+    ):
         if inc.get(key) not in (None, "", [], {}):
             value = inc[key]
             head.add_row(key, value if isinstance(value, str) else json.dumps(value, default=str))
@@ -352,7 +393,7 @@ def incident_view(inc: dict) -> Group:
 
 
 def _frame(f: Any) -> str:
-    """"on_evaluate (train.py:46)"."""
+    """ "on_evaluate (train.py:46)"."""
     if not isinstance(f, dict):
         return "-"
     return f"{f.get('function', '?')} ({str(f.get('file') or '?').rsplit('/', 1)[-1]}:{f.get('line', '?')})"
@@ -365,8 +406,11 @@ def landmark_text(inc: dict) -> str:
         lines = [f"{lm.get('name', '?')} [{lm.get('kind', '?')}] at {_frame(lm.get('frame'))}"]
     else:
         lines = ["none: no landmark call on the stack"]
-    lines.append(f"called from {_frame(inc.get('caller_frame'))}" if inc.get("caller_frame")
-                 else "called from: no frame of your own code")
+    lines.append(
+        f"called from {_frame(inc.get('caller_frame'))}"
+        if inc.get("caller_frame")
+        else "called from: no frame of your own code"
+    )
     if inc.get("user_outermost_frame"):
         lines.append(f"outermost own frame {_frame(inc['user_outermost_frame'])}")
     if inc.get("stack_truncated"):

@@ -3,6 +3,7 @@
 Pure functions of a config or a run dir on disk (no daemon, no terminal styling), so `run` and
 `validate-config` say the same things the same way.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ from typing import Optional
 
 from hangwatch.common.config import Config
 from hangwatch.common.rundir import STATE_NAME, read_json
-from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.records.goodput import goodput_line, read_goodput
 
 
@@ -25,8 +26,10 @@ def run_summary(run_dir: str, code: int) -> list[str]:
     from and which newer ones are not good (and why), and where the result is."""
     rd = Path(run_dir)
     state = read_json(rd / STATE_NAME) or {}
-    lines = [f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
-             f"run dir {rd}"]
+    lines = [
+        f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
+        f"run dir {rd}"
+    ]
     store = IncidentStore(rd)
     for inc, d in zip(store.list(), store.dirs()):
         lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
@@ -91,8 +94,11 @@ def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
     wall = state.get("updated_wall")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(wall)) if isinstance(wall, (int, float)) else None
     facts = ", ".join(x for x in (f"at step {step}" if step is not None else None, when) if x)
-    lines = [f"hangwatch: {shown} already finished" + (f" ({facts})" if facts else "")
-             + " according to its state.json: nothing to do, no worker started."]
+    lines = [
+        f"hangwatch: {shown} already finished"
+        + (f" ({facts})" if facts else "")
+        + " according to its state.json: nothing to do, no worker started."
+    ]
     final = Path(cfg.run_dir) / "final"
     if final.is_dir():
         lines.append(f"  its final adapter: {final}")
@@ -113,19 +119,27 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
 
     shown = _shown(cfg.run_dir)
     own = cfg.model_dump(mode="json", exclude_defaults=True)
-    lines = [f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {shown}",
-             f"hangwatch: instrumentation: {note_for(cfg)}",
-             f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):"]
+    lines = [
+        f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {shown}",
+        f"hangwatch: instrumentation: {note_for(cfg)}",
+        f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):",
+    ]
     lines += ["    " + line for line in yaml.safe_dump(own, sort_keys=False).splitlines()]
     if slurm_text(cfg):  # a kept copy would pin this job's node list, ids and this node's run dir on the next job
         keys = ", ".join(f"worker.{k}" for k in cfg.worker._slurm.values)  # type: ignore[attr-defined]
-        lines.append(f"hangwatch: {keys} and run_dir there are this Slurm job's: take them out of a kept copy, "
-                     "and the next job supplies its own")
+        lines.append(
+            f"hangwatch: {keys} and run_dir there are this Slurm job's: take them out of a kept copy, "
+            "and the next job supplies its own"
+        )
     if config_arg is None:
-        lines.append(f"hangwatch: to keep it: cp {shown}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml")
+        lines.append(
+            f"hangwatch: to keep it: cp {shown}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml"
+        )
     else:
-        lines.append(f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
-                     f"hangwatch run {shown}/{CONFIG_NAME}")
+        lines.append(
+            f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
+            f"hangwatch run {shown}/{CONFIG_NAME}"
+        )
     return lines
 
 
@@ -143,8 +157,10 @@ def checkpoint_text(cfg: Config) -> str:
     c = cfg.checkpoint
     if cfg.worker.command is None:
         return f"every {c.every_steps} steps, keep {c.keep_last}, good after {c.confirm_steps} finite steps"
-    return (f"the worker's own (Heartbeat.checkpoint), good after {c.confirm_steps} later steps with a finite loss; "
-            "every attempt gets the last good one in HANGWATCH_RESUME_FROM")
+    return (
+        f"the worker's own (Heartbeat.checkpoint), good after {c.confirm_steps} later steps with a finite loss; "
+        "every attempt gets the last good one in HANGWATCH_RESUME_FROM"
+    )
 
 
 def _shown(path: str) -> str:
@@ -165,15 +181,22 @@ def config_summary(cfg: Config) -> list[tuple[str, str]]:
     else:
         t = cfg.model.tiny
         model = f"tiny (built locally: {t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
-    step = f"step {w.step_timeout_s:g}s" if w.step_timeout_s else (
-        f"step calibrated after {w.calibrate_after} steps ({w.calibration_factor:g}× p99, "
-        f"{w.step_timeout_min_s:g}–{w.step_timeout_max_s:g}s; first steps {w.first_steps_timeout_s:g}s)"
+    step = (
+        f"step {w.step_timeout_s:g}s"
+        if w.step_timeout_s
+        else (
+            f"step calibrated after {w.calibrate_after} steps ({w.calibration_factor:g}× p99, "
+            f"{w.step_timeout_min_s:g}–{w.step_timeout_max_s:g}s; first steps {w.first_steps_timeout_s:g}s)"
+        )
     )
     phases = ", ".join(f"{k} {v:g}s" for k, v in w.phase_budgets_s.items()) or "none"
     data = f"train {cfg.data.train or '-'}, eval {cfg.data.eval or '-'}" + (", inbox on" if cfg.data.inbox else "")
-    faults = ", ".join(
-        f.kind + (f" at step {f.at_step}" if f.at_step is not None else f" at eval {f.at_eval}") for f in cfg.faults
-    ) or "none"
+    faults = (
+        ", ".join(
+            f.kind + (f" at step {f.at_step}" if f.at_step is not None else f" at eval {f.at_eval}") for f in cfg.faults
+        )
+        or "none"
+    )
     r = cfg.restart
     mode = "0660, group " + cfg.control.group if cfg.control.group else "0600"
     slurm = slurm_text(cfg)
@@ -183,10 +206,16 @@ def config_summary(cfg: Config) -> list[tuple[str, str]]:
         ("worker", worker),
         ("model", model),
         ("data", data),
-        ("training", f"{cfg.train.max_steps} steps, micro-batch {cfg.train.micro_batch_size} × accum {cfg.train.grad_accum}, lr {cfg.train.lr:g}"),
+        (
+            "training",
+            f"{cfg.train.max_steps} steps, micro-batch {cfg.train.micro_batch_size} × accum {cfg.train.grad_accum}, lr {cfg.train.lr:g}",
+        ),
         ("deadlines", f"startup {w.startup_timeout_s:g}s, silence {w.silence_timeout_s:g}s, {step}"),
         ("phases", phases),
-        ("restarts", f"up to {r.max_restarts} in {r.window_s:g}s without progress, backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s"),
+        (
+            "restarts",
+            f"up to {r.max_restarts} in {r.window_s:g}s without progress, backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s",
+        ),
         ("checkpoint", checkpoint_text(cfg)),
         ("socket", f"{socket_path_for(cfg, cfg.run_dir)} (mode {mode})"),
         ("faults", faults),

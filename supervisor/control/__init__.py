@@ -11,6 +11,7 @@ Only `paths` loads with the package; the names of the others load on first use, 
 (`hangwatch status`), which needs only `paths`, imports neither the server and its logging stack nor the
 peer policy and the wire format.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,8 +32,15 @@ _LATER = {  # name → the submodule it loads from, at first use
     **dict.fromkeys(("ControlServer", "make_control"), "server"),
 }
 
-__all__ = ["DEFAULT_SOCKET_NAME", "SOCKET_PATH_FILE", "record_socket_path", "socket_path_for", "socket_path_in",
-           "unix_address", *_LATER]
+__all__ = [
+    "DEFAULT_SOCKET_NAME",
+    "SOCKET_PATH_FILE",
+    "record_socket_path",
+    "socket_path_for",
+    "socket_path_in",
+    "unix_address",
+    *_LATER,
+]
 
 
 def __getattr__(name: str) -> Any:

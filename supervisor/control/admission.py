@@ -18,6 +18,7 @@ bytes unsent.  Among the idle, connections already let go (their replies out, be
 first, then the ones already answered, then the ones silent the longest, and a connection holding part
 of a line leaves last: it is in the middle of asking.  Only when every candidate is owed something is the newcomer refused.
 """
+
 from __future__ import annotations
 
 import resource
@@ -45,7 +46,9 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_per_peer <= self.max_clients:
-            raise ValueError(f"control limits: need 1 <= max_per_peer ({self.max_per_peer}) <= max_clients ({self.max_clients})")
+            raise ValueError(
+                f"control limits: need 1 <= max_per_peer ({self.max_per_peer}) <= max_clients ({self.max_clients})"
+            )
 
     @classmethod
     def for_fd_limit(cls, nofile: int) -> "Limits":
@@ -103,8 +106,13 @@ def eviction_key(slot: Slot) -> Optional[tuple]:
 
 def young(slot: Slot, now: float) -> bool:
     """Accepted less than YOUNG_S ago and asked nothing yet: its line is probably on its way."""
-    return (not slot.replies and not slot.inbuf and not slot.hangup and slot.pending is None
-            and now - slot.accepted < YOUNG_S)
+    return (
+        not slot.replies
+        and not slot.inbuf
+        and not slot.hangup
+        and slot.pending is None
+        and now - slot.accepted < YOUNG_S
+    )
 
 
 def idle_in_order(slots: Sequence[Slot]) -> list[Slot]:
@@ -128,8 +136,10 @@ def admit(peer: PeerCred, slots: Sequence[Slot], limits: Limits, now: float) -> 
         evict.extend(idle_in_order([s for s in own if not young(s, now)])[:excess])
         if len(evict) < excess:
             if not evict and not any(young(s, now) for s in own):
-                return Admission(refusal=f"busy: process {peer.pid} already has {len(own)} control connections, "
-                                         f"all waiting for replies (at most {limits.max_per_peer} per process)")
+                return Admission(
+                    refusal=f"busy: process {peer.pid} already has {len(own)} control connections, "
+                    f"all waiting for replies (at most {limits.max_per_peer} per process)"
+                )
             over_share = True  # its others are still arriving (or owed replies): it gives back the excess later
     if len(slots) - len(evict) >= limits.max_clients:
         victim = oldest_idle([s for s in slots if s not in evict])

@@ -4,6 +4,7 @@ The server feeds it what `recv` returned and sends what it has queued; everythin
 the request size limit, empty lines, handler calls and their failures, replies that are answered
 later (`Pending`) and the lines that wait behind them — happens here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -100,8 +101,9 @@ class Conversation:
     def _oversized(self) -> None:
         # The rest of the stream cannot be trusted to start at a line boundary, and reading megabytes
         # of it only to throw them away is what a flood wants: answer, then close without reading on.
-        log.warning("control request too large", peer_uid=self.peer.uid, peer_pid=self.peer.pid,
-                    limit=self.max_request_bytes)
+        log.warning(
+            "control request too large", peer_uid=self.peer.uid, peer_pid=self.peer.pid, limit=self.max_request_bytes
+        )
         self.inbuf.clear()
         self.refuse(f"request larger than {self.max_request_bytes} bytes; closing connection", abandon=True)
 

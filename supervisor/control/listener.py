@@ -4,6 +4,7 @@ The socket file is created mode 0600 (0660, group-owned, with a configured group
 umask, so there is no instant at which another user could connect.  A socket left by a dead
 supervisor is replaced; a live one, or anything that is not a socket, is never touched.
 """
+
 from __future__ import annotations
 
 import contextlib

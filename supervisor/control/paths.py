@@ -4,6 +4,7 @@ The supervisor binds `socket_path_for(cfg)`; a client given only the run dir rea
 which follows the run dir's `socket-path` record when the socket lives elsewhere (a configured path,
 or $RUNTIME_DIRECTORY under systemd).  Standard library only: every `hangwatch status` imports this.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,9 @@ DEFAULT_SOCKET_NAME = "hangwatch.sock"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
 
 
-def socket_path_for(cfg, run_dir: Optional[os.PathLike | str] = None, environ: Optional[Mapping[str, str]] = None) -> Path:
+def socket_path_for(
+    cfg, run_dir: Optional[os.PathLike | str] = None, environ: Optional[Mapping[str, str]] = None
+) -> Path:
     """control.socket when configured; else $RUNTIME_DIRECTORY/hangwatch.sock under systemd; else the run dir's."""
     env = os.environ if environ is None else environ
     if cfg.control.socket:

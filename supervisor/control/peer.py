@@ -3,6 +3,7 @@
 The socket's file mode (0600, or 0660 with a group) already keeps others out; this is the second
 lock, for a socket whose mode was widened or whose directory is shared.
 """
+
 from __future__ import annotations
 
 import grp

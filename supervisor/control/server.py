@@ -19,13 +19,14 @@ The connection table is bounded, overall and per peer process; a newcomer past e
 the place of the oldest idle connection, so a new `status` is answered however many clients sit on
 the socket (admission.py).
 """
+
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import selectors
-import itertools
 import socket
 import time
 from dataclasses import dataclass
@@ -170,8 +171,14 @@ class ControlServer:
             except OSError:
                 sock.close()
                 continue
-            client = _Client(peer=peer, max_request_bytes=self.max_request_bytes, sock=sock, last_active=now,
-                             accepted=now, seq=next(self._seq))
+            client = _Client(
+                peer=peer,
+                max_request_bytes=self.max_request_bytes,
+                sock=sock,
+                last_active=now,
+                accepted=now,
+                seq=next(self._seq),
+            )
             refusal = self.policy.refusal(peer)
             if refusal is not None:
                 log.warning("control client refused", peer_uid=peer.uid, peer_pid=peer.pid, reason=refusal)
@@ -185,8 +192,13 @@ class ControlServer:
                 self._admit_refused(client, admission.refusal, now, abandon=True)
                 continue
             for victim in admission.evict:
-                log.debug("control client evicted", peer_uid=victim.peer.uid, peer_pid=victim.peer.pid,
-                          idle_s=round(now - victim.last_active, 1), for_pid=peer.pid)
+                log.debug(
+                    "control client evicted",
+                    peer_uid=victim.peer.uid,
+                    peer_pid=victim.peer.pid,
+                    idle_s=round(now - victim.last_active, 1),
+                    for_pid=peer.pid,
+                )
                 self._drop(victim)
             self._note_evictions(len(admission.evict), now)
             self._clients.add(client)
@@ -197,8 +209,13 @@ class ControlServer:
         """Give back what a process holds past its share, once its young connections have asked or aged."""
         evict, self._over_share = over_share(tuple(self._clients), self.limits, now)
         for victim in evict:
-            log.debug("control client evicted", peer_uid=victim.peer.uid, peer_pid=victim.peer.pid,
-                      idle_s=round(now - victim.last_active, 1), why="over its process's share")
+            log.debug(
+                "control client evicted",
+                peer_uid=victim.peer.uid,
+                peer_pid=victim.peer.pid,
+                idle_s=round(now - victim.last_active, 1),
+                why="over its process's share",
+            )
             self._drop(victim)
         self._note_evictions(len(evict), now)
 
@@ -208,9 +225,12 @@ class ControlServer:
         self._evicted_unlogged += n
         if not self._evicted_unlogged or (now is not None and now - self._evictions_logged_at < EVICTION_LOG_EVERY_S):
             return
-        log.info("control clients evicted", count=self._evicted_unlogged,
-                 why="connection table full or a process at its share; the oldest idle ones made room",
-                 limits=f"{self.limits.max_clients} in all, {self.limits.max_per_peer} per process")
+        log.info(
+            "control clients evicted",
+            count=self._evicted_unlogged,
+            why="connection table full or a process at its share; the oldest idle ones made room",
+            limits=f"{self.limits.max_clients} in all, {self.limits.max_per_peer} per process",
+        )
         self._evicted_unlogged = 0
         if now is not None:
             self._evictions_logged_at = now
@@ -276,8 +296,13 @@ class ControlServer:
             # gave up waiting for a reply is worth a line.
             waiting_for = client.pending_cmd if client.pending is not None else None
             note = log.info if waiting_for else log.debug
-            note("control client timed out", peer_uid=client.peer.uid, peer_pid=client.peer.pid,
-                 idle_s=round(now - client.last_active, 1), waiting_for=waiting_for)
+            note(
+                "control client timed out",
+                peer_uid=client.peer.uid,
+                peer_pid=client.peer.pid,
+                idle_s=round(now - client.last_active, 1),
+                waiting_for=waiting_for,
+            )
             self._drop(client)
 
     def _linger(self, client: _Client, now: float) -> None:

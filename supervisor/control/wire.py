@@ -5,6 +5,7 @@
 
 Requests are JSON only: nothing a client sends is ever unpickled or evaluated.
 """
+
 from __future__ import annotations
 
 import json

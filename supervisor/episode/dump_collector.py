@@ -20,6 +20,7 @@ Each has `advance(now) -> bool` (True when finished) so the loop keeps answering
 and draining events while a stall is being handled.  Processes are seen only through the injected
 `ProcessTable`; nothing here reaps or kills (that is `tree_killer`).
 """
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,11 @@ def settle_s(text: str) -> float:
         return PARTIAL_SETTLE_S
     last = threads[-1]
     outer = last.frames[-1]
-    if last.truncated or last.is_main() or (
-            outer["function"] in ("_bootstrap", "_bootstrap_inner") and outer["file"].endswith("threading.py")):
+    if (
+        last.truncated
+        or last.is_main()
+        or (outer["function"] in ("_bootstrap", "_bootstrap_inner") and outer["file"].endswith("threading.py"))
+    ):
         return SETTLE_S
     return PARTIAL_SETTLE_S
 
@@ -168,11 +172,14 @@ class DumpCollector:
                 self.py_spy_pids[ref.pid] = (p, out)
         # a py-spy that cannot be executed leaves no C stack: the verdict must know it had none
         started = self.py_spy_procs or self.py_spy_pids
-        self.py_spy_note = f"ran {exe}" if started or not tried else f"could not start {exe} (its error is in the py-spy files)"
+        self.py_spy_note = (
+            f"ran {exe}" if started or not tried else f"could not start {exe} (its error is in the py-spy files)"
+        )
 
     def _py_spy_running(self, now: float) -> bool:
-        return py_spy_running([*self.py_spy_procs.values(), *self.py_spy_pids.values()], now - self.started_at,
-                              self.py_spy_timeout_s)
+        return py_spy_running(
+            [*self.py_spy_procs.values(), *self.py_spy_pids.values()], now - self.started_at, self.py_spy_timeout_s
+        )
 
     def advance(self, now: float) -> bool:
         """One loop pass; True once every step is done: the ranks' stacks and the gate, then the DataLoader workers."""
@@ -227,8 +234,11 @@ class DumpCollector:
         due = []
         if self.files_at is None:
             due.append(self.started_at + self.grace_s)
-            due += [self._changed_at[t.rank] + self._settle.get(t.rank, SETTLE_S) for t in self.targets
-                    if t.rank in self._changed_at and not self._complete.get(t.rank)]
+            due += [
+                self._changed_at[t.rank] + self._settle.get(t.rank, SETTLE_S)
+                for t in self.targets
+                if t.rank in self._changed_at and not self._complete.get(t.rank)
+            ]
         if self.py_spy_done_at is None and (self.py_spy_procs or self.py_spy_pids):
             due.append(self.started_at + self.py_spy_timeout_s)
         return min(due) if due else None
@@ -237,8 +247,11 @@ class DumpCollector:
         """When each part was in, in seconds after the signals (None: not reached)."""
         rel = lambda x: None if x is None else round(x - self.started_at, 3)  # noqa: E731
         spied = self.py_spy_procs or self.py_spy_pids
-        return {"dump_files_s": rel(self.files_at), "py_spy_s": rel(self.py_spy_done_at) if spied else None,
-                "stacks_s": rel(self.stacks_at)}
+        return {
+            "dump_files_s": rel(self.files_at),
+            "py_spy_s": rel(self.py_spy_done_at) if spied else None,
+            "stacks_s": rel(self.stacks_at),
+        }
 
     def texts(self) -> dict[int, str]:
         """Only what was appended after the signal, per rank."""
@@ -277,8 +290,12 @@ def start_py_spy(exe: str, pid: int, out: Path, options: list[str]) -> Optional[
     try:
         with open(out, "wb") as f:
             try:
-                return subprocess.Popen([exe, "dump", *options, "--pid", str(pid), "--full-filenames"], stdout=f,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                return subprocess.Popen(
+                    [exe, "dump", *options, "--pid", str(pid), "--full-filenames"],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
             except OSError as exc:
                 f.write(f"py-spy could not start: {exc}\n".encode())
     except OSError:
@@ -394,8 +411,9 @@ class WorkerDumps:
         for t in dc.targets:
             stack, truncated = main_stack(texts.get(t.rank, ""))
             spy_stack, native = py_spy_main_thread(spy.get(t.rank, ""))
-            reading = read_stack(stack or spy_stack, native=native, extra=self.landmarks,
-                                 truncated=truncated and not spy_stack)
+            reading = read_stack(
+                stack or spy_stack, native=native, extra=self.landmarks, truncated=truncated and not spy_stack
+            )
             if reading.kind != "dataloader":
                 continue
             workers = [rec for rec in worker_processes(t.ref.pid, self.procs) if rec["pid"] not in ranks]
@@ -410,8 +428,9 @@ class WorkerDumps:
         if ref is None:
             return
         rank_rec = next((p for p in self.procs if p.get("pid") == rank.ref.pid), {})
-        target = self.targets[pid] = WorkerTarget(rank, ref, "none",
-                                                  started_as(rec.get("cmdline"), rank_rec.get("cmdline")) or "fork")
+        target = self.targets[pid] = WorkerTarget(
+            rank, ref, "none", started_as(rec.get("cmdline"), rank_rec.get("cmdline")) or "fork"
+        )
         out = out_dir / f"py-spy-rank{rank.rank}-pid{pid}.txt" if out_dir is not None else None
         spy = start_py_spy(exe, pid, out, []) if exe is not None and out is not None else None
         if spy is not None:
@@ -422,11 +441,15 @@ class WorkerDumps:
     def _faulthandler(self, target: WorkerTarget) -> None:
         path = forked_dump_path(target.rank.dump_path, target.ref.pid)
         if not path.exists():
-            target.add_note(f"no {path.name}: no faulthandler was registered in it (hangwatch's heartbeat registers one "
-                            f"in every worker a rank forks or spawns)")
+            target.add_note(
+                f"no {path.name}: no faulthandler was registered in it (hangwatch's heartbeat registers one "
+                f"in every worker a rank forks or spawns)"
+            )
         elif not self._still_a_worker(target):
-            target.add_note(f"not signalled: its command line no longer says it is a worker started by {target.started} "
-                            f"(it may have exec'd another program)")
+            target.add_note(
+                f"not signalled: its command line no longer says it is a worker started by {target.started} "
+                f"(it may have exec'd another program)"
+            )
         else:
             target.dump_path, target.offset = path, path.stat().st_size
             self._sizes[target.ref.pid] = target.offset
@@ -447,7 +470,11 @@ class WorkerDumps:
         elapsed = now - self.started_at
         spying = py_spy_running([t.spy for t in self.targets.values() if t.spy], elapsed, self._py_spy_timeout_s)
         for t in self.targets.values():
-            if t.via == "py-spy" and t.spy[0].poll() is not None and not py_spy_main_thread(read_appended(t.spy[1], 0))[0]:
+            if (
+                t.via == "py-spy"
+                and t.spy[0].poll() is not None
+                and not py_spy_main_thread(read_appended(t.spy[1], 0))[0]
+            ):
                 t.via, t.spy = "none", None
                 t.add_note("py-spy gave no Python stack")  # e.g. no ptrace permission: faulthandler instead
                 self._faulthandler(t)
@@ -486,5 +513,6 @@ class WorkerDumps:
                 frames, missing = main_stack(text)[0], "its faulthandler file did not grow"
             note = t.note if frames or not missing else (f"{t.note}; {missing}" if t.note else missing)
             out.setdefault(t.rank.rank, []).append(
-                (WorkerStack(pid, by_pid.get(pid), frames, t.via if frames else None, dump, note), text))
+                (WorkerStack(pid, by_pid.get(pid), frames, t.via if frames else None, dump, note), text)
+            )
         return out

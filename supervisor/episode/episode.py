@@ -30,38 +30,47 @@ ranks the incident names the culprit rank (the one whose dump holds the
 fatal error, else the one torchrun says failed first) and keeps every rank's dump; dumps the NCCL
 flight recorder wrote by itself during the attempt (on its own timeout) are kept too.
 """
+
 from __future__ import annotations
 
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional
-
 from pathlib import Path
+from typing import Any, Callable, Collection, Optional
 
 import structlog
 
 from hangwatch.common.config import RestartCfg, WatchdogCfg
 from hangwatch.common.rundir import EXIT_NAME, rank_exit_name, read_json, tail_text
 from hangwatch.supervisor.episode import rank_evidence
-from hangwatch.supervisor.processes.attempt import Attempt
-from hangwatch.supervisor.watch.deadlines import Deadlines, Expired
 from hangwatch.supervisor.episode.dump_collector import StallDumps, WorkerDumps
-from hangwatch.supervisor.episode.tree_killer import TreeKiller
-from hangwatch.supervisor.episode.kernel_evidence import KernelEvidence, sigkill_cause, torchrun_root_cause
 from hangwatch.supervisor.episode.flight_recorder import FlightDumps, into_incident
-from hangwatch.supervisor.incidents import (Incident, IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
-                                            main_stack, signal_name, stuck_frame)
+from hangwatch.supervisor.episode.kernel_evidence import KernelEvidence, sigkill_cause, torchrun_root_cause
+from hangwatch.supervisor.episode.tree_killer import TreeKiller
+from hangwatch.supervisor.incidents import (
+    Incident,
+    IncidentStore,
+    classify_exit,
+    classify_stall,
+    fatal_error,
+    frame_str,
+    main_stack,
+    signal_name,
+    stuck_frame,
+)
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.landmarks import Reading, is_own_code, read_stack, user_landmarks
 from hangwatch.supervisor.incidents.loader_workers import judge
 from hangwatch.supervisor.incidents.verdict import decide
-from hangwatch.supervisor.rules.no_retry import NoRetry, no_retry_code
-from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
-from hangwatch.supervisor.rules.teardown import exit_hang, teardown_crash
+from hangwatch.supervisor.processes.attempt import Attempt
 from hangwatch.supervisor.processes.process import ProcessTable, ProcRef
 from hangwatch.supervisor.processes.snapshot import GpuCache
 from hangwatch.supervisor.records.run_state import RunFacts
+from hangwatch.supervisor.rules.no_retry import NoRetry, no_retry_code
+from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
+from hangwatch.supervisor.rules.teardown import exit_hang, teardown_crash
+from hangwatch.supervisor.watch.deadlines import Deadlines, Expired
 
 log = structlog.get_logger("hangwatch")
 MAX_DUMP_BYTES = 4 << 20
@@ -107,46 +116,103 @@ class Episode:
     # ---- a stall ---------------------------------------------------------------------------
 
     @classmethod
-    def stall(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, kind: str,
-              expired: Optional[Expired]) -> "Episode":
+    def stall(
+        cls,
+        tools: Tools,
+        attempt: Attempt,
+        deadlines: Deadlines,
+        facts: RunFacts,
+        now: float,
+        kind: str,
+        expired: Optional[Expired],
+    ) -> "Episode":
         tr = deadlines.ranks.get(expired.rank if expired and expired.rank is not None else deadlines.main_rank())
         phase, step = (tr.phase, tr.step) if tr else (None, None)
         deadline = None
         if expired is not None:
-            deadline = {"name": expired.name, "budget_s": round(expired.budget_s, 3), "elapsed_s": round(expired.elapsed_s, 3),
-                        "overdue_s": round(expired.overdue_s, 3), "source": expired.source, "rank": expired.rank, "phase": expired.phase,
-                        "progress_lines": expired.progress_lines, "last_progress_age_s": expired.last_progress_age_s}
-        on_rank = f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
-        why = (f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
-               f" in phase {phase!r} at step {step}" if expired else "restart now requested")
+            deadline = {
+                "name": expired.name,
+                "budget_s": round(expired.budget_s, 3),
+                "elapsed_s": round(expired.elapsed_s, 3),
+                "overdue_s": round(expired.overdue_s, 3),
+                "source": expired.source,
+                "rank": expired.rank,
+                "phase": expired.phase,
+                "progress_lines": expired.progress_lines,
+                "last_progress_age_s": expired.last_progress_age_s,
+            }
+        on_rank = (
+            f" on rank {expired.rank}" if expired and expired.rank is not None and len(deadlines.ranks) > 1 else ""
+        )
+        why = (
+            f"{expired.name} deadline {expired.budget_s:.1f}s exceeded by {expired.overdue_s:.1f}s{on_rank}"
+            f" in phase {phase!r} at step {step}"
+            if expired
+            else "restart now requested"
+        )
         if expired is not None and expired.name == "output_silence":
             out = attempt.output
             last = f"; its last line: {out.last_line[:120]!r}" if out is not None and out.last_line else ""
-            why = (f"no output for {expired.elapsed_s:.1f}s (output_silence_timeout_s {expired.budget_s:g}), "
-                   f"no heartbeat from any rank{last}")
-        inc = tools.incidents.create(kind, attempt=attempt.number, phase=phase, step=step, deadline=deadline,
-                                     summary=why, status="in progress", worker_pid=attempt.worker.pid,
-                                     last_good_checkpoint=facts.last_good_checkpoint, **stragglers_field(attempt))
-        log.warning("stall_detected" if kind != "manual" else "restart_now", kind=kind, incident=inc.id,
-                    deadline=expired.name if expired else None, budget_s=deadline and deadline["budget_s"],
-                    elapsed_s=deadline and deadline["elapsed_s"], overdue_s=deadline and deadline["overdue_s"],
-                    phase=phase, step=step, rank=expired.rank if expired else None, attempt=attempt.number)
+            why = (
+                f"no output for {expired.elapsed_s:.1f}s (output_silence_timeout_s {expired.budget_s:g}), "
+                f"no heartbeat from any rank{last}"
+            )
+        inc = tools.incidents.create(
+            kind,
+            attempt=attempt.number,
+            phase=phase,
+            step=step,
+            deadline=deadline,
+            summary=why,
+            status="in progress",
+            worker_pid=attempt.worker.pid,
+            last_good_checkpoint=facts.last_good_checkpoint,
+            **stragglers_field(attempt),
+        )
+        log.warning(
+            "stall_detected" if kind != "manual" else "restart_now",
+            kind=kind,
+            incident=inc.id,
+            deadline=expired.name if expired else None,
+            budget_s=deadline and deadline["budget_s"],
+            elapsed_s=deadline and deadline["elapsed_s"],
+            overdue_s=deadline and deadline["overdue_s"],
+            phase=phase,
+            step=step,
+            rank=expired.rank if expired else None,
+            attempt=attempt.number,
+        )
         done = exit_hang(expired.name, _stops(attempt, deadlines.ranks)) if expired is not None else None
         return cls(kind, inc, now, expired=expired, reason=why, deadlines=deadlines, work_done=done)
 
     @classmethod
-    def peer(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict,
-             gen: int) -> "Episode":
+    def peer(
+        cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, notice: dict, gen: int
+    ) -> "Episode":
         """A peer node restarted (it bumped the generation): dump where the local ranks wait, then restart into
         generation `gen` with it (multi-node, `nodes.multi_node`)."""
         tr = deadlines.ranks.get(deadlines.main_rank())
         phase, step = (tr.phase, tr.step) if tr else (None, None)
         why = f"peer node {notice.get('node')} restarted (generation {gen}): {notice.get('summary') or notice.get('kind')}"
-        inc = tools.incidents.create("peer_restart", attempt=attempt.number, phase=phase, step=step, summary=why,
-                                     status="in progress", worker_pid=attempt.worker.pid, peer_notice=notice,
-                                     last_good_checkpoint=facts.last_good_checkpoint)
-        log.warning("peer_restart", incident=inc.id, peer=notice.get("node"), generation=gen, attempt=attempt.number,
-                    peer_summary=notice.get("summary"))
+        inc = tools.incidents.create(
+            "peer_restart",
+            attempt=attempt.number,
+            phase=phase,
+            step=step,
+            summary=why,
+            status="in progress",
+            worker_pid=attempt.worker.pid,
+            peer_notice=notice,
+            last_good_checkpoint=facts.last_good_checkpoint,
+        )
+        log.warning(
+            "peer_restart",
+            incident=inc.id,
+            peer=notice.get("node"),
+            generation=gen,
+            attempt=attempt.number,
+            peer_summary=notice.get("summary"),
+        )
         return cls("peer_restart", inc, now, reason=why, deadlines=deadlines, peer_notice=notice)
 
     def sample_then_dump(self, tools: Tools, attempt: Attempt, now: float) -> bool:
@@ -159,11 +225,18 @@ class Episode:
             self.sampled_at = now
             wd = tools.watchdog_cfg
             self.landmarks = user_landmarks(wd.landmarks)
-            self.dumps = StallDumps(attempt.dump_targets(), grace_s=wd.dump_grace_s, table=tools.table, py_spy=wd.py_spy,
-                                    py_spy_timeout_s=wd.py_spy_timeout_s, py_spy_path=wd.py_spy_path,
-                                    out_dir=self.incident.dir, flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
-                                    gate=lambda t: self._take_snapshot(tools, attempt, t),
-                                    unannounced=unannounced_pythons(tools.table, attempt) if wd.py_spy else [])
+            self.dumps = StallDumps(
+                attempt.dump_targets(),
+                grace_s=wd.dump_grace_s,
+                table=tools.table,
+                py_spy=wd.py_spy,
+                py_spy_timeout_s=wd.py_spy_timeout_s,
+                py_spy_path=wd.py_spy_path,
+                out_dir=self.incident.dir,
+                flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
+                gate=lambda t: self._take_snapshot(tools, attempt, t),
+                unannounced=unannounced_pythons(tools.table, attempt) if wd.py_spy else [],
+            )
             self.dumps.begin(now)
             self.timings["dump_started_at_s"] = round(now - self.detected_at, 3)
         self.dumps.advance(now)
@@ -180,8 +253,9 @@ class Episode:
             if p.get("create_time") and p["pid"] != w.pid:
                 attempt.tree.setdefault(p["pid"], ProcRef(p["pid"], p["create_time"]))
         gpu = tools.gpu.fresh(now)
-        self.incident.data.update(process_snapshot=self.procs, gpu=gpu,
-                                  gpu_processes=gpu_processes(gpu, {p["pid"] for p in self.procs}))
+        self.incident.data.update(
+            process_snapshot=self.procs, gpu=gpu, gpu_processes=gpu_processes(gpu, {p["pid"] for p in self.procs})
+        )
         self.timings["snapshot_s"] = round(now - self.sampled_at, 3)
         self.dumps.loader_workers = WorkerDumps(self.procs, self.landmarks)
         return True
@@ -225,36 +299,59 @@ class Episode:
                 user = next((f for f in read if is_own_code(f.get("file"))), None)
         if verdict is None:
             announced = {ref.pid for ref in attempt.announced_refs().values()}
-            own = ([p for p in self.procs if p["pid"] in announced] or [p for p in self.procs if p["pid"] == dump_pid]
-                   or [p for p in self.procs if p["pid"] == attempt.worker.pid])
+            own = (
+                [p for p in self.procs if p["pid"] in announced]
+                or [p for p in self.procs if p["pid"] == dump_pid]
+                or [p for p in self.procs if p["pid"] == attempt.worker.pid]
+            )
             classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
             # The call it hung in first; without a landmark, what fired and what the process does lead.  The
             # reading names the innermost frame: the classification joins it without its own "at <frame>".
             condition = classify_stall(self.kind, inc.data.get("deadline"), own, None)
-            summary = (f"{reading.summary()}; {self.reason}; {condition}" if reading.landmark
-                       else f"{self.reason}; {condition}; {reading.summary()}")
+            summary = (
+                f"{reading.summary()}; {self.reason}; {condition}"
+                if reading.landmark
+                else f"{self.reason}; {condition}; {reading.summary()}"
+            )
         else:
             culprit = verdict.finding(verdict.culprit_rank)
             classification = culprit.classification if culprit else verdict.summary
             summary = f"{verdict.summary}; {self.reason}"  # the culprit's words name its landmark
-            inc.data.update(culprit_rank=verdict.culprit_rank, verdict={"culprit_rank": verdict.culprit_rank,
-                                                                        "reason": verdict.reason, "summary": verdict.summary},
-                            ranks=[{**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
-                                   for f in verdict.ranks])
+            inc.data.update(
+                culprit_rank=verdict.culprit_rank,
+                verdict={"culprit_rank": verdict.culprit_rank, "reason": verdict.reason, "summary": verdict.summary},
+                ranks=[
+                    {**f.as_dict(), "dump": f"stack-rank{f.rank}.txt" if f.rank in texts else None}
+                    for f in verdict.ranks
+                ],
+            )
         summary += self._loader_workers(inc, rank)
         inc.data.update(evidence=self.evidence(attempt, texts, spy, by_pid, now))
         if dump_pid is not None:
             inc.data["dump_pid"] = dump_pid
         inc.data.update(
-            stuck_frame=frame, main_stack=stack, user_frame=user, dump_rank=rank, **reading.fields(),
-            dumps={r: f"stack-rank{r}.txt" for r in texts}, dump_signalled=dict(self.dumps.signalled),
-            py_spy=self.dumps.py_spy_note or "not run", classification=classification, summary=summary,
+            stuck_frame=frame,
+            main_stack=stack,
+            user_frame=user,
+            dump_rank=rank,
+            **reading.fields(),
+            dumps={r: f"stack-rank{r}.txt" for r in texts},
+            dump_signalled=dict(self.dumps.signalled),
+            py_spy=self.dumps.py_spy_note or "not run",
+            classification=classification,
+            summary=summary,
         )
         self.timings["dump_s"] = round(now - self.dumps.started_at, 3)
         self.timings.update(self.dumps.timings())
         inc.write()
-        log.warning("stack_dumped", incident=inc.id, stuck=frame_str(frame), classification=classification, ranks=sorted(texts),
-                    **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}))
+        log.warning(
+            "stack_dumped",
+            incident=inc.id,
+            stuck=frame_str(frame),
+            classification=classification,
+            ranks=sorted(texts),
+            **({"culprit_rank": verdict.culprit_rank, "verdict": verdict.summary} if verdict else {}),
+        )
 
     def _reading(self, attempt: Attempt, rank: Optional[int], texts: dict, spy: dict) -> tuple[Reading, list]:
         """The call the dump rank's main thread is in, and the stack it was read from: its faulthandler stack —
@@ -300,9 +397,12 @@ class Episode:
         ev = {
             "heartbeats": bool(self.deadlines and self.deadlines.ranks),
             "instrumentation": attempt.instrumentation,
-            "stacks": {"faulthandler": sorted(r for r, t in texts.items() if t.strip()),
-                       "py_spy_ranks": sorted(r for r, t in spy.items() if t.strip()),
-                       "py_spy": sorted(by_pid), "py_spy_note": dumps.py_spy_note or "not run"},
+            "stacks": {
+                "faulthandler": sorted(r for r, t in texts.items() if t.strip()),
+                "py_spy_ranks": sorted(r for r, t in spy.items() if t.strip()),
+                "py_spy": sorted(by_pid),
+                "py_spy_note": dumps.py_spy_note or "not run",
+            },
             "gpu": "NVML, per process" if gpu.get("available") else f"none: {gpu.get('reason') or 'not read'}",
         }
         if attempt.output is not None:
@@ -328,20 +428,37 @@ class Episode:
     # ---- a worker exit ---------------------------------------------------------------------
 
     @classmethod
-    def exited(cls, tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, now: float, *,
-               decision: Optional[Decision] = None, stopping: Optional[str] = None) -> "Episode":
+    def exited(
+        cls,
+        tools: Tools,
+        attempt: Attempt,
+        deadlines: Deadlines,
+        facts: RunFacts,
+        now: float,
+        *,
+        decision: Optional[Decision] = None,
+        stopping: Optional[str] = None,
+    ) -> "Episode":
         """The worker exited by itself: after a stop request (`stopping` says which), or judged by `decision`."""
         w = attempt.worker
         if stopping is not None:
             # A stop hangwatch asked for is a stop, whatever exit code a launcher turns it into (torchrun
             # exits 1 after forwarding SIGTERM); only the worker's own last words make it a failure.
             if w.exit_code == 0 or w.exit_signal == signal.SIGTERM or own_failure(rank_last_words(attempt)) is None:
-                how = "" if w.exit_code == 0 else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
+                how = (
+                    ""
+                    if w.exit_code == 0
+                    else f" (exit {w.exit_code if w.exit_signal is None else signal_name(w.exit_signal)})"
+                )
                 return cls(None, None, now, reason=stopping + how)
             kind, classification, failed = classify(tools, attempt)
             summary = f"worker exited during a graceful stop: {classification}"
-            return cls(kind, exit_incident(tools, attempt, deadlines, facts, kind, classification, summary, failed_rank=failed),
-                       now, reason=stopping)
+            return cls(
+                kind,
+                exit_incident(tools, attempt, deadlines, facts, kind, classification, summary, failed_rank=failed),
+                now,
+                reason=stopping,
+            )
         if decision.action == "finish":
             return cls(None, None, now, decision=decision, reason=decision.reason)
         kind, classification, failed = classify(tools, attempt)
@@ -377,9 +494,16 @@ class Episode:
 
     def begin_kill(self, tools: Tools, attempt: Attempt, now: float, send_term: bool = True) -> None:
         wd = tools.watchdog_cfg
-        self.killer = TreeKiller(attempt.worker, attempt.known_refs(tools.table, tools.subreaper), table=tools.table,
-                                 term_grace_s=self.term_grace_s(wd), gpu_release_timeout_s=wd.gpu_release_timeout_s,
-                                 kill_wait_s=wd.kill_wait_s, gpu_pids=tools.gpu_pids, send_term=send_term)
+        self.killer = TreeKiller(
+            attempt.worker,
+            attempt.known_refs(tools.table, tools.subreaper),
+            table=tools.table,
+            term_grace_s=self.term_grace_s(wd),
+            gpu_release_timeout_s=wd.gpu_release_timeout_s,
+            kill_wait_s=wd.kill_wait_s,
+            gpu_pids=tools.gpu_pids,
+            send_term=send_term,
+        )
         self.timings["sigterm_at_s" if send_term else "sigkill_at_s"] = round(now - self.detected_at, 3)
         # Ranks a launcher (torchrun) started in sessions of their own are outside the group SIGTERM goes to:
         # each gets its own, so none depends on the launcher forwarding it (SIGKILL after the grace reaches them too).
@@ -390,8 +514,9 @@ class Episode:
             for ref in outside:
                 tools.table.signal(ref, signal.SIGTERM)
 
-    def finish(self, attempt: Optional[Attempt], facts: RunFacts, now: float, next_state: str, why: str,
-               main_rank: int = 0) -> None:
+    def finish(
+        self, attempt: Optional[Attempt], facts: RunFacts, now: float, next_state: str, why: str, main_rank: int = 0
+    ) -> None:
         """The tree is gone: complete and write the incident (if this episode has one)."""
         inc = self.incident
         if inc is None:
@@ -402,11 +527,16 @@ class Episode:
         timings["detection_to_gone_s"] = round(gone_at - self.detected_at, 3)
         timings["total_s"] = round(now - self.detected_at, 3)
         w = attempt.worker if attempt else None
-        inc.data.update(status="handled", timings=timings, gpu_release=k.gpu_release if k else None,
-                        decision=self.decision.as_dict() if self.decision else {"action": next_state, "reason": why},
-                        exit=inc.data.get("exit") or (exit_info(attempt, main_rank) if w and w.exited else None),
-                        last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step,
-                        torn_lines=facts.torn_lines)
+        inc.data.update(
+            status="handled",
+            timings=timings,
+            gpu_release=k.gpu_release if k else None,
+            decision=self.decision.as_dict() if self.decision else {"action": next_state, "reason": why},
+            exit=inc.data.get("exit") or (exit_info(attempt, main_rank) if w and w.exited else None),
+            last_good_checkpoint=facts.last_good_checkpoint,
+            last_good_step=facts.last_good_step,
+            torn_lines=facts.torn_lines,
+        )
         if self.decision and self.decision.rollback:
             inc.data["rollback_to"] = facts.last_good_checkpoint
         if attempt is not None:
@@ -419,10 +549,16 @@ class Episode:
 
 # ================================================================================ the incidents of an exit
 
+
 def exit_info(attempt: Attempt, main_rank: int = 0) -> dict:
     w = attempt.worker
-    return {"code": w.exit_code, "signal": w.exit_signal, "signal_name": signal_name(w.exit_signal),
-            "last_words": read_json(attempt.dir / EXIT_NAME), "stop_reason": attempt.stop_reason(main_rank)}
+    return {
+        "code": w.exit_code,
+        "signal": w.exit_signal,
+        "signal_name": signal_name(w.exit_signal),
+        "last_words": read_json(attempt.dir / EXIT_NAME),
+        "stop_reason": attempt.stop_reason(main_rank),
+    }
 
 
 def stragglers_field(attempt: Attempt) -> dict:
@@ -432,7 +568,9 @@ def stragglers_field(attempt: Attempt) -> dict:
 
 
 _STEM, _EXT = EXIT_NAME.rsplit(".", 1)
-RANK_EXIT_FILE = re.compile(rf"^{re.escape(_STEM)}-rank(\d+)\.{re.escape(_EXT)}$")  # as `rundir.rank_exit_name` names them
+RANK_EXIT_FILE = re.compile(
+    rf"^{re.escape(_STEM)}-rank(\d+)\.{re.escape(_EXT)}$"
+)  # as `rundir.rank_exit_name` names them
 
 
 def rank_last_words(attempt: Attempt) -> dict[int, dict]:
@@ -512,11 +650,13 @@ def classify(tools: Tools, attempt: Attempt) -> tuple[str, str, Optional[int]]:
     elif last_words is None:
         launcher = torchrun_root_cause(tail_text(w.log_path, 400))
         if launcher and launcher.get("signal") == "SIGKILL":
-            rank_cause = sigkill_cause({launcher["pid"]}, attempt.oom_kills_at_start, tools.kernel.oom_kills(),
-                                       tools.kernel.log())
+            rank_cause = sigkill_cause(
+                {launcher["pid"]}, attempt.oom_kills_at_start, tools.kernel.oom_kills(), tools.kernel.log()
+            )
             launcher = {**launcher, "signal": f"SIGKILL: {rank_cause}"}
-    kind, text = classify_exit(w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause,
-                               launcher=launcher)
+    kind, text = classify_exit(
+        w.exit_code, w.exit_signal, last_words, tail_text(w.log_path, 80), sigkill_cause=cause, launcher=launcher
+    )
     return kind, text, launcher.get("rank") if launcher else None
 
 
@@ -565,8 +705,17 @@ def _rank_dumps(attempt: Attempt) -> dict[int, str]:
     return out
 
 
-def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: RunFacts, kind: str, classification: str,
-                  summary: str, decision: Optional[Decision] = None, failed_rank: Optional[int] = None) -> Incident:
+def exit_incident(
+    tools: Tools,
+    attempt: Attempt,
+    deadlines: Deadlines,
+    facts: RunFacts,
+    kind: str,
+    classification: str,
+    summary: str,
+    decision: Optional[Decision] = None,
+    failed_rank: Optional[int] = None,
+) -> Incident:
     w = attempt.worker
     tr = deadlines.ranks.get(deadlines.main_rank())
     info = exit_info(attempt, deadlines.main_rank())
@@ -574,9 +723,11 @@ def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: R
     dumps = _rank_dumps(attempt)
     for rank, text in dumps.items():  # a fatal signal makes faulthandler write the stack too
         if fatal_error(text):
-            fatal = text[text.rfind("Fatal Python error"):]
+            fatal = text[text.rfind("Fatal Python error") :]
             frame, stack, user = stuck_frame(fatal)
-            reading = read_stack(stack, extra=user_landmarks(tools.watchdog_cfg.landmarks), truncated=main_stack(fatal)[1])
+            reading = read_stack(
+                stack, extra=user_landmarks(tools.watchdog_cfg.landmarks), truncated=main_stack(fatal)[1]
+            )
             info["fatal_error"] = fatal_error(text)
             fatal_rank = rank
             break
@@ -591,15 +742,30 @@ def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: R
         if frame is None and where is not None:
             frame = where
         victims = sorted(r for r, lw in words.items() if r != culprit and lw.get("collective_error"))
-        summary = (f"rank {culprit}: {classification}" + (f" at {frame_str(where)}" if where else "")
-                   + (f", {reading.words()}" if reading is not None and fatal_rank == culprit and reading.landmark else "")
-                   + "".join(f"; rank {r}: its collective broke when rank {culprit} failed (victim)" for r in victims))
+        summary = (
+            f"rank {culprit}: {classification}"
+            + (f" at {frame_str(where)}" if where else "")
+            + (f", {reading.words()}" if reading is not None and fatal_rank == culprit and reading.landmark else "")
+            + "".join(f"; rank {r}: its collective broke when rank {culprit} failed (victim)" for r in victims)
+        )
     inc = tools.incidents.create(
-        kind, attempt=attempt.number, phase=tr.phase if tr else None, step=tr.step if tr else None, deadline=None,
-        exit=info, classification=classification, summary=summary, stuck_frame=frame, main_stack=stack or [],
-        user_frame=user, **(reading.fields() if reading is not None else {}),
-        status="in progress", worker_pid=w.pid, last_good_checkpoint=facts.last_good_checkpoint,
-        decision=decision.as_dict() if decision else None, **stragglers_field(attempt),
+        kind,
+        attempt=attempt.number,
+        phase=tr.phase if tr else None,
+        step=tr.step if tr else None,
+        deadline=None,
+        exit=info,
+        classification=classification,
+        summary=summary,
+        stuck_frame=frame,
+        main_stack=stack or [],
+        user_frame=user,
+        **(reading.fields() if reading is not None else {}),
+        status="in progress",
+        worker_pid=w.pid,
+        last_good_checkpoint=facts.last_good_checkpoint,
+        decision=decision.as_dict() if decision else None,
+        **stragglers_field(attempt),
         **({"culprit_rank": culprit} if several else {}),
     )
     if info.get("last_words"):
@@ -609,8 +775,9 @@ def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: R
             name = rank_exit_name(rank)
             inc.add_file(name, (attempt.dir / name).read_text(errors="replace"))
     if several:
-        inc.data["last_words_by_rank"] = {r: {k: lw.get(k) for k in ("kind", "message", "collective_error")}
-                                          for r, lw in words.items()}
+        inc.data["last_words_by_rank"] = {
+            r: {k: lw.get(k) for k in ("kind", "message", "collective_error")} for r, lw in words.items()
+        }
     if several:
         for rank, text in dumps.items():
             inc.add_file(f"stack-rank{rank}.txt", text)
@@ -618,31 +785,62 @@ def exit_incident(tools: Tools, attempt: Attempt, deadlines: Deadlines, facts: R
     flight = FlightDumps(attempt.flight, sorted(attempt.announced)).collect(since_wall=attempt.started_wall)
     if any(r["data"] is not None for r in flight.values()):  # written by the ranks themselves (dump on timeout)
         inc.data["flight_recorder"] = into_incident(inc, flight)
-    log.warning("worker_failed", kind=kind, incident=inc.id, classification=classification, attempt=attempt.number,
-                step=inc.data.get("step"), code=w.exit_code, signal=signal_name(w.exit_signal),
-                **({"culprit_rank": culprit} if several else {}))
+    log.warning(
+        "worker_failed",
+        kind=kind,
+        incident=inc.id,
+        classification=classification,
+        attempt=attempt.number,
+        step=inc.data.get("step"),
+        code=w.exit_code,
+        signal=signal_name(w.exit_signal),
+        **({"culprit_rank": culprit} if several else {}),
+    )
     return inc
 
 
-def spawn_failed_incident(incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError,
-                          facts: RunFacts) -> Incident:
+def spawn_failed_incident(
+    incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError, facts: RunFacts
+) -> Incident:
     """The worker command cannot be executed: a configuration error, recorded before the run fails."""
-    inc = incidents.create("config_error", attempt=attempt, phase=None, step=None,
-                           classification=f"cannot start the worker: {exc}",
-                           summary=f"cannot start {argv[0]!r}: {exc.strerror or exc}", argv=argv, cwd=cwd)
+    inc = incidents.create(
+        "config_error",
+        attempt=attempt,
+        phase=None,
+        step=None,
+        classification=f"cannot start the worker: {exc}",
+        summary=f"cannot start {argv[0]!r}: {exc.strerror or exc}",
+        argv=argv,
+        cwd=cwd,
+    )
     facts.note_incident(inc)
     log.error("spawn_failed", argv=argv, error=str(exc))
     return inc
 
 
-def crash_loop_incident(incidents: IncidentStore, attempt: int, decision: Decision, policy: RestartPolicy,
-                        restart_cfg: RestartCfg, facts: RunFacts) -> Incident:
+def crash_loop_incident(
+    incidents: IncidentStore,
+    attempt: int,
+    decision: Decision,
+    policy: RestartPolicy,
+    restart_cfg: RestartCfg,
+    facts: RunFacts,
+) -> Incident:
     """The final incident of a run the restart policy gave up on."""
     inc = incidents.create(
-        "crash_loop", attempt=attempt, phase=None, step=policy.best_step, classification="crash loop",
-        summary=decision.reason, status="final", restarts_in_window=len(policy.recent), window_s=restart_cfg.window_s,
-        max_restarts=restart_cfg.max_restarts, last_incident=facts.last_incident,
-        last_good_checkpoint=facts.last_good_checkpoint)
+        "crash_loop",
+        attempt=attempt,
+        phase=None,
+        step=policy.best_step,
+        classification="crash loop",
+        summary=decision.reason,
+        status="final",
+        restarts_in_window=len(policy.recent),
+        window_s=restart_cfg.window_s,
+        max_restarts=restart_cfg.max_restarts,
+        last_incident=facts.last_incident,
+        last_good_checkpoint=facts.last_good_checkpoint,
+    )
     facts.note_incident(inc)
     log.error("crash_loop", incident=inc.id, reason=decision.reason)
     return inc
@@ -674,7 +872,13 @@ def gpu_processes(gpu: dict, pids: set) -> list[dict]:
     for dev in gpu.get("devices") or []:
         for p in dev.get("processes") or []:
             if p.get("pid") in pids:
-                out.append({"pid": p["pid"], "device": dev.get("index"), "used_memory_bytes": p.get("used_memory_bytes"),
-                            "sm_util_percent": p.get("sm_util_percent"),
-                            "device_utilization_percent": dev.get("utilization_percent")})
+                out.append(
+                    {
+                        "pid": p["pid"],
+                        "device": dev.get("index"),
+                        "used_memory_bytes": p.get("used_memory_bytes"),
+                        "sm_util_percent": p.get("sm_util_percent"),
+                        "device_utilization_percent": dev.get("utilization_percent"),
+                    }
+                )
     return out

@@ -19,6 +19,7 @@ is kept raw in the incident and decoded: a pickle of plain types (dicts, lists, 
 numbers) read by an unpickler that refuses every global, so no class is ever instantiated; one that
 cannot be decoded is kept raw and the incident says so.
 """
+
 from __future__ import annotations
 
 import errno
@@ -109,8 +110,11 @@ class FlightDumps:
         for rank in self.ranks:
             path = self.paths.trace(rank)
             sig = _signature(path)
-            fresh = sig is not None and (sig != self._before.get(rank) if rank in self._before
-                                         else since_wall is None or sig[1] / 1e9 >= since_wall)
+            fresh = sig is not None and (
+                sig != self._before.get(rank)
+                if rank in self._before
+                else since_wall is None or sig[1] / 1e9 >= since_wall
+            )
             data = None
             if fresh:
                 try:
@@ -161,13 +165,20 @@ def summarize(decoded: tuple[Optional[object], str]) -> dict:
         enq, done = st.get("last_enqueued_collective"), st.get("last_completed_collective")
         if str(pg) == "0" and isinstance(enq, int):
             last_enqueued = enq
-        pending = [e for e in entries if str(e.get("pg_id")) == str(pg) and not e.get("retired")
-                   and e.get("state") != "completed"]
+        pending = [
+            e
+            for e in entries
+            if str(e.get("pg_id")) == str(pg) and not e.get("retired") and e.get("state") != "completed"
+        ]
         text = f"pg {pg}: enqueued #{enq}, completed #{done}"
         if pending:
-            p = min(pending, key=lambda e: e.get("collective_seq_id") if isinstance(e.get("collective_seq_id"), int) else 0)
-            text += (f", pending {p.get('profiling_name')} #{p.get('collective_seq_id')} ({p.get('state')}, "
-                     f"sizes {p.get('input_sizes')})")
+            p = min(
+                pending, key=lambda e: e.get("collective_seq_id") if isinstance(e.get("collective_seq_id"), int) else 0
+            )
+            text += (
+                f", pending {p.get('profiling_name')} #{p.get('collective_seq_id')} ({p.get('state')}, "
+                f"sizes {p.get('input_sizes')})"
+            )
         parts.append(text)
     summary = "; ".join(parts) or f"{len(entries)} entries, no process-group status"
     return {"decoded": True, "summary": f"version {obj.get('version')}: {summary}", "last_enqueued": last_enqueued}

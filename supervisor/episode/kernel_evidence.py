@@ -10,6 +10,7 @@ failure)" report and, when the ranks' output carries them (`--tee`), the `[rankN
 an incident names the rank that raised rather than torchrun's ChildFailedError.
 All readers take their paths as arguments (tests point them at files of their own).
 """
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,9 @@ _ROOT_CAUSE = re.compile(r"^Root Cause \(first observed failure\):\s*$")
 _FIELD = re.compile(r"^\s+(time|host|rank|exitcode|error_file|traceback)\s*:\s*(.*?)\s*$")
 
 
-def cgroup_oom_kills(proc_self_cgroup: os.PathLike | str = "/proc/self/cgroup",
-                     cgroup_root: os.PathLike | str = "/sys/fs/cgroup") -> Optional[int]:
+def cgroup_oom_kills(
+    proc_self_cgroup: os.PathLike | str = "/proc/self/cgroup", cgroup_root: os.PathLike | str = "/sys/fs/cgroup"
+) -> Optional[int]:
     """The `oom_kill` count of this process's memory cgroup (v2, else v1); None when unreadable."""
     try:
         lines = Path(proc_self_cgroup).read_text().splitlines()
@@ -103,8 +105,12 @@ class KernelEvidence:
     log: Callable[[], Optional[list[str]]] = kernel_log
 
 
-def sigkill_cause(pids: Iterable[int], oom_kills_before: Optional[int], oom_kills_now: Optional[int],
-                  kernel_records: Optional[list[str]]) -> str:
+def sigkill_cause(
+    pids: Iterable[int],
+    oom_kills_before: Optional[int],
+    oom_kills_now: Optional[int],
+    kernel_records: Optional[list[str]],
+) -> str:
     """What killed a process by SIGKILL that hangwatch did not send — only as far as the evidence goes."""
     pids = set(pids)
     victims = oom_victims(kernel_records) if kernel_records is not None else set()
@@ -143,13 +149,16 @@ def torchrun_root_cause(text: str) -> Optional[dict]:
     if start is None:
         return None
     fields: dict[str, str] = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("====="):
             break
         m = _FIELD.match(line)
         if m:
             fields[m.group(1)] = m.group(2)
-    out: dict = {"host": fields.get("host"), "error_file": None if fields.get("error_file") in (None, "<N/A>") else fields["error_file"]}
+    out: dict = {
+        "host": fields.get("host"),
+        "error_file": None if fields.get("error_file") in (None, "<N/A>") else fields["error_file"],
+    }
     m = re.match(r"(\d+)(?: \(local_rank: (\d+)\))?", fields.get("rank", ""))
     out["rank"] = int(m.group(1)) if m else None
     out["local_rank"] = int(m.group(2)) if m and m.group(2) else None
@@ -160,8 +169,15 @@ def torchrun_root_cause(text: str) -> Optional[dict]:
     # The ranks' own output comes before torchrun's launcher traceback (which ends in ChildFailedError).
     launcher = max((i for i, l in enumerate(lines[:start]) if "ChildFailedError" in l), default=start)
     body = lines[:launcher]
-    own = max((i for i, l in enumerate(body) if l.startswith("Traceback (most recent call last):")
-               and any("torch/distributed/run.py" in x for x in body[i:i + 6])), default=None)
+    own = max(
+        (
+            i
+            for i, l in enumerate(body)
+            if l.startswith("Traceback (most recent call last):")
+            and any("torch/distributed/run.py" in x for x in body[i : i + 6])
+        ),
+        default=None,
+    )
     # A rank that died by a signal raised nothing: the last traceback in the log is a victim's (its
     # collective broke when the culprit died), so none is attached to it.
     out["exception"] = None if out["signal"] else last_exception_line(body[:own] if own is not None else body)

@@ -6,17 +6,18 @@ the stack at its 100-frame limit: the landmark reading wants the whole stack), p
 of its innermost frame, its step, phase and progress beats as the deadlines saw them, and the last
 collective its NCCL flight recorder enqueued.  Never another rank's figures.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from hangwatch.supervisor.processes.attempt import Attempt
-from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.incidents import main_stack
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.verdict import RankEvidence
+from hangwatch.supervisor.processes.attempt import Attempt
+from hangwatch.supervisor.watch.deadlines import Deadlines
 
 ReadLine = Callable[[str, int], Optional[str]]
 MAX_SOURCE_BYTES = 4 << 20
@@ -39,8 +40,16 @@ def source_line(path: str, lineno: int, cwd: Optional[str] = None) -> Optional[s
     return None
 
 
-def gather(attempt: Attempt, deadlines: Deadlines, procs: list[dict], texts: dict[int, str], py_spy: dict[int, str],
-           flight: dict[int, dict], now: float, read_line: Optional[ReadLine] = None) -> list[RankEvidence]:
+def gather(
+    attempt: Attempt,
+    deadlines: Deadlines,
+    procs: list[dict],
+    texts: dict[int, str],
+    py_spy: dict[int, str],
+    flight: dict[int, dict],
+    now: float,
+    read_line: Optional[ReadLine] = None,
+) -> list[RankEvidence]:
     """One `RankEvidence` per announced rank, by rank."""
     by_pid = {p["pid"]: p for p in procs}
     read = read_line or (lambda path, n: source_line(path, n, attempt.cwd))
@@ -53,11 +62,22 @@ def gather(attempt: Attempt, deadlines: Deadlines, procs: list[dict], texts: dic
             stack, truncated = spy_python, False
         line = read(stack[0]["file"], stack[0]["line"]) if stack and isinstance(stack[0].get("line"), int) else None
         tr = deadlines.ranks.get(rank)
-        out.append(RankEvidence(
-            rank=rank, pid=pid, proc=by_pid.get(pid), stack=stack, native=native, source_line=line,
-            step=tr.step if tr else None, phase=tr.phase if tr else None,
-            progress_lines=tr.progress_since_step if tr else 0, livelock=_livelocked(deadlines, tr, now),
-            collective_seq=(flight.get(rank) or {}).get("last_enqueued"), truncated=truncated))
+        out.append(
+            RankEvidence(
+                rank=rank,
+                pid=pid,
+                proc=by_pid.get(pid),
+                stack=stack,
+                native=native,
+                source_line=line,
+                step=tr.step if tr else None,
+                phase=tr.phase if tr else None,
+                progress_lines=tr.progress_since_step if tr else 0,
+                livelock=_livelocked(deadlines, tr, now),
+                collective_seq=(flight.get(rank) or {}).get("last_enqueued"),
+                truncated=truncated,
+            )
+        )
     return out
 
 

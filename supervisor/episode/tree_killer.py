@@ -12,6 +12,7 @@ Survivors of SIGKILL (uninterruptible sleep: NFS, a GPU driver) are what `restar
 `ProcessTable`; it never reaps: the supervisor's loop reaps children in one place each pass and records
 the worker's exit on `Worker`, which is what `TreeKiller` reads.
 """
+
 from __future__ import annotations
 
 import signal
@@ -111,8 +112,12 @@ class TreeKiller:
             return True
         still = sorted(holding & self._dead)
         if not still or now - self.gone_at >= self.gpu_release_timeout_s:
-            self.gpu_release = {"checked": True, "released": not still, "waited_s": round(now - self.gone_at, 3),
-                                "pids_still_holding": still}
+            self.gpu_release = {
+                "checked": True,
+                "released": not still,
+                "waited_s": round(now - self.gone_at, 3),
+                "pids_still_holding": still,
+            }
             self.done_at = now
             return True
         return False
@@ -144,6 +149,12 @@ class TreeKiller:
     def timings(self) -> dict:
         t0 = self.term_at
         rel = lambda x: None if x is None or t0 is None else round(x - t0, 3)  # noqa: E731
-        return {"term_grace_s": self.term_grace_s if self.send_term else None, "sigkill_after_s": rel(self.kill_at),
-                "tree_gone_after_s": rel(self.gone_at), "done_after_s": rel(self.done_at),
-                "sigterm_sent": self.send_term, "sigkilled_pids": self.killed, "survivors": self.survivors}
+        return {
+            "term_grace_s": self.term_grace_s if self.send_term else None,
+            "sigkill_after_s": rel(self.kill_at),
+            "tree_gone_after_s": rel(self.gone_at),
+            "done_after_s": rel(self.done_at),
+            "sigterm_sent": self.send_term,
+            "sigkilled_pids": self.killed,
+            "survivors": self.survivors,
+        }

@@ -11,6 +11,7 @@
 Kinds: stall, livelock, startup_timeout, manual, crash, oom, nan, signal, config_error, data_error,
 crash_loop.
 """
+
 from hangwatch.supervisor.incidents.classify import classify_exit, classify_stall, last_exception_line, signal_name
 from hangwatch.supervisor.incidents.dumps import (
     ThreadStack,
@@ -23,6 +24,20 @@ from hangwatch.supervisor.incidents.dumps import (
 )
 from hangwatch.supervisor.incidents.store import KINDS, Incident, IncidentStore, summary_of
 
-__all__ = ["KINDS", "Incident", "IncidentStore", "ThreadStack", "classify_exit", "classify_stall",
-           "fatal_error", "frame_str", "last_exception_line", "main_stack", "main_thread", "parse_faulthandler", "signal_name",
-           "stuck_frame", "summary_of"]
+__all__ = [
+    "KINDS",
+    "Incident",
+    "IncidentStore",
+    "ThreadStack",
+    "classify_exit",
+    "classify_stall",
+    "fatal_error",
+    "frame_str",
+    "last_exception_line",
+    "main_stack",
+    "main_thread",
+    "parse_faulthandler",
+    "signal_name",
+    "stuck_frame",
+    "summary_of",
+]

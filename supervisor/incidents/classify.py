@@ -4,6 +4,7 @@ last words (exit.json), exit code or signal, and the tail of its log — in that
 The words are the incident's `classification`, e.g. "busy loop in Python (CPU 100%)", "blocked in C
 (CPU 0%, state S)", "uninterruptible I/O (state D)", "killed by SIGKILL (signal 9)".
 """
+
 from __future__ import annotations
 
 import signal as _signal
@@ -27,7 +28,10 @@ def process_condition(procs: list[dict]) -> tuple[str, str]:
     cpu = max(p.get("cpu_percent", 0.0) for p in procs)
     if states & {"T", "t"} and not states & {"R", "D"}:
         # Checked before CPU: a stopped process shows 0% CPU, which is not "blocked in C".
-        return "stopped", "stopped by a debugger (state t)" if "t" in states else "stopped (SIGSTOP or a debugger; state T)"
+        return (
+            "stopped",
+            "stopped by a debugger (state t)" if "t" in states else "stopped (SIGSTOP or a debugger; state T)",
+        )
     if "D" in states:
         return "io", f"uninterruptible I/O (state D, CPU {cpu:.0f}%)"
     if cpu >= BUSY_CPU or ("R" in states and cpu > IDLE_CPU):
@@ -47,9 +51,11 @@ def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame
     if frame:
         text += f" at {frame_str(frame)}"
     if kind == "livelock" and deadline:
-        text = (f"livelock: {deadline.get('progress_lines', 0)} progress beat(s) but no "
-                f"{'step' if deadline.get('name') == 'step' else 'end of phase ' + repr(deadline.get('phase'))} "
-                f"in {deadline.get('elapsed_s', 0):.1f}s; " + text)
+        text = (
+            f"livelock: {deadline.get('progress_lines', 0)} progress beat(s) but no "
+            f"{'step' if deadline.get('name') == 'step' else 'end of phase ' + repr(deadline.get('phase'))} "
+            f"in {deadline.get('elapsed_s', 0):.1f}s; " + text
+        )
     elif kind == "startup_timeout":
         text = "never sent its start beat; " + text
     return text
@@ -64,9 +70,16 @@ def signal_name(sig: Optional[int]) -> Optional[str]:
         return f"signal {sig}"
 
 
-def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[dict], log_tail: str,
-                  *, killed_by_us: bool = False, sigkill_cause: Optional[str] = None,
-                  launcher: Optional[dict] = None) -> tuple[str, str]:
+def classify_exit(
+    code: Optional[int],
+    sig: Optional[int],
+    last_words: Optional[dict],
+    log_tail: str,
+    *,
+    killed_by_us: bool = False,
+    sigkill_cause: Optional[str] = None,
+    launcher: Optional[dict] = None,
+) -> tuple[str, str]:
     """(kind, classification) of a worker that ended by itself.
 
     Last words (exit.json) first, then the exit code or signal, then what a launcher (torchrun's root
@@ -103,8 +116,7 @@ def classify_exit(code: Optional[int], sig: Optional[int], last_words: Optional[
         return "signal", f"killed by {name} (signal {sig})"
     if launcher and launcher.get("rank") is not None:
         exc = launcher.get("exception")
-        how = (f"killed by {launcher['signal']}" if launcher.get("signal")
-               else f"exit code {launcher.get('exitcode')}")
+        how = f"killed by {launcher['signal']}" if launcher.get("signal") else f"exit code {launcher.get('exitcode')}"
         text = f"rank {launcher['rank']} failed first ({how}, pid {launcher.get('pid')}, per torchrun)"
         if launcher.get("signal") and not exc:
             kind = "oom" if "OOM killer" in launcher["signal"] and "not the OOM" not in launcher["signal"] else "signal"
@@ -127,10 +139,9 @@ def last_exception_line(lines: list[str]) -> Optional[str]:
     idx = max((i for i, l in enumerate(lines) if l.startswith("Traceback (most recent call last):")), default=None)
     if idx is None:
         return None
-    for line in lines[idx + 1:]:
+    for line in lines[idx + 1 :]:
         if line and not line.startswith((" ", "\t", "Traceback")):
             if line.startswith(("During handling", "The above exception")):
                 continue
             return line.strip()
     return None
-

@@ -17,6 +17,7 @@ stack proves it.  It is a presumption, kept apart from the waits above: such a r
 culprit for being outside a collective (`verdict`); only evidence that points at it (behind in step count)
 can name it.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,18 +25,52 @@ from typing import Optional
 
 from hangwatch.supervisor.incidents.dumps import is_library
 
-COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "all_gather_coalesced", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
-    "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
-    "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "send_object_list",
-    "recv_object_list", "batch_isend_irecv", "wait_tensor", "init_process_group", "new_group",
-})
-DDP_WAITS = frozenset({  # torch/nn/parallel/distributed.py: DDP's own collectives around forward and backward
-    "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced", "_distributed_broadcast_coalesced",
-    "_sync_params_and_buffers", "_check_global_requires_backward_grad_sync", "_match_all_reduce_for_bwd_pass",
-    "_match_unused_params_allreduce", "_rebuild_buckets",
-})
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_gather_coalesced",
+        "_all_gather_base",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "monitored_barrier",
+        "reduce",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "send_object_list",
+        "recv_object_list",
+        "batch_isend_irecv",
+        "wait_tensor",
+        "init_process_group",
+        "new_group",
+    }
+)
+DDP_WAITS = frozenset(
+    {  # torch/nn/parallel/distributed.py: DDP's own collectives around forward and backward
+        "_sync_buffers",
+        "_sync_module_buffers",
+        "_default_broadcast_coalesced",
+        "_distributed_broadcast_coalesced",
+        "_sync_params_and_buffers",
+        "_check_global_requires_backward_grad_sync",
+        "_match_all_reduce_for_bwd_pass",
+        "_match_unused_params_allreduce",
+        "_rebuild_buckets",
+    }
+)
 NATIVE_WAITS = (  # py-spy --native frame (innermost first) → what the rank waits in
     (re.compile(r"c10d::Reducer::"), "DDP reducer"),
     (re.compile(r"c10d::\w*Work\w*::wait|c10d::Work::wait|c10::ivalue::Future::wait"), "wait (c10d work)"),
@@ -47,13 +82,31 @@ NATIVE_WAITS = (  # py-spy --native frame (innermost first) → what the rank wa
 DDP_GRADIENTS = "DDP's gradient all-reduce"
 DEEPSPEED_GRADIENTS = "DeepSpeed's gradient reduction"
 C_COLLECTIVE_SITES = (
-    (re.compile(r"/torch/autograd/|/torch/_tensor\.py$"),
-     frozenset({"backward", "_engine_run_backward", "run_backward", "grad"}), DDP_GRADIENTS),
-    (re.compile(r"/accelerate/accelerator\.py$|/(?:lightning|pytorch_lightning|lightning_fabric)/"),
-     frozenset({"backward", "manual_backward"}), DDP_GRADIENTS),
-    (re.compile(r"/deepspeed/runtime/"),
-     frozenset({"backward", "allreduce_gradients", "reduce_gradients", "reduce_ipg_grads", "buffered_allreduce_fallback",
-                "allreduce_bucket", "average_tensor"}), DEEPSPEED_GRADIENTS),
+    (
+        re.compile(r"/torch/autograd/|/torch/_tensor\.py$"),
+        frozenset({"backward", "_engine_run_backward", "run_backward", "grad"}),
+        DDP_GRADIENTS,
+    ),
+    (
+        re.compile(r"/accelerate/accelerator\.py$|/(?:lightning|pytorch_lightning|lightning_fabric)/"),
+        frozenset({"backward", "manual_backward"}),
+        DDP_GRADIENTS,
+    ),
+    (
+        re.compile(r"/deepspeed/runtime/"),
+        frozenset(
+            {
+                "backward",
+                "allreduce_gradients",
+                "reduce_gradients",
+                "reduce_ipg_grads",
+                "buffered_allreduce_fallback",
+                "allreduce_bucket",
+                "average_tensor",
+            }
+        ),
+        DEEPSPEED_GRADIENTS,
+    ),
 )
 # Frameworks whose frames may sit inside such a call (autograd's engine, the frameworks' hooks and wrappers).
 FRAMEWORKS = re.compile(r"/(?:torch|deepspeed|accelerate|lightning|pytorch_lightning|lightning_fabric)/")
@@ -120,8 +173,6 @@ def source_wait(stack: list[dict], source_line: Optional[str]) -> Optional[str]:
     return "wait" if SOURCE_WAIT.search(source_line) else None
 
 
-
-
 def waits_in(stack: list[dict], native: list[str] = (), source_line: Optional[str] = None) -> Optional[str]:
     """The collective a rank waits in: Python frames first, then py-spy's native frames, then the source line."""
     return python_wait(stack) or native_wait(list(native)) or source_wait(stack, source_line)
@@ -139,7 +190,9 @@ def probable_wait(stack: list[dict], native: list[str] = ()) -> Optional[str]:
     for f in stack:
         path = "/" + (f.get("file") or "").replace("\\", "/").lstrip("/")
         name = _short(f.get("function") or "")
-        site = next((what for file_re, names, what in C_COLLECTIVE_SITES if name in names and file_re.search(path)), None)
+        site = next(
+            (what for file_re, names, what in C_COLLECTIVE_SITES if name in names and file_re.search(path)), None
+        )
         if site is not None:
             found = DEEPSPEED_GRADIENTS if DEEPSPEED_GRADIENTS in (site, found) else site
             continue

@@ -7,6 +7,7 @@ frame.  A dump file may hold several dumps (one per SIGUSR1): the last one wins.
 at most 100 frames of a thread and then "  ...": such a thread is `truncated` (its innermost frames are
 the ones kept).  What the whole stack says — the call it is in — is `landmarks.read_stack`'s.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,8 +54,9 @@ def parse_faulthandler(text: str) -> list[ThreadStack]:
         m = FRAME.match(line)
         if m and cur is not None:
             ln = m.group("line")
-            cur.frames.append({"file": m.group("file"), "line": int(ln) if ln.isdigit() else None,
-                               "function": m.group("function")})
+            cur.frames.append(
+                {"file": m.group("file"), "line": int(ln) if ln.isdigit() else None, "function": m.group("function")}
+            )
         elif cur is not None and TRUNCATED.match(line):
             cur.truncated = True
         elif not line.strip():
@@ -91,8 +93,12 @@ def main_stack(text: str) -> tuple[list[dict], bool]:
 def is_library(path: str) -> bool:
     """Not the user's frame: the standard library, an installed package, `<…>` code, or hangwatch's own hooks in the
     user's process (the bootstrap's wrappers, the callbacks, the heartbeat) from a source checkout."""
-    return (path.startswith("<") or "/lib/python3" in path or "site-packages" in path
-            or any(part in path for part in HANGWATCH_HOOKS))
+    return (
+        path.startswith("<")
+        or "/lib/python3" in path
+        or "site-packages" in path
+        or any(part in path for part in HANGWATCH_HOOKS)
+    )
 
 
 HANGWATCH_HOOKS = ("/daemon/autoinstrument/", "/daemon/integrations/", "/daemon/heartbeat.py")

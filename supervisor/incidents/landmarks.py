@@ -39,6 +39,7 @@ the outermost one) may not — the reading says when the stack was truncated.
 
 Pure: frames in, reading out.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,17 +54,43 @@ HELPER_KINDS = frozenset({"tokenizer"})
 MAX_FAULTHANDLER_FRAMES = 100  # CPython's faulthandler: deeper stacks end in "  ..."
 
 # Packages whose frames are never the user's code, for py-spy's shortened paths ("torch/nn/modules/module.py").
-KNOWN_LIBRARIES = frozenset({
-    "torch", "transformers", "peft", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "safetensors",
-    "tokenizers", "sentencepiece", "numpy", "datasets", "deepspeed", "trl", "triton", "huggingface_hub", "tqdm",
-    "torchvision", "torchaudio", "evaluate", "bitsandbytes", "flash_attn", "xformers", "apex", "hangwatch",
-})
+KNOWN_LIBRARIES = frozenset(
+    {
+        "torch",
+        "transformers",
+        "peft",
+        "accelerate",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "safetensors",
+        "tokenizers",
+        "sentencepiece",
+        "numpy",
+        "datasets",
+        "deepspeed",
+        "trl",
+        "triton",
+        "huggingface_hub",
+        "tqdm",
+        "torchvision",
+        "torchaudio",
+        "evaluate",
+        "bitsandbytes",
+        "flash_attn",
+        "xformers",
+        "apex",
+        "hangwatch",
+    }
+)
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"runpy", "threading", "multiprocessing", "concurrent"}
 _STDLIB_DIR = re.compile(r"/lib(?:64)?/python3\.\d+/")
 # Package directories distinctive enough to be a library wherever they are installed (a project of yours is
 # unlikely to have a folder named `transformers/` holding its training code).
-_LIBRARY_DIR = re.compile(r"/(?:torch|transformers|peft|accelerate|lightning|pytorch_lightning|lightning_fabric|"
-                          r"safetensors|tokenizers|deepspeed|trl|triton|huggingface_hub)/(?:[^/]+/)*[^/]+\.py$")
+_LIBRARY_DIR = re.compile(
+    r"/(?:torch|transformers|peft|accelerate|lightning|pytorch_lightning|lightning_fabric|"
+    r"safetensors|tokenizers|deepspeed|trl|triton|huggingface_hub)/(?:[^/]+/)*[^/]+\.py$"
+)
 # hangwatch's own frames inside a user's process: its heartbeat client and its trainer integrations.  The rest
 # of hangwatch's worker (the built-in trainer) is, for an incident, the user's code.
 HANGWATCH_DAEMON_DIR = str(Path(__file__).resolve().parents[2] / "daemon")  # this install's (a source checkout's too)
@@ -99,31 +126,79 @@ def _entry(name: str, kind: str, functions: Iterable[str], file_re: str) -> Land
 
 _LIGHTNING = r"/(?:lightning|pytorch_lightning|lightning_fabric)/"
 BUILTIN: tuple[Landmark, ...] = (
-    _entry("generate", "generate", {"generate", "_sample", "_greedy_search", "_beam_search", "_group_beam_search",
-                                    "_constrained_beam_search", "_assisted_decoding", "_contrastive_search",
-                                    "_dola_decoding", "_prefill"}, r"/transformers/generation/"),
+    _entry(
+        "generate",
+        "generate",
+        {
+            "generate",
+            "_sample",
+            "_greedy_search",
+            "_beam_search",
+            "_group_beam_search",
+            "_constrained_beam_search",
+            "_assisted_decoding",
+            "_contrastive_search",
+            "_dola_decoding",
+            "_prefill",
+        },
+        r"/transformers/generation/",
+    ),
     _entry("generate", "generate", {"generate"}, r"/(?:transformers|peft)/"),
     _entry("{function}", "collective", COLLECTIVES, r"/torch/distributed/"),
     _entry("DDP {function}", "collective", DDP_WAITS, r"/torch/nn/parallel/distributed\.py$"),
-    _entry("DataLoader.{function}", "dataloader", {"__next__", "_next_data", "_get_data", "_try_get_data"},
-           r"/torch/utils/data/dataloader\.py$"),
+    _entry(
+        "DataLoader.{function}",
+        "dataloader",
+        {"__next__", "_next_data", "_get_data", "_try_get_data"},
+        r"/torch/utils/data/dataloader\.py$",
+    ),
     _entry("torch.save", "checkpoint", {"save", "_save"}, r"/torch/serialization\.py$"),
     _entry("safetensors {function}", "checkpoint", {"save_file", "save_model", "save"}, r"/safetensors/"),
     _entry("save_pretrained", "checkpoint", {"save_pretrained"}, r"/(?:transformers|peft)/"),
-    _entry("Trainer.{function}", "checkpoint", {"_save_checkpoint", "save_model", "_save"},
-           r"/transformers/trainer[^/]*\.py$"),
-    _entry("{function}", "checkpoint", {"save_checkpoint", "_save_checkpoint", "_save_topk_checkpoint",
-                                        "_save_last_checkpoint"}, _LIGHTNING),
-    _entry("accelerate {function}", "checkpoint", {"save_state", "save_model", "save"}, r"/accelerate/accelerator\.py$"),
-    _entry("backward", "backward", {"backward", "_engine_run_backward", "grad", "run_backward"},
-           r"/torch/(?:autograd/|_tensor\.py$)"),
+    _entry(
+        "Trainer.{function}",
+        "checkpoint",
+        {"_save_checkpoint", "save_model", "_save"},
+        r"/transformers/trainer[^/]*\.py$",
+    ),
+    _entry(
+        "{function}",
+        "checkpoint",
+        {"save_checkpoint", "_save_checkpoint", "_save_topk_checkpoint", "_save_last_checkpoint"},
+        _LIGHTNING,
+    ),
+    _entry(
+        "accelerate {function}", "checkpoint", {"save_state", "save_model", "save"}, r"/accelerate/accelerator\.py$"
+    ),
+    _entry(
+        "backward",
+        "backward",
+        {"backward", "_engine_run_backward", "grad", "run_backward"},
+        r"/torch/(?:autograd/|_tensor\.py$)",
+    ),
     _entry("backward", "backward", {"backward", "manual_backward"}, r"/accelerate/accelerator\.py$|" + _LIGHTNING),
     _entry("optimizer.step", "optimizer", {"step"}, r"/torch/optim/(?!lr_scheduler\.py$|swa_utils\.py$)[^/]*\.py$"),
     _entry("optimizer.step", "optimizer", {"step"}, r"/accelerate/optimizer\.py$"),
-    _entry("tokenizer.{function}", "tokenizer", {"encode", "decode", "batch_decode", "__call__", "apply_chat_template",
-                                                 "encode_plus", "batch_encode_plus", "_encode_plus", "_batch_encode_plus",
-                                                 "_decode", "encode_batch", "decode_batch", "_call_one"},
-           r"/transformers/(?:models/[^/]+/)?tokenization_[^/]*\.py$|/tokenizers/|/sentencepiece/"),
+    _entry(
+        "tokenizer.{function}",
+        "tokenizer",
+        {
+            "encode",
+            "decode",
+            "batch_decode",
+            "__call__",
+            "apply_chat_template",
+            "encode_plus",
+            "batch_encode_plus",
+            "_encode_plus",
+            "_batch_encode_plus",
+            "_decode",
+            "encode_batch",
+            "decode_batch",
+            "_call_one",
+        },
+        r"/transformers/(?:models/[^/]+/)?tokenization_[^/]*\.py$|/tokenizers/|/sentencepiece/",
+    ),
 )
 
 
@@ -136,10 +211,15 @@ def user_landmarks(configured: Iterable[Any]) -> tuple[Landmark, ...]:
         if not function:
             continue
         file = get("file")
-        out.append(Landmark(name=get("name") or function, kind=get("kind") or "other",
-                            functions=frozenset({short_name(function)}),
-                            file_re=re.compile(re.escape(_norm(file))) if file else None,
-                            qualified=function if "." in function else None))
+        out.append(
+            Landmark(
+                name=get("name") or function,
+                kind=get("kind") or "other",
+                functions=frozenset({short_name(function)}),
+                file_re=re.compile(re.escape(_norm(file))) if file else None,
+                qualified=function if "." in function else None,
+            )
+        )
     return tuple(out)
 
 
@@ -161,7 +241,7 @@ def is_own_code(path: Optional[str]) -> bool:
     for root in _HANGWATCH_DAEMONS:
         i = rooted.find(root + "/")
         if i == 0 or (i > 0 and root == "/hangwatch/daemon"):
-            return not rooted[i + len(root) + 1:].startswith(_HANGWATCH_INTERNAL)  # the built-in worker is the user's
+            return not rooted[i + len(root) + 1 :].startswith(_HANGWATCH_INTERNAL)  # the built-in worker is the user's
     if "/site-packages/" in p or "/dist-packages/" in p or _STDLIB_DIR.search(p):
         return False
     if _LIBRARY_DIR.search(p):
@@ -187,8 +267,12 @@ class Reading:
 
     def fields(self) -> dict:
         """What goes into incident.json."""
-        return {"landmark": self.landmark, "caller_frame": self.caller_frame,
-                "user_outermost_frame": self.user_outermost_frame, "stack_truncated": self.truncated}
+        return {
+            "landmark": self.landmark,
+            "caller_frame": self.caller_frame,
+            "user_outermost_frame": self.user_outermost_frame,
+            "stack_truncated": self.truncated,
+        }
 
     @property
     def kind(self) -> Optional[str]:
@@ -215,8 +299,10 @@ class Reading:
         elif self.caller_frame is inner:
             text = f"no landmark call on the stack; innermost {short_frame(inner)}, your own code"
         elif self.caller_frame:
-            text = (f"no landmark call on the stack; your code at {short_frame(self.caller_frame)}; "
-                    f"innermost {short_frame(inner)}")
+            text = (
+                f"no landmark call on the stack; your code at {short_frame(self.caller_frame)}; "
+                f"innermost {short_frame(inner)}"
+            )
         else:
             text = f"no landmark call on the stack and none of your code; innermost {short_frame(inner)}"
         if self.truncated:
@@ -225,19 +311,20 @@ class Reading:
 
 
 def call_text(name: str) -> str:
-    """"generate" → "generate()"; a name that is not a call ("DDP reducer", "wait (c10d work)") stays as it is."""
+    """ "generate" → "generate()"; a name that is not a call ("DDP reducer", "wait (c10d work)") stays as it is."""
     return f"{name}()" if re.fullmatch(r"[\w.]+", name) else name
 
 
 def short_frame(f: Optional[dict]) -> str:
-    """"on_evaluate (train.py:46)": the function and the file's last component."""
+    """ "on_evaluate (train.py:46)": the function and the file's last component."""
     if not f:
         return "unknown"
     return f"{f.get('function')} ({_norm(f.get('file') or '?').rsplit('/', 1)[-1]}:{f.get('line')})"
 
 
-def find_landmark(stack: list[dict], native: Iterable[str] = (), source_line: Optional[str] = None,
-                  extra: Iterable[Landmark] = ()) -> Optional[dict]:
+def find_landmark(
+    stack: list[dict], native: Iterable[str] = (), source_line: Optional[str] = None, extra: Iterable[Landmark] = ()
+) -> Optional[dict]:
     """The landmark `stack` (innermost first) is in, by the rule in the module docstring, or None."""
     registry = tuple(extra) + BUILTIN
     found: list[tuple[int, Landmark, dict]] = []
@@ -261,8 +348,14 @@ def find_landmark(stack: list[dict], native: Iterable[str] = (), source_line: Op
     return {"name": entry.name_for(public), "kind": entry.kind, "frame": frame, "depth": depth, "via": "stack"}
 
 
-def read_stack(stack: list[dict], *, native: Iterable[str] = (), source_line: Optional[str] = None,
-               extra: Iterable[Landmark] = (), truncated: bool = False) -> Reading:
+def read_stack(
+    stack: list[dict],
+    *,
+    native: Iterable[str] = (),
+    source_line: Optional[str] = None,
+    extra: Iterable[Landmark] = (),
+    truncated: bool = False,
+) -> Reading:
     """The whole reading of one main-thread stack (innermost first); `extra`: the user's landmarks."""
     if not stack:
         return Reading(None, None, None, None, truncated, 0)

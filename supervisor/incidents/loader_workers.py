@@ -29,6 +29,7 @@ stuck one.  When several work, or one gave no stack, the reading says it cannot 
 
 Pure: snapshot records and stacks in, readings out.  Collection is `episode/dump_collector.WorkerDumps`.
 """
+
 from __future__ import annotations
 
 import re
@@ -128,34 +129,78 @@ class WorkerReading:
         return self.activity == IDLE
 
     def as_dict(self) -> dict:
-        return {"pid": self.pid, "activity": self.activity, "idle": self.idle, "condition": self.condition,
-                "classification": self.classification, "stuck_frame": self.stuck_frame, "doing": self.doing,
-                "stack": self.stack, "stack_source": self.source, "dump": self.dump}
+        return {
+            "pid": self.pid,
+            "activity": self.activity,
+            "idle": self.idle,
+            "condition": self.condition,
+            "classification": self.classification,
+            "stuck_frame": self.stuck_frame,
+            "doing": self.doing,
+            "stack": self.stack,
+            "stack_source": self.source,
+            "dump": self.dump,
+        }
 
 
 def read_worker(w: WorkerStack) -> WorkerReading:
     condition, words = process_condition([w.proc] if w.proc else [])
     if not w.stack:
-        return WorkerReading(w.pid, UNKNOWN, condition, f"{words} (no stack{': ' + w.note if w.note else ''})", None,
-                             "unknown: no stack", [], w.source, w.dump)
-    loop = next((i for i, f in enumerate(w.stack) if short_name(f.get("function") or "") == "_worker_loop"
-                 and WORKER_LOOP.search("/" + (f.get("file") or "").replace("\\", "/"))), None)
+        return WorkerReading(
+            w.pid,
+            UNKNOWN,
+            condition,
+            f"{words} (no stack{': ' + w.note if w.note else ''})",
+            None,
+            "unknown: no stack",
+            [],
+            w.source,
+            w.dump,
+        )
+    loop = next(
+        (
+            i
+            for i, f in enumerate(w.stack)
+            if short_name(f.get("function") or "") == "_worker_loop"
+            and WORKER_LOOP.search("/" + (f.get("file") or "").replace("\\", "/"))
+        ),
+        None,
+    )
     if loop is None:
-        return WorkerReading(w.pid, OTHER, condition, f"{words}; not a DataLoader worker (no _worker_loop)", None,
-                             f"not a DataLoader worker; innermost {short_frame(w.stack[0])}", list(w.stack), w.source,
-                             w.dump)
+        return WorkerReading(
+            w.pid,
+            OTHER,
+            condition,
+            f"{words}; not a DataLoader worker (no _worker_loop)",
+            None,
+            f"not a DataLoader worker; innermost {short_frame(w.stack[0])}",
+            list(w.stack),
+            w.source,
+            w.dump,
+        )
     inner = w.stack[:loop]
-    mine = list(w.stack[:loop + 1])
+    mine = list(w.stack[: loop + 1])
     if not inner:
-        return WorkerReading(w.pid, IDLE, condition, words, None, "in _worker_loop between batches", mine, w.source,
-                             w.dump)
+        return WorkerReading(
+            w.pid, IDLE, condition, words, None, "in _worker_loop between batches", mine, w.source, w.dump
+        )
     called = inner[-1]  # what `_worker_loop` called
     if MP_QUEUES.search("/" + (called.get("file") or "")) and short_name(called.get("function") or "") in IDLE_CALLS:
-        return WorkerReading(w.pid, IDLE, condition, words, None, IDLE_CALLS[short_name(called["function"])], mine,
-                             w.source, w.dump)
+        return WorkerReading(
+            w.pid, IDLE, condition, words, None, IDLE_CALLS[short_name(called["function"])], mine, w.source, w.dump
+        )
     frame = next((f for f in inner if is_own_code(f.get("file"))), inner[0])
-    return WorkerReading(w.pid, WORKING, condition, f"{words} at {short_frame(frame)}", frame,
-                         f"at {short_frame(frame)}", mine, w.source, w.dump)
+    return WorkerReading(
+        w.pid,
+        WORKING,
+        condition,
+        f"{words} at {short_frame(frame)}",
+        frame,
+        f"at {short_frame(frame)}",
+        mine,
+        w.source,
+        w.dump,
+    )
 
 
 @dataclass(frozen=True)
@@ -176,8 +221,11 @@ class WorkersVerdict:
         return f"DataLoader workers: {self.why}"
 
     def fields(self) -> dict:
-        return {"dataloader_workers": [w.as_dict() for w in self.workers], "stuck_worker_pid": self.stuck_pid,
-                "dataloader_verdict": self.why}
+        return {
+            "dataloader_workers": [w.as_dict() for w in self.workers],
+            "stuck_worker_pid": self.stuck_pid,
+            "dataloader_verdict": self.why,
+        }
 
 
 def judge(stacks: list[WorkerStack]) -> WorkersVerdict:
@@ -192,11 +240,19 @@ def judge(stacks: list[WorkerStack]) -> WorkersVerdict:
         w = working[0]
         return WorkersVerdict(readings, w.pid, f"the only worker not idle: pid {w.pid} {w.doing}")
     if len(working) > 1:
-        return WorkersVerdict(readings, None, f"cannot tell which worker is stuck: pids {_pids(working)} all work on a batch")
+        return WorkersVerdict(
+            readings, None, f"cannot tell which worker is stuck: pids {_pids(working)} all work on a batch"
+        )
     if unknown:
-        return WorkersVerdict(readings, None, f"cannot tell which worker is stuck: pid(s) {_pids(unknown)} gave no stack"
-                                              + (f", pid {working[0].pid} {working[0].doing}" if working else ""))
-    return WorkersVerdict(readings, None, f"every worker is idle (pids {_pids(workers)}): none holds the batch waited for")
+        return WorkersVerdict(
+            readings,
+            None,
+            f"cannot tell which worker is stuck: pid(s) {_pids(unknown)} gave no stack"
+            + (f", pid {working[0].pid} {working[0].doing}" if working else ""),
+        )
+    return WorkersVerdict(
+        readings, None, f"every worker is idle (pids {_pids(workers)}): none holds the batch waited for"
+    )
 
 
 def _pids(readings: list[WorkerReading]) -> str:

@@ -7,6 +7,7 @@ A write the disk refuses (full, read-only, I/O error) never raises out of here: 
 on in memory (status, the run summary), the failure goes to `on_write_error(exc, path)` — the
 supervisor decides what a full disk means for the run — and no temporary file is left behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,27 @@ from hangwatch.common.rundir import INCIDENTS, read_json
 
 WriteError = Callable[[OSError, Path], None]
 
-KINDS = ("stall", "livelock", "startup_timeout", "manual", "crash", "oom", "nan", "signal", "config_error",
-         "data_error", "crash_loop", "checkpoint_failed", "disk", "no_progress", "peer_restart", "lost_peer", "resume_diverged", "generate_truncated",
-         "unkillable")
+KINDS = (
+    "stall",
+    "livelock",
+    "startup_timeout",
+    "manual",
+    "crash",
+    "oom",
+    "nan",
+    "signal",
+    "config_error",
+    "data_error",
+    "crash_loop",
+    "checkpoint_failed",
+    "disk",
+    "no_progress",
+    "peer_restart",
+    "lost_peer",
+    "resume_diverged",
+    "generate_truncated",
+    "unkillable",
+)
 RECORD_NAME = "incident.json"
 SUMMARY_KEYS = ("id", "kind", "time", "attempt", "step", "classification", "summary")
 UNREADABLE = "incident.json missing or unreadable"
@@ -33,8 +52,16 @@ def _report(exc: OSError, path: Path) -> None:
 
 
 class Incident:
-    def __init__(self, directory: Path, ident: str, kind: str, data: dict, *, fs: Optional[FsOps] = None,
-                 on_write_error: WriteError = _report):
+    def __init__(
+        self,
+        directory: Path,
+        ident: str,
+        kind: str,
+        data: dict,
+        *,
+        fs: Optional[FsOps] = None,
+        on_write_error: WriteError = _report,
+    ):
         self.dir = directory
         self.id = ident
         self.kind = kind
@@ -120,8 +147,13 @@ class IncidentStore:
                 self.on_write_error(exc, d)
                 break
         wall = time.time()
-        data = {"id": ident, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(wall)),
-                "time_unix": wall, **fields}
+        data = {
+            "id": ident,
+            "kind": kind,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(wall)),
+            "time_unix": wall,
+            **fields,
+        }
         inc = Incident(d, ident, kind, data, fs=self.fs, on_write_error=self.on_write_error)
         if d.is_dir():
             inc.write()

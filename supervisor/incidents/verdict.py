@@ -20,6 +20,7 @@ in Python (CPU 99%) at sdpa_attention_forward (…), in generate(), called from 
 
 Pure: evidence in, verdict out.  The episode gathers the evidence (`RankEvidence`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -72,10 +73,21 @@ class RankFinding:
     probable: Optional[str] = None  # no C stack, idle in backward(): what it probably waits in (`probable_wait`)
 
     def as_dict(self) -> dict:
-        return {"rank": self.rank, "pid": self.pid, "state": self.state, "cpu_percent": self.cpu_percent,
-                "classification": self.classification, "stuck_frame": self.stuck_frame, "collective": self.collective,
-                "probable_wait": self.probable, "step": self.step, "phase": self.phase, "role": self.role,
-                "landmark": self.landmark, "caller_frame": self.caller_frame}
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "state": self.state,
+            "cpu_percent": self.cpu_percent,
+            "classification": self.classification,
+            "stuck_frame": self.stuck_frame,
+            "collective": self.collective,
+            "probable_wait": self.probable,
+            "step": self.step,
+            "phase": self.phase,
+            "role": self.role,
+            "landmark": self.landmark,
+            "caller_frame": self.caller_frame,
+        }
 
     @property
     def waits(self) -> bool:
@@ -117,11 +129,26 @@ def read_rank(ev: RankEvidence, landmarks: tuple = ()) -> RankFinding:
     probable = probable_wait(ev.stack, ev.native) if collective is None and condition == "blocked" else None
     if probable is not None:
         words = f"{probable_words(probable)}; {words}"
-    reading = read_stack(ev.stack, native=ev.native, source_line=ev.source_line, extra=landmarks, truncated=ev.truncated)
-    return RankFinding(ev.rank, ev.pid, ev.proc.get("state") if ev.proc else None,
-                       ev.proc.get("cpu_percent") if ev.proc else None, condition, words, frame, collective, ev.step,
-                       ev.phase, bool(ev.stack), landmark=reading.landmark, caller_frame=reading.caller_frame,
-                       landmark_words=reading.words(), probable=probable)
+    reading = read_stack(
+        ev.stack, native=ev.native, source_line=ev.source_line, extra=landmarks, truncated=ev.truncated
+    )
+    return RankFinding(
+        ev.rank,
+        ev.pid,
+        ev.proc.get("state") if ev.proc else None,
+        ev.proc.get("cpu_percent") if ev.proc else None,
+        condition,
+        words,
+        frame,
+        collective,
+        ev.step,
+        ev.phase,
+        bool(ev.stack),
+        landmark=reading.landmark,
+        caller_frame=reading.caller_frame,
+        landmark_words=reading.words(),
+        probable=probable,
+    )
 
 
 def probable_words(probable: str) -> str:
@@ -138,15 +165,18 @@ def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
     if not found:
         return Verdict(None, [], "cannot tell which rank is the culprit: no rank announced itself", "no ranks")
     if len(found) == 1:
-        (rank, f), = found.items()
+        ((rank, f),) = found.items()
         return _verdict(found, rank, "the only rank")
     outside = [r for r, f in found.items() if not f.waits and (f.has_stack or f.condition in DEFINITE)]
     silent = [r for r, f in found.items() if not f.waits and r not in outside]  # no stack, nothing definite
     probably = [r for r, f in found.items() if f.collective is None and f.probable is not None]
     if outside and not silent:
         if len(outside) == 1:
-            return _verdict(found, outside[0], "the only rank not waiting in a collective"
-                            + (", or probably in one" if probably else ""))
+            return _verdict(
+                found,
+                outside[0],
+                "the only rank not waiting in a collective" + (", or probably in one" if probably else ""),
+            )
         rank, why = _narrow(found, seqs, outside)
         if rank is not None:
             return _verdict(found, rank, why)
@@ -156,11 +186,17 @@ def decide(evidence: list[RankEvidence], landmarks: tuple = ()) -> Verdict:
         if rank is not None:
             return _verdict(found, rank, why)
         if probably:
-            return _cannot(found, f"every rank waits in a collective or probably does (rank(s) {_list(probably)} inside "
-                                  f"backward(), with no C stack to show it)" + _same_step(found))
+            return _cannot(
+                found,
+                f"every rank waits in a collective or probably does (rank(s) {_list(probably)} inside "
+                f"backward(), with no C stack to show it)" + _same_step(found),
+            )
         return _cannot(found, "every rank waits in a collective" + _same_step(found))
-    return _cannot(found, f"rank(s) {_list(silent)} gave no stack" + (
-        f" while rank(s) {_list(outside)} are outside any collective" if outside else ""))
+    return _cannot(
+        found,
+        f"rank(s) {_list(silent)} gave no stack"
+        + (f" while rank(s) {_list(outside)} are outside any collective" if outside else ""),
+    )
 
 
 def _narrow(found: dict, seqs: dict, ranks: list[int]) -> tuple[Optional[int], str]:
@@ -178,7 +214,10 @@ def _narrow(found: dict, seqs: dict, ranks: list[int]) -> tuple[Optional[int], s
 
 def _behind(found: dict, seqs: dict, ranks: list[int]) -> tuple[Optional[int], str]:
     """The one rank strictly behind all the others in step count, else in the collective sequence."""
-    for what, values in (("step", {r: found[r].step for r in ranks}), ("collective sequence", {r: seqs.get(r) for r in ranks})):
+    for what, values in (
+        ("step", {r: found[r].step for r in ranks}),
+        ("collective sequence", {r: seqs.get(r) for r in ranks}),
+    ):
         known = {r: v for r, v in values.items() if isinstance(v, int)}
         if len(known) < len(ranks):
             continue  # a rank without the figure could be the one behind
@@ -219,8 +258,11 @@ def _others(ranks: list[RankFinding], culprit: Optional[int]) -> list[str]:
             what = f" in {f.collective}" if f.collective is not None else f", probably in {f.probable} (no C stack)"
             groups.setdefault(what, []).append(f.rank)
     out = [f"{'ranks' if len(rs) > 1 else 'rank'} {_list(rs)} waiting{what}" for what, rs in groups.items()]
-    out += [f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)")
-            for f in ranks if f.role == UNKNOWN and f.rank != culprit]
+    out += [
+        f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)")
+        for f in ranks
+        if f.role == UNKNOWN and f.rank != culprit
+    ]
     return out
 
 

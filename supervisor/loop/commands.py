@@ -8,6 +8,7 @@ which the control server holds (it has `ready(now)` and `reply()`) while the loo
 waits, pass by pass, for their dump files to settle; the loop never sleeps for it.  During a stall the
 request shares the episode's own dumps instead of signalling again.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -30,11 +31,13 @@ MIN_DUMP_GRACE_S = 0.5  # an operator's dump waits at least this long for the fi
 class DumpRequest:
     """A `dump` in flight: answered once the dump files have settled (the server polls `ready`)."""
 
-    def __init__(self, table: ProcessTable, grace_s: float, targets: list[DumpTarget] = (),
-                 episode: Optional["Episode"] = None):
+    def __init__(
+        self, table: ProcessTable, grace_s: float, targets: list[DumpTarget] = (), episode: Optional["Episode"] = None
+    ):
         self.episode = episode  # share a stall's dumps instead of signalling the ranks a second time
-        self.collector = None if episode is not None else DumpCollector(list(targets), grace_s=grace_s, table=table,
-                                                                         py_spy=False)
+        self.collector = (
+            None if episode is not None else DumpCollector(list(targets), grace_s=grace_s, table=table, py_spy=False)
+        )
         self.began = False
         self.answer: Optional[dict] = None
 
@@ -61,8 +64,13 @@ class DumpRequest:
         return self.answer is not None
 
     def _answer(self, dc: DumpCollector) -> None:
-        self.answer = {"ok": True, "result": {"dumps": {str(r): t for r, t in dc.texts().items()},
-                                              "signalled": {str(r): ok for r, ok in dc.signalled.items()}}}
+        self.answer = {
+            "ok": True,
+            "result": {
+                "dumps": {str(r): t for r, t in dc.texts().items()},
+                "signalled": {str(r): ok for r, ok in dc.signalled.items()},
+            },
+        }
 
 
 Reply = Union[dict, DumpRequest]

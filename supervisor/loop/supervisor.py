@@ -52,6 +52,7 @@ With `restart.prewarm` the loop also keeps the next attempt's standby (`processe
 where a restart becomes likely, released by `start_attempt` where a worker is spawned otherwise, and
 discarded by any outcome that is not a restart.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,10 +72,17 @@ from hangwatch.common.inbox_layout import queue_status
 from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.control.paths import socket_path_for
-from hangwatch.supervisor.episode.episode import Episode, Tools
-from hangwatch.supervisor.episode.episode import crash_loop_incident, no_retry, spawn_failed_incident, teardown_crash_of
+from hangwatch.supervisor.episode.episode import (
+    Episode,
+    Tools,
+    crash_loop_incident,
+    no_retry,
+    spawn_failed_incident,
+    teardown_crash_of,
+)
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
-from hangwatch.supervisor.loop import commands, view as views
+from hangwatch.supervisor.loop import commands
+from hangwatch.supervisor.loop import view as views
 from hangwatch.supervisor.loop.commands import DumpRequest
 from hangwatch.supervisor.loop.view import View
 from hangwatch.supervisor.loop.wakeup import Wakeup
@@ -84,24 +92,39 @@ from hangwatch.supervisor.nodes.seam import Nodes, SingleNode
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
 from hangwatch.supervisor.processes import attempt as attempts
-from hangwatch.supervisor.processes import leftovers, prewarm, process, snapshot as snapshots
+from hangwatch.supervisor.processes import leftovers, prewarm, process
+from hangwatch.supervisor.processes import snapshot as snapshots
 from hangwatch.supervisor.processes.interpreter import instrument_note, note_for
 from hangwatch.supervisor.records import remediation, run_state
+from hangwatch.supervisor.records.checkpoint_ledger import (
+    BAD,
+    PersistedLedger,
+    resume_choice,
+    set_aside_bad,
+)
+from hangwatch.supervisor.records.checkpoint_ledger import (
+    resolve as resolve_path,
+)
 from hangwatch.supervisor.records.goodput import GOODPUT_NAME, Goodput, activity, read_goodput
-from hangwatch.supervisor.records.checkpoint_ledger import (BAD, PersistedLedger, resolve as resolve_path, resume_choice,
-                                                            set_aside_bad)
 from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
-from hangwatch.supervisor.watch.resume_audit import (AUDITS_NAME, REBATCHED_RTOL, ReplayAudit, default_rtol,
-                                                     earlier_beats)
+from hangwatch.supervisor.watch.resume_audit import (
+    AUDITS_NAME,
+    REBATCHED_RTOL,
+    ReplayAudit,
+    default_rtol,
+    earlier_beats,
+)
 
 log = structlog.get_logger("hangwatch")
 
-TREE_SCAN_S = 5.0  # how often descendants are re-listed (to find those that leave the group); in passes, never a wake-up
+TREE_SCAN_S = (
+    5.0  # how often descendants are re-listed (to find those that leave the group); in passes, never a wake-up
+)
 STATE_WRITE_S = 5.0
 STATUS_NOTE_S = 10.0
 REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
@@ -116,15 +139,32 @@ _UNASKED = object()
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.monotonic, spawn: attempts.Spawn = process.spawn,
-                 kill: process.Kill = os.kill, table: Optional[process.ProcessTable] = None, control: Any = None,
-                 notifier: Any = None, snapshot: Callable[..., Any] = snapshots.TreeSample,
-                 gpu: Callable[[], dict] = snapshots.gpu, gpu_pids: Callable[[], Optional[set]] = snapshots.gpu_pids,
-                 wakeup: Optional[Wakeup] = None, install_signals: bool = True, subreaper: bool = False,
-                 cpu_sample_s: float = 0.5, end_leftovers: bool = True, fs: Optional[FsOps] = None,
-                 policy: Optional[RestartPolicy] = None, file_times: Optional[bool] = None,
-                 peer_spawn: Optional[SpawnHelper] = None, spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby,
-                 listeners: tuple = (), probe: Callable[..., str] = instrument_note):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        spawn: attempts.Spawn = process.spawn,
+        kill: process.Kill = os.kill,
+        table: Optional[process.ProcessTable] = None,
+        control: Any = None,
+        notifier: Any = None,
+        snapshot: Callable[..., Any] = snapshots.TreeSample,
+        gpu: Callable[[], dict] = snapshots.gpu,
+        gpu_pids: Callable[[], Optional[set]] = snapshots.gpu_pids,
+        wakeup: Optional[Wakeup] = None,
+        install_signals: bool = True,
+        subreaper: bool = False,
+        cpu_sample_s: float = 0.5,
+        end_leftovers: bool = True,
+        fs: Optional[FsOps] = None,
+        policy: Optional[RestartPolicy] = None,
+        file_times: Optional[bool] = None,
+        peer_spawn: Optional[SpawnHelper] = None,
+        spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby,
+        listeners: tuple = (),
+        probe: Callable[..., str] = instrument_note,
+    ):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
         how the peer-link helper of a multi-node run is started.
@@ -163,8 +203,11 @@ class Supervisor:
         self.remediation = remediation.OomRemediation(cfg, self.run_dir)
         # Several nodes: the peer link and this node's part in the run; one node: a null object.  The loop
         # talks to either through the same seam and has no multi-node branch of its own.
-        self.nodes: Nodes = (MultiNode(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
-                             if cfg.worker.nnodes > 1 else SingleNode())
+        self.nodes: Nodes = (
+            MultiNode(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
+            if cfg.worker.nnodes > 1
+            else SingleNode()
+        )
 
         self.attempt = 0  # the number of the current (or last) attempt
         self.current: Optional[attempts.Attempt] = None
@@ -200,16 +243,28 @@ class Supervisor:
         self.truncation: Optional[dict] = None  # a runaway generate's truncation order, until it is settled
         self._orders = 0  # truncation orders written by this supervisor
         self._gen_tokens: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
-        self._settings: dict[int, Any] = {}  # attempt → the OOM remediation's setting it started with (None: the config's)
+        self._settings: dict[
+            int, Any
+        ] = {}  # attempt → the OOM remediation's setting it started with (None: the config's)
         self._probe = probe
         self.handlers: dict[State, Callable[[float], None]] = {
-            State.STARTING: self.running, State.RUNNING: self.running, State.STOPPING: self.stopping,
-            State.STALLED: self.stalled, State.DUMPING: self.dumping, State.KILLING: self.killing,
-            State.BACKOFF: self.backoff, State.PAUSED: self.paused,
+            State.STARTING: self.running,
+            State.RUNNING: self.running,
+            State.STOPPING: self.stopping,
+            State.STALLED: self.stalled,
+            State.DUMPING: self.dumping,
+            State.KILLING: self.killing,
+            State.BACKOFF: self.backoff,
+            State.PAUSED: self.paused,
         }
         self.requests: dict[str, Callable[[dict, float], commands.Reply]] = {
-            "status": self._cmd_status, "restart": self._cmd_restart, "stop": self._cmd_stop, "pause": self._cmd_pause,
-            "resume": self._cmd_resume, "dump": self._cmd_dump, "incidents": self._cmd_incidents,
+            "status": self._cmd_status,
+            "restart": self._cmd_restart,
+            "stop": self._cmd_stop,
+            "pause": self._cmd_pause,
+            "resume": self._cmd_resume,
+            "dump": self._cmd_dump,
+            "incidents": self._cmd_incidents,
         }
 
     # ================================================================================ set-up and loop
@@ -230,8 +285,13 @@ class Supervisor:
         self.facts = run_state.RunFacts.from_previous(previous, self.ledger.ledger)
         if self.ledger.ledger.entries and not known:  # seeded from an older supervisor's state.json
             self.ledger.save()
-        problem = leftovers.clear(previous or {}, self.table, state_path=self.state_path,
-                                  grace_s=self.watchdog_cfg.term_grace_s, end_leftovers=self._end_leftovers)
+        problem = leftovers.clear(
+            previous or {},
+            self.table,
+            state_path=self.state_path,
+            grace_s=self.watchdog_cfg.term_grace_s,
+            end_leftovers=self._end_leftovers,
+        )
         if problem:
             return problem
         problem = self.calibration.reload()
@@ -265,8 +325,11 @@ class Supervisor:
             return self.exit_code if self.exit_code != EXIT_OK else EXIT_FAILED
         self.wakeup.open(extra=[fd for fd in (self._control_fd(),) if fd is not None])
         if self.wakeup.events_problem:
-            log.warning("heartbeat_events_unavailable", problem=self.wakeup.events_problem,
-                        note=f"heartbeat files are read every {self.watchdog_cfg.poll_interval_s:g} s instead")
+            log.warning(
+                "heartbeat_events_unavailable",
+                problem=self.wakeup.events_problem,
+                note=f"heartbeat files are read every {self.watchdog_cfg.poll_interval_s:g} s instead",
+            )
         log.info("supervisor_started", run_dir=str(self.run_dir), pid=os.getpid(), config=str(self.config_path))
         try:
             while not self.lifecycle.state.final:
@@ -434,8 +497,14 @@ class Supervisor:
             status = self.table.reap(w.pid)
             if status is not None:
                 w.record_exit(status, now)
-                log.info("worker_exited", attempt=cur.number, pid=w.pid, code=w.exit_code,
-                         signal=signal_name(w.exit_signal), state=self.lifecycle.state.value)
+                log.info(
+                    "worker_exited",
+                    attempt=cur.number,
+                    pid=w.pid,
+                    code=w.exit_code,
+                    signal=signal_name(w.exit_signal),
+                    state=self.lifecycle.state.value,
+                )
                 self._view = None
         if not orphans:
             return
@@ -467,9 +536,15 @@ class Supervisor:
             self._account_line(tr, rec, left, at, now)
             if ev == "start":
                 a = cur.announce(rec, self.table)
-                log.info("worker_started", attempt=cur.number, rank=a.rank, pid=rec.get("pid"),
-                         resumed_from=rec.get("resumed_from"), skipped_checkpoints=rec.get("skipped_checkpoints") or None,
-                         startup_s=round(at - cur.worker.started_at, 3))
+                log.info(
+                    "worker_started",
+                    attempt=cur.number,
+                    rank=a.rank,
+                    pid=rec.get("pid"),
+                    resumed_from=rec.get("resumed_from"),
+                    skipped_checkpoints=rec.get("skipped_checkpoints") or None,
+                    startup_s=round(at - cur.worker.started_at, 3),
+                )
                 note = self.nodes.rank_started(rec, now, cur.number)
                 if note:
                     log.info("torchrun_round", attempt=cur.number, rank=a.rank, pid=rec.get("pid"), note=note)
@@ -484,9 +559,14 @@ class Supervisor:
             elif ev != "stop" and cur.announced:
                 back = cur.follow(rec, self.table)
                 if back is not None:
-                    log.info("rank_process_changed", attempt=cur.number, rank=back.rank, pid=rec.get("pid"),
-                             note="the process that announced the rank last is gone; this one, which announced it "
-                                  "before, goes on")
+                    log.info(
+                        "rank_process_changed",
+                        attempt=cur.number,
+                        rank=back.rank,
+                        pid=rec.get("pid"),
+                        note="the process that announced the rank last is gone; this one, which announced it "
+                        "before, goes on",
+                    )
             if ev in ("step", "checkpoint", "warn") and self.ledger.observe(rec, cur.number):
                 state_changed = True  # a checkpoint announced, confirmed or spoiled: state.json says so at once
             if ev == "step":
@@ -504,17 +584,28 @@ class Supervisor:
                 log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
             elif ev == "stop":
                 cur.stop_lines[tr.rank] = {"reason": rec.get("reason"), "code": rec.get("code")}
-                log.info("worker_stop_line", rank=tr.rank, reason=rec.get("reason"), step=tr.step,
-                         **({"code": rec["code"]} if "code" in rec else {}))
+                log.info(
+                    "worker_stop_line",
+                    rank=tr.rank,
+                    reason=rec.get("reason"),
+                    step=tr.step,
+                    **({"code": rec["code"]} if "code" in rec else {}),
+                )
                 if all(t.stopped for t in self.deadlines.ranks.values()):
                     # No per-rank deadline applies after `stop`; a process that then hangs on its way
                     # out (a non-daemon thread, CUDA/NCCL teardown) is still caught.
                     wd = self.watchdog_cfg
-                    self.deadlines.arm_extra("exit", now, wd.exit_after_stop_s + wd.term_grace_s, "exit after stop line")
+                    self.deadlines.arm_extra(
+                        "exit", now, wd.exit_after_stop_s + wd.term_grace_s, "exit after stop line"
+                    )
         if cur.tail.torn != torn_before:
             self.facts.torn_lines += cur.tail.torn - torn_before
-            log.warning("torn_heartbeat_lines", count=cur.tail.torn - torn_before, total=self.facts.torn_lines,
-                        example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None)
+            log.warning(
+                "torn_heartbeat_lines",
+                count=cur.tail.torn - torn_before,
+                total=self.facts.torn_lines,
+                example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None,
+            )
         if state_changed:
             self.write_state(now, force=True)
         self.save_calibration(only_if_changed=True, now=now)
@@ -571,8 +662,12 @@ class Supervisor:
         reported, handed = rec.get("resumed_from"), cur.resume_from
         if not reported:
             if handed:
-                log.info("resume_not_reported", attempt=cur.number, handed=handed,
-                         note="the start beat names no checkpoint; Heartbeat.start(resumed_from=...) lets it be checked")
+                log.info(
+                    "resume_not_reported",
+                    attempt=cur.number,
+                    handed=handed,
+                    note="the start beat names no checkpoint; Heartbeat.start(resumed_from=...) lets it be checked",
+                )
             return
         where = resolve_path(str(reported), cur.cwd)
         if handed and where == resolve_path(handed, cur.cwd):
@@ -580,8 +675,13 @@ class Supervisor:
         known = next((e for e in self.ledger.ledger.entries.values() if resolve_path(e.path, cur.cwd) == where), None)
         status = known.status if known else "unknown to the supervisor"
         (log.warning if status == BAD else log.info)(
-            "resumed_from_differs", attempt=cur.number, handed=handed or None, reported=str(reported), status=status,
-            why=known.why if known else None)
+            "resumed_from_differs",
+            attempt=cur.number,
+            handed=handed or None,
+            reported=str(reported),
+            status=status,
+            why=known.why if known else None,
+        )
 
     @staticmethod
     def _straggler(cur: attempts.Attempt, rank: int, step: int, now: float, reported) -> None:
@@ -614,9 +714,15 @@ class Supervisor:
         st = self.lifecycle.state
         self.after_teardown = Intent.RESTART
         if st.escalating:
-            return {"ok": True, "result": {"accepted": "restart", "mode": mode, "note": f"restarting after the current {st.value}"}}
+            return {
+                "ok": True,
+                "result": {"accepted": "restart", "mode": mode, "note": f"restarting after the current {st.value}"},
+            }
         if st in (State.BACKOFF, State.PAUSED) or not self.worker_alive():
-            return {"ok": True, "result": {"accepted": "restart", "mode": mode, "note": f"starting a worker now (was {st.value})"}}
+            return {
+                "ok": True,
+                "result": {"accepted": "restart", "mode": mode, "note": f"starting a worker now (was {st.value})"},
+            }
         if mode == "now":
             self.escalate_now = True  # the loop dumps and kills; a graceful restart asks the worker to stop
         return {"ok": True, "result": {"accepted": "restart", "mode": mode, "attempt": self.attempt}}
@@ -655,8 +761,10 @@ class Supervisor:
         else:
             targets = self.current.dump_targets() if self.worker_alive() else []
             if not targets:
-                return {"ok": False, "error": "no running worker process announced a dump signal "
-                                              f"(state {self.lifecycle.state.value})"}
+                return {
+                    "ok": False,
+                    "error": f"no running worker process announced a dump signal (state {self.lifecycle.state.value})",
+                }
             pending = DumpRequest(self.table, grace_s, targets)
         self.dump_requests.append(pending)
         return pending
@@ -728,7 +836,9 @@ class Supervisor:
         elif not self._escalated(now) and self.after_teardown is not Intent.NONE:
             self.graceful_stop(now)
         elif self.stepped and self.lifecycle.state is State.RUNNING and self.expired is None:
-            self.prewarm.keep(self.current, now)  # restart.prewarm: always — the next attempt's standby, ready before a failure
+            self.prewarm.keep(
+                self.current, now
+            )  # restart.prewarm: always — the next attempt's standby, ready before a failure
 
     def stopping(self, now: float) -> None:
         if not self._escalated(now) and self.force:
@@ -748,8 +858,11 @@ class Supervisor:
             if not cur.announced:  # still at the rendezvous: nothing ran, nothing to dump or report
                 why = f"peer node {notice.get('node')} restarted into generation {gen} before this attempt's ranks started"
                 log.info("rendezvous_moved", node=self.nodes.name, generation=gen, attempt=self.attempt, why=why)
-                self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
-                                now, why=why)
+                self.begin_kill(
+                    Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
+                    now,
+                    why=why,
+                )
                 return True
             self.goodput.detected(now)
             self.after_failure = True
@@ -758,8 +871,12 @@ class Supervisor:
             self.transition(State.STALLED, self.episode.reason, now)
         elif self.abort is not None and not self.escalate_now:
             why = self.abort
-            self.begin_kill(Episode(None, None, now, reason=why, decision=Decision("fail", why)), now, send_term=False,
-                            why=f"ending the run: {why}")
+            self.begin_kill(
+                Episode(None, None, now, reason=why, decision=Decision("fail", why)),
+                now,
+                send_term=False,
+                why=f"ending the run: {why}",
+            )
         elif self.escalate_now or self.expired is not None:
             ex = None if self.escalate_now else self.expired
             if ex is not None and self._truncate(cur, ex, now):
@@ -767,8 +884,9 @@ class Supervisor:
             self.escalate_now = False
             self.goodput.detected(now)
             self.after_failure = True
-            self.episode = Episode.stall(self.tools, cur, self.deadlines, self.facts, now,
-                                         ex.incident_kind if ex else "manual", ex)
+            self.episode = Episode.stall(
+                self.tools, cur, self.deadlines, self.facts, now, ex.incident_kind if ex else "manual", ex
+            )
             self._truncation_failed(now)
             self.deadlines.disarm_extra("stop")
             self.transition(State.STALLED, self.episode.reason, now)
@@ -808,8 +926,12 @@ class Supervisor:
                 rate = tokens / (at - r.phase_since) if at > r.phase_since else 0.0
             limit = max(limit, tokens + int(math.ceil(max(rate, 0.0) * (now - at + ORDER_LEAD_S))) + 1)
         self._orders += 1
-        order = {"order": self._orders, "tokens": limit, "issued_unix": round(time.time(), 3),
-                 "budget_s": round(ex.budget_s, 3)}
+        order = {
+            "order": self._orders,
+            "tokens": limit,
+            "issued_unix": round(time.time(), 3),
+            "budget_s": round(ex.budget_s, 3),
+        }
         try:
             self.fs.write_json(cur.dir / GENERATE_STOP_NAME, order, durable=False)
         except OSError as exc:
@@ -817,13 +939,32 @@ class Supervisor:
             return False
         grace = max(TRUNCATE_GRACE_MIN_S, 4 * interval)
         self.deadlines.grant_grace(now, grace)
-        self.truncation = {"attempt": cur.number, "issued_at": now, "order": order["order"], "limit": limit,
-                           "ranks": sorted(r.rank for r in ranks), "reports": {}, "left": set(), "grace_s": grace,
-                           "budget_s": round(ex.budget_s, 3), "elapsed_s": round(ex.elapsed_s, 3), "rank": ex.rank,
-                           "step": tr.step, "budget_source": ex.source}
-        log.warning("generate_overrun", attempt=cur.number, rank=ex.rank, budget_s=round(ex.budget_s, 3),
-                    elapsed_s=round(ex.elapsed_s, 3), limit=limit, ranks=self.truncation["ranks"], grace_s=round(grace, 3),
-                    note="tokens still arrive: ending the generation in the worker's process")
+        self.truncation = {
+            "attempt": cur.number,
+            "issued_at": now,
+            "order": order["order"],
+            "limit": limit,
+            "ranks": sorted(r.rank for r in ranks),
+            "reports": {},
+            "left": set(),
+            "grace_s": grace,
+            "budget_s": round(ex.budget_s, 3),
+            "elapsed_s": round(ex.elapsed_s, 3),
+            "rank": ex.rank,
+            "step": tr.step,
+            "budget_source": ex.source,
+        }
+        log.warning(
+            "generate_overrun",
+            attempt=cur.number,
+            rank=ex.rank,
+            budget_s=round(ex.budget_s, 3),
+            elapsed_s=round(ex.elapsed_s, 3),
+            limit=limit,
+            ranks=self.truncation["ranks"],
+            grace_s=round(grace, 3),
+            note="tokens still arrive: ending the generation in the worker's process",
+        )
         return True
 
     def _truncation_settled(self, now: float) -> None:
@@ -846,22 +987,49 @@ class Supervisor:
         tokens = {str(r): rep.get("tokens") for r, rep in sorted(reports.items())}
         where = f"rank {t['rank']}" if len(self.deadlines.ranks) > 1 else "the worker"
         stopped_at = sorted({v for v in tokens.values() if v is not None})
-        at = (f"token {stopped_at[0]}" if len(stopped_at) == 1 else
-              "tokens " + ", ".join(f"{v} (rank {r})" for r, v in tokens.items()))
-        summary = (f"generate() on {where} ran past its {t['budget_s']:g} s budget while still producing tokens; ended at "
-                   f"{at} in the worker's own process after {now - t['issued_at'] + t['elapsed_s']:.1f} s — nothing "
-                   "restarted, training went on")
+        at = (
+            f"token {stopped_at[0]}"
+            if len(stopped_at) == 1
+            else "tokens " + ", ".join(f"{v} (rank {r})" for r, v in tokens.items())
+        )
+        summary = (
+            f"generate() on {where} ran past its {t['budget_s']:g} s budget while still producing tokens; ended at "
+            f"{at} in the worker's own process after {now - t['issued_at'] + t['elapsed_s']:.1f} s — nothing "
+            "restarted, training went on"
+        )
         inc = self.incidents.create(
-            "generate_truncated", attempt=t["attempt"], phase="generate", step=t["step"], classification="runaway generate",
-            summary=summary, status="final", ranks=t["ranks"], tokens=tokens, limit=t["limit"], order=t["order"],
-            prompt=first.get("prompt"), prompt_ids=first.get("prompt_ids"), prompt_tokens=first.get("prompt_tokens"),
-            output_tail=first.get("output_tail"), budget_s=t["budget_s"], budget_source=t["budget_source"],
-            elapsed_s=t["elapsed_s"], reports={str(r): v for r, v in sorted(reports.items())},
-            last_good_checkpoint=self.facts.last_good_checkpoint)
+            "generate_truncated",
+            attempt=t["attempt"],
+            phase="generate",
+            step=t["step"],
+            classification="runaway generate",
+            summary=summary,
+            status="final",
+            ranks=t["ranks"],
+            tokens=tokens,
+            limit=t["limit"],
+            order=t["order"],
+            prompt=first.get("prompt"),
+            prompt_ids=first.get("prompt_ids"),
+            prompt_tokens=first.get("prompt_tokens"),
+            output_tail=first.get("output_tail"),
+            budget_s=t["budget_s"],
+            budget_source=t["budget_source"],
+            elapsed_s=t["elapsed_s"],
+            reports={str(r): v for r, v in sorted(reports.items())},
+            last_good_checkpoint=self.facts.last_good_checkpoint,
+        )
         self.facts.note_incident(inc)
         self._view = None
-        log.warning("generate_truncated", incident=inc.id, attempt=t["attempt"], step=t["step"], tokens=tokens,
-                    limit=t["limit"], text=summary)
+        log.warning(
+            "generate_truncated",
+            incident=inc.id,
+            attempt=t["attempt"],
+            step=t["step"],
+            tokens=tokens,
+            limit=t["limit"],
+            text=summary,
+        )
 
     def _truncation_failed(self, now: float) -> None:
         """A truncation was under way when the episode opened: the generate did not stop; the incident says so."""
@@ -870,9 +1038,14 @@ class Supervisor:
         if t is None or ep is None or ep.incident is None:
             return
         ep.incident.data["truncation_ordered"] = {
-            "limit": t["limit"], "order": t["order"], "ranks": t["ranks"], "grace_s": round(t["grace_s"], 3),
-            "ordered_s_ago": round(now - t["issued_at"], 3), "reports": {str(r): v for r, v in t["reports"].items()},
-            "note": f"the generate was ordered to stop at token {t['limit']} and did not within {t['grace_s']:.1f} s"}
+            "limit": t["limit"],
+            "order": t["order"],
+            "ranks": t["ranks"],
+            "grace_s": round(t["grace_s"], 3),
+            "ordered_s_ago": round(now - t["issued_at"], 3),
+            "reports": {str(r): v for r, v in t["reports"].items()},
+            "note": f"the generate was ordered to stop at token {t['limit']} and did not within {t['grace_s']:.1f} s",
+        }
         ep.incident.write()
 
     # ---- the resume audit
@@ -891,10 +1064,13 @@ class Supervisor:
         inc = self._failure_incident
         rtol, note = default_rtol(ra.rtol, self.cfg.worker.command is not None), ""
         setting = self._settings.get(cur.number)
-        if setting != self._settings.get(cur.number - 1, setting) and rtol < REBATCHED_RTOL:  # the OOM remediation changed the micro-batch in between
+        if (
+            setting != self._settings.get(cur.number - 1, setting) and rtol < REBATCHED_RTOL
+        ):  # the OOM remediation changed the micro-batch in between
             rtol, note = REBATCHED_RTOL, "the micro-batch changed after an OOM: the same sums in another order"
-        self.audit = ReplayAudit(cur.number, resumed, before, rtol, incident=inc.id if inc is not None else None,
-                                 note=note)
+        self.audit = ReplayAudit(
+            cur.number, resumed, before, rtol, incident=inc.id if inc is not None else None, note=note
+        )
         self.audits.append(self.audit.record())
         self._save_audit()
 
@@ -908,20 +1084,41 @@ class Supervisor:
             return
         ra, a = self.watchdog_cfg.resume_audit, self.audit
         stop = ra.on_divergence == "stop"
-        then = ("the run ends here (watchdog.resume_audit.on_divergence: stop)" if stop else
-                "training goes on (watchdog.resume_audit.on_divergence: warn)")
+        then = (
+            "the run ends here (watchdog.resume_audit.on_divergence: stop)"
+            if stop
+            else "training goes on (watchdog.resume_audit.on_divergence: warn)"
+        )
         inc = self.incidents.create(
-            "resume_diverged", attempt=cur.number, phase="train", step=step, classification="resume diverged",
-            summary=f"{a.text}; {then}", status="final", resume_audit=a.record(), on_divergence=ra.on_divergence,
-            resumed_from=cur.resume_from, last_incident=self.facts.last_incident,
-            last_good_checkpoint=self.facts.last_good_checkpoint)
+            "resume_diverged",
+            attempt=cur.number,
+            phase="train",
+            step=step,
+            classification="resume diverged",
+            summary=f"{a.text}; {then}",
+            status="final",
+            resume_audit=a.record(),
+            on_divergence=ra.on_divergence,
+            resumed_from=cur.resume_from,
+            last_incident=self.facts.last_incident,
+            last_good_checkpoint=self.facts.last_good_checkpoint,
+        )
         self.facts.note_incident(inc)
         self._view = None
         self.audits[-1]["diverged_incident"] = inc.id
         self._save_audit()
         d = a.difference or {}
-        log.error("resume_diverged", incident=inc.id, attempt=cur.number, step=step, figure=d.get("figure"),
-                  now=d.get("now"), before=d.get("before"), text=a.text, on_divergence=ra.on_divergence)
+        log.error(
+            "resume_diverged",
+            incident=inc.id,
+            attempt=cur.number,
+            step=step,
+            figure=d.get("figure"),
+            now=d.get("now"),
+            before=d.get("before"),
+            text=a.text,
+            on_divergence=ra.on_divergence,
+        )
         if stop and self.abort is None:
             self.abort = f"resume diverged — {a.text}"
 
@@ -983,25 +1180,42 @@ class Supervisor:
         ep, cur = self.episode, self.current
         mode = self.cfg.restart.on_unkillable
         pids = [s.get("pid") for s in killer.survivors]
-        states = ", ".join(f"{s.get('pid')} ({s.get('state')}, waiting in {s.get('wchan') or 'an unknown kernel function'})"
-                           for s in killer.survivors)
-        then = ("no new attempt starts until they are gone (restart.on_unkillable: wait)" if mode == "wait" else
-                "the run ends failed (restart.on_unkillable: fail)")
-        summary = (f"{len(pids)} process(es) of attempt {cur.number}'s tree outlived SIGKILL by "
-                   f"{self.watchdog_cfg.kill_wait_s:g} s: {states} — uninterruptible sleep in the kernel (NFS, a GPU "
-                   f"driver); a reboot or a GPU reset may be needed; {then}")
+        states = ", ".join(
+            f"{s.get('pid')} ({s.get('state')}, waiting in {s.get('wchan') or 'an unknown kernel function'})"
+            for s in killer.survivors
+        )
+        then = (
+            "no new attempt starts until they are gone (restart.on_unkillable: wait)"
+            if mode == "wait"
+            else "the run ends failed (restart.on_unkillable: fail)"
+        )
+        summary = (
+            f"{len(pids)} process(es) of attempt {cur.number}'s tree outlived SIGKILL by "
+            f"{self.watchdog_cfg.kill_wait_s:g} s: {states} — uninterruptible sleep in the kernel (NFS, a GPU "
+            f"driver); a reboot or a GPU reset may be needed; {then}"
+        )
         inc = self.incidents.create(
-            "unkillable", attempt=cur.number, phase=None, step=self.facts.last_step.get("step"),
-            classification="unkillable process", summary=summary, status="waiting" if mode == "wait" else "final",
-            survivors=killer.survivors, on_unkillable=mode, failure=ep.incident.id if ep.incident is not None else None,
-            failure_kind=ep.kind, kill_wait_s=self.watchdog_cfg.kill_wait_s,
-            last_good_checkpoint=self.facts.last_good_checkpoint)
+            "unkillable",
+            attempt=cur.number,
+            phase=None,
+            step=self.facts.last_step.get("step"),
+            classification="unkillable process",
+            summary=summary,
+            status="waiting" if mode == "wait" else "final",
+            survivors=killer.survivors,
+            on_unkillable=mode,
+            failure=ep.incident.id if ep.incident is not None else None,
+            failure_kind=ep.kind,
+            kill_wait_s=self.watchdog_cfg.kill_wait_s,
+            last_good_checkpoint=self.facts.last_good_checkpoint,
+        )
         self.facts.note_incident(inc)
         self._view = None
         log.error("unkillable", incident=inc.id, attempt=cur.number, pids=pids, on_unkillable=mode, text=summary)
         if mode == "fail":
-            ep.decision = Decision("fail", f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be "
-                                           "needed)")
+            ep.decision = Decision(
+                "fail", f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)"
+            )
             return False
         self.unkillable = inc
         self.status_note(now, force=True)
@@ -1013,12 +1227,19 @@ class Supervisor:
         waited = round(now - (killer.done_at or now), 3)
         if gone:
             inc.data.update(status="final", gone_after_s=waited)
-            log.info("unkillable_gone", incident=inc.id, waited_s=waited, note="the survivors are gone: the run goes on")
+            log.info(
+                "unkillable_gone", incident=inc.id, waited_s=waited, note="the survivors are gone: the run goes on"
+            )
         else:
             still = [r.pid for r in killer.survivor_refs]
             inc.data.update(status="final", still_there=still, waited_s=waited)
-            log.warning("unkillable_left", incident=inc.id, pids=still, waited_s=waited,
-                        note="the run ends with them still there")
+            log.warning(
+                "unkillable_left",
+                incident=inc.id,
+                pids=still,
+                waited_s=waited,
+                note="the run ends with them still there",
+            )
         inc.write()
 
     def backoff(self, now: float) -> None:
@@ -1059,9 +1280,18 @@ class Supervisor:
             self.transition(State.STARTING, f"attempt {number}", now)
         self.episode, self.backoff_until, self.expired, self.escalate_now = None, None, None, False
         try:
-            self.current = attempts.start(self.cfg, number, self.config_path, self.spawn, now, fs=self.fs,
-                                          resume_from=resume, take_standby=self.prewarm.take,
-                                          rdzv_id=self.nodes.rdzv_id(), resume_step=resume_step)
+            self.current = attempts.start(
+                self.cfg,
+                number,
+                self.config_path,
+                self.spawn,
+                now,
+                fs=self.fs,
+                resume_from=resume,
+                take_standby=self.prewarm.take,
+                rdzv_id=self.nodes.rdzv_id(),
+                resume_step=resume_step,
+            )
             self.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
             if self.nodes.helper_pid:
                 self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
@@ -1075,16 +1305,29 @@ class Supervisor:
                 self.write_failed(exc, Path(exc.filename or attempt_dir(self.run_dir, number)))
                 self.finish(Outcome(State.FAILED, self.fail_reason, EXIT_IOERR), now)
                 return
-            spawn_failed_incident(self.incidents, number, attempts.worker_argv(self.cfg, self.config_path),
-                                  self.cfg.worker.cwd, exc, self.facts)
+            spawn_failed_incident(
+                self.incidents,
+                number,
+                attempts.worker_argv(self.cfg, self.config_path),
+                self.cfg.worker.cwd,
+                exc,
+                self.facts,
+            )
             self.finish(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
             return
         self.deadlines.arm_startup(now)
         self.policy.attempt_started(now, last_good_step=self.facts.last_good_step)
         self.nodes.spawned(number, now)
         w = self.current.worker
-        log.info("worker_spawned", attempt=number, pid=w.pid, argv=w.argv, log=str(w.log_path),
-                 prewarmed=self.current.prewarmed, instrumentation=self.instrumentation)
+        log.info(
+            "worker_spawned",
+            attempt=number,
+            pid=w.pid,
+            argv=w.argv,
+            log=str(w.log_path),
+            prewarmed=self.current.prewarmed,
+            instrumentation=self.instrumentation,
+        )
         if not self._ready_sent:  # systemd hears READY once
             self._ready_sent = True
             self.notify("ready")
@@ -1103,7 +1346,9 @@ class Supervisor:
         budget, source = self.deadlines.step_budget()
         bound = self.watchdog_cfg.term_grace_s + budget
         self.deadlines.arm_extra("stop", now, bound, f"term_grace + {source} step budget")
-        log.info("graceful_stop", intent=self.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3))
+        log.info(
+            "graceful_stop", intent=self.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3)
+        )
         self.prewarm.begin(self.current, self.after_teardown, None, now, why=f"{self.after_teardown.value} requested")
 
     def worker_exited(self, now: float) -> None:
@@ -1111,8 +1356,14 @@ class Supervisor:
         if self.lifecycle.state is State.STOPPING:
             self.goodput.progress(now)
             self.after_failure = False
-            ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now,
-                                stopping=f"graceful stop ({self.after_teardown.value})")
+            ep = Episode.exited(
+                self.tools,
+                cur,
+                self.deadlines,
+                self.facts,
+                now,
+                stopping=f"graceful stop ({self.after_teardown.value})",
+            )
         else:
             stop_reason = cur.stop_reason(self.deadlines.main_rank())
             code = w.exit_code if w.exit_signal is None else None
@@ -1123,8 +1374,14 @@ class Supervisor:
                 log.warning("worker_teardown_crash", attempt=cur.number, why=done)
             # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
             # root-cause report keep the run from restarting it for ever
-            decision = free or self.policy.on_exit(now, code, stop_reason, own_command=self.cfg.worker.command is not None,
-                                                   no_retry=no_retry(cur) if done is None else None, teardown=done)
+            decision = free or self.policy.on_exit(
+                now,
+                code,
+                stop_reason,
+                own_command=self.cfg.worker.command is not None,
+                no_retry=no_retry(cur) if done is None else None,
+                teardown=done,
+            )
             if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
                 ep = Episode(None, None, now, decision=decision, reason=decision.reason)
             else:
@@ -1136,7 +1393,9 @@ class Supervisor:
             else:
                 self.goodput.progress(now)
                 self.after_failure = False
-            remediation.on_episode(self.remediation, ep, cur.number, self.run_dir)  # an OOM: a smaller micro-batch, or failed
+            remediation.on_episode(
+                self.remediation, ep, cur.number, self.run_dir
+            )  # an OOM: a smaller micro-batch, or failed
             self.prewarm.begin(cur, self.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
         self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
 
@@ -1144,7 +1403,9 @@ class Supervisor:
         self.episode = ep
         ep.begin_kill(self.tools, self.current, now, send_term)
         self.deadlines.disarm_extra("stop")
-        self.transition(State.KILLING, why or ("SIGTERM to the process group" if send_term else "SIGKILL to the tree"), now)
+        self.transition(
+            State.KILLING, why or ("SIGTERM to the process group" if send_term else "SIGKILL to the tree"), now
+        )
 
     def finish_episode(self, now: float) -> None:
         """The tree is gone: decide what follows, complete the incident, go there."""
@@ -1163,8 +1424,13 @@ class Supervisor:
             ep.decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
         out = resolve(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
         ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())
-        log.info("tree_gone", attempt=self.attempt, next=out.state.value, why=out.why,
-                 gone_after_s=ep.killer.timings()["tree_gone_after_s"])
+        log.info(
+            "tree_gone",
+            attempt=self.attempt,
+            next=out.state.value,
+            why=out.why,
+            gone_after_s=ep.killer.timings()["tree_gone_after_s"],
+        )
         self.episode = None
         if out.state is State.FAILED and ep.decision is not None and ep.decision.crash_loop:
             crash_loop_incident(self.incidents, self.attempt, ep.decision, self.policy, self.cfg.restart, self.facts)
@@ -1198,10 +1464,18 @@ class Supervisor:
         if gave_up is None or self.no_progress_recorded:
             return
         self.no_progress_recorded = True
-        inc = self.incidents.create("no_progress", attempt=self.attempt, phase=None, step=gave_up["attempt_top_step"],
-                                    classification="no progress", summary=gave_up["reason"], status="final",
-                                    last_incident=self.facts.last_incident,
-                                    last_good_checkpoint=self.facts.last_good_checkpoint, **gave_up)
+        inc = self.incidents.create(
+            "no_progress",
+            attempt=self.attempt,
+            phase=None,
+            step=gave_up["attempt_top_step"],
+            classification="no progress",
+            summary=gave_up["reason"],
+            status="final",
+            last_incident=self.facts.last_incident,
+            last_good_checkpoint=self.facts.last_good_checkpoint,
+            **gave_up,
+        )
         self.facts.note_incident(inc)
         self._view = None
         log.error("no_progress", incident=inc.id, reason=gave_up["reason"])
@@ -1226,20 +1500,42 @@ class Supervisor:
             announced=lambda: cur.announced_refs() if cur else {},
             descendants=lambda: tuple(cur.tree.values()) if cur else (),
             stragglers=lambda: cur.stragglers.status() if cur else {},
-            incidents=self.incidents.count, gpu=lambda: self.gpu.summary(now),
+            incidents=self.incidents.count,
+            gpu=lambda: self.gpu.summary(now),
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
             output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
-            goodput=self.goodput.snapshot, standby=lambda: self.prewarm.describe(now))
-        v = View(now=now, state=st, intent=self.after_teardown, attempt=self.attempt, exit_code=self.exit_code,
-                 worker=cur.worker if cur else None, watching=watching, main=dl.ranks.get(dl.main_rank()),
-                 restarts=facts.restarts, last_step=last, last_good_checkpoint=facts.last_good_checkpoint,
-                 last_good_step=facts.last_good_step, last_incident=facts.last_incident, torn_lines=facts.torn_lines,
-                 max_steps=views.max_steps(last, self.cfg.train.max_steps if self.cfg.worker.command is None else None),
-                 backoff_remaining_s=round(max(0.0, self.backoff_until - now), 3)
-                 if self.backoff_until is not None and st is State.BACKOFF else None,
-                 step_budget=dl.step_budget(), calibration_samples=len(self.calibration.step_samples),
-                 uptime_s=now - self.started_at, run_dir=str(self.run_dir), config=str(self.cfg._source or self.config_path),
-                 socket=self._socket, readers=readers, healing=dict(self._healing), nodes=self.nodes.status())
+            goodput=self.goodput.snapshot,
+            standby=lambda: self.prewarm.describe(now),
+        )
+        v = View(
+            now=now,
+            state=st,
+            intent=self.after_teardown,
+            attempt=self.attempt,
+            exit_code=self.exit_code,
+            worker=cur.worker if cur else None,
+            watching=watching,
+            main=dl.ranks.get(dl.main_rank()),
+            restarts=facts.restarts,
+            last_step=last,
+            last_good_checkpoint=facts.last_good_checkpoint,
+            last_good_step=facts.last_good_step,
+            last_incident=facts.last_incident,
+            torn_lines=facts.torn_lines,
+            max_steps=views.max_steps(last, self.cfg.train.max_steps if self.cfg.worker.command is None else None),
+            backoff_remaining_s=round(max(0.0, self.backoff_until - now), 3)
+            if self.backoff_until is not None and st is State.BACKOFF
+            else None,
+            step_budget=dl.step_budget(),
+            calibration_samples=len(self.calibration.step_samples),
+            uptime_s=now - self.started_at,
+            run_dir=str(self.run_dir),
+            config=str(self.cfg._source or self.config_path),
+            socket=self._socket,
+            readers=readers,
+            healing=dict(self._healing),
+            nodes=self.nodes.status(),
+        )
         self._view = v
         return v
 
@@ -1255,7 +1551,12 @@ class Supervisor:
 
     def _scan_tree(self, now: float) -> None:
         cur = self.current
-        if cur is None or cur.worker.exited or now - cur.last_tree_scan < TREE_SCAN_S or not self.lifecycle.state.watched:
+        if (
+            cur is None
+            or cur.worker.exited
+            or now - cur.last_tree_scan < TREE_SCAN_S
+            or not self.lifecycle.state.watched
+        ):
             return
         cur.last_tree_scan = now
         if cur.scan_tree(self.table, self._subreaper):
@@ -1266,10 +1567,17 @@ class Supervisor:
         """The goodput ledger learns what the time from `now` on is (the state settled in this pass)."""
         ep = self.episode
         tr = self.deadlines.ranks.get(self.deadlines.main_rank()) if self.current is not None else None
-        self.goodput.tick(now, activity(
-            self.lifecycle.state.value, phase=tr.phase if tr is not None else None, stepped=self.stepped,
-            after_failure=self.after_failure, failing=ep is None or ep.incident is not None,
-            tree_gone=ep is not None and ep.killer is not None and ep.killer.gone_at is not None))
+        self.goodput.tick(
+            now,
+            activity(
+                self.lifecycle.state.value,
+                phase=tr.phase if tr is not None else None,
+                stepped=self.stepped,
+                after_failure=self.after_failure,
+                failing=ep is None or ep.incident is not None,
+                tree_gone=ep is not None and ep.killer is not None and ep.killer.gone_at is not None,
+            ),
+        )
 
     def status_note(self, now: float, force: bool = False) -> None:
         """systemd's STATUS= line (at most every STATUS_NOTE_S unless forced)."""
@@ -1315,7 +1623,9 @@ class Supervisor:
         if not force and now - self._last_state_write < STATE_WRITE_S:
             return
         self._last_state_write = now
-        if force or self.lifecycle.state.final or self._healing is None:  # self-healing's record: read when it can change
+        if (
+            force or self.lifecycle.state.final or self._healing is None
+        ):  # self-healing's record: read when it can change
             self._healing = remediation.state_fields(self.run_dir)
             self._view = None
         data = views.state_record(self.view(now), self.table.ref_of(os.getpid()), why=self.lifecycle.reason or None)
@@ -1327,7 +1637,9 @@ class Supervisor:
         if now - self._last_goodput_write >= STATE_WRITE_S or self.lifecycle.state.final:
             self._last_goodput_write = now
             try:  # a record for `report` and the end summary; status reads the ledger itself
-                self.fs.write_json(self.run_dir / GOODPUT_NAME, self.goodput.record(), durable=self.lifecycle.state.final)
+                self.fs.write_json(
+                    self.run_dir / GOODPUT_NAME, self.goodput.record(), durable=self.lifecycle.state.final
+                )
             except OSError as exc:
                 self.write_failed(exc, self.run_dir / GOODPUT_NAME)
 

@@ -10,6 +10,7 @@ inbox — is read through the loop's `Readers` on first use only, once per view:
 for a status, a state.json or a metrics snapshot pays for none of it.  A view is read in the pass that
 built it.
 """
+
 from __future__ import annotations
 
 import os
@@ -138,7 +139,11 @@ def status_reply(v: View) -> dict:
         "supervisor_pid": os.getpid(),
         "uptime_s": round(v.uptime_s, 3),
         "torn_lines": v.torn_lines,
-        "calibration": {"step_budget_s": v.step_budget[0], "source": v.step_budget[1], "samples": v.calibration_samples},
+        "calibration": {
+            "step_budget_s": v.step_budget[0],
+            "source": v.step_budget[1],
+            "samples": v.calibration_samples,
+        },
         "queue": v.queue,
         "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
         "goodput": v.goodput,  # where the run's time went, by category (`records.goodput`)
@@ -150,11 +155,21 @@ def status_reply(v: View) -> dict:
 
 def rank_rows(v: View) -> list[dict]:
     """Every rank that spoke in this attempt: its pid, phase, step, last beat age, deadlines, straggling."""
-    return [{"rank": t.rank, "pid": v.announced[t.rank].pid if t.rank in v.announced else t.pid, "phase": t.phase,
-             "phase_age_s": round(v.now - t.phase_since, 3), "phase_budget_s": t.phase_budget, "step": t.step,
-             "last_beat_age_s": round(v.now - t.last_line_at, 3), "stopped": t.stopped,
-             "deadlines": [d for d in v.deadlines if d["rank"] == t.rank], "straggler": v.stragglers.get(t.rank)}
-            for t in v.ranks]
+    return [
+        {
+            "rank": t.rank,
+            "pid": v.announced[t.rank].pid if t.rank in v.announced else t.pid,
+            "phase": t.phase,
+            "phase_age_s": round(v.now - t.phase_since, 3),
+            "phase_budget_s": t.phase_budget,
+            "step": t.step,
+            "last_beat_age_s": round(v.now - t.last_line_at, 3),
+            "stopped": t.stopped,
+            "deadlines": [d for d in v.deadlines if d["rank"] == t.rank],
+            "straggler": v.stragglers.get(t.rank),
+        }
+        for t in v.ranks
+    ]
 
 
 def status_line(v: View) -> str:
@@ -167,16 +182,34 @@ def status_line(v: View) -> str:
     return ", ".join(parts)
 
 
-def state_record(v: View, supervisor: Optional[ProcRef], wall: Optional[float] = None, why: Optional[str] = None) -> dict:
+def state_record(
+    v: View, supervisor: Optional[ProcRef], wall: Optional[float] = None, why: Optional[str] = None
+) -> dict:
     """state.json's record (`records.run_state`): enough for the next supervisor to find what this one
     leaves behind; the worker's tree is forgotten once it is gone (backoff, paused, the end).  `why`: the
     reason of the last transition, recorded once the state is final."""
-    data = record(state=v.state.value, final=v.state.final,
-                  tree_gone=v.state.final or v.state in (State.BACKOFF, State.PAUSED), supervisor=supervisor,
-                  worker=v.worker, announced=v.announced, descendants=v.descendants, attempt=v.attempt,
-                  restarts=v.restarts, last_good_checkpoint=v.last_good_checkpoint, last_good_step=v.last_good_step,
-                  last_incident=v.last_incident, torn_lines=v.torn_lines, incidents=v.incidents, socket=v.socket,
-                  run_dir=v.run_dir, exit_code=v.exit_code, paused=v.paused, wall=wall, why=why)
+    data = record(
+        state=v.state.value,
+        final=v.state.final,
+        tree_gone=v.state.final or v.state in (State.BACKOFF, State.PAUSED),
+        supervisor=supervisor,
+        worker=v.worker,
+        announced=v.announced,
+        descendants=v.descendants,
+        attempt=v.attempt,
+        restarts=v.restarts,
+        last_good_checkpoint=v.last_good_checkpoint,
+        last_good_step=v.last_good_step,
+        last_incident=v.last_incident,
+        torn_lines=v.torn_lines,
+        incidents=v.incidents,
+        socket=v.socket,
+        run_dir=v.run_dir,
+        exit_code=v.exit_code,
+        paused=v.paused,
+        wall=wall,
+        why=why,
+    )
     data.update(v.healing)
     if v.nodes is not None:
         data["nodes"] = v.nodes

@@ -23,6 +23,7 @@ The one signal recorder lives here: SIGTERM, SIGINT, SIGCHLD, SIGHUP and SIGCONT
 start of its next pass and acts there (stop; reap; reopen the log; SIGCONT: this process was stopped,
 see `deadlines.SuspensionDetector`).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,13 @@ PIPE, BEATS, EXTRA = "pipe", "beats", "extra"  # what a selector key stands for
 
 
 class Wakeup:
-    def __init__(self, *, install_signals: bool = True, min_read_s: float = MIN_READ_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        install_signals: bool = True,
+        min_read_s: float = MIN_READ_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._install_signals = install_signals
         self.min_read_s = min_read_s
         self._clock = clock  # real time on purpose: this is about when to read, not about deadlines

@@ -29,6 +29,7 @@ Pure decisions (`peer_cause`, `missing_words`, `present_nodes`, at the end of th
 the link saw; `MultiNode` keeps the little state there is (the attempt's generation, the rendezvous wait) and every
 method takes `now`.  The loop sees it only through the `nodes.seam.Nodes` interface.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,22 @@ import structlog
 
 from hangwatch.common.config import Config
 from hangwatch.common.exitcodes import NO_RESTART_CODES
-from hangwatch.supervisor.nodes.node_incident import (amend_exit, amend_late, amend_stall, exit_own_culprit,
-                                                      lost_peer_incident, peer_words)
-from hangwatch.supervisor.nodes.peers import HELPER_LOG_NAME, PeerLink, SpawnHelper, default_node_name, helper_argv, spawn_helper
+from hangwatch.supervisor.nodes.node_incident import (
+    amend_exit,
+    amend_late,
+    amend_stall,
+    exit_own_culprit,
+    lost_peer_incident,
+    peer_words,
+)
+from hangwatch.supervisor.nodes.peers import (
+    HELPER_LOG_NAME,
+    PeerLink,
+    SpawnHelper,
+    default_node_name,
+    helper_argv,
+    spawn_helper,
+)
 from hangwatch.supervisor.nodes.seam import Nodes
 from hangwatch.supervisor.processes.attempt import Attempt, rdzv_id_for
 from hangwatch.supervisor.processes.process import ProcessTable
@@ -75,8 +89,12 @@ class MultiNode(Nodes):
         self.cfg = w
         self.name = w.node_name or default_node_name(run_dir)
         self.endpoint = w.rdzv_endpoint or ""
-        self.link = PeerLink(helper_argv(self.endpoint, w.rdzv_id, self.name, w.nnodes), Path(run_dir) / HELPER_LOG_NAME,
-                             spawn=spawn, poke=poke)
+        self.link = PeerLink(
+            helper_argv(self.endpoint, w.rdzv_id, self.name, w.nnodes),
+            Path(run_dir) / HELPER_LOG_NAME,
+            spawn=spawn,
+            poke=poke,
+        )
         self.attempt_gen: Optional[int] = None
         self.wait: Optional[Wait] = None  # at the rendezvous (spawned, no rank started) or waiting for the store
         self.bump_id: Optional[str] = None  # this node's bump for the current episode
@@ -168,8 +186,11 @@ class MultiNode(Nodes):
             self.resume_gen, self.resume_choice = gen, reply
             log.info("resume_agreed", node=self.name, generation=gen, choice=reply.get("choice"))
             return True, reply.get("choice")
-        if self.resume_id is None or self.resume_sent_gen != gen or (
-                self.link.failed(self.resume_id) and now - (self.resume_sent_at or now) >= FAILED_RETRY_S):
+        if (
+            self.resume_id is None
+            or self.resume_sent_gen != gen
+            or (self.link.failed(self.resume_id) and now - (self.resume_sent_at or now) >= FAILED_RETRY_S)
+        ):
             offers = [own] if own and own.get("path") else []
             for name in present_nodes(self.link.view.nodes, -1):
                 r = (self.link.view.nodes[name].get("record") or {}).get("resume")
@@ -225,8 +246,13 @@ class MultiNode(Nodes):
         * the `exit` deadline once every local rank has exited while torchrun lives: its agent waits for the other
           nodes at torchrun's exit barrier (`EXIT_BARRIER_S`), once per attempt; still there after it, it is killed."""
         if self.between_rounds(attempt, expired, table):
-            log.info("torchrun_round_gap", attempt=attempt.number, rank=expired.rank, deadline=expired.name,
-                     note="the rank's process is gone while torchrun lives: a new round of the same attempt")
+            log.info(
+                "torchrun_round_gap",
+                attempt=attempt.number,
+                rank=expired.rank,
+                deadline=expired.name,
+                note="the rank's process is gone while torchrun lives: a new round of the same attempt",
+            )
             deadlines.arm_startup(now)
             self.round_wait(now)
             return True
@@ -236,8 +262,14 @@ class MultiNode(Nodes):
             self.barrier_excused = attempt.number
             wait_s = EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S
             deadlines.arm_extra("exit", now, wait_s, "torchrun's exit barrier")
-            log.info("torchrun_exit_barrier", attempt=attempt.number, node=self.name, pid=attempt.worker.pid,
-                     wait_s=wait_s, note="every local rank has exited; torchrun waits for the other nodes at its exit barrier")
+            log.info(
+                "torchrun_exit_barrier",
+                attempt=attempt.number,
+                node=self.name,
+                pid=attempt.worker.pid,
+                wait_s=wait_s,
+                note="every local rank has exited; torchrun waits for the other nodes at its exit barrier",
+            )
             return True
         if expired.name != "startup" or self.wait is None:
             return False
@@ -289,8 +321,15 @@ class MultiNode(Nodes):
         if self.bump_id is not None or self.attempt_gen is None:
             return
         self.bump_sent_at = now
-        notice = {"node": self.name, "kind": kind, "summary": summary, "step": step, "rank": rank,
-                  "time": time.time(), "from_gen": self.attempt_gen}
+        notice = {
+            "node": self.name,
+            "kind": kind,
+            "summary": summary,
+            "step": step,
+            "rank": rank,
+            "time": time.time(),
+            "from_gen": self.attempt_gen,
+        }
         self.bump_id = self.link.bump(self.attempt_gen, notice)
         log.info("peers_notified", node=self.name, from_gen=self.attempt_gen, kind=kind, summary=summary)
 
@@ -356,14 +395,21 @@ class MultiNode(Nodes):
         v = self.link.view
         if self.wait is None:
             w.reported = True
-            return (f"waiting for the rendezvous store at {self.endpoint} since "
-                    f"{time.strftime('%H:%M:%S', time.localtime(w.since_wall))}: {v.store_error or 'unreachable'}")
+            return (
+                f"waiting for the rendezvous store at {self.endpoint} since "
+                f"{time.strftime('%H:%M:%S', time.localtime(w.since_wall))}: {v.store_error or 'unreachable'}"
+            )
         present = present_nodes(v.nodes, w.gen)
         if len(present) >= self.cfg.nnodes:
             return None  # everyone is here: torchrun's own rendezvous is what is slow
         w.reported = True
-        return missing_words(self.cfg.nnodes, present, v.nodes, w.since_wall,
-                             f"{rdzv_id_for(self.cfg.rdzv_id, w.gen)} at {self.endpoint}")
+        return missing_words(
+            self.cfg.nnodes,
+            present,
+            v.nodes,
+            w.since_wall,
+            f"{rdzv_id_for(self.cfg.rdzv_id, w.gen)} at {self.endpoint}",
+        )
 
     def all_present(self) -> bool:
         w = self.wait
@@ -403,8 +449,12 @@ class MultiNode(Nodes):
         # work and only hung on the way out (`work_done`): this node finishes, the peers go on undisturbed.
         if ep.kind != "peer_restart" and ep.own_culprit is not False and ep.work_done is None:
             inc = ep.incident
-            self.local_failure(ep.kind or "stall", inc.data.get("summary") if inc else ep.reason,
-                               step=inc.data.get("step") if inc else None, rank=inc.data.get("culprit_rank") if inc else None)
+            self.local_failure(
+                ep.kind or "stall",
+                inc.data.get("summary") if inc else ep.reason,
+                step=inc.data.get("step") if inc else None,
+                rank=inc.data.get("culprit_rank") if inc else None,
+            )
 
     def exit_cause(self, attempt, code: Optional[int], stop_reason: Optional[str]) -> Optional[Decision]:
         """A worker exit that is not this node's failure (`peer_cause`): a restart at once that leaves the restart
@@ -412,9 +462,12 @@ class MultiNode(Nodes):
         if (code == 0 and stop_reason in FINISH_REASONS) or code in NO_RESTART_CODES:
             return None
         if code == 0 and stop_reason == "terminated":  # no stop was asked here: a peer node's stop reached our ranks
-            return Decision("restart", f"the ranks stopped at a step boundary without a request on node {self.name} "
-                            "(a peer node was stopped); waiting for it at a new rendezvous (this node's restart budget "
-                            "is untouched)")
+            return Decision(
+                "restart",
+                f"the ranks stopped at a step boundary without a request on node {self.name} "
+                "(a peer node was stopped); waiting for it at a new rendezvous (this node's restart budget "
+                "is untouched)",
+            )
         cause = peer_cause(exit_own_culprit(attempt), self.newer_notice(), None, self.store_lost())
         if cause is None:
             return None
@@ -426,12 +479,17 @@ class MultiNode(Nodes):
         own = exit_own_culprit(attempt)
         ep.own_culprit = own
         notice = self.newer_notice()
-        amend_exit(ep, self.name, own, notice, None if own else (decision.reason if decision.action == "restart" else None))
+        amend_exit(
+            ep, self.name, own, notice, None if own else (decision.reason if decision.action == "restart" else None)
+        )
         if notice is None and own is False and ep.incident is not None:
             self.await_notice(ep.incident, now)
         if decision.action != "finish" and notice is None and own is not False:
-            self.local_failure(ep.kind or "exit", ep.incident.data.get("summary") if ep.incident else ep.reason,
-                               step=ep.incident.data.get("step") if ep.incident else None)
+            self.local_failure(
+                ep.kind or "exit",
+                ep.incident.data.get("summary") if ep.incident else ep.reason,
+                step=ep.incident.data.get("step") if ep.incident else None,
+            )
 
     def stall_cause(self, ep, now: float) -> None:
         """A stall's end: free when the evidence puts the culprit elsewhere (`peer_cause`)."""
@@ -450,20 +508,34 @@ class MultiNode(Nodes):
             inc.rekind("peer_restart")
             ep.kind = "peer_restart"
         if cause is not None:
-            ep.decision = Decision("restart", f"{cause}; not a failure of node {self.name} (its restart budget is untouched)")
+            ep.decision = Decision(
+                "restart", f"{cause}; not a failure of node {self.name} (its restart budget is untouched)"
+            )
         if inc is not None and notice is None and ep.own_culprit is False:
             self.await_notice(inc, now)  # the culprit's node may say why a moment later: the incident is amended then
 
     def status(self) -> dict:
         v = self.link.view
-        return {"node": self.name, "nnodes": self.cfg.nnodes, "endpoint": self.endpoint, "generation": v.gen,
-                "attempt_generation": self.attempt_gen, "store": "ok" if v.store_ok else (v.store_error or "not reached"),
-                "store_role": v.role, "rdzv_id": rdzv_id_for(self.cfg.rdzv_id, self.attempt_gen or 0),
-                "waiting_since": self.wait.since_wall if self.wait else None,
-                "torchrun_rounds": dict(sorted(self.rounds.items())), "torchrun_round_changes": self.round_changes,
-                "peers": {name: {"age_s": info.get("age_s"), **{k: (info.get("record") or {}).get(k)
-                                                                 for k in ("state", "gen", "attempt")}}
-                          for name, info in sorted(v.nodes.items())}}
+        return {
+            "node": self.name,
+            "nnodes": self.cfg.nnodes,
+            "endpoint": self.endpoint,
+            "generation": v.gen,
+            "attempt_generation": self.attempt_gen,
+            "store": "ok" if v.store_ok else (v.store_error or "not reached"),
+            "store_role": v.role,
+            "rdzv_id": rdzv_id_for(self.cfg.rdzv_id, self.attempt_gen or 0),
+            "waiting_since": self.wait.since_wall if self.wait else None,
+            "torchrun_rounds": dict(sorted(self.rounds.items())),
+            "torchrun_round_changes": self.round_changes,
+            "peers": {
+                name: {
+                    "age_s": info.get("age_s"),
+                    **{k: (info.get("record") or {}).get(k) for k in ("state", "gen", "attempt")},
+                }
+                for name, info in sorted(v.nodes.items())
+            },
+        }
 
 
 # ---- pure rules, from what the peer link saw (no state, no I/O)
@@ -482,9 +554,10 @@ def present_nodes(nodes: dict, gen: int, stale_s: float = STALE_S) -> list[str]:
     return sorted(out)
 
 
-def missing_words(nnodes: int, present: list[str], nodes: dict, since_wall: float, where: str,
-                  stale_s: float = STALE_S) -> str:
-    """"waiting for 1 of 2 nodes at the rendezvous since 10:02:03 (…); missing: b (last seen 4.1 s ago, gen 2)"."""
+def missing_words(
+    nnodes: int, present: list[str], nodes: dict, since_wall: float, where: str, stale_s: float = STALE_S
+) -> str:
+    """ "waiting for 1 of 2 nodes at the rendezvous since 10:02:03 (…); missing: b (last seen 4.1 s ago, gen 2)"."""
     absent = nnodes - len(present)
     since = time.strftime("%H:%M:%S", time.localtime(since_wall))
     gone = []
@@ -502,8 +575,12 @@ def missing_words(nnodes: int, present: list[str], nodes: dict, since_wall: floa
     return f"waiting for {absent} of {nnodes} nodes at the rendezvous since {since} ({where}){tail}"
 
 
-def peer_cause(own_culprit: Optional[bool], peer_notice: Optional[dict], own_bump_won: Optional[bool],
-               store_lost: Optional[str] = None) -> Optional[str]:
+def peer_cause(
+    own_culprit: Optional[bool],
+    peer_notice: Optional[dict],
+    own_bump_won: Optional[bool],
+    store_lost: Optional[str] = None,
+) -> Optional[str]:
     """Why an attempt's end is not this node's fault, or None when it counts against this node's budget.
 
     `own_culprit`: the node's own ranks hold the culprit (True), only victims — waiting in, or broken out

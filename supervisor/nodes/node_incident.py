@@ -13,6 +13,7 @@ local rank is read on its own (`verdict.read_rank`: process state, CPU, the coll
 worker exit the ranks' last words decide: only collective errors (a peer went away mid-collective) are
 victims.  The words of a peer's notice are quoted as the peer wrote them, never re-judged here.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -24,8 +25,8 @@ from hangwatch.supervisor.episode.episode import own_failure, rank_last_words
 from hangwatch.supervisor.incidents.verdict import CULPRIT, decide, read_rank
 
 if TYPE_CHECKING:
-    from hangwatch.supervisor.processes.attempt import Attempt
     from hangwatch.supervisor.episode.episode import Episode
+    from hangwatch.supervisor.processes.attempt import Attempt
 
 log = structlog.get_logger("hangwatch")
 
@@ -35,8 +36,11 @@ def local_findings(evidence: list, landmarks: tuple = ()) -> tuple[list, Optiona
     when it names none, or only one that waits and is behind: that says nothing of the node's ranks alone)."""
     findings = [read_rank(e, landmarks) for e in evidence]
     verdict = decide(evidence, landmarks) if len(evidence) > 1 else None
-    culprit = verdict.culprit_rank if verdict is not None and any(
-        f.role == CULPRIT and f.collective is None for f in verdict.ranks) else None
+    culprit = (
+        verdict.culprit_rank
+        if verdict is not None and any(f.role == CULPRIT and f.collective is None for f in verdict.ranks)
+        else None
+    )
     return findings, culprit
 
 
@@ -49,8 +53,9 @@ def local_reading(findings: list, verdict_culprit: Optional[int]) -> tuple[Optio
         groups: dict[str, list[int]] = {}
         for f in waiting:
             groups.setdefault(f.collective, []).append(f.rank)
-        what = "; ".join(f"{c} ({'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, sorted(rs)))})"
-                         for c, rs in groups.items())
+        what = "; ".join(
+            f"{c} ({'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, sorted(rs)))})" for c, rs in groups.items()
+        )
         return False, f"local ranks were waiting in {what}", None
     outside = [f for f in findings if not f.waits and (f.has_stack or f.condition in ("gone", "io", "stopped", "busy"))]
     if verdict_culprit is not None:
@@ -58,8 +63,12 @@ def local_reading(findings: list, verdict_culprit: Optional[int]) -> tuple[Optio
     elif len(outside) == 1 and sum(not f.waits for f in findings) == 1:
         culprit = outside[0]
     else:
-        return None, "cannot tell from the local evidence: " + "; ".join(
-            f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)") for f in findings), None
+        return (
+            None,
+            "cannot tell from the local evidence: "
+            + "; ".join(f"rank {f.rank}: {f.words}" + ("" if f.has_stack else " (no stack)") for f in findings),
+            None,
+        )
     return True, f"rank {culprit.rank}: {culprit.words}", culprit.rank
 
 
@@ -77,8 +86,11 @@ def amend_stall(ep: "Episode", attempt: "Attempt", node: str, notice: Optional[d
     if ep.kind == "peer_restart" and notice is not None:
         summary = f"{peer_words(notice)}; " + (words if own is False else f"local {words}")
     elif own is False:
-        summary = (f"{peer_words(notice)}; {words}" if notice else
-                   f"no culprit on node {node}: {words}; the culprit is on another node") + f"; {ep.reason}"
+        summary = (
+            f"{peer_words(notice)}; {words}"
+            if notice
+            else f"no culprit on node {node}: {words}; the culprit is on another node"
+        ) + f"; {ep.reason}"
     elif own:
         summary = f"{words.replace(':', ' is the culprit:', 1)} (node {node}); {ep.reason}"
         fields["culprit_rank"] = rank
@@ -123,11 +135,13 @@ def amend_late(inc, notice: dict) -> None:
     if inc.kind != "peer_restart":
         inc.rekind("peer_restart")
     inc.write()
-    log.info("incident_amended", incident=inc.id, peer=notice.get("node"), why="the peer's notice came after the incident")
+    log.info(
+        "incident_amended", incident=inc.id, peer=notice.get("node"), why="the peer's notice came after the incident"
+    )
 
 
 def peer_words(notice: dict) -> str:
-    """"peer node b restarted (stall: rank 1 is the culprit: busy loop …)"."""
+    """ "peer node b restarted (stall: rank 1 is the culprit: busy loop …)"."""
     what = notice.get("summary") or notice.get("kind") or "no reason given"
     return f"peer node {notice.get('node')} restarted ({what})"
 
@@ -135,7 +149,15 @@ def peer_words(notice: dict) -> str:
 def lost_peer_incident(incidents, facts, nodes, attempt: int, words: str) -> None:
     """This node waited at the rendezvous past `worker.rdzv_timeout_s` with peers missing: the `lost_peer`
     incident, and the `peer_lost` event the alerts listen for.  The node keeps waiting."""
-    inc = incidents.create("lost_peer", attempt=attempt, summary=words, classification=words, status="waiting",
-                           node=nodes.name, nodes=nodes.status(), last_good_checkpoint=facts.last_good_checkpoint)
+    inc = incidents.create(
+        "lost_peer",
+        attempt=attempt,
+        summary=words,
+        classification=words,
+        status="waiting",
+        node=nodes.name,
+        nodes=nodes.status(),
+        last_good_checkpoint=facts.last_good_checkpoint,
+    )
     facts.note_incident(inc)
     log.error("peer_lost", incident=inc.id, node=nodes.name, why=words, reason=words, attempt=attempt)

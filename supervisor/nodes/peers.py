@@ -16,6 +16,7 @@ started again (after RESPAWN_S); what it said stays the view until the new one s
 `LinkView` is what the helper said last; `PeerLink` keeps it and sends orders.  The decisions made from
 it are `nodes.multi_node`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -96,13 +97,30 @@ def spawn_helper(argv: list, log_path: Path) -> subprocess.Popen:
 
 
 def helper_argv(endpoint: str, rdzv_id: str, node: str, nnodes: int) -> list[str]:
-    return [sys.executable, "-m", "hangwatch.daemon.peerlink", "--endpoint", endpoint, "--rdzv-id", rdzv_id,
-            "--node", node, "--nnodes", str(nnodes)]
+    return [
+        sys.executable,
+        "-m",
+        "hangwatch.daemon.peerlink",
+        "--endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--node",
+        node,
+        "--nnodes",
+        str(nnodes),
+    ]
 
 
 class PeerLink:
-    def __init__(self, argv: list[str], log_path: Path, *, spawn: SpawnHelper = spawn_helper,
-                 poke: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        argv: list[str],
+        log_path: Path,
+        *,
+        spawn: SpawnHelper = spawn_helper,
+        poke: Callable[[], None] = lambda: None,
+    ):
         self.argv = argv
         self.log_path = log_path
         self._spawn = spawn
@@ -247,4 +265,3 @@ def default_node_name(run_dir: Path) -> str:
     import socket
 
     return f"{socket.gethostname()}:{Path(run_dir).resolve()}"
-

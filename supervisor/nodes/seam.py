@@ -6,6 +6,7 @@ answered the way one machine answers it, so the loop has no multi-node branch of
 what it needs (the attempt, the episode, `now`) and returns a decision or amends the episode it is
 handed; none reaches into the loop.
 """
+
 from __future__ import annotations
 
 import abc
@@ -79,13 +80,15 @@ class Nodes(abc.ABC):
         """A `start` beat; returns a note for the log when it is torchrun's own restart of a rank."""
 
     @abc.abstractmethod
-    def excuses(self, expired: "Expired", now: float, deadlines: "Deadlines", attempt: "Attempt",
-              table: "ProcessTable") -> bool:
+    def excuses(
+        self, expired: "Expired", now: float, deadlines: "Deadlines", attempt: "Attempt", table: "ProcessTable"
+    ) -> bool:
         """Whether the evidence excuses a deadline that fired — it is no stall (True: `deadlines` were re-armed)."""
 
     @abc.abstractmethod
-    def while_running(self, now: float, incidents: "IncidentStore", facts: "RunFacts",
-                      attempt: int) -> tuple[bool, Optional[str]]:
+    def while_running(
+        self, now: float, incidents: "IncidentStore", facts: "RunFacts", attempt: int
+    ) -> tuple[bool, Optional[str]]:
         """Each pass while starting or running: (an incident was written, why a peer's failure ends the run)."""
 
     @abc.abstractmethod

@@ -31,6 +31,7 @@ own: the first of the run is sent; a model that lost its EOS truncates at every 
 held and go out with the next alert, or as one summary at most every `min_interval_s` — never delaying,
 and never delayed by, an incident alert.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,11 +53,34 @@ log = structlog.get_logger("hangwatch")
 
 TERMINAL = ("crash_loop", "no_progress", "failed")  # most specific first
 # Log events the desk reads (the tap hands over only these).
-EVENTS = frozenset({"stall_detected", "restart_now", "worker_failed", "stack_dumped", "tree_gone", "crash_loop",
-                    "no_progress", "state", "peer_lost", "resume_diverged", "generate_truncated", "unkillable"})
-LEVEL = {"incident": "failure", "crash_loop": "failure", "no_progress": "failure", "failed": "failure",
-         "resume_diverged": "failure", "unkillable": "failure", "lost_peer": "warning", "generate_truncated": "warning", "summary": "warning",
-         "recovered": "success"}
+EVENTS = frozenset(
+    {
+        "stall_detected",
+        "restart_now",
+        "worker_failed",
+        "stack_dumped",
+        "tree_gone",
+        "crash_loop",
+        "no_progress",
+        "state",
+        "peer_lost",
+        "resume_diverged",
+        "generate_truncated",
+        "unkillable",
+    }
+)
+LEVEL = {
+    "incident": "failure",
+    "crash_loop": "failure",
+    "no_progress": "failure",
+    "failed": "failure",
+    "resume_diverged": "failure",
+    "unkillable": "failure",
+    "lost_peer": "warning",
+    "generate_truncated": "warning",
+    "summary": "warning",
+    "recovered": "success",
+}
 WARNINGS = frozenset({"generate_truncated"})  # throttled by `Throttle.warning`, apart from the incidents
 
 
@@ -164,18 +188,29 @@ class AlertDesk:
         inc = ev.get("incident")
         if name in ("stall_detected", "restart_now", "worker_failed") and inc:
             ident = str(inc)
-            self.pending[ident] = {"id": ident, "kind": ev.get("kind"),
-                                   "step": ev.get("step"), "attempt": ev.get("attempt"), "detected_at": now,
-                                   "deadline": ev.get("deadline"), "elapsed_s": ev.get("elapsed_s"),
-                                   "classification": ev.get("classification"), "phase": ev.get("phase")}
+            self.pending[ident] = {
+                "id": ident,
+                "kind": ev.get("kind"),
+                "step": ev.get("step"),
+                "attempt": ev.get("attempt"),
+                "detected_at": now,
+                "deadline": ev.get("deadline"),
+                "elapsed_s": ev.get("elapsed_s"),
+                "classification": ev.get("classification"),
+                "phase": ev.get("phase"),
+            }
             self.current = ident
         elif name == "stack_dumped" and inc in self.pending:
             self.pending[inc].update(stuck=ev.get("stuck"), classification=ev.get("classification"))
         elif name == "tree_gone" and self.current in self.pending:
             facts = self.pending.pop(self.current)
             self.current = None
-            facts.update(next=ev.get("next"), why=ev.get("why"), handled_s=round(now - facts.pop("detected_at"), 3),
-                         step=facts.get("step") if facts.get("step") is not None else max(self.top_step, 0))
+            facts.update(
+                next=ev.get("next"),
+                why=ev.get("why"),
+                handled_s=round(now - facts.pop("detected_at"), 3),
+                step=facts.get("step") if facts.get("step") is not None else max(self.top_step, 0),
+            )
             if facts["kind"] == "manual" or ev.get("next") in ("stopped", "paused", "starting"):
                 return  # an operator's restart or stop: they know
             # Recovered means past the furthest step any still-unrecovered incident hit: a later attempt that dies
@@ -187,7 +222,10 @@ class AlertDesk:
         elif name in ("crash_loop", "no_progress"):
             self.ending[name] = {"id": inc, "reason": ev.get("reason")}
         elif name == "state" and ev.get("to") == "failed" and self.failed is None:
-            self.failed = {"why": ev.get("why"), "attempt": ev.get("attempt")}  # sent by `tick`, after the pass's events
+            self.failed = {
+                "why": ev.get("why"),
+                "attempt": ev.get("attempt"),
+            }  # sent by `tick`, after the pass's events
         elif name == "peer_lost" and "lost_peer" in self.enabled:
             self._out([Notice("lost_peer", {k: v for k, v in ev.items() if k not in ("timestamp", "level", "logger")})])
         elif name == "resume_diverged" and "resume_diverged" in self.enabled:
@@ -205,8 +243,15 @@ class AlertDesk:
         if hit is not None and attempt > (hit.get("attempt") or 0) and step > (hit.get("step") or 0):
             self.hit = None
             if "recovered" in self.enabled:
-                self._out(self.throttle.recovered(Notice("recovered", {"id": hit["id"], "step": step, "attempt": attempt,
-                                                                       "hit_step": hit.get("step")}), now))
+                self._out(
+                    self.throttle.recovered(
+                        Notice(
+                            "recovered",
+                            {"id": hit["id"], "step": step, "attempt": attempt, "hit_step": hit.get("step")},
+                        ),
+                        now,
+                    )
+                )
             else:
                 self.throttle.open = False
         self.top_step = max(self.top_step, step)
@@ -226,8 +271,13 @@ class AlertDesk:
 def _facts(ev: dict, *keys: str) -> dict:
     """What an event of an incident that restarts nothing says: its id, kind, attempt, step and `keys`."""
     inc = ev.get("incident")
-    return {"id": str(inc) if inc else None, "kind": ev.get("event"), "attempt": ev.get("attempt"),
-            "step": ev.get("step"), **{k: ev.get(k) for k in keys}}
+    return {
+        "id": str(inc) if inc else None,
+        "kind": ev.get("event"),
+        "attempt": ev.get("attempt"),
+        "step": ev.get("step"),
+        **{k: ev.get(k) for k in keys},
+    }
 
 
 # ================================================================================ the courier's side
@@ -246,9 +296,16 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
     """The alert as a person reads it (`title`, `body`) and as a program does (the rest)."""
     f, run = notice.facts, run_dir.name
     rec, where = incident_record(run_dir, f.get("id"))
-    out = {"event": notice.event, "run": run, "run_dir": str(run_dir.resolve()), "host": host,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(notice.wall)), "incident": f.get("id"),
-           "incident_dir": str(where.resolve()) if where else None, "held": notice.held}
+    out = {
+        "event": notice.event,
+        "run": run,
+        "run_dir": str(run_dir.resolve()),
+        "host": host,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(notice.wall)),
+        "incident": f.get("id"),
+        "incident_dir": str(where.resolve()) if where else None,
+        "held": notice.held,
+    }
     if notice.event == "incident":
         kind = rec.get("kind") or f.get("kind")
         culprit = _culprit(rec, f)
@@ -259,22 +316,43 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         deadline = rec.get("deadline") or {}
         took = f"handled {f.get('handled_s')} s after detection"
         if deadline.get("elapsed_s") is not None:
-            took = f"detected {deadline['elapsed_s']} s after the last sign of progress ({deadline.get('name')} deadline " \
-                   f"{deadline.get('budget_s')} s); " + took
+            took = (
+                f"detected {deadline['elapsed_s']} s after the last sign of progress ({deadline.get('name')} deadline "
+                f"{deadline.get('budget_s')} s); " + took
+            )
         if timings.get("detection_to_gone_s") is not None:
             took += f"; tree gone {timings['detection_to_gone_s']} s after detection"
-        out.update(kind=kind, culprit=culprit, frame=frame, step=step, attempt=rec.get("attempt", f.get("attempt")),
-                   done=did, took=took, summary=rec.get("summary"), last_good_checkpoint=rec.get("last_good_checkpoint"))
+        out.update(
+            kind=kind,
+            culprit=culprit,
+            frame=frame,
+            step=step,
+            attempt=rec.get("attempt", f.get("attempt")),
+            done=did,
+            took=took,
+            summary=rec.get("summary"),
+            last_good_checkpoint=rec.get("last_good_checkpoint"),
+        )
         title = f"hangwatch {run}: {kind} at step {step} — {_next_words(f.get('next'))}"
-        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {out['attempt']}",
-                 f"kind: {kind}", f"culprit: {culprit}", f"frame: {frame}", f"step: {step}",
-                 f"done: {did}", f"took: {took}", f"incident: {out['incident_dir'] or f.get('id')}"]
+        lines = [
+            f"run: {run} ({out['run_dir']}) on {host}, attempt {out['attempt']}",
+            f"kind: {kind}",
+            f"culprit: {culprit}",
+            f"frame: {frame}",
+            f"step: {step}",
+            f"done: {did}",
+            f"took: {took}",
+            f"incident: {out['incident_dir'] or f.get('id')}",
+        ]
         if rec.get("summary"):
             lines.append(f"summary: {rec['summary']}")
     elif notice.event == "recovered":
         title = f"hangwatch {run}: recovered — step {f.get('step')} (past step {f.get('hit_step')})"
-        lines = [f"run: {run} ({out['run_dir']}) on {host}", f"attempt {f.get('attempt')} is training again: step "
-                 f"{f.get('step')}, past step {f.get('hit_step')} where incident {f.get('id')} hit"]
+        lines = [
+            f"run: {run} ({out['run_dir']}) on {host}",
+            f"attempt {f.get('attempt')} is training again: step "
+            f"{f.get('step')}, past step {f.get('hit_step')} where incident {f.get('id')} hit",
+        ]
         out.update(step=f.get("step"), attempt=f.get("attempt"))
     elif notice.event == "resume_diverged":
         audit = rec.get("resume_audit") if isinstance(rec.get("resume_audit"), dict) else rec
@@ -286,28 +364,53 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         title = f"hangwatch {run}: resume DIVERGED at step {step} — {figure} differs from before the restart"
         lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}", f"audit: {text}"]
         if diff:
-            lines.append(f"difference: step {diff.get('step')}, rank {diff.get('rank')}: {diff.get('figure')} "
-                         f"{diff.get('now')} now, {diff.get('before')} before")
+            lines.append(
+                f"difference: step {diff.get('step')}, rank {diff.get('rank')}: {diff.get('figure')} "
+                f"{diff.get('now')} now, {diff.get('before')} before"
+            )
         then = f.get("on_divergence") or rec.get("on_divergence")
         if then:
-            lines.append("then: " + ("the run ends failed (watchdog.resume_audit.on_divergence: stop)" if then == "stop"
-                                     else "training goes on (watchdog.resume_audit.on_divergence: warn)"))
+            lines.append(
+                "then: "
+                + (
+                    "the run ends failed (watchdog.resume_audit.on_divergence: stop)"
+                    if then == "stop"
+                    else "training goes on (watchdog.resume_audit.on_divergence: warn)"
+                )
+            )
         lines.append(f"incident: {out['incident_dir'] or f.get('id')}")
-        out.update(kind="resume_diverged", step=step, attempt=attempt, figure=figure, text=text, difference=diff or None,
-                   on_divergence=then)
+        out.update(
+            kind="resume_diverged",
+            step=step,
+            attempt=attempt,
+            figure=figure,
+            text=text,
+            difference=diff or None,
+            on_divergence=then,
+        )
     elif notice.event == "unkillable":
         survivors = rec.get("survivors") if isinstance(rec.get("survivors"), list) else []
         pids = f.get("pids") or [s.get("pid") for s in survivors]
         attempt = f.get("attempt") if f.get("attempt") is not None else rec.get("attempt")
         title = f"hangwatch {run}: processes {pids} survive SIGKILL — a reboot or a GPU reset may be needed"
-        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}",
-                 f"what: {f.get('text') or rec.get('summary') or 'processes of the worker outlived SIGKILL'}"]
+        lines = [
+            f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}",
+            f"what: {f.get('text') or rec.get('summary') or 'processes of the worker outlived SIGKILL'}",
+        ]
         for sv in survivors:
-            lines.append(f"pid {sv.get('pid')}: state {sv.get('state')}, kernel wait {sv.get('wchan') or 'unknown'}"
-                         + (f", {' '.join(map(str, sv.get('cmdline') or []))[:120]}" if sv.get("cmdline") else ""))
+            lines.append(
+                f"pid {sv.get('pid')}: state {sv.get('state')}, kernel wait {sv.get('wchan') or 'unknown'}"
+                + (f", {' '.join(map(str, sv.get('cmdline') or []))[:120]}" if sv.get("cmdline") else "")
+            )
         mode = f.get("on_unkillable") or rec.get("on_unkillable")
-        lines.append("then: " + ("no new attempt starts until they are gone (restart.on_unkillable: wait)"
-                                 if mode == "wait" else "the run ends failed (restart.on_unkillable: fail)"))
+        lines.append(
+            "then: "
+            + (
+                "no new attempt starts until they are gone (restart.on_unkillable: wait)"
+                if mode == "wait"
+                else "the run ends failed (restart.on_unkillable: fail)"
+            )
+        )
         lines.append(f"incident: {out['incident_dir'] or f.get('id')}")
         out.update(kind="unkillable", attempt=attempt, pids=pids, on_unkillable=mode)
     elif notice.event == "generate_truncated":
@@ -319,22 +422,30 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         title = f"hangwatch {run}: generate truncated at step {step} — {_tokens(tokens)}"
         lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}", f"what: {text}"]
         if rec.get("elapsed_s") is not None or rec.get("budget_s") is not None:
-            lines.append(f"took: {rec.get('elapsed_s')} s in phase {rec.get('phase') or 'generate'}, budget "
-                         f"{rec.get('budget_s')} s; ended at {_tokens(tokens)} (limit {limit})"
-                         + (f" on rank(s) {', '.join(str(r) for r in rec['ranks'])}" if rec.get("ranks") else ""))
+            lines.append(
+                f"took: {rec.get('elapsed_s')} s in phase {rec.get('phase') or 'generate'}, budget "
+                f"{rec.get('budget_s')} s; ended at {_tokens(tokens)} (limit {limit})"
+                + (f" on rank(s) {', '.join(str(r) for r in rec['ranks'])}" if rec.get("ranks") else "")
+            )
         if rec.get("prompt"):
             lines.append(f"prompt: {_clip(rec['prompt'])}")
         if rec.get("output_tail"):
             lines.append(f"output ends: {_clip(rec['output_tail'], tail=True)}")
-        lines += ["done: nothing restarted; the generation returned what it had and training goes on",
-                  f"incident: {out['incident_dir'] or f.get('id')}"]
+        lines += [
+            "done: nothing restarted; the generation returned what it had and training goes on",
+            f"incident: {out['incident_dir'] or f.get('id')}",
+        ]
         out.update(kind="generate_truncated", step=step, attempt=attempt, tokens=tokens, limit=limit, text=text)
     elif notice.event == "summary":
         title = f"hangwatch {run}: {len(notice.held)} more incident(s) not sent one by one"
         lines = [f"run: {run} ({out['run_dir']}) on {host}"]
     else:  # the run's end: failed, crash_loop, no_progress; lost_peer
-        what = {"crash_loop": "crash loop", "no_progress": "no progress", "failed": "failed",
-                "lost_peer": "a peer node is missing"}.get(notice.event, notice.event)
+        what = {
+            "crash_loop": "crash loop",
+            "no_progress": "no progress",
+            "failed": "failed",
+            "lost_peer": "a peer node is missing",
+        }.get(notice.event, notice.event)
         title = f"hangwatch {run}: run FAILED — {what}" if notice.event in TERMINAL else f"hangwatch {run}: {what}"
         lines = [f"run: {run} ({out['run_dir']}) on {host}", f"why: {f.get('reason') or f.get('why')}"]
         if where:
@@ -344,15 +455,19 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
         kinds: dict[str, int] = {}
         for h in notice.held:
             kinds[h.get("kind") or "?"] = kinds.get(h.get("kind") or "?", 0) + 1
-        lines.append(f"also {len(notice.held)} incident(s) not sent one by one: "
-                     + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-                     + " (" + ", ".join(str(h.get("id")) for h in notice.held) + ")")
+        lines.append(
+            f"also {len(notice.held)} incident(s) not sent one by one: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + " ("
+            + ", ".join(str(h.get("id")) for h in notice.held)
+            + ")"
+        )
     out.update(title=title, body="\n".join(lines), level=LEVEL.get(notice.event, "info"))
     return out
 
 
 def _tokens(tokens: Any) -> str:
-    """"512 tokens"; per rank ({"0": 512, "1": 498}) only where the ranks stopped at different counts."""
+    """ "512 tokens"; per rank ({"0": 512, "1": 498}) only where the ranks stopped at different counts."""
     if isinstance(tokens, dict):
         counts = {str(r): n for r, n in tokens.items() if n is not None}
         if len(set(counts.values())) > 1:
@@ -366,7 +481,7 @@ def _clip(text: Any, n: int = 200, tail: bool = False) -> str:
     s = " ".join(str(text).split())
     if len(s) <= n:
         return s
-    return "…" + s[-(n - 1):] if tail else s[: n - 1] + "…"
+    return "…" + s[-(n - 1) :] if tail else s[: n - 1] + "…"
 
 
 def _culprit(rec: dict, f: dict) -> str:
@@ -393,8 +508,11 @@ def _what_was_done(rec: dict, f: dict) -> str:
     why = f.get("why") or (rec.get("decision") or {}).get("reason") or ""
     if f.get("next") == "backoff":
         rb = rec.get("last_good_checkpoint")
-        parts.append("restarting" + (f" from {rb} (step {rec.get('last_good_step')})" if rb else " from scratch (no good "
-                     "checkpoint)") + (f"; {why.rsplit('; ', 1)[-1]}" if ("next attempt" in why or "restarting at once" in why) else ""))
+        parts.append(
+            "restarting"
+            + (f" from {rb} (step {rec.get('last_good_step')})" if rb else " from scratch (no good checkpoint)")
+            + (f"; {why.rsplit('; ', 1)[-1]}" if ("next attempt" in why or "restarting at once" in why) else "")
+        )
     elif f.get("next") == "failed":
         parts.append(f"ended the run failed: {why}")
     elif f.get("next"):
@@ -427,8 +545,11 @@ class AppriseSink:
         return f"{scheme}://{rest[:3]}…" if rest else url
 
     def __call__(self, msg: dict) -> None:
-        level = {"failure": self.apprise.NotifyType.FAILURE, "warning": self.apprise.NotifyType.WARNING,
-                 "success": self.apprise.NotifyType.SUCCESS}.get(msg["level"], self.apprise.NotifyType.INFO)
+        level = {
+            "failure": self.apprise.NotifyType.FAILURE,
+            "warning": self.apprise.NotifyType.WARNING,
+            "success": self.apprise.NotifyType.SUCCESS,
+        }.get(msg["level"], self.apprise.NotifyType.INFO)
         if not self.plugin.notify(body=msg["body"], title=msg["title"], notify_type=level):
             raise OSError(f"{self.name}: apprise could not deliver (see the endpoint's answer in apprise's log)")
 
@@ -444,8 +565,9 @@ class CommandSink:
     def __call__(self, msg: dict) -> None:
         # Its own session: a terminal's ^C or a signal to the supervisor's group is not meant for it.  Listed in
         # helper_pids while it runs: the supervisor's child, but no worker's orphan.
-        with subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True) as p:
+        with subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        ) as p:
             helper_pids.add(p.pid)
             try:
                 _, err = p.communicate(json.dumps(msg).encode(), timeout=self.timeout_s)
@@ -462,8 +584,15 @@ class CommandSink:
 class Courier:
     """The courier thread's work: word each notice and hand it to every sink, retrying failures."""
 
-    def __init__(self, run_dir: Path, sinks: list[Callable[[dict], None]], retries: int, stats: Any,
-                 sleep: Callable[[float], None] = time.sleep, host: Optional[str] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        sinks: list[Callable[[dict], None]],
+        retries: int,
+        stats: Any,
+        sleep: Callable[[float], None] = time.sleep,
+        host: Optional[str] = None,
+    ):
         self.run_dir, self.sinks, self.retries, self.stats, self.sleep = Path(run_dir), sinks, retries, stats, sleep
         self.host = host or socket.gethostname()
 
@@ -476,12 +605,20 @@ class Courier:
                     sink(msg)
                 except Exception as exc:  # any failure of a sink is a failed delivery, never the supervisor's end
                     if attempt < self.retries:
-                        self.sleep(2.0 ** attempt)
+                        self.sleep(2.0**attempt)
                         continue
                     self.stats.add("alerts_failed", name)
-                    log.warning("alert_failed", sink=name, alert=notice.event, incident=notice.facts.get("id"),
-                                tries=attempt + 1, error=str(exc))
+                    log.warning(
+                        "alert_failed",
+                        sink=name,
+                        alert=notice.event,
+                        incident=notice.facts.get("id"),
+                        tries=attempt + 1,
+                        error=str(exc),
+                    )
                 else:
                     self.stats.add("alerts_sent", name)
-                    log.info("alert_sent", sink=name, alert=notice.event, incident=notice.facts.get("id"), tries=attempt + 1)
+                    log.info(
+                        "alert_sent", sink=name, alert=notice.event, incident=notice.facts.get("id"), tries=attempt + 1
+                    )
                 break

@@ -14,6 +14,7 @@ within one ping interval —
     phase's budget.
 So the pings stop within one interval of the run stalling, and resume with the first step after recovery.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
@@ -85,8 +86,7 @@ class Pinger:
 
     name = "deadman"
 
-    def __init__(self, url: str, timeout_s: float, stats: Stats,
-                 get: Optional[Callable[[str, float], int]] = None):
+    def __init__(self, url: str, timeout_s: float, stats: Stats, get: Optional[Callable[[str, float], int]] = None):
         self.url, self.timeout_s, self.stats = url, timeout_s, stats
         self.get = get if get is not None else _http_get
         self.failing = False

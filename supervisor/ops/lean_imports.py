@@ -8,6 +8,7 @@ name in `hide` is absent (`import` raises ImportError, so the library takes its 
 (rich, asyncio: ops.logsetup) and pydantic (`secrets`, which pulls in OpenSSL's libcrypto through hmac —
 3 MiB resident — for a comparison of secret types the config never makes).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -29,6 +29,7 @@ supervisor uses rich only through the coloured console lines on a terminal, and 
 imports structlog without rich when its stderr is not a terminal (a service, a pipe, a file: the console
 lines are logfmt), and with an asyncio that is imported at its first use.  The lines are the same.
 """
+
 from __future__ import annotations
 
 import logging
@@ -148,7 +149,9 @@ def configure(
             ),
         ]
     stream_handler = logging.StreamHandler(stream)
-    stream_handler.setFormatter(structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=console_processors))
+    stream_handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=console_processors)
+    )
 
     root = logging.getLogger(ROOT_LOGGER)
     for old in _handlers:
@@ -184,8 +187,12 @@ class _FileHandler(logging.handlers.WatchedFileHandler):
         key = getattr(exc, "errno", None) or type(exc).__name__
         if key not in self._said:
             self._said.add(key)
-            print(f"hangwatch: cannot write the log file {self.baseFilename}: {exc} "
-                  "(lines go to stderr only until it can)", file=self._stderr, flush=True)
+            print(
+                f"hangwatch: cannot write the log file {self.baseFilename}: {exc} "
+                "(lines go to stderr only until it can)",
+                file=self._stderr,
+                flush=True,
+            )
 
 
 def _leading_keys(logger, name, event_dict: dict) -> dict:

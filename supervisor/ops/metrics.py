@@ -14,6 +14,7 @@ which it keeps in goodput.json across supervisor restarts: served as they are, n
 
 Every name is listed in `METRICS` (docs/alerts-metrics-report.md's table and the dashboard use them).
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,7 +65,7 @@ METRICS = {
     "hangwatch_deadman_pings_total": "Dead-man's pings delivered (result=sent) or failed (result=failed).",
     "hangwatch_dropped_total": "Deliveries dropped because their queue was full (a dead endpoint), per outbox.",
     "hangwatch_seconds_total": "The run's wall time by goodput category (the goodput ledger: training, redone, eval, "
-                               "detection, …; the categories add up to the wall time).",
+    "detection, …; the categories add up to the wall time).",
     "hangwatch_goodput_ratio": "Kept training time over the run's wall time, 0..1.",
 }
 
@@ -108,17 +109,27 @@ class Recovery:
 class Metrics:
     """The registry, the snapshot it serves, and the histograms; `start` opens the server, `close` ends all."""
 
-    def __init__(self, listen: Optional[tuple[str, int]], textfile: Optional[str], textfile_every_s: float, stats: Stats):
+    def __init__(
+        self, listen: Optional[tuple[str, int]], textfile: Optional[str], textfile_every_s: float, stats: Stats
+    ):
         from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics  # noqa: PLC0415 (only when on)
 
         disable_created_metrics()  # `_created` series: noise for a single-process exporter and its textfile
 
         self.listen, self.textfile, self.textfile_every_s, self.stats = listen, textfile, textfile_every_s, stats
         self.registry = CollectorRegistry(auto_describe=True)
-        self.detection = Histogram("hangwatch_detection_seconds", METRICS["hangwatch_detection_seconds"],
-                                   buckets=DURATION_BUCKETS, registry=self.registry)
-        self.recovery = Histogram("hangwatch_recovery_seconds", METRICS["hangwatch_recovery_seconds"],
-                                  buckets=DURATION_BUCKETS, registry=self.registry)
+        self.detection = Histogram(
+            "hangwatch_detection_seconds",
+            METRICS["hangwatch_detection_seconds"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.recovery = Histogram(
+            "hangwatch_recovery_seconds",
+            METRICS["hangwatch_recovery_seconds"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
         self.snap: Optional[Snapshot] = None
         self.held = 0  # alerts held by storm control (set by the ops layer)
         self.up = 1
@@ -145,18 +156,43 @@ class Metrics:
         """Turn the loop's read model (loop thread only) into a new snapshot and publish it."""
         now = self.last_taken = view.now
         tr, last = view.main, dict(view.last_step)
-        ranks = tuple((t.rank, round(now - t.last_line_at, 3),
-                       tuple((d["name"], d["remaining_s"]) for d in view.deadlines if d["rank"] == t.rank))
-                      for t in view.ranks) if view.worker is not None else ()
+        ranks = (
+            tuple(
+                (
+                    t.rank,
+                    round(now - t.last_line_at, 3),
+                    tuple((d["name"], d["remaining_s"]) for d in view.deadlines if d["rank"] == t.rank),
+                )
+                for t in view.ranks
+            )
+            if view.worker is not None
+            else ()
+        )
         kinds = Counter(d.name.split("-", 1)[1] for d in IncidentStore(view.run_dir).dirs())
-        gpus = tuple((d.get("index"), d.get("name"), d.get("memory_used_bytes"), d.get("utilization_percent"))
-                     for d in view.gpu.get("devices", ())) if view.gpu.get("available") else ()
-        snap = Snapshot(wall=time.time(), state=view.state.value, attempt=view.attempt,
-                        step=tr.step if tr else last.get("step"), max_steps=view.max_steps, last_step=last,
-                        step_seconds=self._step_seconds(last), ranks=ranks, restarts=view.restarts,
-                        incidents=dict(kinds), last_good_step=view.last_good_step, gpus=gpus,
-                        queue=queue_status(view.run_dir, self._lines) if view.queue is not None else None,
-                        goodput=_goodput(getattr(view, "goodput", None)))
+        gpus = (
+            tuple(
+                (d.get("index"), d.get("name"), d.get("memory_used_bytes"), d.get("utilization_percent"))
+                for d in view.gpu.get("devices", ())
+            )
+            if view.gpu.get("available")
+            else ()
+        )
+        snap = Snapshot(
+            wall=time.time(),
+            state=view.state.value,
+            attempt=view.attempt,
+            step=tr.step if tr else last.get("step"),
+            max_steps=view.max_steps,
+            last_step=last,
+            step_seconds=self._step_seconds(last),
+            ranks=ranks,
+            restarts=view.restarts,
+            incidents=dict(kinds),
+            last_good_step=view.last_good_step,
+            gpus=gpus,
+            queue=queue_status(view.run_dir, self._lines) if view.queue is not None else None,
+            goodput=_goodput(getattr(view, "goodput", None)),
+        )
         self.snap = snap  # one reference swap: readers see the old snapshot or the new, never half
         return snap
 
@@ -246,7 +282,9 @@ class _Collector:
                 alerts.add_metric([label, name.split("_")[1]], n)
         yield alerts
         yield CounterMetricFamily("hangwatch_alerts_held", METRICS["hangwatch_alerts_held_total"], value=m.held)
-        pings = CounterMetricFamily("hangwatch_deadman_pings", METRICS["hangwatch_deadman_pings_total"], labels=["result"])
+        pings = CounterMetricFamily(
+            "hangwatch_deadman_pings", METRICS["hangwatch_deadman_pings_total"], labels=["result"]
+        )
         pings.add_metric(["sent"], stats.get(("deadman_pings", ""), 0))
         pings.add_metric(["failed"], stats.get(("deadman_failed", ""), 0))
         yield pings
@@ -272,8 +310,11 @@ class _Collector:
         yield gauge("hangwatch_tokens_per_second", _num(last.get("tokens_per_s")))
         yield gauge("hangwatch_step_seconds", s.step_seconds)
         age = GaugeMetricFamily("hangwatch_beat_age_seconds", METRICS["hangwatch_beat_age_seconds"], labels=["rank"])
-        left = GaugeMetricFamily("hangwatch_deadline_remaining_seconds", METRICS["hangwatch_deadline_remaining_seconds"],
-                                 labels=["rank", "deadline"])
+        left = GaugeMetricFamily(
+            "hangwatch_deadline_remaining_seconds",
+            METRICS["hangwatch_deadline_remaining_seconds"],
+            labels=["rank", "deadline"],
+        )
         for rank, beat_age, deadlines in s.ranks:
             age.add_metric([str(rank)], beat_age)
             for name, remaining in deadlines:
@@ -287,10 +328,12 @@ class _Collector:
         yield inc
         yield gauge("hangwatch_last_good_checkpoint_step", s.last_good_step if s.last_good_step is not None else -1)
         if s.gpus:
-            mem = GaugeMetricFamily("hangwatch_gpu_memory_used_bytes", METRICS["hangwatch_gpu_memory_used_bytes"],
-                                    labels=["gpu", "name"])
-            util = GaugeMetricFamily("hangwatch_gpu_utilization_ratio", METRICS["hangwatch_gpu_utilization_ratio"],
-                                     labels=["gpu", "name"])
+            mem = GaugeMetricFamily(
+                "hangwatch_gpu_memory_used_bytes", METRICS["hangwatch_gpu_memory_used_bytes"], labels=["gpu", "name"]
+            )
+            util = GaugeMetricFamily(
+                "hangwatch_gpu_utilization_ratio", METRICS["hangwatch_gpu_utilization_ratio"], labels=["gpu", "name"]
+            )
             for index, name, used, pct in s.gpus:
                 if used is not None:
                     mem.add_metric([str(index), str(name)], used)
@@ -331,4 +374,3 @@ def _num(v: Any) -> Optional[float]:
         except ValueError:
             return None
     return float(v)
-

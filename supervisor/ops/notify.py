@@ -14,6 +14,7 @@ systemd every call is a no-op.
 The variables are removed from `os.environ` when read from it, so the worker (which the supervisor
 starts with its own environment) never inherits them and cannot speak for the service.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,7 +81,9 @@ class Notifier:
             if self._sock is None:
                 # Non-blocking: with the manager's queue full, sendto would stall the supervisor loop,
                 # and the loop must keep watching the worker; a dropped message is the lesser harm.
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+                self._sock = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                )
             self._sock.sendto(payload, addr)
             return True
         except OSError as exc:
@@ -152,7 +155,6 @@ def _int_or_none(value: Optional[str]) -> Optional[int]:
         return None
 
 
-
 class Fanout:
     """Several notifiers as one: each call reaches every listener, one failing listener never stops the others."""
 
@@ -219,8 +221,15 @@ class Outbox:
     what is queued, for at most `timeout_s`: a supervisor never waits longer than that on its way out.
     """
 
-    def __init__(self, name: str, deliver: Callable[[Any], None], *, maxsize: int = 64, stats: Optional[Stats] = None,
-                 setup: Optional[Callable[[], Any]] = None):
+    def __init__(
+        self,
+        name: str,
+        deliver: Callable[[Any], None],
+        *,
+        maxsize: int = 64,
+        stats: Optional[Stats] = None,
+        setup: Optional[Callable[[], Any]] = None,
+    ):
         self.name = name
         self._deliver = deliver
         self._setup = setup

@@ -17,6 +17,7 @@ Every worker also gets torch's NCCL flight recorder switched on (`flight_env`: a
 dump pipe and dump files per rank in the attempt directory, unless the user configured them), and
 each attempt watches its ranks for stragglers (`stragglers.StragglerWatch`).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from hangwatch.common.durable import FsOps
 from hangwatch.common.config import Config, WatchdogCfg
+from hangwatch.common.config.rules import torchrun_command
+from hangwatch.common.durable import FsOps
 from hangwatch.common.instrumentation import instrument_env
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
-from hangwatch.common.config.rules import torchrun_command
 from hangwatch.supervisor.processes.launcher import multinode_argv
+from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
 from hangwatch.supervisor.watch.beat_files import HeartbeatTail
 from hangwatch.supervisor.watch.output_tail import OutputTail
-from hangwatch.supervisor.processes.process import ProcessTable, ProcRef, Worker
 from hangwatch.supervisor.watch.stragglers import StragglerWatch
 
 Spawn = Callable[..., Worker]
@@ -52,10 +53,15 @@ TORCH_DEFAULT_TRACE_PREFIX = "/tmp/nccl_trace_rank_"
 BUFFER_ENTRIES = "2000"  # torch's own default size, made explicit: without it the pipe is never created
 TRACE_STEM, PIPE_STEM = "nccl-trace-rank", "nccl-pipe-rank"
 
+
 def flight_env(attempt_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
     """The flight-recorder settings to add to a worker's environment `env` (those the user set are kept)."""
-    wanted = {ENV_BUFFER: BUFFER_ENTRIES, ENV_DUMP_ON_TIMEOUT: "1", ENV_TRACE_FILE: str(attempt_dir / TRACE_STEM),
-              ENV_PIPE_FILE: str(attempt_dir / PIPE_STEM)}
+    wanted = {
+        ENV_BUFFER: BUFFER_ENTRIES,
+        ENV_DUMP_ON_TIMEOUT: "1",
+        ENV_TRACE_FILE: str(attempt_dir / TRACE_STEM),
+        ENV_PIPE_FILE: str(attempt_dir / PIPE_STEM),
+    }
     return {k: v for k, v in wanted.items() if k not in env and ALIASES.get(k) not in env}
 
 
@@ -115,7 +121,9 @@ class Attempt:
     resume_checked: bool = False  # its `start` beat's `resumed_from` was compared with it
     prewarmed: bool = False  # its worker was a standby, released (restart.prewarm), not spawned cold
     foreign: set[int] = field(default_factory=set)  # our children that are not this attempt's (a standby for the next)
-    started_wall: float = field(default_factory=time.time)  # wall clock: only to tell this attempt's files from older ones
+    started_wall: float = field(
+        default_factory=time.time
+    )  # wall clock: only to tell this attempt's files from older ones
     output: Optional[OutputTail] = None  # its worker.log as evidence: output and progress lines (`watch.output_tail`)
     instrumentation: str = "built-in"  # "built-in" (the daemon beats itself), or worker.instrument: "auto" | "off"
     output_read_at: float = float("-inf")  # the loop's clock at the last read of it
@@ -130,8 +138,12 @@ class Attempt:
         rank = int(rec.get("rank") or 0)
         pid = rec.get("pid")
         dump_path = rec.get("dump_path")
-        a = Announced(rank, table.ref_of(pid) if isinstance(pid, int) else None, Path(dump_path) if dump_path else None,
-                      rec.get("dump_signal"))
+        a = Announced(
+            rank,
+            table.ref_of(pid) if isinstance(pid, int) else None,
+            Path(dump_path) if dump_path else None,
+            rec.get("dump_signal"),
+        )
         self.announced[rank] = a
         if isinstance(pid, int):
             self.starts[pid] = rec
@@ -153,8 +165,11 @@ class Attempt:
         return {rank: a.ref for rank, a in self.announced.items() if a.ref}
 
     def dump_targets(self) -> list[DumpTarget]:
-        return [DumpTarget(a.rank, a.ref, a.dump_path) for a in self.announced.values()
-                if a.ref is not None and a.dump_path is not None and a.dump_signal]
+        return [
+            DumpTarget(a.rank, a.ref, a.dump_path)
+            for a in self.announced.values()
+            if a.ref is not None and a.dump_path is not None and a.dump_signal
+        ]
 
     def known_refs(self, table: ProcessTable, subreaper: bool) -> list[ProcRef]:
         """Every process known to belong to this attempt besides the worker's group."""
@@ -194,8 +209,13 @@ def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int
 BARE_PYTHONS = ("python", "python3")
 
 
-def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None, resume_from: str = "",
-                resume_step: Optional[int] = None) -> list[str]:
+def worker_argv(
+    cfg: Config,
+    config_path: Path,
+    rdzv_id: Optional[str] = None,
+    resume_from: str = "",
+    resume_step: Optional[int] = None,
+) -> list[str]:
     """The worker's command line: `worker.command` as configured, or the built-in daemon (under torchrun
     when `worker.nproc_per_node` > 1).  Several nodes (`worker.nnodes` > 1): under torchrun's c10d rendezvous
     as `rdzv_id` (`launcher.multinode_argv`: the generation's id).
@@ -208,8 +228,12 @@ def worker_argv(cfg: Config, config_path: Path, rdzv_id: Optional[str] = None, r
     `worker.resume_args` follow the command when the attempt has a checkpoint to resume from (`resume_from`),
     `{checkpoint}` and `{step}` filled in: an unedited script's own `--resume PATH`."""
     if cfg.worker.nnodes > 1:
-        argv = multinode_argv(cfg, config_path, rdzv_id or rdzv_id_for(cfg.worker.rdzv_id, 0),
-                              bool(cfg.worker.command) and torchrun_command(list(cfg.worker.command)))
+        argv = multinode_argv(
+            cfg,
+            config_path,
+            rdzv_id or rdzv_id_for(cfg.worker.rdzv_id, 0),
+            bool(cfg.worker.command) and torchrun_command(list(cfg.worker.command)),
+        )
         return argv + resume_args(cfg, resume_from, resume_step)
     if cfg.worker.command:
         argv = list(cfg.worker.command)
@@ -230,8 +254,13 @@ def resume_args(cfg: Config, resume_from: str, step: Optional[int]) -> list[str]
     return [arg.format(checkpoint=resume_from, step="" if step is None else step) for arg in cfg.worker.resume_args]
 
 
-def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = None, resume_from: str = "",
-               resume_step: Optional[int] = None) -> dict:
+def worker_env(
+    cfg: Config,
+    number: int,
+    environ: Optional[Mapping[str, str]] = None,
+    resume_from: str = "",
+    resume_step: Optional[int] = None,
+) -> dict:
     """The supervisor's environment, the configured additions, where this attempt writes, and what it
     resumes from: `HANGWATCH_RESUME_FROM` is the last good checkpoint (`checkpoint_ledger`), or empty
     when there is none — set for every attempt, over any value inherited or configured, so a worker
@@ -251,7 +280,9 @@ def worker_env(cfg: Config, number: int, environ: Optional[Mapping[str, str]] = 
     return env
 
 
-TakeStandby = Callable[[int, Path, str, float], Optional[Worker]]  # (number, its dir, resume_from, now) → released worker
+TakeStandby = Callable[
+    [int, Path, str, float], Optional[Worker]
+]  # (number, its dir, resume_from, now) → released worker
 
 
 def rdzv_id_for(base: str, gen: int) -> str:
@@ -259,21 +290,46 @@ def rdzv_id_for(base: str, gen: int) -> str:
     return f"{base}-g{gen}"
 
 
-def start(cfg: Config, number: int, config_path: Path, spawn: Spawn, now: float, fs: Optional[FsOps] = None,
-          resume_from: str = "", take_standby: Optional[TakeStandby] = None, rdzv_id: Optional[str] = None,
-          resume_step: Optional[int] = None) -> Attempt:
+def start(
+    cfg: Config,
+    number: int,
+    config_path: Path,
+    spawn: Spawn,
+    now: float,
+    fs: Optional[FsOps] = None,
+    resume_from: str = "",
+    take_standby: Optional[TakeStandby] = None,
+    rdzv_id: Optional[str] = None,
+    resume_step: Optional[int] = None,
+) -> Attempt:
     """Create the attempt's directory and give it a worker, handing it `resume_from` (the last good
     checkpoint, "" for none): the standby `take_standby` releases (`prewarm.Prewarm.take`), or a worker
     spawned now when there is none.  OSError when it cannot be executed."""
     adir = attempt_dir(cfg.run_dir, number)
     (fs or FsOps()).mkdir(adir)
-    env = worker_env(cfg, number, resume_from=resume_from, resume_step=resume_step)  # a standby: the same, less the resume
+    env = worker_env(
+        cfg, number, resume_from=resume_from, resume_step=resume_step
+    )  # a standby: the same, less the resume
     worker = take_standby(number, adir, resume_from, now) if take_standby is not None else None
     prewarmed = worker is not None
     if worker is None:
-        worker = spawn(worker_argv(cfg, config_path, rdzv_id, resume_from, resume_step), env=env, cwd=cfg.worker.cwd,
-                       log_path=adir / WORKER_LOG_NAME, now=now)
-    return Attempt(number, adir, worker, HeartbeatTail(adir), flight=FlightPaths.from_env(env), cwd=cfg.worker.cwd,
-                   stragglers=StragglerWatch.from_config(cfg.watchdog), resume_from=resume_from, prewarmed=prewarmed,
-                   output=OutputTail(adir / WORKER_LOG_NAME, cfg.watchdog.progress_pattern),
-                   instrumentation=cfg.worker.instrument if cfg.worker.command else "built-in")
+        worker = spawn(
+            worker_argv(cfg, config_path, rdzv_id, resume_from, resume_step),
+            env=env,
+            cwd=cfg.worker.cwd,
+            log_path=adir / WORKER_LOG_NAME,
+            now=now,
+        )
+    return Attempt(
+        number,
+        adir,
+        worker,
+        HeartbeatTail(adir),
+        flight=FlightPaths.from_env(env),
+        cwd=cfg.worker.cwd,
+        stragglers=StragglerWatch.from_config(cfg.watchdog),
+        resume_from=resume_from,
+        prewarmed=prewarmed,
+        output=OutputTail(adir / WORKER_LOG_NAME, cfg.watchdog.progress_pattern),
+        instrumentation=cfg.worker.instrument if cfg.worker.command else "built-in",
+    )

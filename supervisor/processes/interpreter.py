@@ -8,6 +8,7 @@ command names — `python…` itself, or the `#!` line of a script or console sc
 loop starts).  A shell script or a binary says nothing about the Pythons it will start: the note says
 so, and each of them decides for itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,16 +70,20 @@ def python_of(argv: list[str], cwd: Optional[str], env: Mapping[str, str]) -> Op
 def probe_version(python: str, env: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
     """(major, minor) of `python`, asked without site (so no sitecustomize runs); None when it cannot be asked."""
     try:
-        done = subprocess.run([python, "-S", "-c", "import sys; print('%d %d' % sys.version_info[:2])"],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=dict(env) if env else None)
+        done = subprocess.run(
+            [python, "-S", "-c", "import sys; print('%d %d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=dict(env) if env else None,
+        )
         major, minor = done.stdout.split()
         return int(major), int(minor)
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
 
-def instrument_note(command: Optional[list[str]], instrument: str, cwd: Optional[str],
-                    env: Mapping[str, str]) -> str:
+def instrument_note(command: Optional[list[str]], instrument: str, cwd: Optional[str], env: Mapping[str, str]) -> str:
     """What instrumentation the worker gets, in words for the start line."""
     if command is None:
         return "built-in worker (instrumented by itself)"
@@ -86,14 +91,18 @@ def instrument_note(command: Optional[list[str]], instrument: str, cwd: Optional
         return "off (worker.instrument: off): watched by its output, py-spy and NVML"
     python = python_of(command, cwd, env)
     if python is None:
-        return (f"auto: {Path(command[0]).name} is not a Python interpreter or script; the Python processes it starts "
-                f"are instrumented (Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}+), anything else is watched by its output")
+        return (
+            f"auto: {Path(command[0]).name} is not a Python interpreter or script; the Python processes it starts "
+            f"are instrumented (Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}+), anything else is watched by its output"
+        )
     version = probe_version(python, env)
     if version is None:
         return f"auto: {python} could not be asked for its version; it instruments itself if it can"
     if version < MIN_PYTHON:
-        return (f"none: {python} is Python {version[0]}.{version[1]}, too old for instrumentation (needs "
-                f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}+): watched by its output, py-spy and NVML only")
+        return (
+            f"none: {python} is Python {version[0]}.{version[1]}, too old for instrumentation (needs "
+            f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}+): watched by its output, py-spy and NVML only"
+        )
     return f"auto: {python} (Python {version[0]}.{version[1]}) and every Python process it starts"
 
 
@@ -101,6 +110,7 @@ def note_for(cfg, probe=instrument_note) -> str:
     """`instrument_note` for a config, asked once (kept on the config: the CLI's preamble and the supervisor's start
     line say the same without a second probe)."""
     if cfg._instrument_note is None:
-        cfg._instrument_note = probe(cfg.worker.command, cfg.worker.instrument, cfg.worker.cwd,
-                                     {**os.environ, **cfg.worker.env})
+        cfg._instrument_note = probe(
+            cfg.worker.command, cfg.worker.instrument, cfg.worker.cwd, {**os.environ, **cfg.worker.env}
+        )
     return cfg._instrument_note

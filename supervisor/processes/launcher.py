@@ -16,6 +16,7 @@ The worker is the built-in daemon, a `python script.py …` / `python -m module 
 torchrun), or a torchrun command line whose own rendezvous options (`--nnodes`, `--rdzv-*`, `--standalone`,
 `--max-restarts`) hangwatch replaces.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,18 +25,45 @@ from pathlib import Path
 from hangwatch.common.config import Config
 
 JOIN_TIMEOUT_S = 30 * 24 * 3600  # "as long as hangwatch waits": the supervisor's deadline decides
-REPLACED = ("--nnodes", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
-            "--rdzv-conf", "--rdzv_conf", "--max-restarts", "--max_restarts", "--node-rank", "--node_rank",
-            "--master-addr", "--master_addr", "--master-port", "--master_port")
+REPLACED = (
+    "--nnodes",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "--max-restarts",
+    "--max_restarts",
+    "--node-rank",
+    "--node_rank",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+)
 FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "-m", "--module", "--run-path", "--run_path"})
 DROPPED_FLAGS = frozenset({"--standalone"})
 
 
 def rendezvous_args(cfg: Config, rdzv_id: str) -> list[str]:
     w = cfg.worker
-    return ["--nnodes", str(w.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", str(w.rdzv_endpoint),
-            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={JOIN_TIMEOUT_S}",
-            "--max-restarts", str(w.max_restarts)]
+    return [
+        "--nnodes",
+        str(w.nnodes),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        str(w.rdzv_endpoint),
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"is_host=false,join_timeout={JOIN_TIMEOUT_S}",
+        "--max-restarts",
+        str(w.max_restarts),
+    ]
 
 
 def split_torchrun(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -54,7 +82,7 @@ def split_torchrun(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             opts.append(tok)
             i += 1
         else:
-            opts.extend(rest[i:i + 2])
+            opts.extend(rest[i : i + 2])
             i += 2
     return head, opts, rest[i:]
 
@@ -76,7 +104,9 @@ def without_rendezvous(opts: list[str]) -> list[str]:
     return out
 
 
-def multinode_argv(cfg: Config, config_path: Path, rdzv_id: str, torchrun_words: bool, python: str = sys.executable) -> list[str]:
+def multinode_argv(
+    cfg: Config, config_path: Path, rdzv_id: str, torchrun_words: bool, python: str = sys.executable
+) -> list[str]:
     """The attempt's command line under torchrun's c10d rendezvous; `torchrun_words`: `worker.command` is itself a
     torchrun command line."""
     launcher = [python, "-m", "torch.distributed.run"]

@@ -5,6 +5,7 @@ there that still runs means "refuse to start"; a recorded worker tree that still
 (SIGTERM, grace, SIGKILL) before the first attempt, so two trainings never write one run dir.
 Blocking is fine here: it happens once, before the loop.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,9 @@ log = structlog.get_logger("hangwatch")
 KILL_WAIT_S = 5.0  # after SIGKILL to leftovers (not our children: init reaps them), how long to wait
 
 
-def find(state: dict, table: ProcessTable, now_wall: Optional[float] = None) -> tuple[list[ProcRef], Optional[int], list[str]]:
+def find(
+    state: dict, table: ProcessTable, now_wall: Optional[float] = None
+) -> tuple[list[ProcRef], Optional[int], list[str]]:
     """Processes recorded in a dead supervisor's state.json that still run.
 
     Returns (refs to end, the process group to end or None, notes).  A recorded pid counts only
@@ -62,8 +65,15 @@ def find(state: dict, table: ProcessTable, now_wall: Optional[float] = None) -> 
     return list(refs.values()), group, notes
 
 
-def end(refs: list[ProcRef], group: Optional[int], table: ProcessTable, *, grace_s: float,
-        sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> list[ProcRef]:
+def end(
+    refs: list[ProcRef],
+    group: Optional[int],
+    table: ProcessTable,
+    *,
+    grace_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[ProcRef]:
     """SIGTERM, wait up to `grace_s`, SIGKILL what is left, wait for it to be gone (blocking).
 
     The leftovers are not our children: they are reaped by init once dead, so "gone" is judged
@@ -80,12 +90,15 @@ def end(refs: list[ProcRef], group: Optional[int], table: ProcessTable, *, grace
     return table.alive(refs)
 
 
-def clear(previous: dict, table: ProcessTable, *, state_path: Path, grace_s: float, end_leftovers: bool = True) -> Optional[str]:
+def clear(
+    previous: dict, table: ProcessTable, *, state_path: Path, grace_s: float, end_leftovers: bool = True
+) -> Optional[str]:
     """End what a dead supervisor left; refuse (return why) to run beside a live one."""
     sup = ProcRef.from_dict(previous.get("supervisor") or {})
     if sup is not None and sup.pid != os.getpid() and table.matches(sup):
-        return (f"another supervisor (pid {sup.pid}) is running on {state_path.parent} "
-                f"(from {state_path}); stop it first")
+        return (
+            f"another supervisor (pid {sup.pid}) is running on {state_path.parent} (from {state_path}); stop it first"
+        )
     if not end_leftovers or not (previous.get("worker") or previous.get("pids") or previous.get("descendants")):
         return None
     refs, group, notes = find(previous, table)

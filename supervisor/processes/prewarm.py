@@ -38,6 +38,7 @@ replaced after a back-off (1 s, doubling up to a minute while they keep dying).
 Only the built-in worker on one process is prewarmed (`ineligible`): a foreign command cannot be
 told to wait, and a torchrun world is more than one process to hold.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,9 +54,9 @@ from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import WORKER_LOG_NAME, read_json, standby_ready_path
 from hangwatch.supervisor.processes import attempt as attempts
+from hangwatch.supervisor.processes.process import ProcessTable, Worker, spawn
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
-from hangwatch.supervisor.processes.process import ProcessTable, Worker, spawn
 
 log = structlog.get_logger("hangwatch")
 
@@ -86,8 +87,10 @@ def ineligible(cfg: Config) -> Optional[str]:
     if cfg.worker.nproc_per_node > 1:
         return f"worker.nproc_per_node is {cfg.worker.nproc_per_node}: only a single-process worker is prewarmed"
     if cfg.model.load_in_4bit:
-        return ("model.load_in_4bit: a quantised model is placed on the GPU as it loads, and a standby must hold no GPU "
-                "memory")
+        return (
+            "model.load_in_4bit: a quantised model is placed on the GPU as it loads, and a standby must hold no GPU "
+            "memory"
+        )
     return None
 
 
@@ -145,8 +148,9 @@ class PipeStandby:
 SpawnStandby = Callable[..., StandbyProcess]
 
 
-def spawn_standby(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now: float,
-                  deathsig: int = signal.SIGKILL) -> StandbyProcess:
+def spawn_standby(
+    argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now: float, deathsig: int = signal.SIGKILL
+) -> StandbyProcess:
     """`argv` started as `process.spawn` starts a worker (own session, dying with us, output to `log_path`,
     which starts empty), with its stdin a pipe for the release.  OSError when it cannot be executed."""
     try:
@@ -207,9 +211,15 @@ class Prewarm:
         """`always`: the current attempt trains (it has stepped) — have its successor's standby loading or ready."""
         if not self.always or self.standby is not None or (self.replace_at is not None and now < self.replace_at):
             return
-        self._spawn(current, now, "always" if not self.deaths else f"always (replacing a standby that died, {self.deaths} in a row)")
+        self._spawn(
+            current,
+            now,
+            "always" if not self.deaths else f"always (replacing a standby that died, {self.deaths} in a row)",
+        )
 
-    def begin(self, current: attempts.Attempt, intent: Intent, decision: Optional[Decision], now: float, why: str) -> None:
+    def begin(
+        self, current: attempts.Attempt, intent: Intent, decision: Optional[Decision], now: float, why: str
+    ) -> None:
         """A restart is (probably) coming: spawn the next attempt's standby now, unless there is one."""
         if self.why_not is not None or self.standby is not None or not wanted(intent, decision):
             return
@@ -247,9 +257,16 @@ class Prewarm:
         ready = ready if isinstance(ready, dict) and ready.get("pid") == sb.worker.pid else None
         rss = self.rss(sb.worker.pid)
         state = "loading" if ready is None else ("ready" if not ready.get("error") else "preload failed")
-        return {"attempt": sb.number, "pid": sb.worker.pid, "state": state, "why": sb.why,
-                "rss_mb": None if rss is None else round(rss / (1 << 20), 1), "age_s": round(now - sb.spawned_at, 3),
-                "preload_s": ready.get("preload_s") if ready else None, "error": ready.get("error") if ready else None}
+        return {
+            "attempt": sb.number,
+            "pid": sb.worker.pid,
+            "state": state,
+            "why": sb.why,
+            "rss_mb": None if rss is None else round(rss / (1 << 20), 1),
+            "age_s": round(now - sb.spawned_at, 3),
+            "preload_s": ready.get("preload_s") if ready else None,
+            "error": ready.get("error") if ready else None,
+        }
 
     def poll(self, now: float) -> None:
         """Reap what died: the standby (then there is none) and the discarded ones."""
@@ -259,10 +276,20 @@ class Prewarm:
             sb.proc.close()
             self._forget_ready()
             self._died(now)
-            note = (f"replaced in {self.replace_at - now:g}s" if self.replace_at is not None
-                    else "the restart will spawn cold")
-            log.warning("standby_died", attempt=sb.number, pid=sb.worker.pid, code=sb.worker.exit_code,
-                        signal=sb.worker.exit_signal, log=str(self.log_path), note=note)
+            note = (
+                f"replaced in {self.replace_at - now:g}s"
+                if self.replace_at is not None
+                else "the restart will spawn cold"
+            )
+            log.warning(
+                "standby_died",
+                attempt=sb.number,
+                pid=sb.worker.pid,
+                code=sb.worker.exit_code,
+                signal=sb.worker.exit_signal,
+                log=str(self.log_path),
+                note=note,
+            )
         self.dying = [w for w in self.dying if not self._reaped(w, now)]
 
     def take(self, number: int, adir: Path, resume_from: str, now: float) -> Optional[Worker]:
@@ -274,8 +301,13 @@ class Prewarm:
             return None
         w = sb.worker
         if sb.number != number or not self.table.matches(w.ref):
-            self._kill(sb, now, f"spawned for attempt {sb.number}, now starting {number}" if sb.number != number
-                       else "gone before its release")
+            self._kill(
+                sb,
+                now,
+                f"spawned for attempt {sb.number}, now starting {number}"
+                if sb.number != number
+                else "gone before its release",
+            )
             return None
         log_path = adir / WORKER_LOG_NAME
         self._forget_ready()
@@ -287,8 +319,14 @@ class Prewarm:
             return None
         w.log_path, w.started_at = log_path, now
         self.deaths = 0
-        log.info("standby_released", attempt=number, pid=w.pid, resume_from=resume_from or None,
-                 standby_age_s=round(now - sb.spawned_at, 3), why_spawned=sb.why)
+        log.info(
+            "standby_released",
+            attempt=number,
+            pid=w.pid,
+            resume_from=resume_from or None,
+            standby_age_s=round(now - sb.spawned_at, 3),
+            why_spawned=sb.why,
+        )
         return w
 
     def discard(self, now: float, why: str) -> None:

@@ -15,6 +15,7 @@ Finding children means reading every process's parent: the real table reads /pro
 the lookups made in the same instant (a tree scan asks for the worker's descendants, our own
 children and theirs) share that one listing (PARENTS_TTL_S).
 """
+
 from __future__ import annotations
 
 import abc
@@ -105,8 +106,15 @@ class Worker:
             self.popen.returncode = self.exit_code if self.exit_code is not None else -(self.exit_signal or 0)
 
     def as_dict(self) -> dict:
-        return {"pid": self.pid, "pgid": self.pgid, "sid": self.pid, "create_time": self.create_time, "argv": self.argv,
-                "exit_code": self.exit_code, "exit_signal": self.exit_signal}
+        return {
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "sid": self.pid,
+            "create_time": self.create_time,
+            "argv": self.argv,
+            "exit_code": self.exit_code,
+            "exit_signal": self.exit_signal,
+        }
 
 
 class ProcessTable(abc.ABC):
@@ -120,8 +128,7 @@ class ProcessTable(abc.ABC):
     # ---- primitives -----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def create_time(self, pid: int) -> Optional[float]:
-        ...
+    def create_time(self, pid: int) -> Optional[float]: ...
 
     @abc.abstractmethod
     def reap(self, pid: int) -> Optional[ExitStatus]:
@@ -132,20 +139,17 @@ class ProcessTable(abc.ABC):
         """Every live descendant of `pid` (including those that left its process group)."""
 
     @abc.abstractmethod
-    def group_members(self, pgid: int) -> list[ProcRef]:
-        ...
+    def group_members(self, pgid: int) -> list[ProcRef]: ...
 
     @abc.abstractmethod
-    def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
-        ...
+    def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]: ...
 
     @abc.abstractmethod
     def is_gone(self, ref: ProcRef) -> bool:
         """Dead, reaped, a zombie, or the pid now belongs to someone else."""
 
     @abc.abstractmethod
-    def session_id(self, pid: int) -> Optional[int]:
-        ...
+    def session_id(self, pid: int) -> Optional[int]: ...
 
     @abc.abstractmethod
     def describe(self, ref: ProcRef) -> dict:
@@ -190,8 +194,12 @@ class ProcessTable(abc.ABC):
 class PsutilProcessTable(ProcessTable):
     """The real table: psutil for listing, waitpid for reaping, `kill` for signals."""
 
-    def __init__(self, kill: Kill = os.kill, clock: Callable[[], float] = time.monotonic,
-                 parents: Optional[Callable[[], dict[int, int]]] = None):
+    def __init__(
+        self,
+        kill: Kill = os.kill,
+        clock: Callable[[], float] = time.monotonic,
+        parents: Optional[Callable[[], dict[int, int]]] = None,
+    ):
         self._kill = kill
         self._clock = clock
         self._parents = parents if parents is not None else _parents  # pid → parent pid, for every process
@@ -252,7 +260,13 @@ class PsutilProcessTable(ProcessTable):
             try:
                 if os.getpgid(pid) == pgid:
                     out.append(ProcRef(pid, psutil.Process(pid).create_time()))
-            except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, PermissionError):
+            except (
+                ProcessLookupError,
+                psutil.NoSuchProcess,
+                psutil.ZombieProcess,
+                psutil.AccessDenied,
+                PermissionError,
+            ):
                 pass
         return out
 
@@ -311,7 +325,9 @@ def _parents() -> dict[int, int]:
     try:
         names = os.listdir("/proc")
     except OSError:
-        return {p.info["pid"]: p.info["ppid"] for p in psutil.process_iter(["pid", "ppid"]) if p.info["ppid"] is not None}
+        return {
+            p.info["pid"]: p.info["ppid"] for p in psutil.process_iter(["pid", "ppid"]) if p.info["ppid"] is not None
+        }
     out = {}
     for name in names:
         if not name.isdigit():
@@ -322,7 +338,7 @@ def _parents() -> dict[int, int]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
         # "pid (comm) state ppid …": comm may hold spaces and parentheses, so split after the last ')'
-        fields = data[data.rfind(b")") + 2:].split(None, 2)
+        fields = data[data.rfind(b")") + 2 :].split(None, 2)
         if len(fields) >= 2:
             out[int(name)] = int(fields[1])
     return out
@@ -352,8 +368,16 @@ def _child_setup(parent_pid: int, deathsig: int):
     return preexec
 
 
-def spawn(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now: float,
-          deathsig: int = signal.SIGKILL, stdin_pipe: bool = False) -> Worker:
+def spawn(
+    argv: list[str],
+    *,
+    env: dict,
+    cwd: Optional[str],
+    log_path: Path,
+    now: float,
+    deathsig: int = signal.SIGKILL,
+    stdin_pipe: bool = False,
+) -> Worker:
     """Start `argv` in a new session, stdout+stderr appended to `log_path`, dying with us.  `stdin_pipe`:
     its stdin is a pipe (`Worker.popen.stdin`; a prewarmed standby waits on it for its release), else
     /dev/null.
@@ -363,8 +387,15 @@ def spawn(argv: list[str], *, env: dict, cwd: Optional[str], log_path: Path, now
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
-            argv, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            cwd=cwd, env=env, start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True,
+            argv,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_child_setup(os.getpid(), deathsig),
+            close_fds=True,
         )
     ct = PsutilProcessTable().create_time(popen.pid)
     if ct is None:  # exited (or is a zombie) already; identity still needs a value

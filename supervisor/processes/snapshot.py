@@ -5,6 +5,7 @@
 interval, RSS and thread count.  `gpu` asks NVML (nvidia-ml-py) per device for utilisation,
 memory and compute processes; without a GPU it says so plainly instead of failing.
 """
+
 from __future__ import annotations
 
 import os
@@ -137,8 +138,12 @@ def gpu() -> dict:
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-            dev = {"index": i, "name": _str(nv.nvmlDeviceGetName(h)), "memory_used_bytes": mem.used,
-                   "memory_total_bytes": mem.total}
+            dev = {
+                "index": i,
+                "name": _str(nv.nvmlDeviceGetName(h)),
+                "memory_used_bytes": mem.used,
+                "memory_total_bytes": mem.total,
+            }
             try:
                 util = nv.nvmlDeviceGetUtilizationRates(h)
                 dev["utilization_percent"] = util.gpu
@@ -173,8 +178,14 @@ def _compute_processes(nv, handle) -> list[dict]:
                 util[sample.pid] = (sample.timeStamp, sample.smUtil)
     except Exception:  # NVML_ERROR_NOT_FOUND (no samples yet), NOT_SUPPORTED (older boards, MIG)
         pass
-    return [{"pid": p.pid, "used_memory_bytes": getattr(p, "usedGpuMemory", None),
-             "sm_util_percent": util[p.pid][1] if p.pid in util else None} for p in procs]
+    return [
+        {
+            "pid": p.pid,
+            "used_memory_bytes": getattr(p, "usedGpuMemory", None),
+            "sm_util_percent": util[p.pid][1] if p.pid in util else None,
+        }
+        for p in procs
+    ]
 
 
 def gpu_pids() -> Optional[set[int]]:
@@ -189,9 +200,13 @@ def gpu_summary(snap: dict) -> dict:
     """The short form `status` reports."""
     if not snap.get("available"):
         return snap
-    return {"available": True, "devices": [
-        {k: d.get(k) for k in ("index", "name", "utilization_percent", "memory_used_bytes", "memory_total_bytes")}
-        for d in snap["devices"]]}
+    return {
+        "available": True,
+        "devices": [
+            {k: d.get(k) for k in ("index", "name", "utilization_percent", "memory_used_bytes", "memory_total_bytes")}
+            for d in snap["devices"]
+        ],
+    }
 
 
 class GpuCache:

@@ -42,6 +42,7 @@ change of status.  A write that fails is logged and retried at the next change, 
 record stays in memory.  A file that cannot be read is set aside (`checkpoints.json.corrupt-…`,
 evidence is never deleted) and the run starts with an empty record.
 """
+
 from __future__ import annotations
 
 import json
@@ -154,8 +155,13 @@ class CheckpointLedger:
             return [self._settle(old, GOOD, "announced good by the worker" + note)]
         e = Entry(path, step, PENDING, attempt, rank, self._seq(), announced_t=rec.get("t"))
         self.entries[path] = e
-        changes = [Change("replaced" if old is not None else "announced", e,
-                          f"was {old.status} (attempt {old.attempt}, step {old.step})" if old is not None else "")]
+        changes = [
+            Change(
+                "replaced" if old is not None else "announced",
+                e,
+                f"was {old.status} (attempt {old.attempt}, step {old.step})" if old is not None else "",
+            )
+        ]
         if vouched:
             changes.append(self._settle(e, GOOD, "announced good by the worker"))
         elif self.confirm_steps == 0:
@@ -180,7 +186,9 @@ class CheckpointLedger:
                 if len(e.confirmed_by) >= self.confirm_steps:
                     steps = ", ".join(map(str, e.confirmed_by))
                     if loss is None:
-                        changes.append(self._settle(e, GOOD, f"confirmed by steps {steps} (this worker reports no loss)"))
+                        changes.append(
+                            self._settle(e, GOOD, f"confirmed by steps {steps} (this worker reports no loss)")
+                        )
                         if not self._told_lossless:
                             self._told_lossless = True
                             changes.append(Change("lossless", e))
@@ -202,8 +210,13 @@ class CheckpointLedger:
 
     def attempt_ended(self, attempt: int) -> list[Change]:
         """Attempt `attempt` is over: what it left unconfirmed stays so."""
-        return [self._settle(e, UNCONFIRMED, f"attempt {e.attempt} ended before {self.confirm_steps} later steps "
-                             f"confirmed it") for e in self.entries.values() if e.status == PENDING and e.attempt <= attempt]
+        return [
+            self._settle(
+                e, UNCONFIRMED, f"attempt {e.attempt} ended before {self.confirm_steps} later steps confirmed it"
+            )
+            for e in self.entries.values()
+            if e.status == PENDING and e.attempt <= attempt
+        ]
 
     def adopt(self, path: str, step: Optional[int], why: str) -> Entry:
         """A good checkpoint known from elsewhere (state.json of a supervisor that kept no ledger)."""
@@ -240,9 +253,13 @@ class CheckpointLedger:
 
     def to_dict(self) -> dict:
         last = self.last_good()
-        return {"version": FORMAT_VERSION, "confirm_steps": self.confirm_steps, "loss_reported": self.loss_reported,
-                "last_good": last.path if last else None,
-                "checkpoints": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.seq)]}
+        return {
+            "version": FORMAT_VERSION,
+            "confirm_steps": self.confirm_steps,
+            "loss_reported": self.loss_reported,
+            "last_good": last.path if last else None,
+            "checkpoints": [asdict(e) for e in sorted(self.entries.values(), key=lambda e: e.seq)],
+        }
 
     @classmethod
     def from_dict(cls, data: object, confirm_steps: int) -> "CheckpointLedger":
@@ -263,14 +280,22 @@ class CheckpointLedger:
                 e = Entry(**{k: v for k, v in item.items() if k in known})  # fields a newer writer added are dropped
             except TypeError as exc:
                 raise ValueError(f"checkpoint #{i}: {exc}") from None
-            if not (isinstance(e.path, str) and e.status in STATUSES and isinstance(e.seq, int)
-                    and isinstance(e.attempt, int) and (e.step is None or isinstance(e.step, int))):
+            if not (
+                isinstance(e.path, str)
+                and e.status in STATUSES
+                and isinstance(e.seq, int)
+                and isinstance(e.attempt, int)
+                and (e.step is None or isinstance(e.step, int))
+            ):
                 raise ValueError(f"checkpoint #{i}: bad path, step, status, attempt or seq")
             entries.append(e)
         book = cls(confirm_steps, entries, loss_reported=bool(data.get("loss_reported")))
         for e in book.entries.values():
             if e.status == PENDING:
-                e.status, e.why = UNCONFIRMED, f"attempt {e.attempt} ended (with its supervisor) before it was confirmed"
+                e.status, e.why = (
+                    UNCONFIRMED,
+                    f"attempt {e.attempt} ended (with its supervisor) before it was confirmed",
+                )
         return book
 
     # ---- inside ----------------------------------------------------------------------------------
@@ -289,7 +314,7 @@ class CheckpointLedger:
     def _prune(self) -> None:
         settled = sorted((e for e in self.entries.values() if e.status != PENDING), key=lambda e: e.seq)
         keep = self.last_good()
-        for e in settled[:max(0, len(settled) - MAX_KEPT)]:
+        for e in settled[: max(0, len(settled) - MAX_KEPT)]:
             if e is not keep:
                 del self.entries[e.path]
 
@@ -356,8 +381,12 @@ class PersistedLedger:
         try:
             self.fs.write_json(self.path, self.ledger.to_dict())
         except OSError as exc:
-            log.warning("checkpoint_ledger_not_saved", path=str(self.path), error=str(exc),
-                        note="kept in memory; written again at the next change")
+            log.warning(
+                "checkpoint_ledger_not_saved",
+                path=str(self.path),
+                error=str(exc),
+                note="kept in memory; written again at the next change",
+            )
             return False
         self.dirty = False
         return True
@@ -382,9 +411,12 @@ def _log_change(c: Change) -> None:
     elif c.kind == UNCONFIRMED:
         log.info("checkpoint_unconfirmed", **where, why=e.why)
     elif c.kind == "lossless":
-        log.warning("checkpoints_confirmed_without_loss", **where,
-                    note="the worker reports no loss, so later steps alone confirm its checkpoints; send loss= in "
-                         "step beats (or announce checkpoint(..., good=True) yourself) to have non-finite losses caught")
+        log.warning(
+            "checkpoints_confirmed_without_loss",
+            **where,
+            note="the worker reports no loss, so later steps alone confirm its checkpoints; send loss= in "
+            "step beats (or announce checkpoint(..., good=True) yourself) to have non-finite losses caught",
+        )
 
 
 def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> tuple[str, Optional[int]]:
@@ -393,11 +425,21 @@ def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> t
     that were deleted since are skipped, and said so."""
     chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
     for e in skipped:
-        log.warning("good_checkpoint_missing", path=e.path, step=e.step, resolved=resolve(e.path, cwd),
-                    note="no longer on disk: skipped")
+        log.warning(
+            "good_checkpoint_missing",
+            path=e.path,
+            step=e.step,
+            resolved=resolve(e.path, cwd),
+            note="no longer on disk: skipped",
+        )
     if chosen is None:
-        log.info("resume_from", attempt=attempt, path=None, checkpoints=book.counts(),
-                 note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty")
+        log.info(
+            "resume_from",
+            attempt=attempt,
+            path=None,
+            checkpoints=book.counts(),
+            note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty",
+        )
         return "", None
     path = resolve(chosen.path, cwd)
     log.info("resume_from", attempt=attempt, path=path, step=chosen.step, why=chosen.why)
@@ -407,8 +449,9 @@ def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> t
 ASIDE_SUFFIX = ".hangwatch-bad"  # a bad checkpoint's new name: `checkpoint-8` → `checkpoint-8.hangwatch-bad`
 
 
-def set_aside_bad(book: CheckpointLedger, cwd: Optional[str],
-                  rename: Callable[[str, str], None] = os.rename) -> list[tuple[Entry, str]]:
+def set_aside_bad(
+    book: CheckpointLedger, cwd: Optional[str], rename: Callable[[str, str], None] = os.rename
+) -> list[tuple[Entry, str]]:
     """Rename every checkpoint the ledger holds bad that is still on disk to `<path>.hangwatch-bad` (a free name:
     `.2`, `.3`, … after it), so that an unedited script's own "resume from the latest" logic (HF's
     `checkpoint-N` search, a glob of `*.pt`) finds the last good one instead.  Never deleted: the entry records
@@ -428,11 +471,21 @@ def set_aside_bad(book: CheckpointLedger, cwd: Optional[str],
         try:
             rename(src, dst)
         except OSError as exc:
-            log.warning("bad_checkpoint_not_set_aside", path=src, error=str(exc),
-                        note="the script's own search for its latest checkpoint may still find it")
+            log.warning(
+                "bad_checkpoint_not_set_aside",
+                path=src,
+                error=str(exc),
+                note="the script's own search for its latest checkpoint may still find it",
+            )
             continue
         e.set_aside = dst
         moved.append((e, dst))
-        log.warning("bad_checkpoint_set_aside", path=src, to=dst, step=e.step, why=e.why,
-                    note="renamed, not deleted, so the script's own resume logic finds the last good one")
+        log.warning(
+            "bad_checkpoint_set_aside",
+            path=src,
+            to=dst,
+            step=e.step,
+            why=e.why,
+            note="renamed, not deleted, so the script's own resume logic finds the last good one",
+        )
     return moved

@@ -32,6 +32,7 @@ Persisted as `<run_dir>/goodput.json` (`GOODPUT_NAME`): the totals, the top step
 segments in unix time, at most MAX_SEGMENTS: the oldest short ones merge into their neighbours).  A
 supervisor that starts on the run dir goes on from there; the time no supervisor ran is not the run's.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,22 +40,52 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-CATEGORIES = ("training", "redone", "eval", "checkpoint", "startup", "detection", "dumps", "kill", "gpu_release",
-              "restart_startup", "backoff", "paused", "idle", "other")
+CATEGORIES = (
+    "training",
+    "redone",
+    "eval",
+    "checkpoint",
+    "startup",
+    "detection",
+    "dumps",
+    "kill",
+    "gpu_release",
+    "restart_startup",
+    "backoff",
+    "paused",
+    "idle",
+    "other",
+)
 RECOVERY = ("dumps", "kill", "gpu_release", "restart_startup")  # detection → the next attempt's first step
 LOST = ("detection", *RECOVERY, "redone", "backoff")  # what failures cost
 LABELS = {
-    "training": "training (kept steps)", "redone": "redone steps", "eval": "evaluation and generation",
-    "checkpoint": "checkpointing", "startup": "start-up and loading", "detection": "waiting for detection",
-    "dumps": "recovery: stack dumps", "kill": "recovery: ending the tree", "gpu_release": "recovery: GPU release",
-    "restart_startup": "recovery: restart and loading", "backoff": "backoff", "paused": "paused",
-    "idle": "idle (waiting for data)", "other": "other",
+    "training": "training (kept steps)",
+    "redone": "redone steps",
+    "eval": "evaluation and generation",
+    "checkpoint": "checkpointing",
+    "startup": "start-up and loading",
+    "detection": "waiting for detection",
+    "dumps": "recovery: stack dumps",
+    "kill": "recovery: ending the tree",
+    "gpu_release": "recovery: GPU release",
+    "restart_startup": "recovery: restart and loading",
+    "backoff": "backoff",
+    "paused": "paused",
+    "idle": "idle (waiting for data)",
+    "other": "other",
 }
 GOODPUT_NAME = "goodput.json"
 FORMAT_VERSION = 1
 MAX_SEGMENTS = 2000
-PHASE_CATEGORY = {"eval": "eval", "predict": "eval", "generate": "eval", "checkpoint": "checkpoint", "idle": "idle",
-                  "load": "startup", "init": "startup"}
+PHASE_CATEGORY = {
+    "eval": "eval",
+    "predict": "eval",
+    "generate": "eval",
+    "checkpoint": "checkpoint",
+    "idle": "idle",
+    "load": "startup",
+    "init": "startup",
+}
 
 
 def short(seconds: float) -> str:
@@ -68,7 +99,7 @@ def short(seconds: float) -> str:
 
 
 def goodput_line(snap: Optional[dict]) -> str:
-    """"goodput 93.1 % — lost 6 min: 2 hangs (detection 40 s, recovery 3 min), redone steps 2 min"."""
+    """ "goodput 93.1 % — lost 6 min: 2 hangs (detection 40 s, recovery 3 min), redone steps 2 min"."""
     if not snap or not snap.get("wall_s"):
         return "goodput: nothing run yet"
     cats = snap.get("categories") or {}
@@ -101,8 +132,15 @@ def read_goodput(run_dir) -> Optional[dict]:
     return data
 
 
-def activity(state: str, *, phase: Optional[str], stepped: bool, after_failure: bool, failing: bool = True,
-             tree_gone: bool = False) -> Optional[tuple[str, bool]]:
+def activity(
+    state: str,
+    *,
+    phase: Optional[str],
+    stepped: bool,
+    after_failure: bool,
+    failing: bool = True,
+    tree_gone: bool = False,
+) -> Optional[tuple[str, bool]]:
     """What the time from now on is, as (category, provisional): pure, table-tested.
 
     `state`: the supervisor's state (its value); `phase`: the main rank's phase (None before any line);
@@ -225,7 +263,7 @@ class Goodput:
         old, keep = self.segments[:half], self.segments[half:]
         merged = []
         for i in range(0, len(old), 2):
-            pair = old[i:i + 2]
+            pair = old[i : i + 2]
             longest = max(pair, key=lambda s: s[1] - s[0])
             merged.append([pair[0][0], pair[-1][1], longest[2]])
         self.segments = merged + keep
@@ -246,11 +284,14 @@ class Goodput:
         cats = self.categories()
         wall = sum(cats.values())
         snap = {
-            "version": FORMAT_VERSION, "started_unix": round(self.started_unix, 3),
-            "updated_unix": round(self.last + self.offset, 3), "wall_s": round(wall, 3),
+            "version": FORMAT_VERSION,
+            "started_unix": round(self.started_unix, 3),
+            "updated_unix": round(self.last + self.offset, 3),
+            "wall_s": round(wall, 3),
             "categories": {c: round(v, 3) for c, v in cats.items()},
             "goodput_pct": round(100.0 * cats["training"] / wall, 2) if wall > 0 else None,
-            "lost_s": round(sum(cats[c] for c in LOST), 3), "failures": self.failures,
+            "lost_s": round(sum(cats[c] for c in LOST), 3),
+            "failures": self.failures,
             # Only what is settled: never taken back, so a Prometheus counter of it only grows.
             "settled": {c: round(v, 3) for c, v in self.totals.items()},
         }
@@ -261,4 +302,8 @@ class Goodput:
         """goodput.json: the snapshot, the top step and the timeline (pending time as it looks so far)."""
         snap = self.snapshot(now)
         pend = [[s + self.offset, e + self.offset, c] for s, e, c in self.pending]
-        return {**snap, "top_step": self.top_step, "segments": [[round(a, 3), round(b, 3), c] for a, b, c in self.segments + pend]}
+        return {
+            **snap,
+            "top_step": self.top_step,
+            "segments": [[round(a, 3), round(b, 3), c] for a, b, c in self.segments + pend],
+        }

@@ -37,6 +37,7 @@ together — an OOM outside a training step (an eval's, a generate()'s), no weig
 of the need, a need that fits in the margin although the step failed, weights above the need, a micro-batch other
 than the setting's — gives no estimate but the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,12 +53,19 @@ TRAIN_PHASE = "train"  # the heartbeat phase of training steps: an OOM elsewhere
 MIB = float(1 << 20)
 _UNITS = {"bytes": 1.0, "KiB": 1024.0, "MiB": MIB, "GiB": MIB * 1024.0}
 _SIZE = r"(\d+(?:\.\d+)?) (bytes|KiB|MiB|GiB)"
-_HEAD = re.compile(rf"out of memory\. Tried to allocate {_SIZE}\. GPU (\d+) has a total capacity of {_SIZE} of which "
-                   rf"{_SIZE} is free\.", re.I)
+_HEAD = re.compile(
+    rf"out of memory\. Tried to allocate {_SIZE}\. GPU (\d+) has a total capacity of {_SIZE} of which "
+    rf"{_SIZE} is free\.",
+    re.I,
+)
 _OLD_HEAD = re.compile(rf"out of memory\. Tried to allocate {_SIZE} \(GPU (\d+); ([^)]*)\)", re.I)
-_OLD_PARTS = {"total_mb": rf"^{_SIZE} total capacity$", "allocated_mb": rf"^{_SIZE} already allocated$",
-              "free_mb": rf"^{_SIZE} free$", "allowed_mb": rf"^{_SIZE} allowed$",
-              "reserved_mb": rf"^{_SIZE} reserved in total by PyTorch$"}
+_OLD_PARTS = {
+    "total_mb": rf"^{_SIZE} total capacity$",
+    "allocated_mb": rf"^{_SIZE} already allocated$",
+    "free_mb": rf"^{_SIZE} free$",
+    "allowed_mb": rf"^{_SIZE} allowed$",
+    "reserved_mb": rf"^{_SIZE} reserved in total by PyTorch$",
+}
 BEATS_TAIL_BYTES = 256 * 1024  # the steps' peak is cumulative: the last step beats hold it
 
 
@@ -76,9 +84,13 @@ def parse_oom_message(text: Optional[str]) -> Optional[dict]:
     m = _HEAD.search(text)
     if m is None:
         return _parse_old(text)
-    out: dict[str, Any] = {"tried_mb": size_mb(m[1], m[2]), "gpu": int(m[3]), "total_mb": size_mb(m[4], m[5]),
-                           "free_mb": size_mb(m[6], m[7])}
-    tail = text[m.end():]
+    out: dict[str, Any] = {
+        "tried_mb": size_mb(m[1], m[2]),
+        "gpu": int(m[3]),
+        "total_mb": size_mb(m[4], m[5]),
+        "free_mb": size_mb(m[6], m[7]),
+    }
+    tail = text[m.end() :]
     found = re.search(rf"this process has {_SIZE} memory in use\.", tail)
     if found:
         out["in_use_mb"] = size_mb(found[1], found[2])
@@ -141,8 +153,9 @@ def gather(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Evidence:
 
 def steps_peak(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Optional[float]:
     """The largest `max_mem_allocated_mb` of the attempt's step beats (the tail of its heartbeat file), or None."""
-    text = tail_text(heartbeat_path(attempt_dir(run_dir, attempt), rank), max_lines=100_000,
-                     max_bytes=BEATS_TAIL_BYTES)  # "" when it cannot be read
+    text = tail_text(
+        heartbeat_path(attempt_dir(run_dir, attempt), rank), max_lines=100_000, max_bytes=BEATS_TAIL_BYTES
+    )  # "" when it cannot be read
     peaks = []
     for line in text.splitlines():
         try:
@@ -157,10 +170,17 @@ def steps_peak(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Optio
 
 # ---- the estimate ------------------------------------------------------------------------------------------
 
-_NEED_WORDS = {"oom": "{allocated} allocated + {tried} requested", "allocated": "{allocated} allocated",
-               "peak": "a peak of {need}", "steps": "a peak of {need} in its steps"}
-_CAPACITY_WORDS = {"allowed": "of {capacity} allowed", "usable": "of {capacity} usable (free + held by PyTorch)",
-                   "total": "of the device's {capacity}"}
+_NEED_WORDS = {
+    "oom": "{allocated} allocated + {tried} requested",
+    "allocated": "{allocated} allocated",
+    "peak": "a peak of {need}",
+    "steps": "a peak of {need} in its steps",
+}
+_CAPACITY_WORDS = {
+    "allowed": "of {capacity} allowed",
+    "usable": "of {capacity} usable (free + held by PyTorch)",
+    "total": "of the device's {capacity}",
+}
 
 
 @dataclass(frozen=True)
@@ -190,20 +210,29 @@ class Estimate:
 
     def fields(self) -> dict:
         """For remediation.json's history and the incident."""
-        return {"micro_batch_size": self.micro, "weights_mb": round(self.weights_mb, 1),
-                "need_mb": round(self.need_mb, 1), "need_from": self.need_from,
-                "capacity_mb": round(self.capacity_mb, 1), "capacity_from": self.capacity_from,
-                "per_example_mb": round(self.per_example_mb, 2), "margin": self.margin,
-                "budget_mb": round(self.budget_mb, 1)}
+        return {
+            "micro_batch_size": self.micro,
+            "weights_mb": round(self.weights_mb, 1),
+            "need_mb": round(self.need_mb, 1),
+            "need_from": self.need_from,
+            "capacity_mb": round(self.capacity_mb, 1),
+            "capacity_from": self.capacity_from,
+            "per_example_mb": round(self.per_example_mb, 2),
+            "margin": self.margin,
+            "budget_mb": round(self.budget_mb, 1),
+        }
 
     def words(self) -> str:
-        """"out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB requested of 4.0 GiB allowed, weights
+        """ "out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB requested of 4.0 GiB allowed, weights
         700 MiB → about 0.98 GiB per example"."""
-        need = _NEED_WORDS[self.need_from].format(allocated=gib(self.allocated_mb or 0.0), tried=gib(self.tried_mb or 0.0),
-                                                  need=gib(self.need_mb))
+        need = _NEED_WORDS[self.need_from].format(
+            allocated=gib(self.allocated_mb or 0.0), tried=gib(self.tried_mb or 0.0), need=gib(self.need_mb)
+        )
         capacity = _CAPACITY_WORDS[self.capacity_from].format(capacity=gib(self.capacity_mb))
-        return (f"out of memory at micro-batch {self.micro}: {need} {capacity}, weights {gib(self.weights_mb)} → about "
-                f"{gib(self.per_example_mb, fine=True)} per example")
+        return (
+            f"out of memory at micro-batch {self.micro}: {need} {capacity}, weights {gib(self.weights_mb)} → about "
+            f"{gib(self.per_example_mb, fine=True)} per example"
+        )
 
 
 def gib(mb: float, fine: bool = False) -> str:
@@ -224,7 +253,10 @@ def estimate(ev: Optional[Evidence], micro: int, margin: float = MARGIN) -> tupl
     if ev is None:
         return None, "no evidence was read"
     if ev.phase not in (None, TRAIN_PHASE):
-        return None, f"it ran out of memory in phase '{ev.phase}', not in a training step: the micro-batch is not all of it"
+        return (
+            None,
+            f"it ran out of memory in phase '{ev.phase}', not in a training step: the micro-batch is not all of it",
+        )
     mem = ev.memory or {}
     msg = parse_oom_message(ev.message)
     if not mem and msg is None:
@@ -273,13 +305,16 @@ def estimate(ev: Optional[Evidence], micro: int, margin: float = MARGIN) -> tupl
         return None, "no figure of what the failed step needed"
     need_from = max(needs, key=needs.get)
     need = needs[need_from]
-    est = Estimate(micro, weights, (need - weights) / micro, capacity, capacity_from, need, need_from, margin,
-                   allocated, tried)
+    est = Estimate(
+        micro, weights, (need - weights) / micro, capacity, capacity_from, need, need_from, margin, allocated, tried
+    )
     if need <= weights:
         return None, f"inconsistent: the weights ({gib(weights)}) are not below what the step needed ({gib(need)})"
     if est.fits(micro):
-        return None, (f"inconsistent: micro-batch {micro} would fit ({gib(need)} needed, {gib(est.budget_mb)} usable "
-                      f"within the margin), yet it ran out of memory")
+        return None, (
+            f"inconsistent: micro-batch {micro} would fit ({gib(need)} needed, {gib(est.budget_mb)} usable "
+            f"within the margin), yet it ran out of memory"
+        )
     return est, ""
 
 

@@ -45,6 +45,7 @@ Format (version 1):
    "history": [{"attempt", "step", "incident", "from": {...}, "to": {...}, "t",
                 "basis": "evidence" | "ladder", "evidence": {...} | "why": "..."}]}
 """
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,9 @@ class Setting:
         return self.micro_batch_size * self.grad_accum
 
     def words(self) -> str:
-        return (f"micro_batch_size {self.micro_batch_size} × grad_accum {self.grad_accum}"
-                + (", gradient checkpointing" if self.gradient_checkpointing else ""))
+        return f"micro_batch_size {self.micro_batch_size} × grad_accum {self.grad_accum}" + (
+            ", gradient checkpointing" if self.gradient_checkpointing else ""
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,8 +88,11 @@ class Setting:
 
 def configured(cfg) -> Setting:
     """The setting the config asks for (`model.gradient_checkpointing` absent from older schemas counts as off)."""
-    return Setting(int(cfg.train.micro_batch_size), int(cfg.train.grad_accum),
-                   bool(getattr(cfg.model, "gradient_checkpointing", False)))
+    return Setting(
+        int(cfg.train.micro_batch_size),
+        int(cfg.train.grad_accum),
+        bool(getattr(cfg.model, "gradient_checkpointing", False)),
+    )
 
 
 def smaller_micro(micro: int) -> Optional[int]:
@@ -140,8 +145,13 @@ class Remedy:
 
     def fields(self) -> dict[str, Any]:
         """The incident's `remediation` field."""
-        return {"action": "failed" if self.exhausted else "restart_with", "from": self.from_.as_dict(),
-                "to": self.to.as_dict() if self.to else None, "message": self.message, **self.basis_fields()}
+        return {
+            "action": "failed" if self.exhausted else "restart_with",
+            "from": self.from_.as_dict(),
+            "to": self.to.as_dict() if self.to else None,
+            "message": self.message,
+            **self.basis_fields(),
+        }
 
 
 def decide(record: Optional[dict], cfg, evidence: Optional[oom_evidence.Evidence] = None) -> Remedy:
@@ -151,8 +161,10 @@ def decide(record: Optional[dict], cfg, evidence: Optional[oom_evidence.Evidence
     now = current(record, cfg)
     history = record.get("history") if valid_for(record, base) else None
     if isinstance(history, list) and history:
-        why = (f"{len(history)} out-of-memory restart(s) already: the ladder goes on from micro-batch "
-               f"{now.micro_batch_size}")
+        why = (
+            f"{len(history)} out-of-memory restart(s) already: the ladder goes on from micro-batch "
+            f"{now.micro_batch_size}"
+        )
     elif now.micro_batch_size <= 1:
         why = "micro-batch 1 already: nothing smaller to pick"
     else:
@@ -171,32 +183,52 @@ def from_evidence(now: Setting, est: oom_evidence.Estimate) -> Remedy:
     d = oom_evidence.pick(est, now.effective, smaller_micro(now.micro_batch_size))
     if d is not None:
         to = Setting(d, now.effective // d, now.gradient_checkpointing)
-        what = (f"micro-batch {to.micro_batch_size} × accumulation {to.grad_accum} (effective batch {to.effective} "
-                f"unchanged)")
+        what = (
+            f"micro-batch {to.micro_batch_size} × accumulation {to.grad_accum} (effective batch {to.effective} "
+            f"unchanged)"
+        )
         fits = f"{gib(est.need(d))} of {gib(est.budget_mb)} ({est.margin:.0%} of the capacity)"
-        return Remedy(now, to, f"{est.words()}; restarting from the last good checkpoint with {what}, about {fits}",
-                      basis="evidence", evidence={**est.fields(), "picked": d, "need_at_pick_mb": round(est.need(d), 1)})
+        return Remedy(
+            now,
+            to,
+            f"{est.words()}; restarting from the last good checkpoint with {what}, about {fits}",
+            basis="evidence",
+            evidence={**est.fields(), "picked": d, "need_at_pick_mb": round(est.need(d), 1)},
+        )
     to = Setting(1, now.effective, True)
     gc = "(gradient checkpointing stays on)" if now.gradient_checkpointing else "and gradient checkpointing"
-    return Remedy(now, to, f"{est.words()}; even micro-batch 1 would need about {gib(est.need(1))} of "
-                           f"{gib(est.budget_mb)} ({est.margin:.0%} of the capacity): restarting from the last good "
-                           f"checkpoint with micro-batch 1 × accumulation {to.grad_accum} (effective batch "
-                           f"{to.effective} unchanged) {gc}",
-                  basis="evidence", evidence={**est.fields(), "picked": None, "need_at_pick_mb": round(est.need(1), 1)})
+    return Remedy(
+        now,
+        to,
+        f"{est.words()}; even micro-batch 1 would need about {gib(est.need(1))} of "
+        f"{gib(est.budget_mb)} ({est.margin:.0%} of the capacity): restarting from the last good "
+        f"checkpoint with micro-batch 1 × accumulation {to.grad_accum} (effective batch "
+        f"{to.effective} unchanged) {gc}",
+        basis="evidence",
+        evidence={**est.fields(), "picked": None, "need_at_pick_mb": round(est.need(1), 1)},
+    )
 
 
 def ladder(record: Optional[dict], base: Setting, now: Setting, why: str) -> Remedy:
     """The ladder's next rung after `now` (`why`: why the evidence did not decide), or none left."""
     to = next_setting(now)
     if to is None:
-        return Remedy(now, None, f"out of memory with every remedy tried ({tried_words(record, base)}); lower "
-                                 "data.max_length, use a smaller model or model.load_in_4bit, or a device with more memory",
-                      why=why)
-    what = ("gradient checkpointing turned on" if to.gradient_checkpointing and not now.gradient_checkpointing
-            else f"micro-batch {now.micro_batch_size} → {to.micro_batch_size}, accumulation {now.grad_accum} → "
-                 f"{to.grad_accum} (effective batch {to.effective} unchanged)")
-    return Remedy(now, to, f"out of memory: restarting from the last good checkpoint with {what}; the ladder: {why}",
-                  why=why)
+        return Remedy(
+            now,
+            None,
+            f"out of memory with every remedy tried ({tried_words(record, base)}); lower "
+            "data.max_length, use a smaller model or model.load_in_4bit, or a device with more memory",
+            why=why,
+        )
+    what = (
+        "gradient checkpointing turned on"
+        if to.gradient_checkpointing and not now.gradient_checkpointing
+        else f"micro-batch {now.micro_batch_size} → {to.micro_batch_size}, accumulation {now.grad_accum} → "
+        f"{to.grad_accum} (effective batch {to.effective} unchanged)"
+    )
+    return Remedy(
+        now, to, f"out of memory: restarting from the last good checkpoint with {what}; the ladder: {why}", why=why
+    )
 
 
 def current(record: Optional[dict], cfg) -> Setting:
@@ -220,13 +252,30 @@ def valid_for(record: Optional[dict], base: Setting) -> bool:
     return s.micro_batch_size >= 1 and s.effective == base.effective
 
 
-def applied(record: Optional[dict], cfg, remedy: Remedy, *, attempt: int, step: Optional[int],
-            incident: Optional[str], now: Optional[float] = None) -> dict:
+def applied(
+    record: Optional[dict],
+    cfg,
+    remedy: Remedy,
+    *,
+    attempt: int,
+    step: Optional[int],
+    incident: Optional[str],
+    now: Optional[float] = None,
+) -> dict:
     """The record after `remedy` (not exhausted) is applied: the new setting, one more history entry."""
     base = configured(cfg)
     history = list(record.get("history", [])) if valid_for(record, base) else []
-    history.append({"attempt": attempt, "step": step, "incident": incident, "from": remedy.from_.as_dict(),
-                    "to": remedy.to.as_dict(), "t": time.time() if now is None else now, **remedy.basis_fields()})
+    history.append(
+        {
+            "attempt": attempt,
+            "step": step,
+            "incident": incident,
+            "from": remedy.from_.as_dict(),
+            "to": remedy.to.as_dict(),
+            "t": time.time() if now is None else now,
+            **remedy.basis_fields(),
+        }
+    )
     return {"version": FORMAT_VERSION, "configured": base.as_dict(), **remedy.to.as_dict(), "history": history}
 
 
@@ -252,8 +301,12 @@ def summary(record: Optional[dict], cfg) -> Optional[dict]:
     now = current(record, cfg)
     if now == base:
         return None
-    return {"configured": base.as_dict(), "now": now.as_dict(), "words": f"{base.words()} → {now.words()} (OOM)",
-            "oom_restarts": len(record.get("history", []))}
+    return {
+        "configured": base.as_dict(),
+        "now": now.as_dict(),
+        "words": f"{base.words()} → {now.words()} (OOM)",
+        "oom_restarts": len(record.get("history", [])),
+    }
 
 
 class OomRemediation:
@@ -265,8 +318,16 @@ class OomRemediation:
         # A user's own script has no micro-batch we could change; `restart.oom_remediation: false` turns it off.
         self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
 
-    def on_failure(self, kind: str, *, attempt: int, step: Optional[int], incident: Optional[str],
-                   now: Optional[float] = None, evidence: Optional[oom_evidence.Evidence] = None) -> Optional[Remedy]:
+    def on_failure(
+        self,
+        kind: str,
+        *,
+        attempt: int,
+        step: Optional[int],
+        incident: Optional[str],
+        now: Optional[float] = None,
+        evidence: Optional[oom_evidence.Evidence] = None,
+    ) -> Optional[Remedy]:
         """For an attempt that failed with `kind`: the remedy (already saved when it is a new setting), or None
         (not an OOM, or not the built-in worker).  `evidence`: what the failed attempt left about memory."""
         if not self.enabled or kind != OOM_KIND:
@@ -274,15 +335,26 @@ class OomRemediation:
         record = load(self.run_dir)
         remedy = decide(record, self.cfg, evidence)
         if not remedy.exhausted:
-            save(self.run_dir, applied(record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now))
+            save(
+                self.run_dir, applied(record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now)
+            )
         return remedy
 
     def summary(self) -> Optional[dict]:
         return summary(load(self.run_dir), self.cfg) if self.enabled else None
 
 
-def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, *, attempt: int,
-               step: Optional[int], now: Optional[float] = None, evidence: Optional[oom_evidence.Evidence] = None):
+def after_exit(
+    handle: OomRemediation,
+    kind: Optional[str],
+    incident,
+    decision,
+    *,
+    attempt: int,
+    step: Optional[int],
+    now: Optional[float] = None,
+    evidence: Optional[oom_evidence.Evidence] = None,
+):
     """The restart policy's `decision` on an ended attempt, with OOM remediation applied: for an out-of-memory
     failure the policy restarts, the remedy is saved and named in the decision's reason and in the incident
     (`remediation`); with every remedy tried the run fails instead, with the message saying what was tried.
@@ -292,8 +364,9 @@ def after_exit(handle: OomRemediation, kind: Optional[str], incident, decision, 
     if decision is None or decision.action != "restart" or kind is None:
         return decision
     try:
-        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=getattr(incident, "id", None), now=now,
-                                   evidence=evidence)
+        remedy = handle.on_failure(
+            kind, attempt=attempt, step=step, incident=getattr(incident, "id", None), now=now, evidence=evidence
+        )
     except OSError as exc:  # the remedy must reach the next attempt through the file: without it, it would OOM again
         return Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}")
     if remedy is None:
@@ -344,8 +417,9 @@ def on_episode(handle: OomRemediation, episode, attempt: int, run_dir: os.PathLi
     if handle.enabled and episode.kind == OOM_KIND and restarting:  # the evidence only picks a restart's micro-batch
         rank = inc.data.get("culprit_rank") if inc is not None else None
         evidence = oom_evidence.gather(run_dir, attempt, rank if isinstance(rank, int) else 0)
-    episode.decision = after_exit(handle, episode.kind, inc, episode.decision, attempt=attempt, step=step,
-                                  evidence=evidence)
+    episode.decision = after_exit(
+        handle, episode.kind, inc, episode.decision, attempt=attempt, step=step, evidence=evidence
+    )
 
 
 def state_fields(run_dir: os.PathLike | str) -> dict:
@@ -377,8 +451,12 @@ def quarantine_summary(records: list[dict]) -> Optional[dict]:
     if not records:
         return None
     ids = [r["id"] for r in records]
-    return {"count": len(ids), "ids": ids[:MAX_IDS_SHOWN], "more": max(0, len(ids) - MAX_IDS_SHOWN),
-            "file": QUARANTINE_NAME}
+    return {
+        "count": len(ids),
+        "ids": ids[:MAX_IDS_SHOWN],
+        "more": max(0, len(ids) - MAX_IDS_SHOWN),
+        "file": QUARANTINE_NAME,
+    }
 
 
 def quarantine_fields(run_dir: os.PathLike | str, attempt: int) -> dict:

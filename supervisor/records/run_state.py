@@ -10,6 +10,7 @@ each rank announced and the descendants seen, each with its start time (see `lef
 `hangwatch status` without a socket and `hangwatch report` read it too.  The loop fills it from its
 read model (`loop.view.state_record`).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from hangwatch.common.durable import NO_ROOM_ERRNOS, FsOps, reserved
-from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
 from hangwatch.supervisor.processes.process import ProcRef, Worker
+from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
 
 FORMAT_VERSION = 1
 
@@ -30,9 +31,16 @@ class RunFacts:
     ledger, across supervisors).  `last_good_checkpoint`/`last_good_step` are the ledger's answer
     (`checkpoint_ledger`); state.json keeps showing them for `status` and `report`."""
 
-    def __init__(self, restarts: int = 0, last_good_checkpoint: Optional[str] = None,
-                 last_good_step: Optional[int] = None, torn_lines: int = 0, last_incident: Optional[dict] = None,
-                 last_step: Optional[dict] = None, checkpoints: Optional[CheckpointLedger] = None):
+    def __init__(
+        self,
+        restarts: int = 0,
+        last_good_checkpoint: Optional[str] = None,
+        last_good_step: Optional[int] = None,
+        torn_lines: int = 0,
+        last_incident: Optional[dict] = None,
+        last_step: Optional[dict] = None,
+        checkpoints: Optional[CheckpointLedger] = None,
+    ):
         self.restarts = restarts
         self.torn_lines = torn_lines
         self.last_incident = last_incident  # {"id", "kind", "summary"}
@@ -41,8 +49,11 @@ class RunFacts:
         if last_good_checkpoint and not self.checkpoints.entries:
             # A run dir from a supervisor that kept no ledger (or whose ledger was unreadable): its
             # state.json is the only record there is.
-            self.checkpoints.adopt(str(last_good_checkpoint), last_good_step if isinstance(last_good_step, int) else None,
-                                   "recorded in state.json by an earlier supervisor")
+            self.checkpoints.adopt(
+                str(last_good_checkpoint),
+                last_good_step if isinstance(last_good_step, int) else None,
+                "recorded in state.json by an earlier supervisor",
+            )
 
     @property
     def last_good_checkpoint(self) -> Optional[str]:
@@ -57,18 +68,40 @@ class RunFacts:
     @classmethod
     def from_previous(cls, data: Optional[dict], checkpoints: Optional[CheckpointLedger] = None) -> "RunFacts":
         data = data or {}
-        return cls(restarts=int(data.get("restarts") or 0), last_good_checkpoint=data.get("last_good_checkpoint"),
-                   last_good_step=data.get("last_good_step"), checkpoints=checkpoints)
+        return cls(
+            restarts=int(data.get("restarts") or 0),
+            last_good_checkpoint=data.get("last_good_checkpoint"),
+            last_good_step=data.get("last_good_step"),
+            checkpoints=checkpoints,
+        )
 
     def note_incident(self, inc) -> None:
         self.last_incident = {"id": inc.id, "kind": inc.kind, "summary": inc.data.get("summary")}
 
 
-def record(*, state: str, final: bool, tree_gone: bool, supervisor: Optional[ProcRef], worker: Optional[Worker],
-           announced: dict[int, ProcRef], descendants: Iterable[ProcRef], attempt: int, restarts: int,
-           last_good_checkpoint: Optional[str], last_good_step: Optional[int], last_incident: Optional[dict],
-           torn_lines: int, incidents: int, socket: str, run_dir: str, exit_code: int, paused: bool = False,
-           wall: Optional[float] = None, why: Optional[str] = None) -> dict:
+def record(
+    *,
+    state: str,
+    final: bool,
+    tree_gone: bool,
+    supervisor: Optional[ProcRef],
+    worker: Optional[Worker],
+    announced: dict[int, ProcRef],
+    descendants: Iterable[ProcRef],
+    attempt: int,
+    restarts: int,
+    last_good_checkpoint: Optional[str],
+    last_good_step: Optional[int],
+    last_incident: Optional[dict],
+    torn_lines: int,
+    incidents: int,
+    socket: str,
+    run_dir: str,
+    exit_code: int,
+    paused: bool = False,
+    wall: Optional[float] = None,
+    why: Optional[str] = None,
+) -> dict:
     """The state.json object.  `tree_gone`: the worker's tree was seen gone, so no pid is recorded —
     until then the worker stays recorded even after its exit, since its group may still hold processes.
     `paused`: an operator's pause must outlive this supervisor (the next supervisor on this run dir

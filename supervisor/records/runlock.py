@@ -6,6 +6,7 @@ holder's pid and changes nothing.  The kernel drops the lock when the holder die
 so a stale lock file never blocks a restart; the file itself is left in place (removing it would
 race with a newcomer that already opened it).
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,8 +24,10 @@ class RunDirBusy(RuntimeError):
     def __init__(self, run_dir: Path, holder: Optional[int]):
         self.run_dir, self.holder = run_dir, holder
         who = f"pid {holder}" if holder else "a supervisor that is starting"
-        super().__init__(f"another hangwatch ({who}) is supervising {run_dir}; "
-                         f"stop it first (hangwatch stop --run-dir {run_dir}) or use another run dir")
+        super().__init__(
+            f"another hangwatch ({who}) is supervising {run_dir}; "
+            f"stop it first (hangwatch stop --run-dir {run_dir}) or use another run dir"
+        )
 
 
 class RunLock:

@@ -14,6 +14,7 @@ report (`episode.kernel_evidence.torchrun_root_cause`).  `no_retry_code` reads a
 
 Exit 0 is never a failure, whatever was written.  Pure: the caller reads the files and the log.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Optional
@@ -23,8 +24,13 @@ from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, NO
 # The last words' kinds that mean the same as the codes (`daemon.lastwords.classify` writes both; a script of
 # one's own may write only the kind).  `checkpoint_failed` is not here: it is a disk error only when its
 # exit_code says 74.
-KIND_CODES = {"config_error": EXIT_CONFIG, "config": EXIT_CONFIG, "data_error": EXIT_DATAERR, "data": EXIT_DATAERR,
-              "disk": EXIT_IOERR}
+KIND_CODES = {
+    "config_error": EXIT_CONFIG,
+    "config": EXIT_CONFIG,
+    "data_error": EXIT_DATAERR,
+    "data": EXIT_DATAERR,
+    "disk": EXIT_IOERR,
+}
 CODE_NAMES = {EXIT_CONFIG: "EX_CONFIG", EXIT_DATAERR: "EX_DATAERR", EXIT_IOERR: "EX_IOERR"}
 
 
@@ -49,8 +55,9 @@ def words_message(words: Mapping, code: int) -> str:
     return str(words.get("message") or words.get("kind") or f"exit {code} ({CODE_NAMES[code]})")
 
 
-def no_retry_code(code: Optional[int], last_words_by_rank: Mapping[int, Mapping],
-                  root_cause: Optional[Mapping]) -> Optional[NoRetry]:
+def no_retry_code(
+    code: Optional[int], last_words_by_rank: Mapping[int, Mapping], root_cause: Optional[Mapping]
+) -> Optional[NoRetry]:
     """(code, rank, message) of a do-not-restart error on any rank, or None (restart as the policy says).
 
     `code`: the worker's exit code (None: ended by a signal); `last_words_by_rank`: {rank: its last words};
@@ -72,5 +79,9 @@ def no_retry_code(code: Optional[int], last_words_by_rank: Mapping[int, Mapping]
     if failed not in NO_RESTART_CODES or rank in last_words_by_rank:
         return None  # a rank's own last words outrank the launcher's account of it
     exc = root_cause.get("exception")
-    return NoRetry(failed, rank, f"exit {failed} ({CODE_NAMES[failed]}) per torchrun's root-cause report, no last words"
-                                 + (f"; the log's last exception: {exc}" if exc else ""))
+    return NoRetry(
+        failed,
+        rank,
+        f"exit {failed} ({CODE_NAMES[failed]}) per torchrun's root-cause report, no last words"
+        + (f"; the log's last exception: {exc}" if exc else ""),
+    )

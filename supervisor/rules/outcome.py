@@ -12,6 +12,7 @@ gone), a request during BACKOFF, and a request while PAUSED.
 
 The no-progress stop is the restart policy's (`rules.policy.ProgressPolicy`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -31,7 +32,9 @@ class Intent(enum.Enum):
     PAUSE = "pause"
     RESTART = "restart"  # `restart`, `resume`
     FAIL = "fail"  # the supervisor cannot go on (the disk refused its writes): stop the worker, end failed
-    PEER_FAILED = "peer_failed"  # several nodes: a peer's supervisor ended failed (its crash loop): the run cannot go on
+    PEER_FAILED = (
+        "peer_failed"  # several nodes: a peer's supervisor ended failed (its crash loop): the run cannot go on
+    )
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,13 @@ REQUESTED = {
 }
 
 
-def resolve(intent: Intent, decision: Optional[Decision], exit_code: Optional[int] = None,
-            during: Optional[str] = None, reason: Optional[str] = None) -> Optional[Outcome]:
+def resolve(
+    intent: Intent,
+    decision: Optional[Decision],
+    exit_code: Optional[int] = None,
+    during: Optional[str] = None,
+    reason: Optional[str] = None,
+) -> Optional[Outcome]:
     """(request, policy decision, the worker's exit code) → what comes next; None: stay as it is.
 
     `during` names the state a request arrived in ("backoff", "paused"), for the reason given;

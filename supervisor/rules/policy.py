@@ -17,22 +17,25 @@ first attempt starts with none).  The crash-loop guard does not depend on the de
 reached, so replaying the same steps after each resume does not count) fail the run.
 Pure logic: every method takes `now`.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from hangwatch.common.config import RestartCfg
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL, NO_RESTART_CODES
 from hangwatch.common.protocol import EXIT_STOP_REASON
-from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.rules.no_retry import NoRetry
 
 FINISH_REASONS = frozenset({"finished", "idle"})
 NO_RESTART_WORDS = {
-    EXIT_CONFIG: "configuration error (EX_CONFIG)", EXIT_DATAERR: "unusable data (EX_DATAERR)",
+    EXIT_CONFIG: "configuration error (EX_CONFIG)",
+    EXIT_DATAERR: "unusable data (EX_DATAERR)",
     EXIT_IOERR: "the disk refused a write (EX_IOERR): make room, then `hangwatch run` resumes from the last good "
-                "checkpoint"}
+    "checkpoint",
+}
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,13 @@ class Decision:
     exit_code: Optional[int] = None
 
     def as_dict(self) -> dict:
-        out = {"action": self.action, "reason": self.reason, "delay_s": round(self.delay_s, 3),
-               "crash_loop": self.crash_loop, "rollback": self.rollback}
+        out = {
+            "action": self.action,
+            "reason": self.reason,
+            "delay_s": round(self.delay_s, 3),
+            "crash_loop": self.crash_loop,
+            "rollback": self.rollback,
+        }
         if self.exit_code is not None:
             out["exit_code"] = self.exit_code
         return out
@@ -85,9 +93,15 @@ class RestartPolicy:
         delay = self.cfg.backoff_initial_s * (2 ** (failures - 2))
         return float(min(delay, self.cfg.backoff_max_s))
 
-    def on_exit(self, now: float, code: Optional[int], stop_reason: Optional[str] = None,
-                own_command: bool = False, no_retry: Optional[NoRetry] = None,
-                teardown: Optional[str] = None) -> Decision:
+    def on_exit(
+        self,
+        now: float,
+        code: Optional[int],
+        stop_reason: Optional[str] = None,
+        own_command: bool = False,
+        no_retry: Optional[NoRetry] = None,
+        teardown: Optional[str] = None,
+    ) -> Decision:
         """The worker exited by itself with `code` (None: killed by a signal).  `own_command`: the worker is the
         user's command (`worker.command`), which owes hangwatch no `stop` line: exit 0 without one is a command
         that completed, as it would be in a shell (the built-in worker always says why it stops).  `no_retry`: a
@@ -106,12 +120,20 @@ class RestartPolicy:
             how = f"exited with code {code}" if code is not None else "ended by a signal"
             what, _, advice = NO_RESTART_WORDS[no_retry.code].partition(": ")
             who = f"rank {no_retry.rank}" if no_retry.rank is not None else "a rank"
-            return Decision("fail", f"{who} exited {no_retry.code}: {what}" + (f": {said}" if said else "")
-                            + f"; not restarting (the worker {how})" + (f"; {advice}" if advice else ""),
-                            exit_code=no_retry.code)
+            return Decision(
+                "fail",
+                f"{who} exited {no_retry.code}: {what}"
+                + (f": {said}" if said else "")
+                + f"; not restarting (the worker {how})"
+                + (f"; {advice}" if advice else ""),
+                exit_code=no_retry.code,
+            )
         if code == EXIT_TEMPFAIL:
-            return self.on_failure(now, f"worker exited {code}: non-finite loss streak; restart from the last good checkpoint",
-                                   rollback=True)
+            return self.on_failure(
+                now,
+                f"worker exited {code}: non-finite loss streak; restart from the last good checkpoint",
+                rollback=True,
+            )
         return self.on_failure(now, "worker exited" + (f" with code {code}" if code is not None else " by a signal"))
 
     def on_failure(self, now: float, reason: str, *, rollback: bool = False) -> Decision:
@@ -139,6 +161,7 @@ class RestartPolicy:
 # on hopeless attempts (a resume that never steps, a crash at the same place after every resume).  Unlike the crash
 # loop it does not depend on how fast the attempts fail.  The loop records the `no_progress` incident.
 
+
 @dataclass
 class NoProgress:
     """Counts the restarts in a row that ended without a step past their reference step.  `limit` 0: off."""
@@ -159,7 +182,11 @@ class NoProgress:
         return self.limit > 0 and self.streak >= self.limit
 
     def words(self, reference: Optional[int]) -> str:
-        past = f"step {reference}, the last good checkpoint" if reference is not None else "step 0 (no good checkpoint yet)"
+        past = (
+            f"step {reference}, the last good checkpoint"
+            if reference is not None
+            else "step 0 (no good checkpoint yet)"
+        )
         return f"no progress: {self.streak} restart(s) in a row ended without stepping past {past}"
 
 
@@ -192,8 +219,15 @@ class ProgressPolicy(RestartPolicy):
         hopeless = self.no_progress.attempt_ended(self.started > 1, self.reference, self.attempt_top)
         if decision.action != "restart" or not hopeless:
             return decision
-        why = f"{self.no_progress.words(self.reference)} (restart.no_progress_restarts {self.no_progress.limit}); " \
-              f"last failure: {reason}"
-        self.gave_up = {"reason": why, "restarts": self.no_progress.streak, "last_good_step": self.reference,
-                        "attempt_top_step": self.attempt_top, "last_failure": reason}
+        why = (
+            f"{self.no_progress.words(self.reference)} (restart.no_progress_restarts {self.no_progress.limit}); "
+            f"last failure: {reason}"
+        )
+        self.gave_up = {
+            "reason": why,
+            "restarts": self.no_progress.streak,
+            "last_good_step": self.reference,
+            "attempt_top_step": self.attempt_top,
+            "last_failure": reason,
+        }
         return Decision("fail", why)

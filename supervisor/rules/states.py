@@ -25,6 +25,7 @@ Every change goes through `StateMachine.transition`, which raises `IllegalTransi
 one, from `hangwatch.common.transitions`) for a move the table does not allow, so a logic error shows
 up as an exception instead of a wedged supervisor.
 """
+
 from __future__ import annotations
 
 import enum
@@ -86,7 +87,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 class StateMachine:
     """The current state; a listener hears every accepted transition."""
 
-    def __init__(self, initial: State = State.STARTING, *, on_change: Optional[Callable[[State, State, str], None]] = None):
+    def __init__(
+        self, initial: State = State.STARTING, *, on_change: Optional[Callable[[State, State, str], None]] = None
+    ):
         self.state = initial
         self.reason = ""  # why the last accepted transition happened (a final state's is the run's end)
         self._on_change = on_change
@@ -95,8 +98,11 @@ class StateMachine:
         src = self.state
         if dst not in TRANSITIONS[src]:
             allowed = ", ".join(sorted(s.value for s in TRANSITIONS[src])) or "none (final state)"
-            raise IllegalTransition(f"illegal transition {src.value} → {dst.value}" + (f" ({reason})" if reason else "")
-                                    + f"; allowed from {src.value}: {allowed}")
+            raise IllegalTransition(
+                f"illegal transition {src.value} → {dst.value}"
+                + (f" ({reason})" if reason else "")
+                + f"; allowed from {src.value}: {allowed}"
+            )
         self.state, self.reason = dst, reason
         if self._on_change is not None:
             self._on_change(src, dst, reason)

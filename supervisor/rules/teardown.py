@@ -14,6 +14,7 @@ code without a signal is judged by the policy as before, whatever the lines said
 
 Pure: the caller passes what it read.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -33,8 +34,12 @@ def finished_stop(stop: Optional[Mapping]) -> bool:
     return reason == EXIT_STOP_REASON and type(code) is int and code == 0
 
 
-def teardown_crash(exit_code: Optional[int], exit_signal: Optional[str], stops: Mapping[int, Optional[Mapping]],
-                   root_cause: Optional[Mapping]) -> Optional[str]:
+def teardown_crash(
+    exit_code: Optional[int],
+    exit_signal: Optional[str],
+    stops: Mapping[int, Optional[Mapping]],
+    root_cause: Optional[Mapping],
+) -> Optional[str]:
     """Why the run is finished although the worker's exit was not clean, or None (judge the exit as usual).
 
     `exit_code`: the worker's exit code (None when a signal ended it); `exit_signal`: that signal's name;
@@ -51,8 +56,10 @@ def teardown_crash(exit_code: Optional[int], exit_signal: Optional[str], stops: 
         how = str(root_cause["signal"])
     else:
         return None
-    return (f"{who} died by {how} while exiting, after every rank had finished its work ({said}): a crash in the "
-            f"process's teardown, not in the run; not restarting")
+    return (
+        f"{who} died by {how} while exiting, after every rank had finished its work ({said}): a crash in the "
+        f"process's teardown, not in the run; not restarting"
+    )
 
 
 def exit_hang(deadline: Optional[str], stops: Mapping[int, Optional[Mapping]]) -> Optional[str]:
@@ -63,16 +70,21 @@ def exit_hang(deadline: Optional[str], stops: Mapping[int, Optional[Mapping]]) -
     said = _all_done(stops)
     if deadline != "exit" or said is None:
         return None
-    return (f"the worker did not exit after every rank had finished its work ({said}); its tree was killed: a hang on "
-            f"the way out, not in the run; not restarting")
+    return (
+        f"the worker did not exit after every rank had finished its work ({said}); its tree was killed: a hang on "
+        f"the way out, not in the run; not restarting"
+    )
 
 
 def _all_done(stops: Mapping[int, Optional[Mapping]]) -> Optional[str]:
     """What each rank said, when every one said its work was done (at least one rank); else None."""
     if not stops or not all(finished_stop(s) for s in stops.values()):
         return None
-    return "; ".join(f"rank {r}: " + ("the interpreter exited with status 0" if s["reason"] == EXIT_STOP_REASON
-                                      else f"stop {s['reason']!r}") for r, s in sorted(stops.items()))
+    return "; ".join(
+        f"rank {r}: "
+        + ("the interpreter exited with status 0" if s["reason"] == EXIT_STOP_REASON else f"stop {s['reason']!r}")
+        for r, s in sorted(stops.items())
+    )
 
 
 __all__ = ["teardown_crash", "exit_hang", "finished_stop"]

@@ -31,6 +31,7 @@ is missing (another OS, the instance limit reached) `FileEvents.open` says why, 
 cannot be watched (the watch limit reached) `watching` is false: the loop falls back to reading on a
 short timer.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -63,8 +64,25 @@ def _tick_s() -> float:
 
 
 FILE_TIME_TICK_S = _tick_s()  # a modification time may lag the write by up to this much
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "gpfs",
-                        "beegfs", "afs", "ocfs2", "gfs2", "davfs"})
+NETWORK_FS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "9p",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "davfs",
+    }
+)
 
 
 def written_at(mtime_ns: Optional[int], wall_now: float, now: float, lo: float) -> float:
@@ -246,6 +264,7 @@ def _inotify():
     global _inotify_c
     if _inotify_c is None:
         from watchdog.observers import inotify_c
+
         _inotify_c = inotify_c
     return _inotify_c
 
@@ -367,7 +386,7 @@ class FileEvents:
             off = 0
             while off + EVENT.size <= len(buf):
                 wd, mask, _cookie, length = EVENT.unpack_from(buf, off)
-                name = buf[off + EVENT.size: off + EVENT.size + length].rstrip(b"\0").decode("utf-8", "replace")
+                name = buf[off + EVENT.size : off + EVENT.size + length].rstrip(b"\0").decode("utf-8", "replace")
                 off += EVENT.size + length
                 if mask & self._overflow:
                     grew = self._everything = True

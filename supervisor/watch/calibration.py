@@ -6,6 +6,7 @@ The step deadline starts generous (`first_steps_timeout_s`: compile, warm-up) an
 same way once a few of them have completed.  The samples live in `<run_dir>/calibration.json`, so
 the next attempt — or the next supervisor — starts calibrated instead of generous again.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,9 @@ class Calibration:
         return len(self.step_samples) >= self.wd.calibrate_after
 
     def _clamped(self, samples) -> float:
-        return min(max(self.wd.calibration_factor * p99(samples), self.wd.step_timeout_min_s), self.wd.step_timeout_max_s)
+        return min(
+            max(self.wd.calibration_factor * p99(samples), self.wd.step_timeout_min_s), self.wd.step_timeout_max_s
+        )
 
     def step_budget(self) -> Optional[float]:
         """The calibrated step deadline, or None while too few steps were seen."""
@@ -92,7 +95,12 @@ class Calibration:
                 "samples_s": [round(x, 6) for x in self.step_samples],
             },
             "phases": {
-                name: {"count": len(s), "p99_s": p99(s), "budget_s": self.phase_budget(name), "samples_s": [round(x, 6) for x in s]}
+                name: {
+                    "count": len(s),
+                    "p99_s": p99(s),
+                    "budget_s": self.phase_budget(name),
+                    "samples_s": [round(x, 6) for x in s],
+                }
                 for name, s in self.phase_samples.items()
                 if s
             },

@@ -40,13 +40,14 @@ after every `len/20` new ones (a 5% turnover of the window: at 640 steps a secon
 640), and at once when calibration begins or the number of samples changed behind this object's back
 (a reload).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.common.config import WatchdogCfg
+from hangwatch.supervisor.watch.calibration import Calibration
 
 UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
 QUIET_PHASES = frozenset({"load"})  # one long call that cannot beat: bounded by its phase budget instead
@@ -90,8 +91,12 @@ class Expired:
     @property
     def livelock(self) -> bool:
         """Still beating `progress` late in the window (not just once before going quiet): alive, going nowhere."""
-        return (self.name in ("step", "phase") and self.progress_lines > 0 and self.last_progress_age_s is not None
-                and self.last_progress_age_s <= self.budget_s / 2)
+        return (
+            self.name in ("step", "phase")
+            and self.progress_lines > 0
+            and self.last_progress_age_s is not None
+            and self.last_progress_age_s <= self.budget_s / 2
+        )
 
     @property
     def incident_kind(self) -> str:
@@ -201,11 +206,16 @@ class Deadlines:
         if self.wd.step_timeout_s is not None:
             return float(self.wd.step_timeout_s), "config"
         n = len(self.calibration.step_samples)
-        due = self._new_samples >= max(1, n // 20) or (self._step_cached[1] != "calibrated" and n >= self.wd.calibrate_after)
+        due = self._new_samples >= max(1, n // 20) or (
+            self._step_cached[1] != "calibrated" and n >= self.wd.calibrate_after
+        )
         if n != self._samples_seen or due:
             calibrated = self.calibration.step_budget()
-            self._step_cached = (calibrated, "calibrated") if calibrated is not None else (
-                float(self.wd.first_steps_timeout_s), "first_steps")
+            self._step_cached = (
+                (calibrated, "calibrated")
+                if calibrated is not None
+                else (float(self.wd.first_steps_timeout_s), "first_steps")
+            )
             self._samples_seen, self._new_samples = n, 0
         return self._step_cached
 
@@ -306,8 +316,14 @@ class Deadlines:
         if self.startup_armed:
             out.append(Expired("startup", float(self.wd.startup_timeout_s), now - self.spawned_at, source="config"))
         if not self.started and self.spawned_at is not None:
-            out.append(Expired("output_silence", float(self.wd.output_silence_timeout_s),
-                               now - max(self.spawned_at, self.output_at or self.spawned_at), source="config"))
+            out.append(
+                Expired(
+                    "output_silence",
+                    float(self.wd.output_silence_timeout_s),
+                    now - max(self.spawned_at, self.output_at or self.spawned_at),
+                    source="config",
+                )
+            )
         for name, (anchor, budget, source) in self.extra.items():
             out.append(Expired(name, budget, now - anchor, source=source))
         for tr in self.ranks.values():
@@ -316,26 +332,52 @@ class Deadlines:
             common = dict(rank=tr.rank, phase=tr.phase, step=tr.step)
             age = now - tr.last_progress_at if tr.progress_since_step and tr.last_progress_at is not None else None
             if tr.phase not in QUIET_PHASES:
-                out.append(Expired("silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common))
+                out.append(
+                    Expired(
+                        "silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common
+                    )
+                )
             budget, source = self._phase_limit(tr)
             if budget is not None:
                 since = self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since
                 out.append(
-                    Expired("phase", budget, now - since, source=source,
-                            progress_lines=tr.progress_since_step, last_progress_age_s=age, **common)
+                    Expired(
+                        "phase",
+                        budget,
+                        now - since,
+                        source=source,
+                        progress_lines=tr.progress_since_step,
+                        last_progress_age_s=age,
+                        **common,
+                    )
                 )
             if tr.phase == "train":
                 anchor = max(x for x in (tr.last_step_at, tr.train_since, tr.phase_since) if x is not None)
                 budget, source = self.step_budget()
-                out.append(Expired("step", budget, now - anchor, source=source, progress_lines=tr.progress_since_step,
-                                   last_progress_age_s=age, **common))
+                out.append(
+                    Expired(
+                        "step",
+                        budget,
+                        now - anchor,
+                        source=source,
+                        progress_lines=tr.progress_since_step,
+                        last_progress_age_s=age,
+                        **common,
+                    )
+                )
         return out
 
     def active(self, now: float) -> list[dict]:
         """Every armed deadline: name, rank, budget, elapsed and remaining seconds."""
         return [
-            {"name": e.name, "rank": e.rank, "budget_s": round(e.budget_s, 3), "elapsed_s": round(e.elapsed_s, 3),
-             "remaining_s": round(e.budget_s - e.elapsed_s, 3), "source": e.source}
+            {
+                "name": e.name,
+                "rank": e.rank,
+                "budget_s": round(e.budget_s, 3),
+                "elapsed_s": round(e.elapsed_s, 3),
+                "remaining_s": round(e.budget_s - e.elapsed_s, 3),
+                "source": e.source,
+            }
             for e in self._candidates(now)
         ]
 

@@ -15,6 +15,7 @@ never before the previous read (as `beat_files.written_at` does for heartbeat li
 off (a fake clock) it is the time of the read.  A log that grows faster than READ_CHUNK a call is read from
 its last READ_CHUNK: only the newest lines matter.
 """
+
 from __future__ import annotations
 
 import os
@@ -117,10 +118,17 @@ class OutputTail:
 
     def evidence(self, now: float) -> dict:
         """What the output said, for an incident and `status`."""
+
         def age(t: Optional[float]) -> Optional[float]:
             return None if t is None else round(now - t, 3)
 
-        return {"log": str(self.path), "last_output_age_s": age(self.last_output_at), "last_line": self.last_line or None,
-                "last_progress_age_s": age(self.last_progress_at), "last_progress_line": self.last_progress_line or None,
-                "progress_lines": self.progress_lines, "step": self.step,
-                **({"skipped_bytes": self.skipped_bytes} if self.skipped_bytes else {})}
+        return {
+            "log": str(self.path),
+            "last_output_age_s": age(self.last_output_at),
+            "last_line": self.last_line or None,
+            "last_progress_age_s": age(self.last_progress_at),
+            "last_progress_line": self.last_progress_line or None,
+            "progress_lines": self.progress_lines,
+            "step": self.step,
+            **({"skipped_bytes": self.skipped_bytes} if self.skipped_bytes else {}),
+        }

@@ -12,6 +12,7 @@ the resume point: the replay window, however long the files); `ReplayAudit` comp
 lines as they arrive and says, once: diverged (the first difference), verified (the window replayed), or, when
 the attempt ends first, partial.  Pure but for `earlier_beats`' reads; no clock.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,7 @@ def _fmt(v: float) -> str:
 
 
 def explain(step: int, diffs: list[tuple[str, float, float]], rank: Optional[int] = None) -> str:
-    """"step 31: loss 2.31 vs 2.447 before the restart; lr 0.00012 vs 0.0002 — the learning-rate schedule was not restored"."""
+    """ "step 31: loss 2.31 vs 2.447 before the restart; lr 0.00012 vs 0.0002 — the learning-rate schedule was not restored"."""
     figures = "; ".join(f"{k} {_fmt(a)} vs {_fmt(b)}" for k, a, b in diffs)
     names = {k for k, _, _ in diffs}
     if "lr" in names:
@@ -172,8 +173,11 @@ class ReplayAudit:
     def __post_init__(self) -> None:
         # A non-finite loss or gradient norm before the restart was the failure (or the step it skipped), not a
         # reference: from that step on the earlier attempt trained something else, so the window ends before it.
-        bad = [s for (_, s), (_, figs) in self.before.items()
-               if any(not math.isfinite(figs[k]) for k in ("loss", "grad_norm") if k in figs)]
+        bad = [
+            s
+            for (_, s), (_, figs) in self.before.items()
+            if any(not math.isfinite(figs[k]) for k in ("loss", "grad_norm") if k in figs)
+        ]
         if bad:
             self.cutoff = min(bad)
             self.before = {k: v for k, v in self.before.items() if k[1] < self.cutoff}
@@ -212,9 +216,13 @@ class ReplayAudit:
             if diffs:
                 self.verdict = "diverged"
                 ranks = {r for r, _ in self.before}
-                self.difference = {"step": step, "rank": rank, "attempt_before": hit[0],
-                                   **{"figure": diffs[0][0], "now": diffs[0][1], "before": diffs[0][2]},
-                                   "figures": [{"figure": k, "now": a, "before": b} for k, a, b in diffs]}
+                self.difference = {
+                    "step": step,
+                    "rank": rank,
+                    "attempt_before": hit[0],
+                    **{"figure": diffs[0][0], "now": diffs[0][1], "before": diffs[0][2]},
+                    "figures": [{"figure": k, "now": a, "before": b} for k, a, b in diffs],
+                }
                 self.text = explain(step, diffs, rank if len(ranks) > 1 else None)
                 return "diverged"
         window = self.window
@@ -237,15 +245,19 @@ class ReplayAudit:
         window = self.window
         if window is None:
             self.verdict = "unverifiable"
-            self.text = ("resume not audited: no step after the resume point was beaten before the restart "
-                         "(nothing replayed)" if self.cutoff is None else
-                         f"resume not audited: step {self.cutoff}, the first replayed one, was not finite before the "
-                         "restart (nothing to compare with)")
+            self.text = (
+                "resume not audited: no step after the resume point was beaten before the restart (nothing replayed)"
+                if self.cutoff is None
+                else f"resume not audited: step {self.cutoff}, the first replayed one, was not finite before the "
+                "restart (nothing to compare with)"
+            )
             return
         if not self.compared:
             self.verdict = "unverifiable"
-            self.text = (f"resume not audited: steps {window[0]}–{window[1]} replayed, but the beats carry no loss, "
-                         "lr or grad_norm to compare")
+            self.text = (
+                f"resume not audited: steps {window[0]}–{window[1]} replayed, but the beats carry no loss, "
+                "lr or grad_norm to compare"
+            )
             return
         how = "bitwise equal" if self.rtol == 0 else f"within rtol {self.rtol:g}"
         names = " and ".join(k for k in FIGURES if k in self.compared)
@@ -255,14 +267,25 @@ class ReplayAudit:
             self.text = f"resume verified: steps {self.first}–{self.last} replayed, {names} {how}{extra}"
         else:
             self.verdict = "partial"
-            self.text = (f"resume partly verified: steps {self.first}–{self.last} of {window[0]}–{window[1]} replayed "
-                         f"before the attempt ended, {names} {how}{extra}")
+            self.text = (
+                f"resume partly verified: steps {self.first}–{self.last} of {window[0]}–{window[1]} replayed "
+                f"before the attempt ended, {names} {how}{extra}"
+            )
 
     def record(self) -> dict:
         window = self.window
-        return {"attempt": self.attempt, "previous_attempt": self.previous_attempt, "resumed_step": self.resumed_step,
-                "replayed": list(window) if window else None,
-                "compared": [self.first, self.last] if self.first is not None else None,
-                "steps_compared": len(self.steps), "figures": [k for k in FIGURES if k in self.compared],
-                "rtol": self.rtol, "verdict": self.verdict, "text": self.text or "resume audit under way",
-                "difference": self.difference, "incident": self.incident, **({"note": self.note} if self.note else {})}
+        return {
+            "attempt": self.attempt,
+            "previous_attempt": self.previous_attempt,
+            "resumed_step": self.resumed_step,
+            "replayed": list(window) if window else None,
+            "compared": [self.first, self.last] if self.first is not None else None,
+            "steps_compared": len(self.steps),
+            "figures": [k for k in FIGURES if k in self.compared],
+            "rtol": self.rtol,
+            "verdict": self.verdict,
+            "text": self.text or "resume audit under way",
+            "difference": self.difference,
+            "incident": self.incident,
+            **({"note": self.note} if self.note else {}),
+        }

@@ -9,6 +9,7 @@ read them.  Time in other phases (an eval between two steps) is not a step time.
 
 Pure bookkeeping: every call takes `now`; a fake clock drives it in tests.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -53,7 +54,9 @@ class StragglerWatch:
         """The rank entered another phase: the next interval between its step lines is not a step time."""
         self.last_step_at.pop(rank, None)
 
-    def step(self, rank: int, step: int, now: float, reported_s: Optional[float] = None) -> tuple[Optional[str], Optional[Straggler]]:
+    def step(
+        self, rank: int, step: int, now: float, reported_s: Optional[float] = None
+    ) -> tuple[Optional[str], Optional[Straggler]]:
         """A step line of `rank` read at `now`: ("straggler", record) when the rank just became one,
         ("recovered", its record) when it stopped being one, else (None, None)."""
         previous = self.last_step_at.get(rank)

@@ -1,5 +1,6 @@
 """The benchmark's plumbing, on tiny trial counts: it runs real supervisors, writes both result files,
 and every figure it reports is computed from what it measured (never a timing threshold here)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_hangwatch_bench_finds_the_checkouts_benchmark():
     """`hangwatch bench` as a user types it runs this checkout's scripts/bench (its own --help here)."""
-    p = subprocess.run([sys.executable, "-m", "hangwatch.supervisor", "bench", "--help"], cwd="/", capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "hangwatch.supervisor", "bench", "--help"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("usage: bench") and "--only SECTION" in p.stdout, p.stdout
 
@@ -34,8 +40,19 @@ def test_hangwatch_bench_finds_the_checkouts_benchmark():
 @pytest.mark.slow
 def test_quick_bench_writes_results_computed_from_its_runs(tmp_path):
     out = tmp_path / "out"
-    p = run_bench(tmp_path, "--quick", "--only", "detection,footprint", "--out", str(out), "--workdir", str(tmp_path),
-                  "--keep", "--jobs", "4")
+    p = run_bench(
+        tmp_path,
+        "--quick",
+        "--only",
+        "detection,footprint",
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp_path),
+        "--keep",
+        "--jobs",
+        "4",
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "bench-results.json").read_text())
     md = (out / "bench-results.md").read_text()
@@ -100,10 +117,20 @@ def test_a_section_that_raises_is_reported_and_fails_the_run(tmp_path, monkeypat
     def run_section(name, work, args, res):
         if name == "detection":
             raise RuntimeError("no supervisor today")
-        return {"method": "m", "ranks": 1, "hz": 1.0, "window_s": 1.0, "cpu_percent_whole_window": 1.5,
-                "cpu_percent": summary([1.0]), "rss_mib": summary([40.0]), "heartbeat_lines_in_window": 3,
-                "lines_per_s": 3.0, "torn_lines": 0, "start_to_worker_spawned_s": summary([0.1]),
-                "start_to_socket_ready_s": summary([0.2])}
+        return {
+            "method": "m",
+            "ranks": 1,
+            "hz": 1.0,
+            "window_s": 1.0,
+            "cpu_percent_whole_window": 1.5,
+            "cpu_percent": summary([1.0]),
+            "rss_mib": summary([40.0]),
+            "heartbeat_lines_in_window": 3,
+            "lines_per_s": 3.0,
+            "torn_lines": 0,
+            "start_to_worker_spawned_s": summary([0.1]),
+            "start_to_socket_ready_s": summary([0.2]),
+        }
 
     monkeypatch.setattr(cli, "run_section", run_section)
     code = cli.main(["--only", "detection,footprint", "--out", str(tmp_path), "--workdir", str(tmp_path)])
@@ -122,8 +149,12 @@ def test_recovery_table_has_a_column_per_world_size(tmp_path, monkeypatch):
     from bench.recovery import FIGURES
 
     def world(base: float, nproc: int) -> dict:
-        out = {"raw": [], "trials": 3, "errors": [] if nproc == 1 else ["no stall incident"],
-               **{key: summary([base + i, base + 2 * i]) for i, key in enumerate(FIGURES)}}
+        out = {
+            "raw": [],
+            "trials": 3,
+            "errors": [] if nproc == 1 else ["no stall incident"],
+            **{key: summary([base + i, base + 2 * i]) for i, key in enumerate(FIGURES)},
+        }
         return out if nproc == 1 else {**out, "culprit_named": 2}
 
     def run_section(name, work, args, res):
@@ -135,8 +166,10 @@ def test_recovery_table_has_a_column_per_world_size(tmp_path, monkeypatch):
     assert "| figure | 1 rank | 2 ranks (torchrun, gloo) |" in md
     one, two = world(1.0, 1), world(100.0, 2)
     gone = one["detection_to_gone_s"], two["detection_to_gone_s"]
-    assert (f"| detection → process tree gone | {gone[0]['median']:.2f} s (n=2; min {gone[0]['min']:.2f}, "
-            f"p95 {gone[0]['p95']:.2f}, max {gone[0]['max']:.2f}) | {gone[1]['median']:.2f} s (n=2; ") in md
+    assert (
+        f"| detection → process tree gone | {gone[0]['median']:.2f} s (n=2; min {gone[0]['min']:.2f}, "
+        f"p95 {gone[0]['p95']:.2f}, max {gone[0]['max']:.2f}) | {gone[1]['median']:.2f} s (n=2; "
+    ) in md
     assert "| verdict names the hung rank as the culprit | – (one process) | 2 of 2 |" in md
     assert "| trials that could not be measured | none | no stall incident |" in md
     assert "not measured (run the heartbeat section) | – |" in md
@@ -145,10 +178,12 @@ def test_recovery_table_has_a_column_per_world_size(tmp_path, monkeypatch):
 def test_world_summary_counts_the_verdicts_that_named_the_hung_rank():
     from bench.recovery import world_summary
 
-    rows = [{"hang_rank": 1, "culprit_rank": 1, "detection_to_gone_s": 6.0},
-            {"hang_rank": 1, "culprit_rank": 0, "detection_to_gone_s": 8.0},
-            {"hang_rank": 1, "culprit_rank": None, "detection_to_gone_s": 7.0},
-            {"hang_rank": 1, "error": "no stall incident"}]
+    rows = [
+        {"hang_rank": 1, "culprit_rank": 1, "detection_to_gone_s": 6.0},
+        {"hang_rank": 1, "culprit_rank": 0, "detection_to_gone_s": 8.0},
+        {"hang_rank": 1, "culprit_rank": None, "detection_to_gone_s": 7.0},
+        {"hang_rank": 1, "error": "no stall incident"},
+    ]
     w = world_summary(rows, 2)
     assert (w["trials"], w["errors"], w["culprit_named"]) == (4, ["no stall incident"], 1)
     assert w["detection_to_gone_s"] == summary([6.0, 8.0, 7.0])

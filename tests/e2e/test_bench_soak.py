@@ -2,6 +2,7 @@
 and its log rotated (rename + SIGHUP) several times, ends with no more descriptors than it had after its
 warm-up, answered every request, and reopened its log at every SIGHUP.  Its RSS and CPU figures are in
 the results for reading (docs/benchmarks.md, section 12), not asserted here."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ BENCH = ROOT / "scripts" / "bench"
 @pytest.mark.slow
 def test_a_one_minute_soak_leaks_no_descriptor_and_answers_every_status(tmp_path):
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--only", "soak", "--out", str(out),
-                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--only", "soak", "--out", str(out), "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((out / "bench-results.json").read_text())["sections"]["soak"]
     assert not s["ended_early"] and s["supervisor_exit"] == 0, s

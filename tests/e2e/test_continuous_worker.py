@@ -2,6 +2,7 @@
 validator and tokenizer): intake and rejection reports, the idle phase and a file published while
 idle, a graceful stop, files that arrive while the worker is down, the skip_lines choice, and the
 end of a run on `data.idle_exit_s`.  And `hangwatch submit`, which checks files the same way."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,23 @@ import signal
 
 import pytest
 from click.testing import CliRunner
-
-
+from fixtures.fakes.continuous_support import (  # noqa: E402
+    drop_all,
+    example_ids,
+    good_file,
+    inbox_config,
+    ledger,
+    leftovers,
+    lines_of,
+    names_in,
+    read_jsonl,
+    report,
+    sha16,
+)
 from fixtures.fakes.workers import read_beats, run_worker, start_worker, wait_for_beat  # noqa: E402
+
 from hangwatch.common.inbox_layout import Stage, queue_status  # noqa: E402
 from hangwatch.daemon.inbox.publish import publish  # noqa: E402
-from fixtures.fakes.continuous_support import (  # noqa: E402
-    drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, read_jsonl, report, sha16,
-)
 
 GOOD = {"prompt": "upper: cat", "completion": "CAT"}
 TOO_LONG = {"prompt": "reverse: " + "abcdefghij" * 6, "completion": "x"}  # > data.max_length = 48 tokens
@@ -27,8 +37,9 @@ NOTHING_TO_LEARN = {"prompt": "upper: cat", "completion": "   "}
 def bad_files() -> dict[str, bytes]:
     return {
         # one of each line-level problem; data.on_bad_lines = reject_file rejects the file whole
-        "mixed.jsonl": lines_of([GOOD, '{"prompt": "upper: dog", "completion": ', {"prompt": "upper: sun"},
-                                 TOO_LONG, NOTHING_TO_LEARN]),
+        "mixed.jsonl": lines_of(
+            [GOOD, '{"prompt": "upper: dog", "completion": ', {"prompt": "upper: sun"}, TOO_LONG, NOTHING_TO_LEARN]
+        ),
         "toolong.jsonl": lines_of([TOO_LONG, TOO_LONG]),
         "empty.jsonl": b"",
         "blob.bin": bytes(range(256)) * 4,
@@ -44,8 +55,15 @@ def by_line(rep: dict) -> dict[int, str]:
 def test_worker_takes_files_rejects_bad_ones_idles_and_resumes_with_files_from_while_it_was_down(tmp_path):
     run = tmp_path / "run"
     good1, good2, good3 = good_file(6, 11), good_file(10, 12), good_file(5, 13)
-    partly = lines_of([{"prompt": "double: owl", "completion": "owlowl"}, "{not json", {"prompt": "upper: fox"},
-                       {"prompt": "upper: bee", "completion": "BEE"}, {"prompt": "upper: elk", "completion": "ELK"}])
+    partly = lines_of(
+        [
+            {"prompt": "double: owl", "completion": "owlowl"},
+            "{not json",
+            {"prompt": "upper: fox"},
+            {"prompt": "upper: bee", "completion": "BEE"},
+            {"prompt": "upper: elk", "completion": "ELK"},
+        ]
+    )
     drop_all(run, {"good1.jsonl": good1, **bad_files()})  # there before the worker starts
 
     # Attempt 1: waits for files for ever (idle_exit_s null); stopped with SIGTERM.
@@ -64,7 +82,9 @@ def test_worker_takes_files_rejects_bad_ones_idles_and_resumes_with_files_from_w
         publish_path = tmp_path / "good2.jsonl"
         publish_path.write_bytes(good2)
         publish(publish_path, run)  # what `hangwatch submit` does: copy, then rename into inbox/
-        wait_for_beat(run, 1, lambda b: b["event"] == "phase" and b["phase"] == "intake" and b["file"] == "good2.jsonl", p)
+        wait_for_beat(
+            run, 1, lambda b: b["event"] == "phase" and b["phase"] == "intake" and b["file"] == "good2.jsonl", p
+        )
         # the waiting step is completed with good2's first examples, and training goes on until it is dry again
         wait_for_beat(run, 1, lambda b: b["event"] == "step" and b["step"] == 2, p)
         wait_for_beat(run, 1, lambda b: b["event"] == "phase" and b["phase"] == "idle" and b["step"] > 2, p)
@@ -87,14 +107,18 @@ def test_worker_takes_files_rejects_bad_ones_idles_and_resumes_with_files_from_w
     beats2 = read_beats(run, 2)
     # a graceful stop loses no step: the checkpoint of the step it stopped at is resumed
     assert beats2[0]["event"] == "start" and beats2[0]["resumed_step"] == beats1[-1]["step"]
-    assert {b["file"] for b in beats2 if b["event"] == "phase" and b["phase"] == "intake"} == {"good3.jsonl", "partly.jsonl"}
+    assert {b["file"] for b in beats2 if b["event"] == "phase" and b["phase"] == "intake"} == {
+        "good3.jsonl",
+        "partly.jsonl",
+    }
     assert beats2[-1]["event"] == "stop" and beats2[-1]["reason"] == "idle"
     assert (run / "final" / "adapter_model.safetensors").is_file()
 
     # Every good example trained exactly once, in the order the files came, and every file is done or rejected.
     ids = [e["id"] for e in ledger(run)]
-    assert ids == (example_ids(good1) + example_ids(good2) + example_ids(good3)
-                   + example_ids(partly, good_lines=[1, 4, 5]))
+    assert ids == (
+        example_ids(good1) + example_ids(good2) + example_ids(good3) + example_ids(partly, good_lines=[1, 4, 5])
+    )
     assert leftovers(run) == {}
     assert names_in(run, Stage.DONE) == ["good1.jsonl", "good2.jsonl", "good3.jsonl", "partly.jsonl"]
     replays = read_jsonl(run / "done" / "replay.jsonl")
@@ -136,8 +160,9 @@ def test_submit_checks_with_the_run_tokenizer_and_publishes_good_files(tmp_path)
     empty.write_bytes(b"")
     from hangwatch.supervisor.cli.main import main
 
-    result = CliRunner().invoke(main, ["submit", str(good), str(long), str(empty), "--config", str(config),
-                                       "--priority", "5"])
+    result = CliRunner().invoke(
+        main, ["submit", str(good), str(long), str(empty), "--config", str(config), "--priority", "5"]
+    )
     assert result.exit_code == 65, result.output
     out = result.output.splitlines()
     assert out[0] == "accepted good.jsonl (3 examples) as inbox/p5-good.jsonl"

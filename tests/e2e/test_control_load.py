@@ -1,5 +1,6 @@
 """The control socket of a real `hangwatch run` under load: idle connections by the hundred, a full connection
 table, 200 requests at once and 8 MB lines; `status` is answered throughout, each time within STATUS_BOUND_S."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import threading
 import time
 
 import pytest
-
 from fixtures.fakes.sup_harness import PY, env, start_supervisor, wait_for, wait_no_strays, write_config
+
 from hangwatch.supervisor.cli.client import Client, ClientError
 from hangwatch.supervisor.control import socket_path_in
 from hangwatch.supervisor.control.admission import Limits
@@ -22,8 +23,9 @@ STATUS_BOUND_S = 2.0  # the most a `hangwatch status` may take under this load, 
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "hangwatch.supervisor", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env())
+    return subprocess.run(
+        [PY, "-m", "hangwatch.supervisor", *args], capture_output=True, text=True, timeout=timeout, env=env()
+    )
 
 
 def training(sock) -> bool:
@@ -96,8 +98,11 @@ def test_150_idle_connections_do_not_lock_out_status(running):
         assert timed_status(run_dir) < STATUS_BOUND_S
         # One process holds at most its share of the table: the server let go of its oldest ones.
         share = Limits.derived().max_per_peer  # the supervisor inherited this process's descriptor limit
-        wait_for(lambda: closed_by_server(held) >= len(held) - share, 10,
-                 f"the server to close all but {share} of this process's idle connections")
+        wait_for(
+            lambda: closed_by_server(held) >= len(held) - share,
+            10,
+            f"the server to close all but {share} of this process's idle connections",
+        )
         assert timed_status(run_dir) < STATUS_BOUND_S
     finally:
         for s in held:
@@ -120,9 +125,15 @@ sys.stdin.read()  # until the test closes our stdin
 def test_a_full_table_of_idle_connections_from_many_processes_does_not_lock_out_status(running):
     run_dir, sock = running
     limits = Limits.derived()
-    holders = [subprocess.Popen([PY, "-c", HOLDER, str(sock), str(limits.max_per_peer)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-               for _ in range(limits.max_clients // limits.max_per_peer + 1)]
+    holders = [
+        subprocess.Popen(
+            [PY, "-c", HOLDER, str(sock), str(limits.max_per_peer)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(limits.max_clients // limits.max_per_peer + 1)
+    ]
     try:
         for h in holders:  # more idle connections than the table holds, none over its process's share
             assert h.stdout.readline().strip() == "held"

@@ -4,6 +4,7 @@ runs before its first attempt) and the worker read a line through the same check
 mark, another format) is refused by both, at `file:1`, and so is a file none of whose first lines is one; a bad
 line further on is the warning `file:N: why; the worker will skip this line` from both — never an OK from one
 and a refusal from the other."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.workers import make_config, synthetic_examples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +23,14 @@ EXPECTED = 'each line must be {"prompt", "completion"} or {"messages": [...]}'
 def hangwatch(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HANGWATCH_", "NOTIFY_SOCKET"))}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "hangwatch.supervisor", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "hangwatch.supervisor", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def with_train(tmp_path: Path, first: bytes, good: int = 30) -> tuple[Path, Path]:
@@ -37,8 +43,10 @@ def with_train(tmp_path: Path, first: bytes, good: int = 30) -> tuple[Path, Path
 FIRST_LINES = {
     "a header": (b"prompt,completion\n", "not valid JSON: Expecting value: line 1 column 1 (char 0)"),
     "not UTF-8": (b"\xff\xfe header\n", "not UTF-8 (invalid start byte at byte 0)"),
-    "a byte-order mark": (b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "completion": "b"}).encode() + b"\n",
-                          "not valid JSON: Unexpected UTF-8 BOM"),
+    "a byte-order mark": (
+        b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "completion": "b"}).encode() + b"\n",
+        "not valid JSON: Unexpected UTF-8 BOM",
+    ),
 }
 
 
@@ -74,8 +82,10 @@ def test_a_file_with_no_example_in_its_first_lines_is_refused_by_both_at_file_an
     cfg, train = with_train(tmp_path, b"prompt,completion\n" + b"upper: cat,CAT\n" * 5, good=0)
     checked = hangwatch("validate-config", cfg)
     assert checked.returncode == 78 and checked.stdout == ""
-    assert (f"data.train: {train}:1: not valid JSON: Expecting value: line 1 column 1 (char 0) (and every other of "
-            f"the first 6 line(s)): {EXPECTED}") in checked.stderr
+    assert (
+        f"data.train: {train}:1: not valid JSON: Expecting value: line 1 column 1 (char 0) (and every other of "
+        f"the first 6 line(s)): {EXPECTED}"
+    ) in checked.stderr
     doctor = hangwatch("doctor", cfg, "--cheap", "--json")
     findings = {f["check"]: f for f in json.loads(doctor.stdout)["findings"]}
     assert doctor.returncode == 1 and findings["training data"]["status"] == "FAIL"

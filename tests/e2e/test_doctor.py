@@ -5,6 +5,7 @@ big for the machine.  Those run through the doctor's Python API in this process 
 `python -m hangwatch.daemon.doctor` child runs, without paying a torch import per config); one bad config
 goes through `hangwatch doctor` and `hangwatch run` to show the exit codes and that a FAIL stops the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,16 @@ from hangwatch.daemon.doctor.runner import Doctor
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
-        "max_position": 128, "extra_head": False}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_position": 128,
+    "extra_head": False,
+}
 
 
 def env() -> dict:
@@ -31,8 +40,14 @@ def env() -> dict:
 
 
 def hangwatch(*args, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hangwatch.supervisor.cli.main", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env(), cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "hangwatch.supervisor.cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(),
+        cwd=REPO,
+    )
 
 
 def write_data(path: Path, lines: list[dict]) -> str:
@@ -44,13 +59,15 @@ GOOD = [{"prompt": f"upper: {w}", "completion": w.upper()} for w in ("fox", "cat
 
 
 def config(tmp_path: Path, name: str, **sections) -> Path:
-    cfg = {"run_dir": str(tmp_path / f"run-{name}"),
-           "model": {"tiny": TINY, "device": "cpu"},
-           "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-           "data": {"train": write_data(tmp_path / f"{name}.jsonl", GOOD), "max_length": 48},
-           "train": {"max_steps": 20, "micro_batch_size": 2, "grad_accum": 1, "lr": 2e-3, "warmup_steps": 2},
-           "eval": {"every_steps": 10, "max_new_tokens": 8, "prompts": ["upper: fox"]},
-           "watchdog": {"py_spy": False}}
+    cfg = {
+        "run_dir": str(tmp_path / f"run-{name}"),
+        "model": {"tiny": TINY, "device": "cpu"},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "data": {"train": write_data(tmp_path / f"{name}.jsonl", GOOD), "max_length": 48},
+        "train": {"max_steps": 20, "micro_batch_size": 2, "grad_accum": 1, "lr": 2e-3, "warmup_steps": 2},
+        "eval": {"every_steps": 10, "max_new_tokens": 8, "prompts": ["upper: fox"]},
+        "watchdog": {"py_spy": False},
+    }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     path = tmp_path / f"{name}.yaml"
@@ -91,8 +108,18 @@ def test_demo_config_passes_as_a_user_runs_it():
     report = json.loads(done.stdout)
     by = {f["check"]: f for f in report["findings"]}
     assert not [f for f in report["findings"] if f["status"] == FAIL]
-    for check in ("tokenizer special tokens", "chat template", "decoded example", "label alignment", "learning rate",
-                  "memory estimate", "disk", "forward/backward", "generate / eos", "training data"):
+    for check in (
+        "tokenizer special tokens",
+        "chat template",
+        "decoded example",
+        "label alignment",
+        "learning rate",
+        "memory estimate",
+        "disk",
+        "forward/backward",
+        "generate / eos",
+        "training data",
+    ):
         assert by[check]["status"] == OK, by[check]
     assert "'tab</s>'" in "".join(by["decoded example"]["details"])  # the learned span, eos included
     fb = by["forward/backward"]["summary"]
@@ -110,15 +137,26 @@ def test_pad_equal_to_eos_is_named_with_its_fix(tmp_path):
 
 
 def test_all_masked_data_fails(tmp_path):
-    data = write_data(tmp_path / "empty-completions.jsonl", [{"prompt": f"say {i}", "completion": ""} for i in range(5)])
+    data = write_data(
+        tmp_path / "empty-completions.jsonl", [{"prompt": f"say {i}", "completion": ""} for i in range(5)]
+    )
     by = findings(config(tmp_path, "masked", data={"train": data}), cheap=True)
     f = by["training data"]
-    assert f.status == FAIL and "all-masked" in f.summary and "5 all-masked" in f.summary and "non-empty completion" in f.fix
+    assert (
+        f.status == FAIL
+        and "all-masked" in f.summary
+        and "5 all-masked" in f.summary
+        and "non-empty completion" in f.fix
+    )
 
 
 def test_sampling_2048_tokens_with_an_eos_never_emitted(tmp_path):
-    path = config(tmp_path, "noeos", model={"name_or_path": model_dir(tmp_path, "m-noeos", suppress_eos=True)},
-                  eval={"do_sample": True, "max_new_tokens": 2048, "prompts": ["upper: fox", "upper: cat"]})
+    path = config(
+        tmp_path,
+        "noeos",
+        model={"name_or_path": model_dir(tmp_path, "m-noeos", suppress_eos=True)},
+        eval={"do_sample": True, "max_new_tokens": 2048, "prompts": ["upper: fox", "upper: cat"]},
+    )
     f = findings(path)["generate / eos"]
     assert f.status in (WARN, FAIL), f
     assert "never emitted" in f.summary and "2048" in f.summary and "suppress_tokens" in f.fix
@@ -138,7 +176,14 @@ def test_lr_one_fails_and_stops_the_run(tmp_path):
 
 
 def test_a_model_too_big_for_the_machine_fails_without_loading_it(tmp_path):
-    huge = {**TINY, "hidden_size": 16384, "intermediate_size": 65536, "num_layers": 64, "num_heads": 128, "num_kv_heads": 8}
+    huge = {
+        **TINY,
+        "hidden_size": 16384,
+        "intermediate_size": 65536,
+        "num_layers": 64,
+        "num_heads": 128,
+        "num_kv_heads": 8,
+    }
     by = findings(config(tmp_path, "huge", model={"tiny": huge}))
     mem = by["memory estimate"]
     assert mem.status == FAIL and "does not fit" in mem.summary and "micro_batch_size" in mem.fix
@@ -154,8 +199,10 @@ def test_a_config_that_does_not_load_exits_78(tmp_path):
 
 def test_the_cheap_set_imports_no_torch():
     """What `hangwatch run` runs before every first attempt stays well under a second: no torch."""
-    code = ("import sys; from hangwatch.daemon.doctor.__main__ import main; "
-            "rc = main(['configs/demo.yaml', '--cheap', '--plain']); print('torch' in sys.modules, rc)")
+    code = (
+        "import sys; from hangwatch.daemon.doctor.__main__ import main; "
+        "rc = main(['configs/demo.yaml', '--cheap', '--plain']); print('torch' in sys.modules, rc)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env(), cwd=REPO)
     assert done.stdout.strip().splitlines()[-1] == "False 0", done.stdout + done.stderr
     assert "11 OK" in done.stdout

@@ -11,6 +11,7 @@ The lines an example adds for hangwatch end with `# hangwatch`; an HF Trainer or
 most 3, and examples/README.md states each example's count.  Those checks read files
 only.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,9 @@ REQUIRED = {"plain_loop.py", "hf_trainer.py", "lightning_train.py", "accelerate_
 AT_MOST_3 = ("hf_trainer.py", "lightning_train.py")
 # Run once without hangwatch: the plain loop (the Heartbeat used directly) and the two callbacks, which
 # must be no-ops outside hangwatch.  The accelerate example uses the Heartbeat as the plain loop does.
-WITHOUT_HANGWATCH = ("plain_loop.py",)  # the callbacks' no-op is tested in-process (tests/faults/test_{hf,lightning}_callback.py)
+WITHOUT_HANGWATCH = (
+    "plain_loop.py",
+)  # the callbacks' no-op is tested in-process (tests/faults/test_{hf,lightning}_callback.py)
 
 HANGWATCH_LINE = re.compile(r"^\s*[^#\s].*#\s*hangwatch\s*$")
 README_ROW = re.compile(r"^\|\s*\[?`(?P<script>[\w.]+\.py)`\]?(?:\([^)]*\))?\s*\|.*\|\s*(?P<count>\d+)\s*\|\s*$")
@@ -93,7 +96,9 @@ def test_every_required_example_exists_and_every_example_has_a_config():
     scripts = {p.name for p in example_scripts()}
     assert REQUIRED <= scripts, f"missing examples: {sorted(REQUIRED - scripts)}"
     configured = {script_of(c) for c in example_configs()}
-    assert all(s.exists() for s in configured), f"configs name scripts that do not exist: {sorted(map(str, configured))}"
+    assert all(s.exists() for s in configured), (
+        f"configs name scripts that do not exist: {sorted(map(str, configured))}"
+    )
     unconfigured = sorted(p.name for p in example_scripts() if p.resolve() not in configured)
     assert not unconfigured, f"examples without a configs/examples/*.yaml: {unconfigured}"
 
@@ -103,11 +108,17 @@ def test_hangwatch_lines_are_marked_and_few_enough(script):
     lines = hangwatch_lines(script)
     assert lines, f"{script.name}: no line ends with `# hangwatch` (mark every line hangwatch adds)"
     if script.name in AT_MOST_3:
-        assert len(lines) <= 3, f"{script.name}: {len(lines)} hangwatch lines, at most 3 are allowed:\n" + "\n".join(lines)
+        assert len(lines) <= 3, f"{script.name}: {len(lines)} hangwatch lines, at most 3 are allowed:\n" + "\n".join(
+            lines
+        )
 
 
 def test_examples_readme_states_each_examples_line_count():
-    rows = {m["script"]: int(m["count"]) for m in map(README_ROW.match, (EXAMPLES / "README.md").read_text().splitlines()) if m}
+    rows = {
+        m["script"]: int(m["count"])
+        for m in map(README_ROW.match, (EXAMPLES / "README.md").read_text().splitlines())
+        if m
+    }
     actual = {p.name: len(hangwatch_lines(p)) for p in example_scripts()}
     assert rows == actual, "examples/README.md's table (script → lines hangwatch adds) is out of date"
 
@@ -151,14 +162,22 @@ def run_config(tmp_path: Path, config: Path, **worker_changes) -> tuple[Path, su
     """`hangwatch run` on a placed copy of `config`, to the end."""
     copy, run_dir = place_config(tmp_path, config, **worker_changes)
     t0 = time.monotonic()
-    r = subprocess.run([*hangwatch_argv(), "run", str(copy)], capture_output=True, text=True, timeout=300,
-                       env=clean_env(), cwd=tmp_path)
+    r = subprocess.run(
+        [*hangwatch_argv(), "run", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     print(f"{config.name}: hangwatch run took {time.monotonic() - t0:.1f} s")
     return run_dir, r
 
 
 def hw(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=60, env=clean_env())
+    return subprocess.run(
+        [*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
 
 
 def wait_for(what: str, check, timeout: float = 120):
@@ -249,12 +268,14 @@ def test_plain_loop_killed_mid_run_resumes_from_the_last_good_checkpoint(tmp_pat
     command = yaml.safe_load(config.read_text())["worker"]["command"]
     at = command.index("--max-steps")
     # Long enough to be killed mid-run; evals (generate) only at the end, to keep it short.
-    longer = [*command[:at], "--max-steps", "60", *command[at + 2:], "--eval-every", "60"]
+    longer = [*command[:at], "--max-steps", "60", *command[at + 2 :], "--eval-every", "60"]
     copy, run_dir = place_config(tmp_path, config, command=longer)
     with open(tmp_path / "supervisor.err", "w") as err:
-        sup = subprocess.Popen([*hangwatch_argv(), "run", str(copy)], stdout=subprocess.DEVNULL, stderr=err,
-                               env=clean_env(), cwd=tmp_path)
+        sup = subprocess.Popen(
+            [*hangwatch_argv(), "run", str(copy)], stdout=subprocess.DEVNULL, stderr=err, env=clean_env(), cwd=tmp_path
+        )
         try:
+
             def good_checkpoint():
                 r = hw("status", "--json", "--run-dir", run_dir)
                 return r.returncode == 0 and json.loads(r.stdout).get("last_good_checkpoint")
@@ -294,11 +315,19 @@ def test_plain_loop_killed_mid_run_resumes_from_the_last_good_checkpoint(tmp_pat
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_example_runs_without_hangwatch_and_writes_no_heartbeat(tmp_path, name):
-    r = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300,
-                       env=clean_env(), cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert written, "the example wrote nothing (its checkpoints and model belong in its working directory)"
     assert not [w for w in written if w.endswith(".jsonl") and "heartbeat" in w], written
     # A Heartbeat made outside hangwatch would have started runs/standalone/attempts/0001/.
-    assert not (tmp_path / "runs" / "standalone").exists() and not [w for w in written if "attempts" in Path(w).parts], written
+    assert not (tmp_path / "runs" / "standalone").exists() and not [
+        w for w in written if "attempts" in Path(w).parts
+    ], written

@@ -1,14 +1,15 @@
 """The goodput ledger over the demo with two injected failures (a hung eval generate() that produces no token —
 killed and restarted — and a crash): every second of the run is in one category, the categories add up to the
 run's wall time within 1 %, the failures' cost shows where it belongs, and the end summary says it in a line."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import yaml
-
 from fixtures.fakes.sup_harness import ROOT, run_supervisor, state
+
 from hangwatch.supervisor.records.goodput import CATEGORIES, GOODPUT_NAME, RECOVERY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -19,10 +20,15 @@ DEMO = ROOT / "configs" / "demo.yaml"
 def test_goodput_categories_add_up_to_the_demos_wall_time(tmp_path):
     cfg = yaml.safe_load(DEMO.read_text())
     run_dir = tmp_path / "demo"
-    cfg.update(run_dir=str(run_dir),
-               data={"train": str(ROOT / "configs/data/train.jsonl"), "eval": str(ROOT / "configs/data/eval.jsonl"),
-                     "max_length": 64},
-               faults=[{"kind": "hang_generate", "at_step": 20}, {"kind": "crash", "at_step": 33}])
+    cfg.update(
+        run_dir=str(run_dir),
+        data={
+            "train": str(ROOT / "configs/data/train.jsonl"),
+            "eval": str(ROOT / "configs/data/eval.jsonl"),
+            "max_length": 64,
+        },
+        faults=[{"kind": "hang_generate", "at_step": 20}, {"kind": "crash", "at_step": 33}],
+    )
     cfg["train"].update(max_steps=44, sleep_per_step_s=0.05)
     cfg["eval"].update(every_steps=10)
     cfg["checkpoint"].update(every_steps=5, confirm_steps=1)

@@ -7,6 +7,7 @@ summary must name `generate` and the user's callback that called it, attempt 2 m
 *good* checkpoint through HANGWATCH_RESUME_FROM (checkpoint-4, not the newer checkpoint-8) and resume there,
 and the run must finish.  The script is tests/fixtures/workers/hf_hung_eval.py; it records what each attempt got.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,22 +52,44 @@ def test_hung_eval_generate_is_caught_and_the_run_resumes_from_the_last_good_che
     config = {
         "run_dir": "run",
         # A bare `python`: the supervisor's own interpreter.  cwd: this config's directory.
-        "worker": {"command": ["python", str(FIXTURE), "--output-dir", "out", "--max-steps", "12",
-                               "--save-steps", "4", "--eval-steps", "10", "--nan-at", "9"]},
-        "watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
-                     "phase_budgets_s": {"eval": 60, "generate": GENERATE_BUDGET_S, "checkpoint": 30},
-                     # the kill-and-resume path (a runaway generate is truncated in process by default:
-                     # test_unedited_scripts.py proves that on the same kind of Trainer callback)
-                     "generate_overrun": "restart",
-                     "dump_grace_s": 2, "term_grace_s": 5, "py_spy": False, "poll_interval_s": 0.1},
+        "worker": {
+            "command": [
+                "python",
+                str(FIXTURE),
+                "--output-dir",
+                "out",
+                "--max-steps",
+                "12",
+                "--save-steps",
+                "4",
+                "--eval-steps",
+                "10",
+                "--nan-at",
+                "9",
+            ]
+        },
+        "watchdog": {
+            "startup_timeout_s": 120,
+            "silence_timeout_s": 60,
+            "first_steps_timeout_s": 60,
+            "phase_budgets_s": {"eval": 60, "generate": GENERATE_BUDGET_S, "checkpoint": 30},
+            # the kill-and-resume path (a runaway generate is truncated in process by default:
+            # test_unedited_scripts.py proves that on the same kind of Trainer callback)
+            "generate_overrun": "restart",
+            "dump_grace_s": 2,
+            "term_grace_s": 5,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+        },
         "restart": {"max_restarts": 2, "backoff_initial_s": 0},
         "checkpoint": {"confirm_steps": 2},
     }
     path = tmp_path / "hf_hung_eval.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_") and k != "NOTIFY_SOCKET"}
-    r = subprocess.run([*hangwatch_argv(), "run", str(path)], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [*hangwatch_argv(), "run", str(path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     run_dir, out = tmp_path / "run", tmp_path / "out"
     worker_logs = "\n".join(p.read_text()[-3000:] for p in sorted(run_dir.glob("attempts/*/worker.log")))
     assert r.returncode == 0, f"{r.stderr[-4000:]}\n{worker_logs}"

@@ -9,6 +9,7 @@ hangwatch must catch the stall in the `generate` phase (its budget, not the eval
 incident's summary, hand attempt 2 the last *good* checkpoint (step 4) through HANGWATCH_RESUME_FROM — which
 the script passes to `trainer.fit(ckpt_path=resume_from())` — and the run must then finish.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,14 +59,33 @@ def test_lightning_eval_generate_that_never_returns_is_caught_and_resumed_from_t
         "run_dir": "run",
         "worker": {
             # A bare `python`: the supervisor's own interpreter.
-            "command": ["python", str(FIXTURE), "--out", str(out), "--max-steps", str(MAX_STEPS), "--ckpt-every", "2",
-                        "--val-every", str(HANG_AT), "--batch-size", "4"],
+            "command": [
+                "python",
+                str(FIXTURE),
+                "--out",
+                str(out),
+                "--max-steps",
+                str(MAX_STEPS),
+                "--ckpt-every",
+                "2",
+                "--val-every",
+                str(HANG_AT),
+                "--batch-size",
+                "4",
+            ],
             "env": {"HUNG_EVAL_NAN_AT": str(NAN_AT), "HUNG_EVAL_HANG_AT": str(HANG_AT)},
         },
-        "watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
-                     "phase_budgets_s": {"eval": 120, "generate": GENERATE_BUDGET_S, "checkpoint": 60},
-                     "generate_overrun": "restart",  # the kill-and-resume path (truncation: test_unedited_scripts.py)
-                     "dump_grace_s": 3, "term_grace_s": 5, "py_spy": False, "poll_interval_s": 0.2},
+        "watchdog": {
+            "startup_timeout_s": 120,
+            "silence_timeout_s": 60,
+            "first_steps_timeout_s": 60,
+            "phase_budgets_s": {"eval": 120, "generate": GENERATE_BUDGET_S, "checkpoint": 60},
+            "generate_overrun": "restart",  # the kill-and-resume path (truncation: test_unedited_scripts.py)
+            "dump_grace_s": 3,
+            "term_grace_s": 5,
+            "py_spy": False,
+            "poll_interval_s": 0.2,
+        },
         "restart": {"backoff_initial_s": 0, "max_restarts": 2},
         "checkpoint": {"confirm_steps": 2},
     }
@@ -74,8 +94,9 @@ def test_lightning_eval_generate_that_never_returns_is_caught_and_resumed_from_t
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_") and k != "NOTIFY_SOCKET"}
     env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run([*hangwatch_argv(), "run", str(config)], capture_output=True, text=True, timeout=420, env=env,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [*hangwatch_argv(), "run", str(config)], capture_output=True, text=True, timeout=420, env=env, cwd=tmp_path
+    )
     assert r.returncode == 0, f"hangwatch run exited {r.returncode}\n{r.stderr[-4000:]}\n{worker_logs(run_dir)}"
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
 
@@ -90,7 +111,7 @@ def test_lightning_eval_generate_that_never_returns_is_caught_and_resumed_from_t
     assert ev1[-1]["phase"] == "generate" and ev1[-1]["step"] == HANG_AT
     hung_at = max(i for i, e in enumerate(ev1) if e["event"] == "phase" and e["phase"] == "generate")
     assert ev1[hung_at - 1]["phase"] == "eval"
-    assert [e["event"] for e in ev1[hung_at + 1:]] and {e["event"] for e in ev1[hung_at + 1:]} == {"progress"}
+    assert [e["event"] for e in ev1[hung_at + 1 :]] and {e["event"] for e in ev1[hung_at + 1 :]} == {"progress"}
 
     # The incident: the generate budget fired, and the summary names generate() first.
     # One failure.  The resume audit may add a finding: Lightning restarts an epoch it resumes in the middle of

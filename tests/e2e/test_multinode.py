@@ -15,6 +15,7 @@ shared checkpoint dir — the built-in worker under torchrun's c10d rendezvous, 
 Which node hosts which global rank is torchrun's choice (its rendezvous orders nodes by address and pid), so the
 tests find the culprit's node from what the nodes wrote, never assume it.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from fixtures.fakes.nodes import (incidents_of, node_configs, run_dir_of, shared_dir_of, start_node, steps_seen,
-                                  wait_all, wait_for)
+from fixtures.fakes.nodes import (
+    incidents_of,
+    node_configs,
+    run_dir_of,
+    shared_dir_of,
+    start_node,
+    steps_seen,
+    wait_all,
+    wait_for,
+)
 from fixtures.fakes.user_shell import log_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -57,7 +65,9 @@ def test_a_busy_loop_on_rank_1_both_nodes_recover_bitwise_and_each_incident_tell
     reference = run_pair(tmp_path / "uninterrupted", [])
     cfgs = run_pair(tmp_path / "faulted", [{"kind": "busy_loop", "at_step": 5, "rank": 1}])
 
-    assert adapter(cfgs["a"]) == adapter(reference["a"]), "the recovered run's adapter differs from the uninterrupted one"
+    assert adapter(cfgs["a"]) == adapter(reference["a"]), (
+        "the recovered run's adapter differs from the uninterrupted one"
+    )
     for cfg in cfgs.values():
         assert steps_seen(run_dir_of(cfg)) == MAX_STEPS
 
@@ -72,7 +82,9 @@ def test_a_busy_loop_on_rank_1_both_nodes_recover_bitwise_and_each_incident_tell
     assert culprit["own_culprit"] is True and "stack-rank1.txt" in culprit["dumps"].values()
 
     assert victim["kind"] == "peer_restart", victim
-    assert victim["summary"].startswith(f"peer node {culprit_node} restarted (rank 1 is the culprit: busy loop"), victim["summary"]
+    assert victim["summary"].startswith(f"peer node {culprit_node} restarted (rank 1 is the culprit: busy loop"), (
+        victim["summary"]
+    )
     assert "local ranks were waiting in " in victim["summary"] and victim["own_culprit"] is False
     assert victim["local_ranks"][0]["rank"] == 0 and victim["local_ranks"][0]["collective"]
     assert f"not a failure of node {victim_node}" in victim["decision"]["reason"]
@@ -81,20 +93,37 @@ def test_a_busy_loop_on_rank_1_both_nodes_recover_bitwise_and_each_incident_tell
 
     # one coordinated restart: both nodes' second attempt rendezvoused in generation 1
     for cfg in cfgs.values():
-        spawned = [json.loads(x) for x in (run_dir_of(cfg) / "supervisor.log").read_text().splitlines()
-                   if '"worker_spawned"' in x]
+        spawned = [
+            json.loads(x)
+            for x in (run_dir_of(cfg) / "supervisor.log").read_text().splitlines()
+            if '"worker_spawned"' in x
+        ]
         ids = [s["argv"][s["argv"].index("--rdzv-id") + 1] for s in spawned]
         assert ids == ["pair-g0", "pair-g1"], ids
 
 
 def test_a_node_done_first_waits_at_torchruns_exit_barrier_for_the_peers_last_save(tmp_path):
     script = Path(__file__).resolve().parents[1] / "fixtures" / "user_scripts" / "ddp_block.py"
-    command = [sys.executable, str(script), "--steps", "6", "--ckpt-dir", str(tmp_path / "ckpts"),
-               "--linger-rank", "0", "--linger-s", "15"]
+    command = [
+        sys.executable,
+        str(script),
+        "--steps",
+        "6",
+        "--ckpt-dir",
+        str(tmp_path / "ckpts"),
+        "--linger-rank",
+        "0",
+        "--linger-s",
+        "15",
+    ]
     # The exit deadline (3 + 1 s) is far shorter than rank 0's linger: without the exit barrier in view, the node done
     # first would be killed at it.
-    cfgs = run_pair(tmp_path, [], worker={"command": command},
-                    watchdog={"exit_after_stop_s": 3, "term_grace_s": 1, "step_timeout_s": 60})
+    cfgs = run_pair(
+        tmp_path,
+        [],
+        worker={"command": command},
+        watchdog={"exit_after_stop_s": 3, "term_grace_s": 1, "step_timeout_s": 60},
+    )
     explain = {n: (tmp_path / f"{n}.out").read_text()[-3000:] for n in cfgs}
 
     runs = {n: run_dir_of(c) for n, c in cfgs.items()}
@@ -124,8 +153,13 @@ def test_sigkill_of_a_whole_node_is_reported_as_a_lost_peer_and_the_run_finishes
     alerts = tmp_path / "alerts.jsonl"
     command = [sys.executable, "-c", f"import sys; open({str(alerts)!r}, 'a').write(sys.stdin.read() + '\\n')"]
     # no node_name: the default names the nodes (<hostname>:<run dir>), as a user who sets none gets
-    cfgs = node_configs(tmp_path, max_steps=14, worker={"rdzv_timeout_s": 15}, named=False,
-                        alerts={"command": command, "on": ["lost_peer"]})
+    cfgs = node_configs(
+        tmp_path,
+        max_steps=14,
+        worker={"rdzv_timeout_s": 15},
+        named=False,
+        alerts={"command": command, "on": ["lost_peer"]},
+    )
     logs = {n: tmp_path / f"{n}.out" for n in cfgs}
     procs = {"a": start_node(cfgs["a"], logs["a"])}  # first: its peer link hosts the rendezvous store
     time.sleep(0.5)

@@ -1,5 +1,6 @@
 """The `hangwatch` CLI against a fake supervisor (a real control socket, a recording handler), and
 `validate-config` / `run` on bad configs.  The real supervisor is driven in test_ops_e2e.py."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from pathlib import Path
 import pytest
 import structlog
 from click.testing import CliRunner
-
-from hangwatch.supervisor.cli.main import main
-from hangwatch.common.config import reference_text
 from fixtures.fakes.polled_server import PolledServer
+
+from hangwatch.common.config import reference_text
+from hangwatch.supervisor.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,20 +33,50 @@ def hangwatch(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HANGWATCH_RUN_DIR", None)
     env.pop("HANGWATCH_SOCKET", None)
-    return subprocess.run([*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=REPO, **kw)
+    return subprocess.run(
+        [*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, **kw
+    )
 
 
 STATUS = {
-    "state": "running", "attempt": 3, "pid": 4242, "pids": {"0": 4242, "1": 4243}, "phase": "eval",
-    "phase_age_s": 42.0, "phase_budget_s": 900, "step": 40, "max_steps": 100, "loss": 1.2345,
-    "tokens_per_s": 2345.6, "lr": 1.5e-4, "last_beat_age_s": 0.7,
-    "last_good_checkpoint": "/runs/x/checkpoints/step-00000030", "restarts": 2, "incidents": 2,
-    "last_incident": {"id": "0002", "kind": "stall", "summary": "eval generate() stuck: busy loop in Python (CPU 100%)"},
+    "state": "running",
+    "attempt": 3,
+    "pid": 4242,
+    "pids": {"0": 4242, "1": 4243},
+    "phase": "eval",
+    "phase_age_s": 42.0,
+    "phase_budget_s": 900,
+    "step": 40,
+    "max_steps": 100,
+    "loss": 1.2345,
+    "tokens_per_s": 2345.6,
+    "lr": 1.5e-4,
+    "last_beat_age_s": 0.7,
+    "last_good_checkpoint": "/runs/x/checkpoints/step-00000030",
+    "restarts": 2,
+    "incidents": 2,
+    "last_incident": {
+        "id": "0002",
+        "kind": "stall",
+        "summary": "eval generate() stuck: busy loop in Python (CPU 100%)",
+    },
     "deadlines": [{"name": "phase", "rank": 0, "budget_s": 900, "remaining_s": 858}],
-    "gpu": {"available": True, "devices": [{"index": 0, "name": "NVIDIA H100", "utilization_percent": 46,
-                                            "memory_used_bytes": 30 * 2**30, "memory_total_bytes": 80 * 2**30}]},
-    "run_dir": "/runs/x", "supervisor_pid": 4000, "uptime_s": 7300, "torn_lines": 1,
+    "gpu": {
+        "available": True,
+        "devices": [
+            {
+                "index": 0,
+                "name": "NVIDIA H100",
+                "utilization_percent": 46,
+                "memory_used_bytes": 30 * 2**30,
+                "memory_total_bytes": 80 * 2**30,
+            }
+        ],
+    },
+    "run_dir": "/runs/x",
+    "supervisor_pid": 4000,
+    "uptime_s": 7300,
+    "torn_lines": 1,
     "queue": {"waiting": 2, "rejected": 1, "done": 5, "current_file": "batch-7.jsonl", "current_progress": 0.5},
 }
 
@@ -63,17 +94,50 @@ class FakeSupervisor(PolledServer):
         if cmd == "resume":
             return {"ok": False, "error": "not paused (state running)"}
         if cmd == "dump":
-            return {"ok": True, "result": {"dumps": {"1": "Thread 0x2 (most recent call first):\n  File \"b.py\", line 2 in g\n",
-                                                     "0": "Thread 0x1 (most recent call first):\n  File \"a.py\", line 9 in f\n"}}}
+            return {
+                "ok": True,
+                "result": {
+                    "dumps": {
+                        "1": 'Thread 0x2 (most recent call first):\n  File "b.py", line 2 in g\n',
+                        "0": 'Thread 0x1 (most recent call first):\n  File "a.py", line 9 in f\n',
+                    }
+                },
+            }
         if cmd == "incidents":
             if "id" in req:
-                return {"ok": True, "result": {"id": req["id"], "kind": "stall", "attempt": 2, "step": 20,
-                                               "classification": "busy loop in Python (CPU 100%)",
-                                               "stuck_frame": {"file": "model.py", "line": 88, "func": "forward"}}}
-            return {"ok": True, "result": [
-                {"id": "0001", "kind": "crash", "time": "2026-01-01T03:00:00", "attempt": 1, "step": 12, "summary": "RuntimeError: boom"},
-                {"id": "0002", "kind": "stall", "time": "2026-01-01T04:00:00", "attempt": 2, "step": 20, "summary": None,
-                 "classification": "busy loop in Python (CPU 100%)"}]}
+                return {
+                    "ok": True,
+                    "result": {
+                        "id": req["id"],
+                        "kind": "stall",
+                        "attempt": 2,
+                        "step": 20,
+                        "classification": "busy loop in Python (CPU 100%)",
+                        "stuck_frame": {"file": "model.py", "line": 88, "func": "forward"},
+                    },
+                }
+            return {
+                "ok": True,
+                "result": [
+                    {
+                        "id": "0001",
+                        "kind": "crash",
+                        "time": "2026-01-01T03:00:00",
+                        "attempt": 1,
+                        "step": 12,
+                        "summary": "RuntimeError: boom",
+                    },
+                    {
+                        "id": "0002",
+                        "kind": "stall",
+                        "time": "2026-01-01T04:00:00",
+                        "attempt": 2,
+                        "step": 20,
+                        "summary": None,
+                        "classification": "busy loop in Python (CPU 100%)",
+                    },
+                ],
+            }
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
 
@@ -97,13 +161,31 @@ def test_status_shows_the_run(fake):
     r = cli("status", "--run-dir", fake.run_dir)
     assert r.exit_code == 0, r.output
     out = r.output
-    for expected in ["running", "attempt 3", "supervisor pid 4000", "up 2h01m", "pid 4242", "rank 0: 4242, rank 1: 4243",
-                     "eval", "for 42s of 15m00s budget", "40 / 100", "40%", "█", "loss 1.234", "lr 0.00015",
-                     "2345.6 tokens/s", "0.7s ago", "1 torn/invalid lines skipped",
-                     "/runs/x/checkpoints/step-00000030 (last good)", "restarts    2",
-                     "last: 0002 stall — eval generate() stuck", "phase 14m18s left of 15m00s",
-                     "GPU0  NVIDIA H100  util 46%  mem 30.0/80.0 GiB",
-                     "2 waiting, 5 done, 1 rejected   now: batch-7.jsonl (50%)", "run dir     /runs/x"]:
+    for expected in [
+        "running",
+        "attempt 3",
+        "supervisor pid 4000",
+        "up 2h01m",
+        "pid 4242",
+        "rank 0: 4242, rank 1: 4243",
+        "eval",
+        "for 42s of 15m00s budget",
+        "40 / 100",
+        "40%",
+        "█",
+        "loss 1.234",
+        "lr 0.00015",
+        "2345.6 tokens/s",
+        "0.7s ago",
+        "1 torn/invalid lines skipped",
+        "/runs/x/checkpoints/step-00000030 (last good)",
+        "restarts    2",
+        "last: 0002 stall — eval generate() stuck",
+        "phase 14m18s left of 15m00s",
+        "GPU0  NVIDIA H100  util 46%  mem 30.0/80.0 GiB",
+        "2 waiting, 5 done, 1 rejected   now: batch-7.jsonl (50%)",
+        "run dir     /runs/x",
+    ]:
         assert expected in out, f"{expected!r} not in:\n{out}"
     assert fake.requests == [{"cmd": "status"}]
 
@@ -131,8 +213,12 @@ def test_commands_send_the_right_requests(fake):
     assert cli("restart", "--now", "--run-dir", fake.run_dir).output == "restart accepted (now)\n"
     assert cli("stop", "--run-dir", fake.run_dir).output == "stop accepted (state was running)\n"
     assert cli("pause", "--run-dir", fake.run_dir).exit_code == 0
-    assert fake.requests == [{"cmd": "restart", "mode": "graceful"}, {"cmd": "restart", "mode": "now"},
-                             {"cmd": "stop"}, {"cmd": "pause"}]
+    assert fake.requests == [
+        {"cmd": "restart", "mode": "graceful"},
+        {"cmd": "restart", "mode": "now"},
+        {"cmd": "stop"},
+        {"cmd": "pause"},
+    ]
     # Who asked for each change is on record.
     audit = [e for e in fake.logged if e["event"] == "control request"]
     assert [e["cmd"] for e in audit] == ["restart", "restart", "stop", "pause"]
@@ -148,7 +234,9 @@ def test_a_refused_request_is_one_line_and_exit_1(fake):
 def test_dump_prints_every_rank(fake):
     r = cli("dump", "--socket", fake.path)
     assert r.exit_code == 0
-    assert r.output.index("=== rank 0 ===") < r.output.index('File "a.py", line 9 in f') < r.output.index("=== rank 1 ===")
+    assert (
+        r.output.index("=== rank 0 ===") < r.output.index('File "a.py", line 9 in f') < r.output.index("=== rank 1 ===")
+    )
 
 
 def test_incidents_list_and_one(fake):
@@ -191,7 +279,10 @@ def test_no_daemon_is_one_line_and_exit_69(tmp_path):
     dead.bind(str(tmp_path / "dead.sock"))
     dead.close()
     r = hangwatch("restart", "--socket", tmp_path / "dead.sock")
-    assert (r.returncode, r.stderr) == (69, f"hangwatch: no hangwatch running at {tmp_path / 'dead.sock'} (connection refused)\n")
+    assert (r.returncode, r.stderr) == (
+        69,
+        f"hangwatch: no hangwatch running at {tmp_path / 'dead.sock'} (connection refused)\n",
+    )
     r = hangwatch("status", "--run-dir", tmp_path / "missing")
     assert (r.returncode, r.stderr) == (69, f"hangwatch: no run directory at {tmp_path / 'missing'}\n")
 
@@ -199,7 +290,10 @@ def test_no_daemon_is_one_line_and_exit_69(tmp_path):
 def test_no_daemon_given_is_a_usage_error():
     r = hangwatch("status")
     assert r.returncode == 64
-    assert r.stderr == "hangwatch: say which daemon: --run-dir DIR or --socket PATH (or set HANGWATCH_RUN_DIR / HANGWATCH_SOCKET)\n"
+    assert (
+        r.stderr
+        == "hangwatch: say which daemon: --run-dir DIR or --socket PATH (or set HANGWATCH_RUN_DIR / HANGWATCH_SOCKET)\n"
+    )
 
 
 # ---- logs ----------------------------------------------------------------------------------------
@@ -230,8 +324,13 @@ def test_logs_prints_the_newest_attempt_or_the_one_asked_for(tmp_path):
 def test_logs_follow_moves_on_to_the_next_attempt(tmp_path, sigint_default):
     _attempt_log(tmp_path, 1, "first attempt line 1\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([*hangwatch_argv(), "logs", "-f", "--run-dir", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [*hangwatch_argv(), "logs", "-f", "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
     try:
         lines = []
 
@@ -255,8 +354,13 @@ def test_logs_follow_moves_on_to_the_next_attempt(tmp_path, sigint_default):
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
-    assert [line.strip() for line in lines] == ["first attempt line 1", "first attempt line 2", "first attempt last words",
-                                                "second attempt line 1", "second attempt line 2"]
+    assert [line.strip() for line in lines] == [
+        "first attempt line 1",
+        "first attempt line 2",
+        "first attempt last words",
+        "second attempt line 1",
+        "second attempt line 2",
+    ]
     assert "following attempts/0001/worker.log" in err.decode() and "following attempts/0002/worker.log" in err.decode()
     assert "Traceback" not in err.decode()
 
@@ -286,12 +390,18 @@ def test_validate_config_ok_prints_a_summary(tmp_path):
 
 
 BAD = [
-    ("watchdog:\n  silence_timout_s: 10\n",
-     "{p}:2: watchdog.silence_timout_s: unknown key (did you mean 'silence_timeout_s'?)"),
-    ("worker:\n  command: [python, x.py]\nwatchdog:\n  startup_timeout_s: soon\n",
-     "{p}:4: watchdog.startup_timeout_s: Input should be a valid number, unable to parse string as a number, got 'soon'"),
-    ("worker:\n  command: [python, x.py]\nrestart:\n  max_restarts: -1\n",
-     "{p}:4: restart.max_restarts: Input should be greater than or equal to 0, got -1"),
+    (
+        "watchdog:\n  silence_timout_s: 10\n",
+        "{p}:2: watchdog.silence_timout_s: unknown key (did you mean 'silence_timeout_s'?)",
+    ),
+    (
+        "worker:\n  command: [python, x.py]\nwatchdog:\n  startup_timeout_s: soon\n",
+        "{p}:4: watchdog.startup_timeout_s: Input should be a valid number, unable to parse string as a number, got 'soon'",
+    ),
+    (
+        "worker:\n  command: [python, x.py]\nrestart:\n  max_restarts: -1\n",
+        "{p}:4: restart.max_restarts: Input should be greater than or equal to 0, got -1",
+    ),
 ]
 
 
@@ -332,17 +442,18 @@ def test_run_help_ends_with_the_config_reference():
     assert r.exit_code == 0
     ref_lines = [line.strip() for line in reference_text().splitlines()]
     help_lines = [line.strip() for line in r.output.rstrip().splitlines()]
-    assert help_lines[-len(ref_lines):] == ref_lines  # verbatim, not re-wrapped, and last
+    assert help_lines[-len(ref_lines) :] == ref_lines  # verbatim, not re-wrapped, and last
 
 
 def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_path):
     """After `hangwatch run` returned there is no socket; the incidents are still on disk."""
-    from hangwatch.supervisor.records import run_state as statefile
     from hangwatch.supervisor.cli.main import run_summary
     from hangwatch.supervisor.incidents import IncidentStore
+    from hangwatch.supervisor.records import run_state as statefile
 
-    inc = IncidentStore(tmp_path).create("stall", attempt=1, phase="generate", step=40,
-                                         summary="phase deadline 10.0s exceeded in phase 'generate'")
+    inc = IncidentStore(tmp_path).create(
+        "stall", attempt=1, phase="generate", step=40, summary="phase deadline 10.0s exceeded in phase 'generate'"
+    )
     inc.write()
     (tmp_path / "final").mkdir()
     statefile.write(tmp_path / "state.json", {"state": "finished", "attempt": 2})
@@ -373,24 +484,34 @@ HEAVY = ("pydantic", "yaml", "structlog", "rich", "torch", "transformers", "nump
 
 def heavy_imports_of(*argv) -> tuple[object, list[str], str]:
     """(exit code, heavy packages and config modules imported, stdout) of one `hangwatch ARGV` in a fresh process."""
-    code = ("import json, sys\n"
-            "from hangwatch.supervisor.cli.main import main\n"
-            "try:\n    main(sys.argv[1:], prog_name='hangwatch')\nexcept SystemExit as exc:\n    rc = exc.code\n"
-            f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
-            "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or m.startswith('hangwatch.daemon'))\n"
-            "print(json.dumps([rc, heavy]), file=sys.stderr)\n")
+    code = (
+        "import json, sys\n"
+        "from hangwatch.supervisor.cli.main import main\n"
+        "try:\n    main(sys.argv[1:], prog_name='hangwatch')\nexcept SystemExit as exc:\n    rc = exc.code\n"
+        f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+        "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or m.startswith('hangwatch.daemon'))\n"
+        "print(json.dumps([rc, heavy]), file=sys.stderr)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
-    p = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=60,
-                       env=env, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
     rc, heavy = json.loads(p.stderr.strip().splitlines()[-1])
     return rc, heavy, p.stdout
 
 
 # The rich view needs rich; render.py (result_message, dump_text) imports it at its top for the others.
-@pytest.mark.parametrize("argv,allowed", [
-    (["status", "--json"], set()), (["status"], {"rich"}), (["incidents", "--json"], set()),
-    (["restart"], {"rich"}), (["dump"], {"rich"}),
-], ids=["status-json", "status", "incidents-json", "restart", "dump"])
+@pytest.mark.parametrize(
+    "argv,allowed",
+    [
+        (["status", "--json"], set()),
+        (["status"], {"rich"}),
+        (["incidents", "--json"], set()),
+        (["restart"], {"rich"}),
+        (["dump"], {"rich"}),
+    ],
+    ids=["status-json", "status", "incidents-json", "restart", "dump"],
+)
 def test_client_commands_load_neither_the_config_nor_the_ml_stack(fake, argv, allowed):
     rc, heavy, out = heavy_imports_of(*argv, "--socket", fake.path)
     assert rc in (0, None), out
@@ -402,8 +523,21 @@ def test_client_commands_load_neither_the_config_nor_the_ml_stack(fake, argv, al
 def test_help_still_lists_every_command_and_the_run_reference_loads_when_shown():
     rc, heavy, out = heavy_imports_of("--help")
     assert rc in (0, None) and heavy == []
-    for command in ("run", "validate-config", "status", "top", "restart", "stop", "pause", "resume", "dump", "logs",
-                    "incidents", "submit", "bench"):
+    for command in (
+        "run",
+        "validate-config",
+        "status",
+        "top",
+        "restart",
+        "stop",
+        "pause",
+        "resume",
+        "dump",
+        "logs",
+        "incidents",
+        "submit",
+        "bench",
+    ):
         assert f"\n  {command} " in out, command
     rc, heavy, out = heavy_imports_of("run", "--help")
     assert rc in (0, None) and "Configuration keys" in out and "watchdog.poll_interval_s" in out
@@ -412,23 +546,37 @@ def test_help_still_lists_every_command_and_the_run_reference_loads_when_shown()
 
 def _inbox_config(tmp_path: Path, **data) -> Path:
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(json.dumps({"run_dir": str(tmp_path / "run"), "model": {"tiny": {"vocab_size": 128}, "device": "cpu"},
-                               "data": {"inbox": True, "max_length": 48, "truncation": "reject", **data}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "run_dir": str(tmp_path / "run"),
+                "model": {"tiny": {"vocab_size": 128}, "device": "cpu"},
+                "data": {"inbox": True, "max_length": 48, "truncation": "reject", **data},
+            }
+        )
+    )
     return cfg
 
 
 def test_submit_checks_with_the_light_tokenizer_and_never_imports_torch(tmp_path, monkeypatch):
     """The whole `hangwatch submit` (the CLI and the worker-side check it starts), with every import logged."""
     good = tmp_path / "good.jsonl"
-    good.write_text("".join(json.dumps({"prompt": f"upper: w{i}", "completion": f"W{i}"}) + "\n" for i in range(20))
-                    + json.dumps({"prompt": "p" * 60, "completion": "too long"}) + "\n")
+    good.write_text(
+        "".join(json.dumps({"prompt": f"upper: w{i}", "completion": f"W{i}"}) + "\n" for i in range(20))
+        + json.dumps({"prompt": "p" * 60, "completion": "too long"})
+        + "\n"
+    )
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # inherited by the check's own process
     r = hangwatch("submit", "-v", "--config", _inbox_config(tmp_path, on_bad_lines="skip_lines"), good)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == "accepted good.jsonl (20 examples; 1 bad line(s) will be left out)\n"
     assert (tmp_path / "run" / "inbox" / "good.jsonl").read_bytes() == good.read_bytes()
     assert "hangwatch: tokenizer: light (tiny, vocab_size=128)" in r.stderr
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in r.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "tokenizers" in imported and "pydantic" in imported  # the check ran, with the run's config
     assert not imported & {"torch", "transformers", "numpy"}
 
@@ -444,8 +592,10 @@ def test_submit_refuses_a_bad_config_or_a_run_without_an_inbox_in_the_usual_word
     assert r.stderr.splitlines()[1].startswith(f"  {bad}:2: data.inbox: ")
     plain = _inbox_config(tmp_path, inbox=False, train=str(f))
     r = hangwatch("submit", "--config", plain, f)
-    assert (r.returncode, r.stderr) == (78, f"hangwatch: {plain}: data.inbox is false: the run at {tmp_path / 'run'} "
-                                             "does not take files from an inbox\n")
+    assert (r.returncode, r.stderr) == (
+        78,
+        f"hangwatch: {plain}: data.inbox is false: the run at {tmp_path / 'run'} does not take files from an inbox\n",
+    )
 
 
 def test_a_request_does_its_meanwhile_work_after_sending_and_before_the_answer(tmp_path):

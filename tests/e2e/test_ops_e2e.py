@@ -3,6 +3,7 @@
 Most tests use a worker that speaks the heartbeat protocol and nothing else (no torch, so a
 restart costs a fraction of a second); one runs the built-in worker on the tiny model.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # A worker with resumable state and a ledger of every step it completes, so a test can tell a lost
 # or repeated step.  SIGTERM is handled like the real worker: finish the step, checkpoint, exit 0.
-FAKE_WORKER = textwrap.dedent('''
+FAKE_WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
     from hangwatch.daemon.heartbeat import Heartbeat
@@ -65,7 +66,7 @@ FAKE_WORKER = textwrap.dedent('''
                 hb.stop("terminated")
                 sys.exit(0)
     hb.stop("finished")
-''')
+""")
 
 
 def hangwatch_argv() -> list[str]:
@@ -81,8 +82,9 @@ def env(**extra) -> dict:
 
 
 def hw(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=env(), cwd=REPO)
+    return subprocess.run(
+        [*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO
+    )
 
 
 def wait_for(what: str, check: Callable[[], Optional[object]], timeout: float = 60, every: float = 0.2):
@@ -103,8 +105,13 @@ class Run:
         self.run_dir = run_dir
         self.stderr_path = tmp_path / f"supervisor-stderr-{time.monotonic_ns()}.txt"
         self._stderr = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen([*hangwatch_argv(), "run", str(config), "--run-dir", str(run_dir)],
-                                     stdout=subprocess.DEVNULL, stderr=self._stderr, env=env(**extra_env), cwd=REPO)
+        self.proc = subprocess.Popen(
+            [*hangwatch_argv(), "run", str(config), "--run-dir", str(run_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+            env=env(**extra_env),
+            cwd=REPO,
+        )
 
     def status(self) -> Optional[dict]:
         r = hw("status", "--json", "--run-dir", self.run_dir)
@@ -141,10 +148,19 @@ def fake_config(tmp_path: Path, *, max_steps=100000, every=10) -> Path:
     worker.write_text(FAKE_WORKER)
     cfg = {
         "run_dir": "run",
-        "worker": {"command": [sys.executable, str(worker)],
-                   "env": {"FAKE_MAX_STEPS": str(max_steps), "FAKE_CKPT_EVERY": str(every)}},
-        "watchdog": {"startup_timeout_s": 30, "silence_timeout_s": 30, "first_steps_timeout_s": 30,
-                     "dump_grace_s": 2, "term_grace_s": 5, "py_spy": False, "poll_interval_s": 0.1},
+        "worker": {
+            "command": [sys.executable, str(worker)],
+            "env": {"FAKE_MAX_STEPS": str(max_steps), "FAKE_CKPT_EVERY": str(every)},
+        },
+        "watchdog": {
+            "startup_timeout_s": 30,
+            "silence_timeout_s": 30,
+            "first_steps_timeout_s": 30,
+            "dump_grace_s": 2,
+            "term_grace_s": 5,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+        },
         "restart": {"backoff_initial_s": 0},
     }
     path = tmp_path / "fake.yaml"
@@ -163,8 +179,11 @@ def beats(run_dir: Path, attempt: int, event: str) -> list[dict]:
     """The complete heartbeat lines of one event (a line being written is skipped, as the supervisor does); the
     worker's own, not the bootstrap's `start` (instrumented: auto) that precedes it."""
     p = run_dir / "attempts" / f"{attempt:04d}" / "heartbeat-rank0.jsonl"
-    return [r for r in map(decode_line, p.read_bytes().splitlines())
-            if r is not None and r["event"] == event and r.get("instrumented") != "auto"]
+    return [
+        r
+        for r in map(decode_line, p.read_bytes().splitlines())
+        if r is not None and r["event"] == event and r.get("instrumented") != "auto"
+    ]
 
 
 class NotifySocket:
@@ -212,12 +231,20 @@ def test_operating_a_run_through_the_cli(tmp_path):
         for expected in ["running", "attempt 1", f"pid {st['pid']}", "train", "/ 100000", "512.0 tokens/s", "restarts"]:
             assert expected in human.stdout, human.stdout
         # systemd heard READY, STATUS and watchdog pings
-        wait_for("READY/STATUS/WATCHDOG notifications",
-                 lambda: notify.saw("READY=1") and notify.saw("STATUS=") and notify.saw("WATCHDOG=1"))
+        wait_for(
+            "READY/STATUS/WATCHDOG notifications",
+            lambda: notify.saw("READY=1") and notify.saw("STATUS=") and notify.saw("WATCHDOG=1"),
+        )
         assert oct(os.stat(run_dir / "hangwatch.sock").st_mode & 0o777) == "0o600"
 
-        follower = subprocess.Popen([*hangwatch_argv(), "logs", "-f", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+        follower = subprocess.Popen(
+            [*hangwatch_argv(), "logs", "-f", "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+            cwd=REPO,
+        )
         followed: list[str] = []
         threading.Thread(target=lambda: followed.extend(follower.stdout), daemon=True).start()
 
@@ -249,7 +276,9 @@ def test_operating_a_run_through_the_cli(tmp_path):
         # --- graceful restart: the worker checkpoints first, no step is lost or repeated
         r = hw("restart", "--run-dir", run_dir)
         assert (r.returncode, r.stdout) == (0, "restart accepted (graceful)\n")
-        run.wait_status("attempt 2 stepping", lambda s: s["attempt"] == 2 and s["state"] == "running" and (s["step"] or 0) > 0)
+        run.wait_status(
+            "attempt 2 stepping", lambda s: s["attempt"] == 2 and s["state"] == "running" and (s["step"] or 0) > 0
+        )
         first = [step for a, step in ledger(run_dir) if a == 1]
         second_steps = wait_for("attempt 2 steps", lambda: [step for a, step in ledger(run_dir) if a == 2])
         assert second_steps[0] == first[-1] + 1
@@ -260,7 +289,9 @@ def test_operating_a_run_through_the_cli(tmp_path):
         # --- restart --now: dump and kill, recorded as an incident with the stacks
         r = hw("restart", "--now", "--run-dir", run_dir)
         assert r.returncode == 0 and r.stdout.startswith("restart accepted (now)"), r.stdout + r.stderr
-        st = run.wait_status("attempt 3 stepping", lambda s: s["attempt"] == 3 and s["state"] == "running" and (s["step"] or 0) > 0)
+        st = run.wait_status(
+            "attempt 3 stepping", lambda s: s["attempt"] == 3 and s["state"] == "running" and (s["step"] or 0) > 0
+        )
         assert st["restarts"] == 2 and st["incidents"] == 1 and st["last_incident"]["id"] == "0001"
         inc = hw("incidents", "--json", "--run-dir", run_dir)
         assert [i["attempt"] for i in json.loads(inc.stdout)] == [2]
@@ -269,7 +300,9 @@ def test_operating_a_run_through_the_cli(tmp_path):
         assert one["id"] == "0001" and any("fake_worker.py" in p.read_text() for p in inc_dir.glob("stack-rank*.txt"))
 
         # --- logs -f followed the worker log across both restarts
-        wait_for("logs -f to reach attempt 3", lambda: any(line.startswith("attempt 3: step") for line in list(followed)))
+        wait_for(
+            "logs -f to reach attempt 3", lambda: any(line.startswith("attempt 3: step") for line in list(followed))
+        )
         text = "".join(followed)
         assert text.index("attempt 1: step 1\n") < text.index("attempt 2: resuming") < text.index("attempt 3: resuming")
 
@@ -280,7 +313,10 @@ def test_operating_a_run_through_the_cli(tmp_path):
         assert not (run_dir / "hangwatch.sock").exists()
         assert notify.saw("STOPPING=1")
         gone = hw("status", "--run-dir", run_dir)
-        assert (gone.returncode, gone.stderr) == (69, f"hangwatch: no hangwatch running at {run_dir / 'hangwatch.sock'} (no such socket)\n")
+        assert (gone.returncode, gone.stderr) == (
+            69,
+            f"hangwatch: no hangwatch running at {run_dir / 'hangwatch.sock'} (no such socket)\n",
+        )
         assert json.loads((run_dir / "fake-checkpoint.json").read_text())["step"] == ledger(run_dir)[-1][1]
     finally:
         if follower is not None:
@@ -352,12 +388,17 @@ def test_built_in_worker_graceful_restart_loses_no_step(tmp_path):
     run_dir = tmp_path / "run"
     run = Run(tmp_path, config, run_dir)
     try:
-        st = run.wait_status("the tiny model training", lambda s: s["state"] == "running" and (s["step"] or 0) >= 3, timeout=120)
+        st = run.wait_status(
+            "the tiny model training", lambda s: s["state"] == "running" and (s["step"] or 0) >= 3, timeout=120
+        )
         assert st["max_steps"] == 400 and isinstance(st["loss"], float) and st["phase"] == "train"
         r = hw("restart", "--run-dir", run_dir)
         assert r.returncode == 0, r.stderr
-        run.wait_status("attempt 2 training", lambda s: s["attempt"] == 2 and s["state"] == "running" and (s["step"] or 0) > 0,
-                        timeout=120)
+        run.wait_status(
+            "attempt 2 training",
+            lambda s: s["attempt"] == 2 and s["state"] == "running" and (s["step"] or 0) > 0,
+            timeout=120,
+        )
         last_step_1 = max(b["step"] for b in beats(run_dir, 1, "step"))
         start2 = beats(run_dir, 2, "start")[0]
         assert start2["resumed_from"] and start2["resumed_from"].endswith(f"step-{last_step_1:08d}")

@@ -1,4 +1,5 @@
 """The systemd unit, its installer, and the generated config reference in docs/configuration.md."""
+
 from __future__ import annotations
 
 import configparser
@@ -99,7 +100,10 @@ def test_install_into_a_root(tmp_path):
 def test_install_refuses_without_an_executable(tmp_path):
     r = install("--dry-run", "--bin", tmp_path / "nothing")
     assert r.returncode == 1
-    assert r.stderr.strip() == f"install-service: no hangwatch executable at {tmp_path / 'nothing'}; run scripts/setup.sh first or pass --bin PATH"
+    assert (
+        r.stderr.strip()
+        == f"install-service: no hangwatch executable at {tmp_path / 'nothing'}; run scripts/setup.sh first or pass --bin PATH"
+    )
     r = install("--frobnicate")
     assert r.returncode == 64 and "unknown argument: --frobnicate" in r.stderr
 
@@ -114,8 +118,13 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path):
     unit_dir = root / "etc/systemd/system"
     instance = unit_dir / "hangwatch@demo.service"
     instance.symlink_to("hangwatch@.service")
-    r = subprocess.run([analyze, "verify", str(instance)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"})
+    r = subprocess.run(
+        [analyze, "verify", str(instance)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"},
+    )
     # verify exits 0 even for unknown keys; it warns about them on stderr, naming the unit file.
     complaints = [line for line in r.stderr.splitlines() if "hangwatch@" in line]
     assert r.returncode == 0 and complaints == [], r.stderr
@@ -128,10 +137,15 @@ def test_guard_the_verify_test_can_fail(tmp_path):
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     bad = tmp_path / "hangwatch@.service"
-    bad.write_text(UNIT.read_text().replace("NotifyAccess=main", "NotifyAcess=main").replace(
-        "/usr/local/bin/hangwatch", str(fake_bin(tmp_path))))
+    bad.write_text(
+        UNIT.read_text()
+        .replace("NotifyAccess=main", "NotifyAcess=main")
+        .replace("/usr/local/bin/hangwatch", str(fake_bin(tmp_path)))
+    )
     (tmp_path / "hangwatch@demo.service").symlink_to("hangwatch@.service")
-    r = subprocess.run([analyze, "verify", str(tmp_path / "hangwatch@demo.service")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [analyze, "verify", str(tmp_path / "hangwatch@demo.service")], capture_output=True, text=True, timeout=60
+    )
     assert "NotifyAcess" in r.stderr
 
 
@@ -148,8 +162,9 @@ def test_config_reference_in_docs_is_current():
         f"{r.stderr.strip()}\n(docs/configuration.md needs the markers <!-- config-reference:start --> / "
         "<!-- config-reference:end -->; `python scripts/gen_config_reference.py` fills them)"
     )
-    assert "config-reference:start" not in (REPO / "README.md").read_text(), \
+    assert "config-reference:start" not in (REPO / "README.md").read_text(), (
         "the config reference lives in docs/configuration.md, not in README.md"
+    )
 
 
 def test_gen_config_reference_writes_and_checks(tmp_path):

@@ -1,4 +1,5 @@
 """What `pip install` puts on a machine: one top-level import name, `hangwatch`, every subpackage, and py-spy."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,17 +12,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_wheel_installs_no_top_level_name_but_hangwatch(tmp_path):
     out = tmp_path / "wheel"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                        str(REPO)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = out.glob("hangwatch-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"hangwatch"}  # not `daemon` (python-daemon's name), not `supervisor` (supervisord's)
-    for module in ("hangwatch/daemon/heartbeat.py", "hangwatch/daemon/__main__.py", "hangwatch/daemon/inbox/intake.py",
-                   "hangwatch/daemon/trainer/loop.py", "hangwatch/supervisor/cli/main.py",
-                   "hangwatch/supervisor/control/server.py", "hangwatch/supervisor/incidents/classify.py",
-                   "hangwatch/common/config/schema.py", "hangwatch/common/protocol.py"):
+    for module in (
+        "hangwatch/daemon/heartbeat.py",
+        "hangwatch/daemon/__main__.py",
+        "hangwatch/daemon/inbox/intake.py",
+        "hangwatch/daemon/trainer/loop.py",
+        "hangwatch/supervisor/cli/main.py",
+        "hangwatch/supervisor/control/server.py",
+        "hangwatch/supervisor/incidents/classify.py",
+        "hangwatch/common/config/schema.py",
+        "hangwatch/common/protocol.py",
+    ):
         assert module in names, module
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "hangwatch = hangwatch.supervisor.cli.main:main" in entry
@@ -34,11 +46,17 @@ def test_the_wheel_installs_no_top_level_name_but_hangwatch(tmp_path):
 
 def test_the_installed_commands_work_from_anywhere(tmp_path):
     """The worker and the CLI are reachable by their public names outside the checkout."""
-    r = subprocess.run([sys.executable, "-m", "hangwatch.daemon", "--help"], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "hangwatch.daemon", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 0 and "--config" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "hangwatch.supervisor", "--help"], capture_output=True, text=True,
-                       timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "hangwatch.supervisor", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "run" in r.stdout, r.stderr
     r = subprocess.run([sys.executable, "-c", "import daemon"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0  # hangwatch adds no `daemon` module (python-daemon may own that name)

@@ -8,6 +8,7 @@ charts with both incidents marked and the goodput section (its timeline, a row f
 resume audit of attempt 2 (it replayed steps 21–22) is listed; its screenshot is kept (HANGWATCH_SAVE_SCREENSHOT=1 copies it to
 docs/report-screenshot.png, the README's picture).  Skips where no Chromium is installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.fakes.sup_harness import PY, ROOT, env, incidents, run_supervisor, state
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
+
 from hangwatch.supervisor.records.goodput import CATEGORIES, GOODPUT_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
-TRAIN = r'''
+TRAIN = r"""
 import json, math, os, random, socket, sys, time
 from hangwatch.daemon.heartbeat import Heartbeat
 
@@ -73,16 +74,19 @@ with hb.phase("train"):
                     f.write(json.dumps({"step": step, "prompt": prompt, "reference": ref, "output": output(ref, step),
                                         "loss": loss, "attempt": attempt, "t": time.time()}) + "\n")
 hb.stop("finished")
-'''
+"""
 
 
 def two_incident_run(tmp_path: Path) -> Path:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     run_dir = tmp_path / "night-run"
-    cfg = {"run_dir": str(run_dir), "worker": {"command": [PY, str(script)]},
-           "watchdog": {**FAST_WATCHDOG, "phase_budgets_s": {"eval": 5}},
-           "restart": {"backoff_initial_s": 0, "max_restarts": 5}}
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {"command": [PY, str(script)]},
+        "watchdog": {**FAST_WATCHDOG, "phase_budgets_s": {"eval": 5}},
+        "restart": {"backoff_initial_s": 0, "max_restarts": 5},
+    }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     rc, out = run_supervisor(path, timeout=120)
@@ -91,9 +95,21 @@ def two_incident_run(tmp_path: Path) -> Path:
 
 
 def chromium(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           "--no-first-run", "--virtual-time-budget=15000", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            BROWSER,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--virtual-time-budget=15000",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
@@ -103,8 +119,14 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
     assert [i["kind"] for i in incs] == ["stall", "crash"], [i["kind"] for i in incs]
 
     out = tmp_path / "report.html"
-    p = subprocess.run([PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(run_dir), "--out", str(out)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(run_dir), "--out", str(out)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(out)
     page = out.read_text()
@@ -114,16 +136,24 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
     for text in ("0001", "0002", "stall", "crash", "reverse: cat", "upper: fox", "FOX", "read_shard (", "train.py:"):
         assert text in page, text
     # the table: steps lost and time to recover (the stall hit step 22, resumed from 20; the crash at 40, from 40)
-    rows = re.findall(r"<tr><td>(000\d)</td><td class=\"kind\">(\w+)</td><td class=\"num\">(\d+)</td>"
-                      r"<td class=\"num\">(\d+)</td>.*?<td class=\"num\">(\d+)</td><td class=\"num\">([\d.]+) s</td></tr>",
-                      page)
-    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("0001", "stall", "1", "22", "2"), ("0002", "crash", "2", "40", "0")]
+    rows = re.findall(
+        r"<tr><td>(000\d)</td><td class=\"kind\">(\w+)</td><td class=\"num\">(\d+)</td>"
+        r"<td class=\"num\">(\d+)</td>.*?<td class=\"num\">(\d+)</td><td class=\"num\">([\d.]+) s</td></tr>",
+        page,
+    )
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("0001", "stall", "1", "22", "2"),
+        ("0002", "crash", "2", "40", "0"),
+    ]
     # where the time went: the ledger the supervisor kept, one row per category; the resume after the stall, audited
     assert (run_dir / GOODPUT_NAME).exists()
     assert re.findall(r'data-category="(\w+)"', page) == list(CATEGORIES)
     audits = page.split("<h2>Resume audits</h2>", 1)[1].split("<h2>", 1)[0]
-    assert re.search(r'<td class="num">2</td><td class="num">20</td><td class="num">21–22</td>'
-                     r'<td class="verdict-verified">resume verified: steps 21–22 replayed, [^<]+</td><td>0001</td>', audits)
+    assert re.search(
+        r'<td class="num">2</td><td class="num">20</td><td class="num">21–22</td>'
+        r'<td class="verdict-verified">resume verified: steps 21–22 replayed, [^<]+</td><td>0001</td>',
+        audits,
+    )
 
     if BROWSER is None:
         pytest.skip("no Chromium installed (Debian: apt-get install chromium): the page was checked, not drawn")
@@ -150,8 +180,14 @@ def test_hangwatch_report_draws_the_night_with_both_incidents(tmp_path):
 
 
 def test_report_on_a_directory_without_a_run_says_so(tmp_path):
-    p = subprocess.run([PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [PY, "-m", "hangwatch.supervisor.cli.report", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 66
     assert p.stderr.strip() == f"hangwatch: no run in {tmp_path} (no state.json, no attempts/): pass --run-dir"
     assert json.dumps(p.stdout) == '""'

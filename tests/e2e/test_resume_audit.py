@@ -15,6 +15,7 @@ The script is tests/fixtures/user_scripts/resume_audit_loop.py (no hangwatch imp
 tolerance is the default for a user's command (`rtol: null` → 0.01); the two faults move lr and loss by far more.
 The watchdog settings are short test values; `restart.backoff_initial_s: 0`.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from hangwatch.common.protocol import decode_line
 from fixtures.fakes.user_shell import incidents, run_hangwatch, worker_logs
 
+from hangwatch.common.protocol import decode_line
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "fixtures" / "user_scripts" / "resume_audit_loop.py"
@@ -45,22 +45,49 @@ STEP_S = 0.25  # long enough that a stop at step 9 lands well before step 24
 
 def config(**resume_audit) -> dict:
     """What a user of `-- CMD` writes: no run_dir, no worker.command; the resume audit as given (else its defaults)."""
-    watchdog = {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60, "step_timeout_s": 30,
-                "dump_grace_s": 1, "term_grace_s": 1, "py_spy": False, "poll_interval_s": 0.1}
+    watchdog = {
+        "startup_timeout_s": 120,
+        "silence_timeout_s": 60,
+        "first_steps_timeout_s": 60,
+        "step_timeout_s": 30,
+        "dump_grace_s": 1,
+        "term_grace_s": 1,
+        "py_spy": False,
+        "poll_interval_s": 0.1,
+    }
     if resume_audit:
         watchdog["resume_audit"] = resume_audit
-    return {"watchdog": watchdog,
-            "restart": {"backoff_initial_s": 0, "max_restarts": 2},
-            "worker": {"resume_args": ["--resume", "{checkpoint}"]},
-            "checkpoint": {"confirm_steps": 1}}
+    return {
+        "watchdog": watchdog,
+        "restart": {"backoff_initial_s": 0, "max_restarts": 2},
+        "worker": {"resume_args": ["--resume", "{checkpoint}"]},
+        "checkpoint": {"confirm_steps": 1},
+    }
 
 
-def run_script(tmp_path: Path, cfg: dict, *flags: str,
-               timeout: float = 180) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(
+    tmp_path: Path, cfg: dict, *flags: str, timeout: float = 180
+) -> tuple[subprocess.CompletedProcess, Path]:
     """`hangwatch run cfg.yaml --run-dir run -- python resume_audit_loop.py … FLAGS` from tmp_path."""
-    cmd = ["python", str(SCRIPT), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--ckpt-dir", "ckpts",
-           "--step-s", str(STEP_S), "--die-once", "died.marker", "--die-at", str(DIE_AT), "--record", "starts.json",
-           *flags]
+    cmd = [
+        "python",
+        str(SCRIPT),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--ckpt-dir",
+        "ckpts",
+        "--step-s",
+        str(STEP_S),
+        "--die-once",
+        "died.marker",
+        "--die-at",
+        str(DIE_AT),
+        "--record",
+        "starts.json",
+        *flags,
+    ]
     r, run_dir = run_hangwatch(tmp_path, cfg, cmd, timeout=timeout)
     assert (tmp_path / "died.marker").exists(), explain(r, run_dir)
     return r, run_dir
@@ -72,8 +99,10 @@ def output(r: subprocess.CompletedProcess) -> str:
 
 def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
     audits = run_dir / "resume-audit.json"
-    return (f"hangwatch run exited {r.returncode}\n{output(r)[-4000:]}\n{worker_logs(run_dir)}\n"
-            f"--- resume-audit.json\n{audits.read_text() if audits.exists() else '(none)'}")
+    return (
+        f"hangwatch run exited {r.returncode}\n{output(r)[-4000:]}\n{worker_logs(run_dir)}\n"
+        f"--- resume-audit.json\n{audits.read_text() if audits.exists() else '(none)'}"
+    )
 
 
 def state(run_dir: Path) -> dict:
@@ -141,8 +170,9 @@ def assert_resumed_from_the_checkpoint(tmp_path: Path, run_dir: Path) -> None:
     assert min(step_beats(run_dir, 2)) == RESUMED + 1, sorted(step_beats(run_dir, 2))
 
 
-def assert_diverged_at_the_first_replayed_step(tmp_path: Path, r: subprocess.CompletedProcess, run_dir: Path,
-                                               figure: str) -> tuple[dict, dict]:
+def assert_diverged_at_the_first_replayed_step(
+    tmp_path: Path, r: subprocess.CompletedProcess, run_dir: Path, figure: str
+) -> tuple[dict, dict]:
     """One `resume_diverged` incident and one diverged audit naming `figure` at step 9 with the two beats' values;
     the crash incident carries the audit.  Returns (the audit, the divergence incident)."""
     why = explain(r, run_dir)
@@ -161,8 +191,9 @@ def assert_diverged_at_the_first_replayed_step(tmp_path: Path, r: subprocess.Com
     assert len(found) == 1, [(d.name, inc.get("summary")) for d, inc in incidents(run_dir)]
     _, inc = found[0]
     assert inc["attempt"] == 2, inc.get("summary")
-    assert inc["resume_audit"]["verdict"] == "diverged" and inc["resume_audit"]["difference"] == diff, \
-        inc["resume_audit"]
+    assert inc["resume_audit"]["verdict"] == "diverged" and inc["resume_audit"]["difference"] == diff, inc[
+        "resume_audit"
+    ]
     summary = inc["summary"]
     assert summary.startswith(f"step {first}") and f"{figure} " in summary and "before the restart" in summary, summary
     assert log_events(run_dir, "resume_diverged"), why

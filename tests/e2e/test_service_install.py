@@ -1,4 +1,5 @@
 """Installing the service for a real config, and the hardened unit's exposure as systemd rates it."""
+
 from __future__ import annotations
 
 import re
@@ -73,9 +74,13 @@ def test_a_config_is_installed_resolved_and_readable_by_the_service_user(tmp_pat
     assert data["data"]["train"] == str(config.parent / "data" / "train.jsonl")
     assert data["data"]["eval"] == str(config.parent / "data" / "eval.jsonl")
     assert data["worker"]["cwd"] == str(config.parent)
-    check = subprocess.run([str(HANGWATCH), "validate-config", str(installed)], capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [str(HANGWATCH), "validate-config", str(installed)], capture_output=True, text=True, timeout=120
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    dry = install("--dry-run", "--root", tmp_path / "r2", "--bin", HANGWATCH, "--user", "hwsvc", "--config", config, check=True)
+    dry = install(
+        "--dry-run", "--root", tmp_path / "r2", "--bin", HANGWATCH, "--user", "hwsvc", "--config", config, check=True
+    )
     assert f"+ chown root:hwsvc {tmp_path / 'r2'}/etc/hangwatch/night.yaml" in dry.stdout
 
 

@@ -1,6 +1,7 @@
 """`hangwatch status --run-dir` with no supervisor answering: what state.json last recorded, said as such,
 and a supervisor that is gone (its pid and start time no longer a live process) said to be gone — never a
 run shown as running when nothing watches it.  The exit stays 69: no supervisor was reachable."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,36 @@ REPO = Path(__file__).resolve().parents[2]
 def status(run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "hangwatch.supervisor", "status", "--run-dir", str(run_dir), *flags],
-                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "hangwatch.supervisor", "status", "--run-dir", str(run_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def record(run_dir: Path, state: str, supervisor: dict, **more) -> None:
     run_dir.mkdir(exist_ok=True)
-    (run_dir / "state.json").write_text(json.dumps({
-        "version": 1, "state": state, "updated_wall": time.time() - 90, "supervisor": supervisor, "attempt": 3,
-        "restarts": 2, "incidents": 1, "last_incident": {"id": "0001", "kind": "stall", "summary": "rank 0 silent"},
-        "last_good_checkpoint": "/ckpt/step-40", "last_good_step": 40, "run_dir": str(run_dir), **more}))
+    (run_dir / "state.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "state": state,
+                "updated_wall": time.time() - 90,
+                "supervisor": supervisor,
+                "attempt": 3,
+                "restarts": 2,
+                "incidents": 1,
+                "last_incident": {"id": "0001", "kind": "stall", "summary": "rank 0 silent"},
+                "last_good_checkpoint": "/ckpt/step-40",
+                "last_good_step": 40,
+                "run_dir": str(run_dir),
+                **more,
+            }
+        )
+    )
 
 
 def dead_supervisor() -> dict:
@@ -68,12 +89,19 @@ def test_a_live_supervisor_that_does_not_answer_is_not_called_gone(tmp_path):
 
 
 def test_a_run_that_ended_shows_its_end_and_why(tmp_path):
-    record(tmp_path / "run", "failed", dead_supervisor(), exit_code=74,
-           why="no space left on device at /runs/x/checkpoints during running")
+    record(
+        tmp_path / "run",
+        "failed",
+        dead_supervisor(),
+        exit_code=74,
+        why="no space left on device at /runs/x/checkpoints during running",
+    )
     r = status(tmp_path / "run")
     assert r.returncode == 69
-    assert r.stdout.splitlines()[0].endswith(
-        ": no space left on device at /runs/x/checkpoints during running — exit 74") and "gone" not in r.stdout
+    assert (
+        r.stdout.splitlines()[0].endswith(": no space left on device at /runs/x/checkpoints during running — exit 74")
+        and "gone" not in r.stdout
+    )
 
 
 def test_no_state_json_is_the_plain_error(tmp_path):

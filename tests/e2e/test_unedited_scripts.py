@@ -21,6 +21,7 @@ worker), from `worker.resume_args`, and, where no instrumentation can enter, fro
 The watchdog settings are short test values; `restart.backoff_initial_s: 0`.  The worker's environment is an
 activated venv (its bin first on PATH), so `python` and `torchrun` are the venv's, as for a user.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,10 +34,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from hangwatch.common.protocol import decode_line
 from fixtures.fakes.user_shell import VENV_BIN, incidents, run_hangwatch, user_env, worker_logs
 
+from hangwatch.common.protocol import decode_line
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "fixtures" / "user_scripts"
@@ -50,13 +50,25 @@ EVAL_BUDGET_S = 5
 # ---- helpers -----------------------------------------------------------------------------------------------------
 
 
-def config(*, watchdog: dict | None = None, worker: dict | None = None, checkpoint: dict | None = None,
-           restart: dict | None = None) -> dict:
+def config(
+    *,
+    watchdog: dict | None = None,
+    worker: dict | None = None,
+    checkpoint: dict | None = None,
+    restart: dict | None = None,
+) -> dict:
     """A config holding only the keys a user of `-- CMD` writes: no run_dir, no worker.command."""
     cfg = {
-        "watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
-                     "dump_grace_s": 2, "term_grace_s": 2, "py_spy": False, "poll_interval_s": 0.1,
-                     **(watchdog or {})},
+        "watchdog": {
+            "startup_timeout_s": 120,
+            "silence_timeout_s": 60,
+            "first_steps_timeout_s": 60,
+            "dump_grace_s": 2,
+            "term_grace_s": 2,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+            **(watchdog or {}),
+        },
         "restart": {"backoff_initial_s": 0, "max_restarts": 2, **(restart or {})},
     }
     if worker:
@@ -132,19 +144,44 @@ def py_spy_attach() -> tuple[bool, str]:
 # ---- HF Trainer and TRL: an eval callback's generate() that never ends --------------------------------------------
 
 
-@pytest.mark.parametrize("script, needs", [("hf_trainer_eval_generate.py", "transformers"), ("trl_sft.py", "trl")],
-                         ids=["transformers", "trl"])
+@pytest.mark.parametrize(
+    "script, needs",
+    [("hf_trainer_eval_generate.py", "transformers"), ("trl_sft.py", "trl")],
+    ids=["transformers", "trl"],
+)
 def test_trainer_eval_generate_hang_is_caught_and_the_trainer_resumes_from_the_last_good_checkpoint(
-        tmp_path, script, needs):
+    tmp_path, script, needs
+):
     pytest.importorskip(needs)
     # The kill-and-resume path: a generate that still produces tokens is truncated in process by default (the
     # next test), so this one asks for the restart.
-    cfg = config(watchdog={"phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30},
-                           "generate_overrun": "restart"},
-                 checkpoint={"confirm_steps": 1})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "python", str(SCRIPTS / script), "--output-dir", "out", "--max-steps", "12", "--save-steps", "4",
-        "--eval-steps", "10", "--hang-once", "hang.marker", "--record", "starts.json"])
+    cfg = config(
+        watchdog={
+            "phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30},
+            "generate_overrun": "restart",
+        },
+        checkpoint={"confirm_steps": 1},
+    )
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            "python",
+            str(SCRIPTS / script),
+            "--output-dir",
+            "out",
+            "--max-steps",
+            "12",
+            "--save-steps",
+            "4",
+            "--eval-steps",
+            "10",
+            "--hang-once",
+            "hang.marker",
+            "--record",
+            "starts.json",
+        ],
+    )
     assert_finished(r, run_dir)
     assert (tmp_path / "hang.marker").exists()
 
@@ -158,8 +195,9 @@ def test_trainer_eval_generate_hang_is_caught_and_the_trainer_resumes_from_the_l
     assert inc["summary"].startswith(f"in generate(), called from on_evaluate ({callbacks}:"), where
     # The user's own frame is the user's callback, never hangwatch's generate() wrapper (an editable install puts
     # hangwatch outside site-packages: its frames must not pass for the user's code).
-    assert function_of(inc["user_frame"]) == "on_evaluate" and inc["user_frame"]["file"].endswith(callbacks), \
-        inc["user_frame"]
+    assert function_of(inc["user_frame"]) == "on_evaluate" and inc["user_frame"]["file"].endswith(callbacks), inc[
+        "user_frame"
+    ]
     ev = inc["evidence"]
     assert ev["heartbeats"] is True and ev["instrumentation"] == "auto", ev
     assert 0 in ev["stacks"]["faulthandler"], ev
@@ -180,9 +218,26 @@ def test_trainer_eval_generate_hang_is_caught_and_the_trainer_resumes_from_the_l
 def test_a_runaway_trainer_eval_generate_is_truncated_in_process_and_training_goes_on(tmp_path):
     pytest.importorskip("transformers")
     cfg = config(watchdog={"phase_budgets_s": {"generate": GENERATE_BUDGET_S, "eval": 60, "checkpoint": 30}})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "python", str(SCRIPTS / "hf_trainer_eval_generate.py"), "--output-dir", "out", "--max-steps", "12",
-        "--save-steps", "4", "--eval-steps", "10", "--hang-once", "hang.marker", "--record", "starts.json"])
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            "python",
+            str(SCRIPTS / "hf_trainer_eval_generate.py"),
+            "--output-dir",
+            "out",
+            "--max-steps",
+            "12",
+            "--save-steps",
+            "4",
+            "--eval-steps",
+            "10",
+            "--hang-once",
+            "hang.marker",
+            "--record",
+            "starts.json",
+        ],
+    )
     assert_finished(r, run_dir)
     _, inc = the_incident(run_dir)
     assert inc["kind"] == "generate_truncated" and inc["attempt"] == 1 and inc["step"] == 10, inc
@@ -206,16 +261,40 @@ def test_plain_loop_spin_is_caught_by_the_step_deadline_and_resumes_bitwise_thro
     common = ["--steps", "12", "--save-every", "2"]
     # The reference: the same script, uninterrupted, with no hangwatch anywhere.
     bare_env = {k: v for k, v in user_env().items() if k != "PYTHONPATH"}
-    ref = subprocess.run([sys.executable, str(script), *common, "--ckpt-dir", "ref-ckpts", "--out", "ref.pt"],
-                         cwd=tmp_path, env=bare_env, capture_output=True, text=True, timeout=120)
+    ref = subprocess.run(
+        [sys.executable, str(script), *common, "--ckpt-dir", "ref-ckpts", "--out", "ref.pt"],
+        cwd=tmp_path,
+        env=bare_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
 
-    cfg = config(watchdog={"step_timeout_s": 5},
-                 worker={"resume_args": ["--resume", "{checkpoint}"]},
-                 checkpoint={"confirm_steps": 1})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "python", str(script), *common, "--ckpt-dir", "ckpts", "--out", "final.pt", "--spin-once", "spin.marker",
-        "--spin-at", "8", "--record", "starts.json"])
+    cfg = config(
+        watchdog={"step_timeout_s": 5},
+        worker={"resume_args": ["--resume", "{checkpoint}"]},
+        checkpoint={"confirm_steps": 1},
+    )
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            "python",
+            str(script),
+            *common,
+            "--ckpt-dir",
+            "ckpts",
+            "--out",
+            "final.pt",
+            "--spin-once",
+            "spin.marker",
+            "--spin-at",
+            "8",
+            "--record",
+            "starts.json",
+        ],
+    )
     assert_finished(r, run_dir)
 
     _, inc = the_incident(run_dir)
@@ -244,11 +323,30 @@ def test_plain_loop_spin_is_caught_by_the_step_deadline_and_resumes_bitwise_thro
 
 def test_lightning_validation_step_hang_is_caught_and_fit_resumes(tmp_path):
     pytest.importorskip("lightning")
-    cfg = config(watchdog={"phase_budgets_s": {"eval": EVAL_BUDGET_S, "validation": EVAL_BUDGET_S}},
-                 checkpoint={"confirm_steps": 1})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "python", str(SCRIPTS / "lightning_val_hang.py"), "--out", "out", "--max-steps", "10", "--ckpt-every", "2",
-        "--val-every", "4", "--hang-once", "hang.marker", "--record", "starts.json"])
+    cfg = config(
+        watchdog={"phase_budgets_s": {"eval": EVAL_BUDGET_S, "validation": EVAL_BUDGET_S}},
+        checkpoint={"confirm_steps": 1},
+    )
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            "python",
+            str(SCRIPTS / "lightning_val_hang.py"),
+            "--out",
+            "out",
+            "--max-steps",
+            "10",
+            "--ckpt-every",
+            "2",
+            "--val-every",
+            "4",
+            "--hang-once",
+            "hang.marker",
+            "--record",
+            "starts.json",
+        ],
+    )
     assert_finished(r, run_dir)
 
     # The stall, then the resume audit's finding: Lightning restarts an epoch it resumes in the middle of (its
@@ -280,13 +378,37 @@ def test_lightning_validation_step_hang_is_caught_and_fit_resumes(tmp_path):
 def test_torchrun_rank_blocked_before_a_collective_is_named_the_culprit_and_the_run_resumes(tmp_path):
     torchrun = "torchrun" if (VENV_BIN / "torchrun").exists() else None
     launcher = [torchrun] if torchrun else ["python", "-m", "torch.distributed.run"]
-    cfg = config(watchdog={"step_timeout_s": 8, "startup_timeout_s": 180},
-                 worker={"resume_args": ["--resume", "{checkpoint}"]},
-                 checkpoint={"confirm_steps": 1})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        *launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ddp_block.py"), "--steps", "10",
-        "--save-every", "2", "--ckpt-dir", "ckpts", "--block-once", "block.marker", "--block-at", "5",
-        "--block-rank", "1", "--record", "starts.json"], timeout=300)
+    cfg = config(
+        watchdog={"step_timeout_s": 8, "startup_timeout_s": 180},
+        worker={"resume_args": ["--resume", "{checkpoint}"]},
+        checkpoint={"confirm_steps": 1},
+    )
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            *launcher,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "ddp_block.py"),
+            "--steps",
+            "10",
+            "--save-every",
+            "2",
+            "--ckpt-dir",
+            "ckpts",
+            "--block-once",
+            "block.marker",
+            "--block-at",
+            "5",
+            "--block-rank",
+            "1",
+            "--record",
+            "starts.json",
+        ],
+        timeout=300,
+    )
     assert_finished(r, run_dir)
 
     _, inc = the_incident(run_dir)
@@ -316,11 +438,26 @@ def test_torchrun_rank_blocked_before_a_collective_is_named_the_culprit_and_the_
 def shell_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("shell")
     can_spy, _ = py_spy_attach()
-    cfg = config(watchdog={"output_silence_timeout_s": 3, "startup_timeout_s": 60, "py_spy": can_spy,
-                           "py_spy_timeout_s": 15})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "sh", str(SCRIPTS / "inner.sh"), "--steps", "20", "--step-s", "0.2", "--spin-once", "spin.marker",
-        "--spin-at", "8"], timeout=180)
+    cfg = config(
+        watchdog={"output_silence_timeout_s": 3, "startup_timeout_s": 60, "py_spy": can_spy, "py_spy_timeout_s": 15}
+    )
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            "sh",
+            str(SCRIPTS / "inner.sh"),
+            "--steps",
+            "20",
+            "--step-s",
+            "0.2",
+            "--spin-once",
+            "spin.marker",
+            "--spin-at",
+            "8",
+        ],
+        timeout=180,
+    )
     return tmp_path, r, run_dir
 
 
@@ -356,11 +493,14 @@ def test_shell_script_silent_job_py_spy_dump_names_the_spinning_function(shell_r
 
 def test_healthy_job_printing_progress_outlives_the_startup_deadline_without_an_incident(tmp_path):
     startup_s = 3
-    cfg = config(watchdog={"startup_timeout_s": startup_s, "output_silence_timeout_s": 5},
-                 worker={"instrument": "off"})
+    cfg = config(watchdog={"startup_timeout_s": startup_s, "output_silence_timeout_s": 5}, worker={"instrument": "off"})
     began = time.monotonic()
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        "python", str(SCRIPTS / "healthy_long.py"), "--steps", "16", "--step-s", "0.5", "--load-s", "1"], timeout=120)
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        ["python", str(SCRIPTS / "healthy_long.py"), "--steps", "16", "--step-s", "0.5", "--load-s", "1"],
+        timeout=120,
+    )
     took = time.monotonic() - began
     assert_finished(r, run_dir)
     assert took > 2 * startup_s, f"the job must outlive the startup deadline: {took:.1f}s"
@@ -375,8 +515,11 @@ def test_healthy_job_printing_progress_outlives_the_startup_deadline_without_an_
 
 def test_script_with_its_own_hangwatch_callback_beats_each_step_once(tmp_path):
     pytest.importorskip("transformers")
-    r, run_dir = run_hangwatch(tmp_path, config(), [
-        "python", str(SCRIPTS / "uses_callback.py"), "--output-dir", "out", "--max-steps", "8", "--save-steps", "4"])
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        config(),
+        ["python", str(SCRIPTS / "uses_callback.py"), "--output-dir", "out", "--max-steps", "8", "--save-steps", "4"],
+    )
     assert_finished(r, run_dir)
     assert incidents(run_dir) == []
     steps = step_beats(run_dir, 1)
@@ -392,9 +535,22 @@ def test_a_runaway_synced_generate_on_two_ranks_is_ended_at_the_same_token_witho
     torchrun = "torchrun" if (VENV_BIN / "torchrun").exists() else None
     launcher = [torchrun] if torchrun else ["python", "-m", "torch.distributed.run"]
     cfg = config(watchdog={"startup_timeout_s": 180, "phase_budgets_s": {"generate": 5}})
-    r, run_dir = run_hangwatch(tmp_path, cfg, [
-        *launcher, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "ddp_runaway_generate.py"), "--steps", "8",
-        "--eval-at", "4"], timeout=300)
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        cfg,
+        [
+            *launcher,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "ddp_runaway_generate.py"),
+            "--steps",
+            "8",
+            "--eval-at",
+            "4",
+        ],
+        timeout=300,
+    )
     assert_finished(r, run_dir)
     _, inc = the_incident(run_dir)
     assert inc["kind"] == "generate_truncated" and inc["ranks"] == [0, 1], inc

@@ -1,6 +1,7 @@
 """`hangwatch validate-config` and `hangwatch run` as a user meets them: a config that cannot work is
 refused (exit 78, the key, its line) before any worker starts; a directory as CONFIG is a config error,
 not a usage error; a run dir whose run already finished is left alone, with how to start afresh."""
+
 from __future__ import annotations
 
 import json
@@ -29,26 +30,34 @@ def test_a_missing_train_file_is_refused_before_anything_starts(tmp_path):
     for command in ("validate-config", "run"):
         r = hangwatch(command, cfg)
         assert r.returncode == 78, r.stderr
-        assert r.stderr.splitlines() == ["hangwatch: invalid configuration (1 problem):",
-                                         f"  {cfg}:{line}: data.train: {tmp_path / 'data' / 'gone.jsonl'}: no such file"]
+        assert r.stderr.splitlines() == [
+            "hangwatch: invalid configuration (1 problem):",
+            f"  {cfg}:{line}: data.train: {tmp_path / 'data' / 'gone.jsonl'}: no such file",
+        ]
         assert not run_dir.exists()  # no worker, no attempts/, not even a run dir
 
 
 def test_validate_config_reports_every_problem_in_file_order(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("run_dir: runs/x\n"
-                   "restart:\n  backoff_initial_s: 100\n  backoff_max_s: 1\n"
-                   "data:\n  train: train.jsonl\n")
+    cfg.write_text(
+        "run_dir: runs/x\nrestart:\n  backoff_initial_s: 100\n  backoff_max_s: 1\ndata:\n  train: train.jsonl\n"
+    )
     r = hangwatch("validate-config", cfg)
     assert (r.returncode, r.stdout) == (78, "")
     assert r.stderr.splitlines()[1:] == [
         f"  {cfg}:3: restart.backoff_initial_s: 100 exceeds restart.backoff_max_s (1): the first backoff delay cannot "
-        "be larger than the cap it doubles towards"]
-    cfg.write_text("run_dir: runs/x\nmodel:\n  name_or_path: models/none\ndata:\n  train: train.jsonl\n  eval: eval.jsonl\n")
+        "be larger than the cap it doubles towards"
+    ]
+    cfg.write_text(
+        "run_dir: runs/x\nmodel:\n  name_or_path: models/none\ndata:\n  train: train.jsonl\n  eval: eval.jsonl\n"
+    )
     r = hangwatch("validate-config", cfg)
     assert r.returncode == 78
     assert [ln.split(": ", 2)[:2] for ln in r.stderr.splitlines()[1:]] == [
-        [f"  {cfg}:3", "model.name_or_path"], [f"  {cfg}:5", "data.train"], [f"  {cfg}:6", "data.eval"]]
+        [f"  {cfg}:3", "model.name_or_path"],
+        [f"  {cfg}:5", "data.train"],
+        [f"  {cfg}:6", "data.eval"],
+    ]
     assert "hangwatch never downloads a model" in r.stderr
 
 
@@ -57,15 +66,20 @@ def test_duplicate_keys_exit_78_with_both_lines(tmp_path):
     cfg.write_text("worker:\n  command: [python3, x.py]\nwatchdog:\n  silence_timeout_s: 10\n  silence_timeout_s: 20\n")
     r = hangwatch("validate-config", cfg)
     assert r.returncode == 78
-    assert r.stderr.splitlines()[1] == (f"  {cfg}:5: watchdog.silence_timeout_s: duplicate key (first at line 4); YAML "
-                                        "would silently keep only the last one: remove one of them")
+    assert r.stderr.splitlines()[1] == (
+        f"  {cfg}:5: watchdog.silence_timeout_s: duplicate key (first at line 4); YAML "
+        "would silently keep only the last one: remove one of them"
+    )
 
 
 def test_a_directory_or_a_missing_file_as_config_exits_78_not_64(tmp_path):
     for command in ("validate-config", "run"):
         r = hangwatch(command, tmp_path)
-        assert (r.returncode, r.stderr) == (78, "hangwatch: invalid configuration (1 problem):\n"
-                                                f"  {tmp_path}: is a directory; give the config file (a .yaml) inside it\n")
+        assert (r.returncode, r.stderr) == (
+            78,
+            "hangwatch: invalid configuration (1 problem):\n"
+            f"  {tmp_path}: is a directory; give the config file (a .yaml) inside it\n",
+        )
         r = hangwatch(command, tmp_path / "nope.yaml")
         assert r.returncode == 78 and f"{tmp_path / 'nope.yaml'}: no such config file" in r.stderr
 
@@ -160,18 +174,22 @@ def hangwatch_with(env: dict, *args) -> subprocess.CompletedProcess:
 
 
 def test_more_ranks_than_the_worker_sees_gpus_is_refused_before_anything_starts(tmp_path):
-    cfg = make_config(tmp_path, model={"device": "cuda"},
-                      worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "0"}})
+    cfg = make_config(
+        tmp_path, model={"device": "cuda"}, worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    )
     line = next(i for i, text in enumerate(cfg.read_text().splitlines(), 1) if "nproc_per_node" in text)
     env = with_nvml(tmp_path, 4)
-    words = ("worker.nproc_per_node: 2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 "
-             "on this machine): NCCL needs one GPU per rank")
+    words = (
+        "worker.nproc_per_node: 2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 "
+        "on this machine): NCCL needs one GPU per rank"
+    )
     for command in ("validate-config", "run"):
         r = hangwatch_with(env, command, cfg)
         assert r.returncode == 78, r.stderr
-        assert r.stderr.splitlines() == ["hangwatch: invalid configuration (1 problem):",
-                                         f"  {cfg}:{line}: {words}; set worker.nproc_per_node: 1 or make more GPUs "
-                                         "visible"]
+        assert r.stderr.splitlines() == [
+            "hangwatch: invalid configuration (1 problem):",
+            f"  {cfg}:{line}: {words}; set worker.nproc_per_node: 1 or make more GPUs visible",
+        ]
         assert not (tmp_path / "run").exists()  # nothing started
     r = hangwatch_with(env, "doctor", cfg, "--cheap", "--json")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -180,8 +198,9 @@ def test_more_ranks_than_the_worker_sees_gpus_is_refused_before_anything_starts(
 
 
 def test_enough_gpus_or_no_nvml_is_accepted(tmp_path):
-    cfg = make_config(tmp_path, model={"device": "cuda"},
-                      worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "1,3"}})
+    cfg = make_config(
+        tmp_path, model={"device": "cuda"}, worker={"nproc_per_node": 2, "env": {"CUDA_VISIBLE_DEVICES": "1,3"}}
+    )
     r = hangwatch_with(with_nvml(tmp_path, 4), "validate-config", cfg)
     assert r.returncode == 0 and r.stdout.startswith(f"OK: {cfg}"), r.stderr
     r = hangwatch_with(with_nvml(tmp_path, 4, fails=True), "validate-config", cfg)  # no driver: nothing is known

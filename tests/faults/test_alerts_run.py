@@ -10,6 +10,7 @@
 * restarts that never get past the last good step end the run `failed` with a `no_progress` incident;
 * a SIGSTOPped supervisor pings no more, and pings again once continued.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 from fixtures.fakes.sup_harness import incidents, run_supervisor, start_supervisor, state, wait_for, write_config
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
@@ -128,9 +128,18 @@ def metrics_port(run_dir: Path) -> int:
 
 def test_incident_alert_ping_and_metrics_during_a_real_stall(tmp_path, receiver):
     every = 0.5
-    cfg, run_dir = config(tmp_path, "block_c", "--steps", "60", "--fault-at", "15", "--step-s", "0.05",
-                          alerts={"urls": [receiver.hook], "ping_url": receiver.ping, "ping_every_s": every},
-                          metrics={"listen": "127.0.0.1:0"})
+    cfg, run_dir = config(
+        tmp_path,
+        "block_c",
+        "--steps",
+        "60",
+        "--fault-at",
+        "15",
+        "--step-s",
+        "0.05",
+        alerts={"urls": [receiver.hook], "ping_url": receiver.ping, "ping_every_s": every},
+        metrics={"listen": "127.0.0.1:0"},
+    )
     sup = start_supervisor(cfg)
     scrapes = []
     try:
@@ -157,13 +166,25 @@ def test_incident_alert_ping_and_metrics_during_a_real_stall(tmp_path, receiver)
     handled_wall = inc["time_unix"] + inc["timings"]["total_s"]
     assert arrived - handled_wall <= 2.0, (arrived, handled_wall)
     msg = body["message"]
-    for needle in (f"run: {run_dir.name} ({run_dir.resolve()})", "kind: stall", "culprit: rank 0: blocked in C",
-                   "frame: block_in_c (", "hbworker.py:", f"step: {inc['step']}", "done: dumped the stacks of rank(s) 0",
-                   "restarting from ckpt-", "took: detected ", "step deadline 2", f"incident: {inc_dir.resolve()}"):
+    for needle in (
+        f"run: {run_dir.name} ({run_dir.resolve()})",
+        "kind: stall",
+        "culprit: rank 0: blocked in C",
+        "frame: block_in_c (",
+        "hbworker.py:",
+        f"step: {inc['step']}",
+        "done: dumped the stacks of rank(s) 0",
+        "restarting from ckpt-",
+        "took: detected ",
+        "step deadline 2",
+        f"incident: {inc_dir.resolve()}",
+    ):
         assert needle in msg, (needle, msg)
     assert body["type"] == "failure"
     recovered = [b for _, b in alerts if "recovered" in b["title"]]
-    assert len(recovered) == 1 and body["title"].startswith(f"hangwatch {run_dir.name}: stall"), [b["title"] for _, b in alerts]
+    assert len(recovered) == 1 and body["title"].startswith(f"hangwatch {run_dir.name}: stall"), [
+        b["title"] for _, b in alerts
+    ]
 
     # dead-man's pings: none later than one interval after the last step before the stall; again after recovery
     before = steps_of(run_dir, 1)
@@ -178,8 +199,11 @@ def test_incident_alert_ping_and_metrics_during_a_real_stall(tmp_path, receiver)
     # /metrics during the run: step and last-step time move, incident and restart counters rise
     assert len(scrapes) >= 5, len(scrapes)
     steps = [s.get(("hangwatch_step", ())) for s in scrapes if ("hangwatch_step", ()) in s]
-    stamps = [s.get(("hangwatch_last_step_timestamp_seconds", ())) for s in scrapes
-              if ("hangwatch_last_step_timestamp_seconds", ()) in s]
+    stamps = [
+        s.get(("hangwatch_last_step_timestamp_seconds", ()))
+        for s in scrapes
+        if ("hangwatch_last_step_timestamp_seconds", ()) in s
+    ]
     assert len(set(steps)) >= 3 and len(set(stamps)) >= 3, (steps, stamps)
     stalls = [s.get(("hangwatch_incidents_total", (("kind", "stall"),)), 0.0) for s in scrapes]
     restarts = [s.get(("hangwatch_restarts_total", ()), 0.0) for s in scrapes]
@@ -192,21 +216,32 @@ def test_incident_alert_ping_and_metrics_during_a_real_stall(tmp_path, receiver)
 def test_a_webhook_that_takes_30s_delays_no_detection_dump_or_restart(tmp_path):
     slow = Receiver(answer_after_s=30)
     try:
-        cfg, run_dir = config(tmp_path, "block_c", "--steps", "8", "--fault-at", "3", "--bad-attempts", "2",
-                              alerts={"urls": [slow.hook], "timeout_s": 40, "retries": 0})
+        cfg, run_dir = config(
+            tmp_path,
+            "block_c",
+            "--steps",
+            "8",
+            "--fault-at",
+            "3",
+            "--bad-attempts",
+            "2",
+            alerts={"urls": [slow.hook], "timeout_s": 40, "retries": 0},
+        )
         rc, out = run_supervisor(cfg, timeout=90)
         assert rc == 0, out[-4000:]
         assert slow.answered == [], "the supervisor's exit waited for the slow webhook's answer"
         first, second = incidents(run_dir)
-        assert len(slow.posts) >= 1 and not any(t < second["time_unix"] for t in slow.answered), \
+        assert len(slow.posts) >= 1 and not any(t < second["time_unix"] for t in slow.answered), (
             "the webhook answered before the second stall: the test proves nothing"
+        )
         # the second stall: on time, dumped, and the run restarted and finished while the first alert waited
         assert second["deadline"]["overdue_s"] < 1.0, second["deadline"]
         assert second["deadline"]["overdue_s"] <= first["deadline"]["overdue_s"] + 0.5
         assert "stack-rank0.txt" in second["files"] and second["stuck_frame"]["function"] == "block_in_c"
         assert second["decision"]["action"] == "restart" and state(run_dir)["state"] == "finished"
-        spawned = [json.loads(x) for x in (run_dir / "supervisor.log").read_text().splitlines()
-                   if '"worker_spawned"' in x]
+        spawned = [
+            json.loads(x) for x in (run_dir / "supervisor.log").read_text().splitlines() if '"worker_spawned"' in x
+        ]
         assert [s["attempt"] for s in spawned] == [1, 2, 3]
         assert slow.posts[0][0] < second["time_unix"], "the first alert was not in flight during the second stall"
         assert '"alerts_not_all_sent"' in (run_dir / "supervisor.log").read_text()
@@ -217,8 +252,13 @@ def test_a_webhook_that_takes_30s_delays_no_detection_dump_or_restart(tmp_path):
 def test_a_crash_loop_is_one_alert_and_one_summary(tmp_path, receiver):
     got = tmp_path / "command-alerts.jsonl"
     command = [sys.executable, "-c", f"import sys; open({str(got)!r}, 'a').write(sys.stdin.read() + '\\n')"]
-    cfg, run_dir = config(tmp_path, "crash", "--bad-attempts", "99",
-                          alerts={"urls": [receiver.hook], "command": command, "min_interval_s": 300})
+    cfg, run_dir = config(
+        tmp_path,
+        "crash",
+        "--bad-attempts",
+        "99",
+        alerts={"urls": [receiver.hook], "command": command, "min_interval_s": 300},
+    )
     rc, out = run_supervisor(cfg)
     assert rc == 1, out[-4000:]
     kinds = [i["kind"] for i in incidents(run_dir)]
@@ -241,9 +281,16 @@ def test_restarts_that_never_step_past_the_last_good_step_end_the_run_no_progres
     got = tmp_path / "command-alerts.jsonl"
     command = [sys.executable, "-c", f"import sys; open({str(got)!r}, 'a').write(sys.stdin.read() + '\\n')"]
     # attempt 1 steps to 2 (a good checkpoint at 2) and crashes at 3; every later attempt crashes at step 1
-    cfg, run_dir = config(tmp_path, "crash", "--fault-at", "3", "--bad-attempts", "99",
-                          alerts={"command": command, "on": ["no_progress", "failed"]},
-                          restart={"max_restarts": 10})
+    cfg, run_dir = config(
+        tmp_path,
+        "crash",
+        "--fault-at",
+        "3",
+        "--bad-attempts",
+        "99",
+        alerts={"command": command, "on": ["no_progress", "failed"]},
+        restart={"max_restarts": 10},
+    )
     path = yaml.safe_load(cfg.read_text())
     path["worker"]["command"] = [sys.executable, "-c", NEVER_PAST_FIRST_FAILURE, *path["worker"]["command"][1:]]
     cfg.write_text(yaml.safe_dump(path))
@@ -275,8 +322,9 @@ NEVER_PAST_FIRST_FAILURE = (
 
 def test_a_stopped_supervisor_stops_pinging_and_pings_again_once_continued(tmp_path, receiver):
     every = 0.3
-    cfg, run_dir = config(tmp_path, "ok", "--steps", "400", "--step-s", "0.05",
-                          alerts={"ping_url": receiver.ping, "ping_every_s": every})
+    cfg, run_dir = config(
+        tmp_path, "ok", "--steps", "400", "--step-s", "0.05", alerts={"ping_url": receiver.ping, "ping_every_s": every}
+    )
     sup = start_supervisor(cfg)
     try:
         wait_for(lambda: len(receiver.pings) >= 3, 20, "pings while stepping")

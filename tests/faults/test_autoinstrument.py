@@ -18,6 +18,7 @@ attempt writes), and what their heartbeat files say.
                             standard-library pieces from the source tree and none of hangwatch's dependencies;
                             one too old says so in one line; outside hangwatch nothing happens at all
 """
+
 from __future__ import annotations
 
 import glob
@@ -53,18 +54,33 @@ def attempt_dir(tmp_path: Path, attempt: int = 1) -> Path:
     return tmp_path / "run" / "attempts" / f"{attempt:04d}"
 
 
-def auto_env(tmp_path: Path, attempt: int = 1, resume_from: str = "", resume_step: Optional[int] = None,
-             pythonpath: Optional[str] = None, supervised: bool = True) -> dict:
+def auto_env(
+    tmp_path: Path,
+    attempt: int = 1,
+    resume_from: str = "",
+    resume_step: Optional[int] = None,
+    pythonpath: Optional[str] = None,
+    supervised: bool = True,
+) -> dict:
     """What the supervisor gives a `worker.command` attempt (supervisor/processes/attempt.py::worker_env)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_") and k != "PYTHONPATH"}
     if pythonpath:
         base["PYTHONPATH"] = pythonpath
     env = {**base, **instrument_env(base, resume_step)}
     if supervised:
-        env.update(HANGWATCH_RUN_DIR=str(tmp_path / "run"), HANGWATCH_ATTEMPT=str(attempt),
-                   HANGWATCH_HEARTBEAT_DIR=str(attempt_dir(tmp_path, attempt)), HANGWATCH_RESUME_FROM=resume_from)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+        env.update(
+            HANGWATCH_RUN_DIR=str(tmp_path / "run"),
+            HANGWATCH_ATTEMPT=str(attempt),
+            HANGWATCH_HEARTBEAT_DIR=str(attempt_dir(tmp_path, attempt)),
+            HANGWATCH_RESUME_FROM=resume_from,
+        )
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -95,20 +111,31 @@ def last_json(stdout: str) -> dict:
 def python_where(want, probe: str) -> Optional[str]:
     """The first interpreter on this machine, other than hangwatch's environment, for which `probe` (a -c
     program run without PYTHONPATH) prints `True` and `want(version)` holds."""
+
     def minor(path: str) -> int:
         digits = path.split("python3.")[-1] if "python3." in path else path.split("/versions/3.")[-1].split(".")[0]
         return int(digits) if digits.isdigit() else 99
 
-    found = glob.glob("/root/.pyenv/versions/3.*/bin/python3") + [
-        f"/usr/bin/python3.{m}" for m in range(6, 15)] + [f"/usr/local/bin/python3.{m}" for m in range(6, 15)]
+    found = (
+        glob.glob("/root/.pyenv/versions/3.*/bin/python3")
+        + [f"/usr/bin/python3.{m}" for m in range(6, 15)]
+        + [f"/usr/local/bin/python3.{m}" for m in range(6, 15)]
+    )
     candidates = sorted(found, key=minor)  # the oldest first: the minimum version is the one to prove
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME") and not k.startswith("HANGWATCH_")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME") and not k.startswith("HANGWATCH_")
+    }
     for exe in candidates:
         if not os.path.exists(exe) or os.path.realpath(exe) == os.path.realpath(PY):
             continue
         try:
-            p = subprocess.run([exe, "-c", "import sys; print(sys.version_info[0], sys.version_info[1]); " + probe],
-                               capture_output=True, text=True, timeout=30, env=env)
+            p = subprocess.run(
+                [exe, "-c", "import sys; print(sys.version_info[0], sys.version_info[1]); " + probe],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=env,
+            )
             major, minor, verdict = p.stdout.split()
         except (OSError, subprocess.SubprocessError, ValueError):
             continue
@@ -152,8 +179,14 @@ PLAIN_LOOP = """
 
 def test_a_plain_torch_loop_beats_steps_phases_and_its_checkpoint(tmp_path):
     path = script(tmp_path, "train.py", PLAIN_LOOP)
-    p = subprocess.Popen([PY, str(path)], env=auto_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [PY, str(path)],
+        env=auto_env(tmp_path),
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err[-5000:]
     result = last_json(out)
@@ -161,7 +194,12 @@ def test_a_plain_torch_loop_beats_steps_phases_and_its_checkpoint(tmp_path):
 
     [start] = of(lines, "start")
     assert (start["pid"], start["dump_signal"], start["instrumented"], start["phase"], start["step"]) == (
-        p.pid, "SIGUSR1", "auto", "load", 0)
+        p.pid,
+        "SIGUSR1",
+        "auto",
+        "load",
+        0,
+    )
     assert Path(start["dump_path"]) == attempt_dir(tmp_path) / "stack-rank0.txt"
     steps = of(lines, "step")
     assert [b["step"] for b in steps] == list(range(1, 7))
@@ -203,8 +241,14 @@ def test_a_wrappers_training_child_takes_the_rank_over_and_a_child_started_after
     script(tmp_path, "wrapper.py", WRAPPER)
     script(tmp_path, "train.py", TRAINS_THEN_EVALS)
     script(tmp_path, "evaluate.py", "import os\nprint(os.getpid())\n")
-    p = subprocess.Popen([PY, "wrapper.py"], env=auto_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [PY, "wrapper.py"],
+        env=auto_env(tmp_path),
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err[-5000:]
     result = last_json(out)
@@ -224,8 +268,11 @@ def test_the_step_count_goes_on_from_the_checkpoint_resumed(tmp_path):
             model(torch.ones(2, 3)).sum().backward()
             opt.step()
     """
-    run([PY, script(tmp_path, "t.py", body)], auto_env(tmp_path, attempt=2, resume_from="/ck/step-40", resume_step=40),
-        tmp_path)
+    run(
+        [PY, script(tmp_path, "t.py", body)],
+        auto_env(tmp_path, attempt=2, resume_from="/ck/step-40", resume_step=40),
+        tmp_path,
+    )
     lines = beats(tmp_path, attempt=2)
     assert of(lines, "start")[0]["step"] == 40
     assert [b["step"] for b in of(lines, "step")] == [41, 42, 43]
@@ -263,7 +310,9 @@ def test_hf_trainer_one_start_no_duplicate_steps_and_resume_without_an_edit(tmp_
     assert last_json(p.stdout)["callbacks"].count("HangwatchCallback") == 1
     lines = beats(tmp_path)
     assert [(b.get("instrumented"), b.get("integration")) for b in of(lines, "start")] == [
-        ("auto", None), (None, "transformers")]
+        ("auto", None),
+        (None, "transformers"),
+    ]
     assert len({b["pid"] for b in lines}) == 1
     steps = of(lines, "step")
     assert [b["step"] for b in steps] == [1, 2, 3, 4]
@@ -355,7 +404,9 @@ def test_accelerate_save_state_and_fabric_save_are_one_checkpoint_each(tmp_path)
     run([PY, script(tmp_path, "acc.py", ACCELERATE_FABRIC)], auto_env(tmp_path), tmp_path)
     lines = beats(tmp_path)
     assert [(b["path"], b["step"]) for b in of(lines, "checkpoint")] == [
-        (str(tmp_path / "state"), 2), (str(tmp_path / "fabric.ckpt"), 2)]
+        (str(tmp_path / "state"), 2),
+        (str(tmp_path / "fabric.ckpt"), 2),
+    ]
     assert [b["phase"] for b in of(lines, "phase")] == ["train", "checkpoint", "train", "checkpoint", "train"]
     assert len(list((tmp_path / "state").iterdir())) >= 2
 
@@ -381,9 +432,15 @@ DDP = """
 
 def test_torchrun_ranks_start_and_the_agent_does_not(tmp_path):
     path = script(tmp_path, "ddp.py", DDP)
-    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", str(path)], env=auto_env(tmp_path),
-                         cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(path)],
+        env=auto_env(tmp_path),
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=240)
     finally:
@@ -403,7 +460,9 @@ def test_torchrun_ranks_start_and_the_agent_does_not(tmp_path):
     assert p.returncode == 0 or "terminate called without an active exception" in out, out[-5000:]
     assert len(pids) == 2
     assert sorted(f.name for f in attempt_dir(tmp_path).glob("heartbeat-*")) == [
-        "heartbeat-rank0.jsonl", "heartbeat-rank1.jsonl"]
+        "heartbeat-rank0.jsonl",
+        "heartbeat-rank1.jsonl",
+    ]
     assert (attempt_dir(tmp_path) / f"stack-rank0-pid{p.pid}.txt").exists()  # the agent: a dump handler only
 
 
@@ -422,8 +481,9 @@ def test_sigusr1_dumps_the_stack_of_the_unedited_script(tmp_path):
         spin_here("ready")
     """
     path = script(tmp_path, "spin.py", body)
-    p = subprocess.Popen([PY, str(path)], env=auto_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [PY, str(path)], env=auto_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists() and time.monotonic() < deadline and p.poll() is None:
@@ -518,7 +578,9 @@ def test_an_interpreter_without_site_packages_gets_hangwatch_from_its_source_onl
 
 
 def test_another_environments_interpreter_gets_the_stdlib_pieces_only(tmp_path):
-    other = python_where(lambda v: v >= MIN_PYTHON, "import importlib.util as u; print(u.find_spec('hangwatch') is None)")
+    other = python_where(
+        lambda v: v >= MIN_PYTHON, "import importlib.util as u; print(u.find_spec('hangwatch') is None)"
+    )
     if other is None:
         pytest.skip("no second Python >= 3.9 without hangwatch on this machine")
     path = script(tmp_path, "probe.py", PROBE)
@@ -538,10 +600,13 @@ def test_a_too_old_interpreter_says_so_in_one_line(tmp_path):
     path = script(tmp_path, "old.py", "import sys\nprint('ran', sys.version_info[:2])\n")
     p = run([old, path], auto_env(tmp_path), tmp_path)
     assert p.stdout.startswith("ran")
-    version = subprocess.run([old, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
-                             text=True).stdout.strip()
-    assert p.stderr == (f"hangwatch: Python {version} is too old for instrumentation (needs 3.9+): this process is "
-                        "watched by its output, py-spy and NVML only\n")
+    version = subprocess.run(
+        [old, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+    ).stdout.strip()
+    assert p.stderr == (
+        f"hangwatch: Python {version} is too old for instrumentation (needs 3.9+): this process is "
+        "watched by its output, py-spy and NVML only\n"
+    )
     assert not attempt_dir(tmp_path).exists()
 
 

@@ -12,6 +12,7 @@ end every example is in the ledger exactly once, every file in done/, and the ne
 confirmed good on its held-out loss.
 
 The kill moments come from a seed printed at the start; HANGWATCH_TEST_SEED=N replays it."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fixtures.fakes.continuous_support import example_ids, good_file, inbox_config, leftovers, ledger, names_in, replay_log
+from fixtures.fakes.continuous_support import (
+    example_ids,
+    good_file,
+    inbox_config,
+    ledger,
+    leftovers,
+    names_in,
+    replay_log,
+)
 from fixtures.fakes.workers import read_beats, start_worker, wait_for_beat
+
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.inbox.publish import publish
@@ -79,9 +88,12 @@ def test_quiet_continuous_run_under_random_kills_strands_nothing_and_never_resta
     data = {name: good_file(n, s) for name, (n, s) in FILES.items()}
     for name, content in data.items():
         (tmp_path / name).write_bytes(content)
-    config = inbox_config(tmp_path, data={"flush_after_s": FLUSH_AFTER_S},
-                          checkpoint={"every_steps": 2, "keep_last": 3, "confirm_steps": 1},
-                          train={"sleep_per_step_s": 0.05})
+    config = inbox_config(
+        tmp_path,
+        data={"flush_after_s": FLUSH_AFTER_S},
+        checkpoint={"every_steps": 2, "keep_last": 3, "confirm_steps": 1},
+        train={"sleep_per_step_s": 0.05},
+    )
     expected = [i for content in data.values() for i in example_ids(content)]
     attempts: list[Worker] = []
     story: list[str] = []
@@ -99,7 +111,7 @@ def test_quiet_continuous_run_under_random_kills_strands_nothing_and_never_resta
     def killed(description: str) -> None:
         story.append(description)
         ids = [e["id"] for e in ledger(run)]
-        assert ids == expected[:len(ids)], story  # each example once, in the order the files came
+        assert ids == expected[: len(ids)], story  # each example once, in the order the files came
 
     try:
         w = start()

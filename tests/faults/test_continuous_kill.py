@@ -3,6 +3,7 @@ checkpoint, just after training crossed from one file into the next.  Afterwards
 every example id exactly once (replay draws apart, in their own log), every file is in done/ or
 rejected/, and — all files being in the inbox before the start — the final weights are those of an
 uninterrupted run over the same files, which runs alongside."""
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,25 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-
-from fixtures.fakes.workers import ROOT, read_beats, safetensors_raw, start_worker, wait_for_beat, worker_env  # noqa: E402
-from hangwatch.common.inbox_layout import Stage  # noqa: E402
 from fixtures.fakes.continuous_support import (  # noqa: E402
-    drop_all, example_ids, good_file, inbox_config, leftovers, ledger, lines_of, names_in, replay_log,
+    drop_all,
+    example_ids,
+    good_file,
+    inbox_config,
+    ledger,
+    leftovers,
+    lines_of,
+    names_in,
+    replay_log,
 )
+from fixtures.fakes.workers import ROOT, read_beats, safetensors_raw, start_worker, wait_for_beat, worker_env  # noqa: E402
+
+from hangwatch.common.inbox_layout import Stage  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 N_FILES, N_LINES = 5, 12
 WAIT_S = 400  # for any one awaited event, on a loaded machine
-
-
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -40,8 +46,13 @@ def final_weights(run_dir: Path) -> dict:
 
 def start_supervisor(config: Path, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "hangwatch.supervisor", "run", str(config)], cwd=ROOT, env=worker_env(),
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "hangwatch.supervisor", "run", str(config)],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def test_random_kills_lose_nothing_train_nothing_twice_and_end_where_an_uninterrupted_run_ends(tmp_path):
@@ -58,9 +69,16 @@ def test_random_kills_lose_nothing_train_nothing_twice_and_end_where_an_uninterr
         data={"idle_exit_s": 2},
         train={"sleep_per_step_s": 0.2},
         # generous: two shared cores can make one import of torch take a minute; no deadline is tested here
-        watchdog={"startup_timeout_s": 600, "silence_timeout_s": 60, "step_timeout_s": 60, "dump_grace_s": 1,
-                  "term_grace_s": 2, "poll_interval_s": 0.1, "py_spy": False,
-                  "phase_budgets_s": {"load": 600, "checkpoint": 120, "intake": 120}},
+        watchdog={
+            "startup_timeout_s": 600,
+            "silence_timeout_s": 60,
+            "step_timeout_s": 60,
+            "dump_grace_s": 1,
+            "term_grace_s": 2,
+            "poll_interval_s": 0.1,
+            "py_spy": False,
+            "phase_budgets_s": {"load": 600, "checkpoint": 120, "intake": 120},
+        },
         restart={"backoff_initial_s": 0, "max_restarts": 10},
     )
     assert yaml.safe_load(config.read_text())["run_dir"] == str(run)
@@ -68,6 +86,7 @@ def test_random_kills_lose_nothing_train_nothing_twice_and_end_where_an_uninterr
     reference = start_worker(config, ref, log=tmp_path / "ref.log")  # uninterrupted, alongside
     sup = start_supervisor(config, tmp_path / "supervisor.out")
     try:
+
         def worker_of(attempt: int) -> dict:
             return wait_for_beat(run, attempt, lambda b: b["event"] == "start", sup, timeout=WAIT_S)
 
@@ -77,15 +96,25 @@ def test_random_kills_lose_nothing_train_nothing_twice_and_end_where_an_uninterr
         # 1: mid-file, at a random moment of a random early step
         worker_of(1)
         target = rng.randint(2, 4)
-        wait_for_beat(run, 1, lambda b: b["event"] == "step" and b["step"] >= target and 0 < b["index"] < b["total"],
-                      sup, timeout=WAIT_S)
+        wait_for_beat(
+            run,
+            1,
+            lambda b: b["event"] == "step" and b["step"] >= target and 0 < b["index"] < b["total"],
+            sup,
+            timeout=WAIT_S,
+        )
         time.sleep(rng.uniform(0.0, 0.15))
         kill(1)
 
         # 2: during a checkpoint (its files, its manifest or the ledger commit that follows it)
         target = worker_of(2)["resumed_step"] + 2 * rng.randint(1, 2)
-        wait_for_beat(run, 2, lambda b: b["event"] == "phase" and b["phase"] == "checkpoint" and b["step"] >= target,
-                      sup, timeout=WAIT_S)
+        wait_for_beat(
+            run,
+            2,
+            lambda b: b["event"] == "phase" and b["phase"] == "checkpoint" and b["step"] >= target,
+            sup,
+            timeout=WAIT_S,
+        )
         time.sleep(rng.uniform(0.0, 0.02))
         kill(2)
 
@@ -133,6 +162,8 @@ def test_random_kills_lose_nothing_train_nothing_twice_and_end_where_an_uninterr
     assert sorted(os.listdir(run / "rejected")) == ["broken.jsonl", "broken.jsonl.error.json"]
 
     # The same weights, at the same step, as the run nobody killed.
-    assert json.loads((run / "final" / "hangwatch.json").read_text())["step"] == \
-        json.loads((ref / "final" / "hangwatch.json").read_text())["step"]
+    assert (
+        json.loads((run / "final" / "hangwatch.json").read_text())["step"]
+        == json.loads((ref / "final" / "hangwatch.json").read_text())["step"]
+    )
     assert final_weights(run) == final_weights(ref)

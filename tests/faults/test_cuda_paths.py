@@ -5,6 +5,7 @@ What only a GPU shows: the step beats carry the loss read without a device synch
 CUDA event, `worker.instrument: auto`), the stall's incident holds NVML's view of the worker process (its GPU memory,
 `gpu_processes`) and says it used it (`evidence.gpu`), and the run resumes from the announced checkpoint and finishes.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from hangwatch.common.protocol import decode_line
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # skipped where torch sees no CUDA device (tests/conftest.py)
 
-SCRIPT = '''\
+SCRIPT = """\
 import os, sys, time
 import torch
 torch.manual_seed(0)
@@ -54,7 +55,7 @@ for step in range(start + 1, 31):
     if step % 5 == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, f"ckpt-{step}.pt")
     time.sleep(0.05)
-'''
+"""
 
 
 def hangwatch_argv() -> list[str]:
@@ -64,16 +65,29 @@ def hangwatch_argv() -> list[str]:
 
 def test_an_unedited_cuda_script_is_instrumented_caught_with_nvml_evidence_and_resumed(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    cfg = {"worker": {"resume_args": ["--resume", "{checkpoint}"]},
-           "watchdog": {"step_timeout_s": 8, "dump_grace_s": 2, "stuck_term_grace_s": 0.5},
-           "restart": {"backoff_initial_s": 0}, "checkpoint": {"confirm_steps": 1}}
+    cfg = {
+        "worker": {"resume_args": ["--resume", "{checkpoint}"]},
+        "watchdog": {"step_timeout_s": 8, "dump_grace_s": 2, "stuck_term_grace_s": 0.5},
+        "restart": {"backoff_initial_s": 0},
+        "checkpoint": {"confirm_steps": 1},
+    }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}
-    r = subprocess.run([*hangwatch_argv(), "run", "cfg.yaml", "--run-dir", "run", "--", "python", "train.py",
-                        str(tmp_path / "spun")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [*hangwatch_argv(), "run", "cfg.yaml", "--run-dir", "run", "--", "python", "train.py", str(tmp_path / "spun")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     run = tmp_path / "run"
     assert r.returncode == 0, r.stderr[-4000:]
-    beats = [b for b in map(decode_line, (run / "attempts" / "0001" / "heartbeat-rank0.jsonl").read_bytes().splitlines()) if b]
+    beats = [
+        b
+        for b in map(decode_line, (run / "attempts" / "0001" / "heartbeat-rank0.jsonl").read_bytes().splitlines())
+        if b
+    ]
     steps = [b for b in beats if b["event"] == "step"]
     assert [b["step"] for b in steps][:11] == list(range(1, 12))
     losses = [b.get("loss") for b in steps]
@@ -83,5 +97,9 @@ def test_an_unedited_cuda_script_is_instrumented_caught_with_nvml_evidence_and_r
     assert inc["evidence"]["gpu"] == "NVML, per process"
     worker_pids = {p["pid"] for p in inc["gpu_processes"]}
     assert worker_pids and all(p["used_memory_bytes"] for p in inc["gpu_processes"])
-    a2 = [b for b in map(decode_line, (run / "attempts" / "0002" / "heartbeat-rank0.jsonl").read_bytes().splitlines()) if b]
+    a2 = [
+        b
+        for b in map(decode_line, (run / "attempts" / "0002" / "heartbeat-rank0.jsonl").read_bytes().splitlines())
+        if b
+    ]
     assert [b["step"] for b in a2 if b["event"] == "step"][0] == 11  # resumed from ckpt-10.pt, counting on from it

@@ -17,6 +17,7 @@ finished.
 py-spy stays on (the default): a rank waiting in DDP's reducer at the end of `backward()` shows only
 `_engine_run_backward` in its faulthandler dump; py-spy's native frames are what say it waits for its peer.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,6 @@ from typing import Optional
 
 import pytest
 import yaml
-
 from fixtures.fakes.sup_harness import PY, ROOT, alive, env, incidents, spawned_pids, state, wait_no_strays
 from fixtures.fakes.workers import make_config
 
@@ -60,8 +60,14 @@ ROWS = [
     Row({"kind": "hang_generate", "at_step": 8}, "stall", 0, "blocked in C", "__call__", "phase"),
     # exits: the culprit's own error (its last words; the fatal error faulthandler wrote into its dump), not the
     # broken connection its peer then reports; the frame that raised, the innermost frame of the fatal signal
-    Row({"kind": "crash", "at_step": 11, "rank": 1}, "crash", 1, "RuntimeError: injected fault: crash at step 11", "_fire",
-        None),
+    Row(
+        {"kind": "crash", "at_step": 11, "rank": 1},
+        "crash",
+        1,
+        "RuntimeError: injected fault: crash at step 11",
+        "_fire",
+        None,
+    ),
     Row({"kind": "segfault", "at_step": 13, "rank": 0}, "signal", 0, "killed by SIGSEGV", "string_at", None),
 ]
 STALLS = [r for r in ROWS if r.deadline is not None]
@@ -77,9 +83,17 @@ def config(tmp_path: Path) -> tuple[Path, Path]:
         # A tiny step takes well under a second; the step deadline only has to stay clear of a slow step on
         # two busy cores.  Start-up (torchrun, two ranks importing torch) and silence are generous: no row
         # relies on them.
-        watchdog={"startup_timeout_s": 240, "silence_timeout_s": 120, "step_timeout_s": 8, "dump_grace_s": 3,
-                  "term_grace_s": 3, "poll_interval_s": 0.1, "py_spy": True, "py_spy_timeout_s": 20,
-                  "phase_budgets_s": {"eval": 120, "generate": 10, "checkpoint": 120, "load": 240}},
+        watchdog={
+            "startup_timeout_s": 240,
+            "silence_timeout_s": 120,
+            "step_timeout_s": 8,
+            "dump_grace_s": 3,
+            "term_grace_s": 3,
+            "poll_interval_s": 0.1,
+            "py_spy": True,
+            "py_spy_timeout_s": 20,
+            "phase_budgets_s": {"eval": 120, "generate": 10, "checkpoint": 120, "load": 240},
+        },
         restart={"backoff_initial_s": 0, "max_restarts": len(ROWS) + 2},
         faults=[r.fault for r in ROWS],
     )
@@ -138,8 +152,13 @@ def chain(tmp_path_factory):
     cfg_path, run_dir = config(tmp)
     out_path = tmp / "supervisor.out"
     with open(out_path, "w") as out:
-        sup = subprocess.Popen([PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)], cwd=ROOT, env=env(), stdout=out,
-                               stderr=subprocess.STDOUT)
+        sup = subprocess.Popen(
+            [PY, "-m", "hangwatch.supervisor", "run", str(cfg_path)],
+            cwd=ROOT,
+            env=env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     watch = LeftoverWatch(run_dir)
     watch.start()
     try:
@@ -152,8 +171,14 @@ def chain(tmp_path_factory):
             sup.wait()
         watch.stopping.set()
         watch.join()
-    return {"run_dir": run_dir, "rc": sup.returncode, "out": out_path.read_text(errors="replace"),
-            "left_over": watch.left_over, "attempts_checked": watch.checked, "strays": wait_no_strays(str(run_dir))}
+    return {
+        "run_dir": run_dir,
+        "rc": sup.returncode,
+        "out": out_path.read_text(errors="replace"),
+        "left_over": watch.left_over,
+        "attempts_checked": watch.checked,
+        "strays": wait_no_strays(str(run_dir)),
+    }
 
 
 def incident_of(chain: dict, row: Row) -> dict:
@@ -181,7 +206,9 @@ def test_the_run_finished_with_one_incident_per_row_and_nothing_left_over(chain)
     assert chain["left_over"] == []
     assert chain["strays"] == []
     incs = incidents(run_dir)
-    assert [i["attempt"] for i in incs] == list(range(1, len(ROWS) + 1)), [(i["attempt"], i.get("summary")) for i in incs]
+    assert [i["attempt"] for i in incs] == list(range(1, len(ROWS) + 1)), [
+        (i["attempt"], i.get("summary")) for i in incs
+    ]
     for inc in incs:  # the next attempt resumed from the newest good checkpoint the supervisor had seen
         start = next(b for b in beats(run_dir, inc["attempt"] + 1) if b["event"] == "start")
         assert start.get("resumed_from") == inc["last_good_checkpoint"], (inc["id"], start)
@@ -235,11 +262,16 @@ def test_exit_row_keeps_the_culprit_evidence(chain, row):
     assert row.classification in inc["classification"], where
     kept = {f.name: f.read_text(errors="replace") for f in incident_dir(chain, inc).iterdir()}
     if row.fault["kind"] == "segfault":  # faulthandler wrote the fatal error into the culprit's own dump
-        assert "Fatal Python error: Segmentation fault" in kept.get(f"stack-rank{row.culprit}.txt", ""), (where, list(kept))
+        assert "Fatal Python error: Segmentation fault" in kept.get(f"stack-rank{row.culprit}.txt", ""), (
+            where,
+            list(kept),
+        )
         assert inc["stuck_frame"]["function"] == row.function, where
     else:  # the culprit's own last words, a Python exception; not its peer's broken connection
         attempt = chain["run_dir"] / "attempts" / f"{inc['attempt']:04d}"
-        words = json.loads((attempt / ("exit.json" if row.culprit == 0 else f"exit-rank{row.culprit}.json")).read_text())
+        words = json.loads(
+            (attempt / ("exit.json" if row.culprit == 0 else f"exit-rank{row.culprit}.json")).read_text()
+        )
         assert words["message"] == row.classification and not words.get("collective_error"), (where, words)
         assert any(row.classification in text for text in kept.values()), (where, list(kept))
 

@@ -4,6 +4,7 @@ random moment — then SIGTERMed on one rank only (both ranks stop at the same s
 restarted each time as a new attempt, ends bit for bit where the uninterrupted run of the same config
 ends, with every step's loss after each resume the uninterrupted one's.  A checkpoint of one world size
 is refused by another (exit 78, on every rank)."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fixtures.fakes.workers import (end_torchrun, losses_by_step, make_config, rank_pids, read_beats, run_worker,
-                                    safetensors_raw, seeded_rng, start_torchrun_worker, wait_for_beat)
+from fixtures.fakes.workers import (
+    end_torchrun,
+    losses_by_step,
+    make_config,
+    rank_pids,
+    read_beats,
+    run_worker,
+    safetensors_raw,
+    seeded_rng,
+    start_torchrun_worker,
+    wait_for_beat,
+)
 
 NPROC = 2
 MAX_STEPS = 16
@@ -25,7 +35,13 @@ def ddp_config(tmp_path: Path) -> Path:
     return make_config(
         tmp_path,
         lora={"dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
-        train={"max_steps": MAX_STEPS, "micro_batch_size": 2, "grad_accum": 2, "warmup_steps": 3, "sleep_per_step_s": 0.06},
+        train={
+            "max_steps": MAX_STEPS,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "warmup_steps": 3,
+            "sleep_per_step_s": 0.06,
+        },
         eval={"every_steps": 8, "max_new_tokens": 4},
         checkpoint={"every_steps": 4, "keep_last": 3, "confirm_steps": 1},
     )
@@ -55,12 +71,19 @@ def test_two_ranks_sigkilled_one_at_a_time_resume_bit_for_bit(tmp_path):
     def mid_accumulation(number, proc, victim):
         # Between the two micro-batches of a step after step 4's checkpoint is confirmed good.
         target = rng.randint(6, 8)
-        wait_for_beat(killed_dir, number, lambda b: b["event"] == "progress" and b.get("micro_step") == 1
-                      and b["step"] >= target - 1, proc, rank=victim)
+        wait_for_beat(
+            killed_dir,
+            number,
+            lambda b: b["event"] == "progress" and b.get("micro_step") == 1 and b["step"] >= target - 1,
+            proc,
+            rank=victim,
+        )
 
     def after_commit(number, proc, victim):
         # Right after rank 0 committed step 8's checkpoint, before anything could confirm it.
-        wait_for_beat(killed_dir, number, lambda b: b["event"] == "checkpoint" and not b["good"] and b["step"] >= 8, proc)
+        wait_for_beat(
+            killed_dir, number, lambda b: b["event"] == "checkpoint" and not b["good"] and b["step"] >= 8, proc
+        )
 
     def random_moment(number, proc, victim):
         target = rng.randint(9, 13)
@@ -99,7 +122,9 @@ def test_two_ranks_sigkilled_one_at_a_time_resume_bit_for_bit(tmp_path):
             if number > 1:
                 assert start["resumed_from"] is not None, f"attempt {number} rank {rank} started from scratch"
             for step, loss in losses_by_step(beats).items():
-                assert loss == reference[step], f"attempt {number}, rank {rank}, step {step}: {loss} != {reference[step]}"
+                assert loss == reference[step], (
+                    f"attempt {number}, rank {rank}, step {step}: {loss} != {reference[step]}"
+                )
                 seen.add(step)
         # Every rank resumed from the one checkpoint rank 0 chose.
         assert len({read_beats(killed_dir, number, rank=r)[0]["resumed_from"] for r in range(NPROC)}) == 1
@@ -133,8 +158,11 @@ def test_a_checkpoint_is_resumed_by_its_own_world_size_only(tmp_path):
     # Every rank refuses before it loads anything.  The first refusal ends torchrun's launch: it SIGTERMs the
     # other rank, which may be stopped before it reaches its own check — then it leaves no last words at all
     # (a death by signal writes none), and in no case does it train a step.
-    words = {name: json.loads((adir / name).read_text()) for name in ("exit.json", "exit-rank1.json")
-             if (adir / name).exists()}
+    words = {
+        name: json.loads((adir / name).read_text())
+        for name in ("exit.json", "exit-rank1.json")
+        if (adir / name).exists()
+    }
     assert words, log.read_text()[-3000:]
     for name, w in words.items():
         assert (w["kind"], w["exit_code"]) == ("config_error", 78), (name, w)

@@ -3,6 +3,7 @@
 replace has no block for its temporary); the last good checkpoint still validates; no temporary is
 left presented as a checkpoint; and once space returns, `hangwatch run` resumes from that checkpoint
 and finishes."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.workers import make_config
+
 from hangwatch.common.durable import TMP_PREFIX
 from hangwatch.common.exitcodes import EXIT_IOERR
 from hangwatch.daemon import checkpoint as ck
@@ -28,7 +29,9 @@ DISK_MB = 8
 def small_disk(tmp_path):
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
@@ -60,14 +63,22 @@ def fill(path: Path) -> None:
 
 
 def hangwatch_run(cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hangwatch.supervisor", "run", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hangwatch.supervisor", "run", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_a_full_disk_ends_the_run_cleanly_and_it_resumes_once_space_returns(small_disk, tmp_path):
     run_dir = small_disk / "run"
-    cfg = make_config(tmp_path, run_dir=str(run_dir), train={"max_steps": 400, "sleep_per_step_s": 0.02},
-                      checkpoint={"every_steps": 5, "keep_last": 2, "confirm_steps": 1})
+    cfg = make_config(
+        tmp_path,
+        run_dir=str(run_dir),
+        train={"max_steps": 400, "sleep_per_step_s": 0.02},
+        checkpoint={"every_steps": 5, "keep_last": 2, "confirm_steps": 1},
+    )
     sup = hangwatch_run(cfg)
     try:
         deadline = time.monotonic() + 120
@@ -113,8 +124,16 @@ def test_state_json_takes_a_final_record_on_a_disk_with_no_block_left(small_disk
     run_state.write(path, running)
     fill(small_disk / "filler")
     with pytest.raises(OSError) as refused:  # no block for the temporary: still reported, the disk is full
-        run_state.write(path, {"state": "failed", "attempt": 1, "exit_code": EXIT_IOERR,
-                               "why": f"no space left on device at {small_disk / 'ckpt'}", "descendants": []})
+        run_state.write(
+            path,
+            {
+                "state": "failed",
+                "attempt": 1,
+                "exit_code": EXIT_IOERR,
+                "why": f"no space left on device at {small_disk / 'ckpt'}",
+                "descendants": [],
+            },
+        )
     assert refused.value.errno == 28
     state, problem = run_state.read(path)
     assert problem is None and state["state"] == "failed" and state["why"].startswith("no space left"), state

@@ -3,6 +3,7 @@ random moments: every one reads `generate`, called from the script's `on_evaluat
 (the model's forward, attention, a logits processor, the stopping criterion's heartbeat write, the streamer's
 tokenizer decode).  One subprocess (tests/fixtures/workers/landmark_generate.py, a LoRA-wrapped tiny Llama) is signalled
 20 times; each dump is read from the bytes it appended, once they stop growing, by the supervisor's own code."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.sup_harness import PY, ROOT, env
+
 from hangwatch.supervisor.incidents import main_stack
 from hangwatch.supervisor.incidents.landmarks import read_stack
 
@@ -61,8 +62,9 @@ def test_twenty_random_samples_of_a_generating_model_all_read_generate(tmp_path)
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     e = {**env(), "HANGWATCH_RUN_DIR": str(tmp_path / "run"), "HANGWATCH_ATTEMPT": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([PY, str(FIXTURE)], cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+        [PY, str(FIXTURE)], cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         dump = Path(_ready_line(p, timeout_s=120))
         offset = dump.stat().st_size
@@ -81,9 +83,16 @@ def test_twenty_random_samples_of_a_generating_model_all_read_generate(tmp_path)
         p.kill()
         p.wait()
     where = f"seed {seed}; innermost frames sampled: {dict(innermost)}"
-    not_generate = [(r.summary(), d.decode()[-2500:]) for r, d in readings if not r.landmark or r.landmark["name"] != "generate"]
-    assert not not_generate, f"{len(not_generate)} of {SAMPLES} samples did not read generate ({where}): {not_generate[0]}"
+    not_generate = [
+        (r.summary(), d.decode()[-2500:]) for r, d in readings if not r.landmark or r.landmark["name"] != "generate"
+    ]
+    assert not not_generate, (
+        f"{len(not_generate)} of {SAMPLES} samples did not read generate ({where}): {not_generate[0]}"
+    )
     for r, _ in readings:
         assert r.landmark["kind"] == "generate" and r.caller_frame["function"] == "on_evaluate", (r, where)
-        assert r.summary().startswith("in generate(), called from on_evaluate (landmark_generate.py:"), (r.summary(), where)
+        assert r.summary().startswith("in generate(), called from on_evaluate (landmark_generate.py:"), (
+            r.summary(),
+            where,
+        )
         assert r.user_outermost_frame["function"] == "<module>" and not r.truncated, (r, where)

@@ -2,12 +2,12 @@
 two under torchrun, under a 5 s generate budget: ended in the worker's own process at the supervisor's order — no
 restart, the run finishes, a `generate_truncated` incident per runaway, the evolution log keeps the output marked
 truncated.  A generate that produces no token (hang_generate) is still killed and restarted."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fixtures.fakes.sup_harness import incidents, run_supervisor, state
 from fixtures.fakes.workers import make_config, read_beats
 
@@ -19,12 +19,23 @@ def _config(tmp_path, nproc: int, faults: list, **watchdog):
         tmp_path,
         worker={"nproc_per_node": nproc, "env": {"OMP_NUM_THREADS": "1"}},
         train={"max_steps": 12},
-        eval={"every_steps": 4, "max_new_tokens": 4, "progress_every_tokens": 2, "prompts": ["upper: cat", "reverse: dog"]},
+        eval={
+            "every_steps": 4,
+            "max_new_tokens": 4,
+            "progress_every_tokens": 2,
+            "prompts": ["upper: cat", "reverse: dog"],
+        },
         checkpoint={"every_steps": 4, "confirm_steps": 1},
-        watchdog={"startup_timeout_s": 240, "silence_timeout_s": 60, "step_timeout_s": 30,
-                  "phase_budgets_s": {"eval": 120, "generate": 5, "checkpoint": 60, "load": 240}, **watchdog},
+        watchdog={
+            "startup_timeout_s": 240,
+            "silence_timeout_s": 60,
+            "step_timeout_s": 30,
+            "phase_budgets_s": {"eval": 120, "generate": 5, "checkpoint": 60, "load": 240},
+            **watchdog,
+        },
         restart={"backoff_initial_s": 0, "max_restarts": 3},
-        faults=faults)
+        faults=faults,
+    )
 
 
 def _evolution(run_dir):
@@ -33,7 +44,9 @@ def _evolution(run_dir):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_runaway_generate_is_truncated_without_a_restart_and_training_finishes(tmp_path, nproc):
-    cfg = _config(tmp_path, nproc, [{"kind": "runaway_generate", "at_eval": 1}, {"kind": "runaway_generate", "at_eval": 2}])
+    cfg = _config(
+        tmp_path, nproc, [{"kind": "runaway_generate", "at_eval": 1}, {"kind": "runaway_generate", "at_eval": 2}]
+    )
     run_dir = tmp_path / "run"
     rc, out = run_supervisor(cfg, timeout=400)
     assert rc == 0, out[-5000:]

@@ -2,6 +2,7 @@
 operation of intake and of training/commit; after every kill each file is in exactly one stage,
 and recovery reaches the same end state as a run that was never killed, with every ledger id
 recorded exactly once."""
+
 from __future__ import annotations
 
 import collections
@@ -13,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fixtures.fakes.inbox_support import CountingOps, jsonl, sim_intake, sim_train, validator, where, write  # noqa: E402
+
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon.inbox.intake import Inbox
-
-from fixtures.fakes.inbox_support import CountingOps, jsonl, sim_intake, sim_train, validator, where, write  # noqa: E402
 
 SUPPORT = Path(__file__).resolve().parents[1] / "fixtures" / "fakes" / "inbox_support.py"
 

@@ -8,6 +8,7 @@ The same job training a DDP model, its culprit rank idle (sleeping) after its fo
 inside `backward()` for DDP's gradient all-reduce, which runs in C++ below any Python frame: with py-spy, its native
 frames show the wait; without (`watchdog.py_spy: false`, or a py-spy that cannot start), the rank in backward() only
 probably waits — the verdict names the culprit from the other rank's evidence, never that victim."""
+
 from __future__ import annotations
 
 import re
@@ -17,27 +18,61 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from fixtures.fakes.sup_harness import (PY, ROOT, alive, attempt_pids, incidents, run_supervisor, spawned_pids,
-                                        start_supervisor, wait_no_strays)
+from fixtures.fakes.sup_harness import (
+    PY,
+    ROOT,
+    alive,
+    attempt_pids,
+    incidents,
+    run_supervisor,
+    spawned_pids,
+    start_supervisor,
+    wait_no_strays,
+)
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
+
 from hangwatch.supervisor.episode.dump_collector import find_py_spy
 
 FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "ddp_spin.py"
 STALLS = 10
 
-def config(tmp_path: Path, stalls: int = STALLS, fixture_args: tuple = (), watchdog: dict = {},
-           max_restarts: int = STALLS + 2) -> tuple[Path, Path]:
+
+def config(
+    tmp_path: Path, stalls: int = STALLS, fixture_args: tuple = (), watchdog: dict = {}, max_restarts: int = STALLS + 2
+) -> tuple[Path, Path]:
     run_dir = tmp_path / "run"
     cfg = {
         "run_dir": str(run_dir),
-        "worker": {"command": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FIXTURE),
-                               "--spin-at", "3", "--bad-attempts", str(stalls), "--steps", "6", *fixture_args,
-                               "--tag", str(run_dir)],
-                   "env": {"OMP_NUM_THREADS": "1"}},
+        "worker": {
+            "command": [
+                PY,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(FIXTURE),
+                "--spin-at",
+                "3",
+                "--bad-attempts",
+                str(stalls),
+                "--steps",
+                "6",
+                *fixture_args,
+                "--tag",
+                str(run_dir),
+            ],
+            "env": {"OMP_NUM_THREADS": "1"},
+        },
         # torchrun and two ranks importing torch on a shared 2-core machine: a generous start, a short step deadline
-        "watchdog": {**FAST_WATCHDOG, "startup_timeout_s": 120, "silence_timeout_s": 60, "step_timeout_s": 2,
-                     "dump_grace_s": 3, **watchdog},
+        "watchdog": {
+            **FAST_WATCHDOG,
+            "startup_timeout_s": 120,
+            "silence_timeout_s": 60,
+            "step_timeout_s": 2,
+            "dump_grace_s": 3,
+            **watchdog,
+        },
         "restart": {"backoff_initial_s": 0, "max_restarts": max_restarts},
     }
     path = tmp_path / "cfg.yaml"
@@ -118,9 +153,14 @@ def test_a_rank_waiting_inside_backward_is_never_named_the_culprit(tmp_path, row
     assert re.match(r"rank 1: blocked in C \(CPU \d+%, state S\) at _wait_for_shard \(", inc["summary"]), where
     assert ranks[1]["role"] == "culprit" and ranks[1]["stuck_frame"]["function"] == "_wait_for_shard", where
     assert ranks[0]["role"] == "victim" and ranks[0]["caller_frame"]["function"] == "main", where
-    assert inc["py_spy"] == {"py-spy": f"ran {DEFAULT_PY_SPY}", "no py-spy": "disabled (watchdog.py_spy: false)",
-                             "py-spy cannot start": "could not start /nonexistent/py-spy (its error is in the py-spy "
-                                                    "files)"}[row], where
+    assert (
+        inc["py_spy"]
+        == {
+            "py-spy": f"ran {DEFAULT_PY_SPY}",
+            "no py-spy": "disabled (watchdog.py_spy: false)",
+            "py-spy cannot start": "could not start /nonexistent/py-spy (its error is in the py-spy files)",
+        }[row]
+    ), where
     if native:  # py-spy's native frames under backward(): the wait, for sure
         assert ranks[0]["collective"] is not None and ranks[0]["probable_wait"] is None, where
         assert f"; rank 0 waiting in {ranks[0]['collective']};" in inc["summary"], where
@@ -129,7 +169,10 @@ def test_a_rank_waiting_inside_backward_is_never_named_the_culprit(tmp_path, row
         assert ranks[0]["landmark"]["name"] == "backward", where
         assert ranks[0]["classification"].startswith(
             "waiting, probably in DDP's gradient all-reduce — cannot tell the culprit from this rank alone; "
-            "blocked in C"), where
+            "blocked in C"
+        ), where
         assert "; rank 0 waiting, probably in DDP's gradient all-reduce (no C stack);" in inc["summary"], where
-        assert "in _engine_run_backward" in (run_dir / "incidents" / f"{inc['id']}-stall" / "stack-rank0.txt").read_text()
+        assert (
+            "in _engine_run_backward" in (run_dir / "incidents" / f"{inc['id']}-stall" / "stack-rank0.txt").read_text()
+        )
     assert wait_no_strays(str(run_dir)) == []

@@ -10,12 +10,12 @@ words when a batch does not fit.
   as before, saying why;
 * a later OOM after an evidence-based pick goes on down the ladder from the pick.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fixtures.fakes.sup_harness import attempts, incidents, run_supervisor
 from fixtures.fakes.workers import make_config, read_beats, run_worker
 
@@ -31,7 +31,9 @@ DEVICE = {"kind": "memory_limit", "weights_mb": 700, "per_example_mb": 1000, "ca
 def predicted_micro(weights: float, per_example: float, capacity: float, micro: int, effective: int) -> int:
     """The rule: the largest divisor of the effective batch, at most half the failed micro-batch, whose need fits in
     90 % of the capacity."""
-    return max(d for d in range(1, micro // 2 + 1) if effective % d == 0 and weights + d * per_example <= 0.9 * capacity)
+    return max(
+        d for d in range(1, micro // 2 + 1) if effective % d == 0 and weights + d * per_example <= 0.9 * capacity
+    )
 
 
 def step_ids(beats) -> dict:
@@ -39,8 +41,9 @@ def step_ids(beats) -> dict:
 
 
 def test_enough_evidence_means_one_restart_at_the_predicted_micro_batch(tmp_path):
-    config = make_config(tmp_path / "a", watchdog=WATCH, restart=RESTART, train=TRAIN, checkpoint=CHECKPOINT,
-                         faults=[DEVICE])
+    config = make_config(
+        tmp_path / "a", watchdog=WATCH, restart=RESTART, train=TRAIN, checkpoint=CHECKPOINT, faults=[DEVICE]
+    )
     run = tmp_path / "a" / "run"
     rc, out = run_supervisor(config, timeout=240)
     assert rc == 0, out[-3000:]
@@ -51,9 +54,11 @@ def test_enough_evidence_means_one_restart_at_the_predicted_micro_batch(tmp_path
     r = inc["remediation"]
     assert r["basis"] == "evidence" and r["evidence"]["picked"] == micro
     assert (r["to"]["micro_batch_size"], r["to"]["grad_accum"]) == (micro, 16 // micro)
-    assert r["message"].startswith("out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB requested of 4.0 GiB "
-                                   "allowed, weights 700 MiB → about 0.98 GiB per example; restarting from the last good "
-                                   "checkpoint with micro-batch 2 × accumulation 8 (effective batch 16 unchanged)")
+    assert r["message"].startswith(
+        "out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB requested of 4.0 GiB "
+        "allowed, weights 700 MiB → about 0.98 GiB per example; restarting from the last good "
+        "checkpoint with micro-batch 2 × accumulation 8 (effective batch 16 unchanged)"
+    )
     record = json.loads((run / "remediation.json").read_text())
     assert [h["basis"] for h in record["history"]] == ["evidence"]
     words = json.loads((run / "attempts" / "0001" / "exit.json").read_text())
@@ -72,9 +77,14 @@ def test_enough_evidence_means_one_restart_at_the_predicted_micro_batch(tmp_path
 
 
 def test_without_evidence_the_ladder_halves_as_before(tmp_path):
-    config = make_config(tmp_path, watchdog=WATCH, restart=RESTART, checkpoint=CHECKPOINT,
-                         train={"max_steps": 6, "micro_batch_size": 4, "grad_accum": 2},
-                         faults=[{"kind": "oom", "at_step": 3}])
+    config = make_config(
+        tmp_path,
+        watchdog=WATCH,
+        restart=RESTART,
+        checkpoint=CHECKPOINT,
+        train={"max_steps": 6, "micro_batch_size": 4, "grad_accum": 2},
+        faults=[{"kind": "oom", "at_step": 3}],
+    )
     run = tmp_path / "run"
     rc, out = run_supervisor(config, timeout=180)
     assert rc == 0, out[-3000:]
@@ -82,22 +92,32 @@ def test_without_evidence_the_ladder_halves_as_before(tmp_path):
     r = inc["remediation"]
     assert r["basis"] == "ladder" and "no weights' share was recorded" in r["why"]
     assert (r["to"]["micro_batch_size"], r["to"]["grad_accum"]) == (2, 4)
-    assert ("micro-batch 4 → 2, accumulation 2 → 4 (effective batch 8 unchanged); the ladder: no weights' share"
-            in r["message"])
+    assert (
+        "micro-batch 4 → 2, accumulation 2 → 4 (effective batch 8 unchanged); the ladder: no weights' share"
+        in r["message"]
+    )
     record = json.loads((run / "remediation.json").read_text())
     assert [h["basis"] for h in record["history"]] == ["ladder"]
     assert all(len(b["example_ids"]) == 8 for b in read_beats(run, 2) if b["event"] == "step")
 
 
 def test_an_oom_after_the_pick_goes_on_down_the_ladder(tmp_path):
-    config = make_config(tmp_path, watchdog=WATCH, restart=RESTART, train=TRAIN, checkpoint=CHECKPOINT,
-                         faults=[DEVICE, {"kind": "oom", "at_step": 5}])
+    config = make_config(
+        tmp_path,
+        watchdog=WATCH,
+        restart=RESTART,
+        train=TRAIN,
+        checkpoint=CHECKPOINT,
+        faults=[DEVICE, {"kind": "oom", "at_step": 5}],
+    )
     run = tmp_path / "run"
     rc, out = run_supervisor(config, timeout=240)
     assert rc == 0, out[-3000:]
     assert [i["kind"] for i in incidents(run)] == ["oom", "oom"]
     record = json.loads((run / "remediation.json").read_text())
     assert [(h["basis"], h["to"]["micro_batch_size"], h["to"]["grad_accum"]) for h in record["history"]] == [
-        ("evidence", 2, 8), ("ladder", 1, 16)]
+        ("evidence", 2, 8),
+        ("ladder", 1, 16),
+    ]
     start = next(b for b in read_beats(run, 3) if b["event"] == "start")
     assert (start["micro_batch_size"], start["grad_accum"]) == (1, 16)

@@ -2,6 +2,7 @@
 TCPStore on 127.0.0.1, two "nodes" on this one box (one hosts the store, the other finds the port taken and
 connects as a client).  Waits are generous ("within N s"); nothing asserts on timing beyond them.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-
 from fixtures.fakes.sup_harness import ROOT, env
 from fixtures.fakes.workers import PYTHON
 
@@ -31,8 +31,22 @@ def free_port() -> int:
 
 
 def argv(port: int, node: str, *extra: str, endpoint: Optional[str] = None) -> list[str]:
-    return [PYTHON, "-m", "hangwatch.daemon.peerlink", "--endpoint", endpoint or f"127.0.0.1:{port}",
-            "--rdzv-id", "job1", "--node", node, "--nnodes", "2", "--beat-s", "0.2", *extra]
+    return [
+        PYTHON,
+        "-m",
+        "hangwatch.daemon.peerlink",
+        "--endpoint",
+        endpoint or f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "job1",
+        "--node",
+        node,
+        "--nnodes",
+        "2",
+        "--beat-s",
+        "0.2",
+        *extra,
+    ]
 
 
 class Helper:
@@ -41,8 +55,15 @@ class Helper:
     def __init__(self, tmp_path: Path, port: int, node: str, *extra: str):
         self.node, self.events, self.cond = node, [], threading.Condition()
         self.err_path = tmp_path / f"peerlink-{node}.err"
-        self.proc = subprocess.Popen(argv(port, node, *extra), cwd=ROOT, env=env(), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err_path.open("w"), text=True)
+        self.proc = subprocess.Popen(
+            argv(port, node, *extra),
+            cwd=ROOT,
+            env=env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err_path.open("w"),
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
@@ -65,8 +86,10 @@ class Helper:
                         return ev
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.proc.poll() is not None and not self.cond.wait(0.2)):
-                    raise AssertionError(f"{self.node}: no {what} within {timeout}s (rc={self.proc.poll()});\n"
-                                         f"events: {self.events[-15:]}\nstderr: {self.err_path.read_text()[-2000:]}")
+                    raise AssertionError(
+                        f"{self.node}: no {what} within {timeout}s (rc={self.proc.poll()});\n"
+                        f"events: {self.events[-15:]}\nstderr: {self.err_path.read_text()[-2000:]}"
+                    )
                 self.cond.wait(min(left, 0.5))
 
     def mark(self) -> int:
@@ -92,6 +115,7 @@ def spawn(tmp_path):
     def start(port: int, node: str, *extra: str) -> Helper:
         helpers.append(Helper(tmp_path, port, node, *extra))
         return helpers[-1]
+
     yield start
     for h in helpers:
         with_cont(h)
@@ -121,12 +145,24 @@ def test_host_and_client_agree_on_generations_and_resume(pair):
 
     a.send({"op": "status", "record": {"state": "train", "step": 7}})
     a.send({"op": "bump", "id": "a1", "from": 0, "notice": {"reason": "stall", "node": "A"}})
-    assert a.reply("bumped", "a1") == {"ev": "bumped", "id": "a1", "from": 0, "gen": 1, "mine": True,
-                                       "notice": {"reason": "stall", "node": "A"}}
+    assert a.reply("bumped", "a1") == {
+        "ev": "bumped",
+        "id": "a1",
+        "from": 0,
+        "gen": 1,
+        "mine": True,
+        "notice": {"reason": "stall", "node": "A"},
+    }
     assert b.gen_event(1)["notice"] == {"reason": "stall", "node": "A"}
     b.send({"op": "bump", "id": "b1", "from": 0, "notice": {"reason": "late"}})  # a stale bump
-    assert b.reply("bumped", "b1") == {"ev": "bumped", "id": "b1", "from": 0, "gen": 1, "mine": False,
-                                       "notice": {"reason": "stall", "node": "A"}}
+    assert b.reply("bumped", "b1") == {
+        "ev": "bumped",
+        "id": "b1",
+        "from": 0,
+        "gen": 1,
+        "mine": False,
+        "notice": {"reason": "stall", "node": "A"},
+    }
 
     a.send({"op": "agree_resume", "id": "r1", "gen": 1, "proposal": {"path": "/ck/step-00000010", "step": 10}})
     won = a.reply("resume", "r1")["choice"]
@@ -134,8 +170,10 @@ def test_host_and_client_agree_on_generations_and_resume(pair):
     b.send({"op": "agree_resume", "id": "r2", "gen": 1, "proposal": {"path": "/ck/step-00000020", "step": 20}})
     assert b.reply("resume", "r2")["choice"] == won
 
-    peers = b.wait(lambda e: e["ev"] == "peers" and e["nodes"].get("A", {}).get("record", {}).get("step") == 7,
-                   "peers with A's status")["nodes"]
+    peers = b.wait(
+        lambda e: e["ev"] == "peers" and e["nodes"].get("A", {}).get("record", {}).get("step") == 7,
+        "peers with A's status",
+    )["nodes"]
     assert set(peers) == {"A", "B"} and peers["B"]["age_s"] == 0.0
     assert {"seq", "node", "pid", "host", "state"} <= set(peers["A"]["record"])
     assert peers["A"]["record"]["pid"] == a.proc.pid
@@ -239,11 +277,14 @@ def test_a_client_only_helper_waits_for_the_store(spawn):
 
 def test_it_dies_with_its_parent(tmp_path):
     """PR_SET_PDEATHSIG: the parent is SIGKILLed while its stdin stays open (we hold the pipe)."""
-    code = ("import subprocess, sys, time\n"
-            f"p = subprocess.Popen({argv(free_port(), 'A', '--host', 'always')!r}, stdout=subprocess.DEVNULL)\n"
-            "print(p.pid, flush=True)\ntime.sleep(120)\n")
-    parent = subprocess.Popen([PYTHON, "-c", code], cwd=ROOT, env=env(), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen({argv(free_port(), 'A', '--host', 'always')!r}, stdout=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [PYTHON, "-c", code], cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     child = 0
     try:
         child = int(parent.stdout.readline())
@@ -271,10 +312,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--endpoint", "no-port-here"], "'no-port-here'"), (["--endpoint", "h:99999"], "'h:99999'"),
-    (["--nnodes", "0"], "--nnodes 0"), (["--host", "sometimes"], "sometimes"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--endpoint", "no-port-here"], "'no-port-here'"),
+        (["--endpoint", "h:99999"], "'h:99999'"),
+        (["--nnodes", "0"], "--nnodes 0"),
+        (["--host", "sometimes"], "sometimes"),
+    ],
+)
 def test_a_bad_command_line_exits_78_naming_the_value(extra, needle):
     args = argv(1, "A")
     for flag, value in zip(extra[::2], extra[1::2]):

@@ -6,14 +6,15 @@ alongside).  What shows that the second attempt came from the standby: the super
 attempt's `start` beat (`prewarmed: true`, first line of its heartbeat file) and `load` progress (what the
 standby preloaded), and its worker.log, which
 begins with the standby's own lines."""
+
 from __future__ import annotations
 
 import pytest
-
 from fixtures.fakes.demo_runs import beats, config, events, final_weights, finish, start
 from fixtures.fakes.sup_harness import incidents, wait_no_strays
 
 pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(600)
 def test_a_hang_restarts_from_the_standby_and_ends_in_the_uninterrupted_weights(tmp_path):
@@ -33,8 +34,13 @@ def test_a_hang_restarts_from_the_standby_and_ends_in_the_uninterrupted_weights(
     spawned = next(e for e in log if e["event"] == "standby_spawned")
     released = next(e for e in log if e["event"] == "standby_released")
     worker_2 = next(e for e in log if e["event"] == "worker_spawned" and e["attempt"] == 2)
-    assert names.index("stall_detected") < names.index("standby_spawned") < names.index("tree_gone") \
-        < names.index("standby_released") < names.index("worker_spawned", names.index("tree_gone"))
+    assert (
+        names.index("stall_detected")
+        < names.index("standby_spawned")
+        < names.index("tree_gone")
+        < names.index("standby_released")
+        < names.index("worker_spawned", names.index("tree_gone"))
+    )
     assert spawned["attempt"] == released["attempt"] == 2 and spawned["why"] == "stall"
     assert spawned["pid"] == released["pid"] == worker_2["pid"] and worker_2["prewarmed"] is True
     assert "standby_discarded" not in names and "standby_died" not in names

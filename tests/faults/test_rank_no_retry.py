@@ -10,6 +10,7 @@ attempt, its state `failed`, and the incident and the summary it prints carry th
   * the built-in worker under `worker.nproc_per_node: 2`, gloo on CPU, whose ranks refuse to resume a checkpoint
     one process wrote (a configuration error, exit 78, on every rank that reaches the check).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.fakes.user_shell import VENV_BIN, hangwatch_argv, incidents, run_hangwatch, user_env, worker_logs
 from fixtures.fakes.workers import make_config, run_worker
 
@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "user_scripts" / "rank_refuses.py"
 KINDS = {78: "config_error", 65: "data_error", 74: "disk"}
-MESSAGES = {78: "ConfigError: train.lr: -0.1 must be positive",
-            65: "DataError: shard-3.jsonl: no usable example (412 lines, all without a completion)",
-            74: "OSError: [Errno 28] No space left on device: '/scratch/ckpt/step-40.tmp'"}
+MESSAGES = {
+    78: "ConfigError: train.lr: -0.1 must be positive",
+    65: "DataError: shard-3.jsonl: no usable example (412 lines, all without a completion)",
+    74: "OSError: [Errno 28] No space left on device: '/scratch/ckpt/step-40.tmp'",
+}
 
 
 def launcher() -> list[str]:
@@ -36,9 +38,16 @@ def launcher() -> list[str]:
 
 
 def config() -> dict:
-    return {"watchdog": {"startup_timeout_s": 180, "silence_timeout_s": 120, "term_grace_s": 3, "py_spy": False,
-                         "poll_interval_s": 0.1},
-            "restart": {"backoff_initial_s": 0, "max_restarts": 3}}
+    return {
+        "watchdog": {
+            "startup_timeout_s": 180,
+            "silence_timeout_s": 120,
+            "term_grace_s": 3,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+        },
+        "restart": {"backoff_initial_s": 0, "max_restarts": 3},
+    }
 
 
 def explain(r: subprocess.CompletedProcess, run_dir: Path) -> str:
@@ -79,9 +88,12 @@ def assert_failed_at_once(r: subprocess.CompletedProcess, run_dir: Path, code: i
 @pytest.mark.parametrize("code", [78, 65, 74])
 def test_a_ranks_last_words_end_the_run_with_its_code(tmp_path, code):
     message = MESSAGES[code]
-    r, run_dir = run_hangwatch(tmp_path, config(), [
-        *launcher(), "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--code", str(code), "--message", message],
-        timeout=300)
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        config(),
+        [*launcher(), "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--code", str(code), "--message", message],
+        timeout=300,
+    )
     inc = assert_failed_at_once(r, run_dir, code)
     assert (run_dir / "attempts" / "0001" / "exit-rank1.json").is_file()
     assert inc["summary"].startswith("rank 1: ") and message in inc["summary"], inc["summary"]
@@ -91,9 +103,23 @@ def test_a_ranks_last_words_end_the_run_with_its_code(tmp_path, code):
 
 
 def test_without_last_words_torchruns_report_names_the_rank_and_its_code(tmp_path):
-    r, run_dir = run_hangwatch(tmp_path, config(), [
-        *launcher(), "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--code", "78", "--message",
-        "refusing the config", "--no-last-words"], timeout=300)
+    r, run_dir = run_hangwatch(
+        tmp_path,
+        config(),
+        [
+            *launcher(),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            "--code",
+            "78",
+            "--message",
+            "refusing the config",
+            "--no-last-words",
+        ],
+        timeout=300,
+    )
     inc = assert_failed_at_once(r, run_dir, 78)
     assert not list((run_dir / "attempts" / "0001").glob("exit*.json"))
     words = "exit 78 (EX_CONFIG) per torchrun's root-cause report, no last words"
@@ -104,8 +130,9 @@ def test_without_last_words_torchruns_report_names_the_rank_and_its_code(tmp_pat
 def test_the_built_in_workers_ranks_refusing_a_resume_end_the_run_with_78(tmp_path):
     """A checkpoint of one process, then the same run dir with `worker.nproc_per_node: 2`: every rank that reaches
     the check refuses (the first refusal makes torchrun end the other rank), before any `start` beat."""
-    path = make_config(tmp_path, train={"max_steps": 2, "warmup_steps": 1},
-                       checkpoint={"every_steps": 2, "confirm_steps": 0})
+    path = make_config(
+        tmp_path, train={"max_steps": 2, "warmup_steps": 1}, checkpoint={"every_steps": 2, "confirm_steps": 0}
+    )
     run_dir = tmp_path / "run"
     assert run_worker(path, run_dir, log=tmp_path / "one.log") == 0, (tmp_path / "one.log").read_text()[-3000:]
     cfg = yaml.safe_load(path.read_text())
@@ -115,10 +142,18 @@ def test_the_built_in_workers_ranks_refusing_a_resume_end_the_run_with_78(tmp_pa
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump(cfg))
     try:
-        r = subprocess.run([*hangwatch_argv(), "run", str(two)], cwd=tmp_path, env=user_env(), capture_output=True,
-                           text=True, timeout=400)
+        r = subprocess.run(
+            [*hangwatch_argv(), "run", str(two)],
+            cwd=tmp_path,
+            env=user_env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"hangwatch run did not finish\n{(e.stderr or '')[-3000:]}\n{worker_logs(run_dir)}") from None
+        raise AssertionError(
+            f"hangwatch run did not finish\n{(e.stderr or '')[-3000:]}\n{worker_logs(run_dir)}"
+        ) from None
     why = explain(r, run_dir)
     assert r.returncode == 78, why
     st = json.loads((run_dir / "state.json").read_text())

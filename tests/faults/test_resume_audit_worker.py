@@ -1,6 +1,7 @@
 """The built-in worker under the supervisor, SIGKILLed twice mid-run: each restart's replay of the steps between
 the checkpoint and the kill is audited against the beats before it — bitwise equal (rtol 0, the built-in worker's
 default), recorded in resume-audit.json, on each kill's incident and in the end summary."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import os
 import signal
 
 import pytest
-
 from fixtures.fakes.sup_harness import start_supervisor, wait_for
 from fixtures.fakes.workers import make_config, read_beats
 
@@ -19,14 +19,18 @@ def _pid_at_step(run_dir, attempt: int, step: int) -> int:
     def reached():
         beats = read_beats(run_dir, attempt)
         return next((b["pid"] for b in beats if b["event"] == "step" and b["step"] >= step), None)
+
     return wait_for(reached, 120, f"attempt {attempt} reaching step {step}")
 
 
 def test_a_sigkilled_worker_resumes_verified_bitwise(tmp_path):
-    cfg = make_config(tmp_path, train={"max_steps": 26, "sleep_per_step_s": 0.05},
-                      checkpoint={"every_steps": 5, "confirm_steps": 1, "keep_last": 4},
-                      watchdog={"startup_timeout_s": 120, "silence_timeout_s": 60},
-                      restart={"backoff_initial_s": 0, "max_restarts": 4})
+    cfg = make_config(
+        tmp_path,
+        train={"max_steps": 26, "sleep_per_step_s": 0.05},
+        checkpoint={"every_steps": 5, "confirm_steps": 1, "keep_last": 4},
+        watchdog={"startup_timeout_s": 120, "silence_timeout_s": 60},
+        restart={"backoff_initial_s": 0, "max_restarts": 4},
+    )
     run_dir = tmp_path / "run"
     p = start_supervisor(cfg)
     try:

@@ -3,6 +3,7 @@ supervisor (`python -m hangwatch.supervisor run`) runs tests/fixtures/workers/ck
 two checkpoints and spoils the newer one with a NaN loss before dying; the next attempt must be
 handed the older one in HANGWATCH_RESUME_FROM, and the record must say why the newer one is not good.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.fakes.sup_harness import ROOT, attempts, run_supervisor, state, wait_no_strays
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 

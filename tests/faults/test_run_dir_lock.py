@@ -1,4 +1,5 @@
 """One supervisor per run dir, with real processes: the lock dies with its holder."""
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,18 @@ import time
 
 import pytest
 import yaml
-
 from fixtures.fakes.sup_harness import PY, start_supervisor, write_config
+
 from hangwatch.common.exitcodes import EX_CANTCREAT
 from hangwatch.supervisor.records.runlock import LOCK_NAME, RunDirBusy, RunLock
 
 
 def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path):
     run = tmp_path / "run"
-    code = ("import sys, time; from hangwatch.supervisor.records.runlock import RunLock; "
-            f"RunLock.acquire({str(run)!r}); print('held', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from hangwatch.supervisor.records.runlock import RunLock; "
+        f"RunLock.acquire({str(run)!r}); print('held', flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "held"

@@ -7,12 +7,12 @@
 * a poisoned example makes one step's loss non-finite: one rollback, exactly that example quarantined (the `nan`
   incident and quarantine.jsonl say so), and the run finishes with no further rollback, never training it again.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fixtures.fakes.sup_harness import incidents, run_supervisor
 from fixtures.fakes.workers import make_config, read_beats
 
@@ -22,10 +22,14 @@ WATCH = {"startup_timeout_s": 60, "silence_timeout_s": 30, "py_spy": False, "pol
 
 
 def test_an_oom_restarts_at_half_the_micro_batch_and_the_run_finishes(tmp_path):
-    config = make_config(tmp_path, watchdog=WATCH, restart={"backoff_initial_s": 0, "max_restarts": 3},
-                         train={"max_steps": 8, "micro_batch_size": 4, "grad_accum": 2},
-                         checkpoint={"every_steps": 2, "confirm_steps": 1},
-                         faults=[{"kind": "oom", "at_step": 5}])
+    config = make_config(
+        tmp_path,
+        watchdog=WATCH,
+        restart={"backoff_initial_s": 0, "max_restarts": 3},
+        train={"max_steps": 8, "micro_batch_size": 4, "grad_accum": 2},
+        checkpoint={"every_steps": 2, "confirm_steps": 1},
+        faults=[{"kind": "oom", "at_step": 5}],
+    )
     run = tmp_path / "run"
     rc, out = run_supervisor(config, timeout=180)
     assert rc == 0, out[-3000:]
@@ -44,10 +48,14 @@ def test_an_oom_restarts_at_half_the_micro_batch_and_the_run_finishes(tmp_path):
 
 def test_a_poisoned_example_is_quarantined_after_one_rollback(tmp_path):
     poisoned = "train.jsonl:7"
-    config = make_config(tmp_path, watchdog=WATCH, restart={"backoff_initial_s": 0, "max_restarts": 3},
-                         train={"max_steps": 10, "max_nonfinite_streak": 1},
-                         checkpoint={"every_steps": 2, "confirm_steps": 0},
-                         faults=[{"kind": "poison", "example_ids": [poisoned]}])
+    config = make_config(
+        tmp_path,
+        watchdog=WATCH,
+        restart={"backoff_initial_s": 0, "max_restarts": 3},
+        train={"max_steps": 10, "max_nonfinite_streak": 1},
+        checkpoint={"every_steps": 2, "confirm_steps": 0},
+        faults=[{"kind": "poison", "example_ids": [poisoned]}],
+    )
     run = tmp_path / "run"
     rc, out = run_supervisor(config, timeout=180)
     assert rc == 0, out[-3000:]

@@ -3,6 +3,7 @@ is spawned once attempt 1 steps; the test SIGKILLs it, and the supervisor replac
 restarts the run from the replacement (one pid from `standby_spawned` to the second attempt's `start`), the run
 finishes, and its final adapter is bit for bit the one of the same run restarted cold (`prewarm: false`), which
 runs alongside.  Meanwhile `status` shows the standby with its RAM."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.fakes import demo_runs as cold
 from fixtures.fakes.sup_harness import incidents, wait_for, wait_no_strays
+
 from hangwatch.supervisor.cli.client import Client, ClientError
 from hangwatch.supervisor.control import socket_path_in
 
@@ -55,10 +56,13 @@ def test_a_killed_standby_is_replaced_and_the_restart_ends_in_the_cold_restarts_
     first = wait(lambda: standby_status(run_dir), 120, "the first standby in status", out)
     assert first["attempt"] == 2 and first["state"] in ("loading", "ready") and first["why"] == "always", first
     os.kill(first["pid"], signal.SIGKILL)
-    second = wait(lambda: (s := standby_status(run_dir)) and s["pid"] != first["pid"] and s, 60,
-                  "the replacement standby", out)
+    second = wait(
+        lambda: (s := standby_status(run_dir)) and s["pid"] != first["pid"] and s, 60, "the replacement standby", out
+    )
     assert second["attempt"] == 2 and "replacing a standby that died" in second["why"]
-    ready = wait(lambda: (s := standby_status(run_dir)) and s["state"] == "ready" and s, 90, "the replacement ready", out)
+    ready = wait(
+        lambda: (s := standby_status(run_dir)) and s["state"] == "ready" and s, 90, "the replacement ready", out
+    )
     # Ready: torch, transformers, peft, the model and the data in its RAM (a bare interpreter is ~10 MiB).
     assert ready["pid"] == second["pid"] and ready["rss_mb"] > 150 and ready["preload_s"] > 0, ready
 

@@ -5,12 +5,19 @@ behaves on attempt 2, then checks the deadline that fired, the incident (kind, c
 stuck function from the dump), that no process of the worker's tree survived, and that the run
 finished after the restart.
 """
+
 from __future__ import annotations
 
-
 import pytest
-
-from fixtures.fakes.sup_harness import attempts, incidents, recorded_pids, run_supervisor, state, wait_no_strays, write_config
+from fixtures.fakes.sup_harness import (
+    attempts,
+    incidents,
+    recorded_pids,
+    run_supervisor,
+    state,
+    wait_no_strays,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -71,15 +78,21 @@ def test_worker_that_never_starts_hits_the_startup_deadline(tmp_path):
 
 
 def test_phase_budget_from_the_heartbeat_line(tmp_path):
-    inc, _, _ = finished_after_one_incident(tmp_path, "phase_hang", watchdog={"step_timeout_s": 30, "silence_timeout_s": 30})
+    inc, _, _ = finished_after_one_incident(
+        tmp_path, "phase_hang", watchdog={"step_timeout_s": 30, "silence_timeout_s": 30}
+    )
     assert inc["kind"] == "stall"
-    assert inc["deadline"]["name"] == "phase" and inc["deadline"]["source"] == "line" and inc["deadline"]["budget_s"] == 1
+    assert (
+        inc["deadline"]["name"] == "phase" and inc["deadline"]["source"] == "line" and inc["deadline"]["budget_s"] == 1
+    )
     assert inc["phase"] == "eval"
     assert inc["stuck_frame"]["function"] == "block_in_c"
 
 
 def test_silence_deadline_when_no_step_deadline_applies(tmp_path):
-    inc, _, _ = finished_after_one_incident(tmp_path, "block_c", watchdog={"step_timeout_s": 60, "silence_timeout_s": 2})
+    inc, _, _ = finished_after_one_incident(
+        tmp_path, "block_c", watchdog={"step_timeout_s": 60, "silence_timeout_s": 2}
+    )
     assert inc["deadline"]["name"] == "silence" and inc["deadline"]["budget_s"] == 2
 
 
@@ -180,10 +193,11 @@ def test_py_spy_runs_time_boxed_and_its_output_lands_in_the_incident(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "py-spy"
-    fake.write_text("#!/bin/sh\necho \"fake py-spy $*\"\nexec sleep 60\n")
+    fake.write_text('#!/bin/sh\necho "fake py-spy $*"\nexec sleep 60\n')
     fake.chmod(0o755)
-    cfg_path, run_dir = write_config(tmp_path, "block_c",
-                                     watchdog={"py_spy": True, "py_spy_timeout_s": 1, "py_spy_path": str(fake)})
+    cfg_path, run_dir = write_config(
+        tmp_path, "block_c", watchdog={"py_spy": True, "py_spy_timeout_s": 1, "py_spy_path": str(fake)}
+    )
     inc, run_dir, _ = _run_prepared(cfg_path, run_dir)
     text = (run_dir / "incidents" / f"{inc['id']}-stall" / "py-spy-rank0.txt").read_text()
     assert f"fake py-spy dump --native --locals --pid {inc['worker_pid']}" in text

@@ -1,5 +1,6 @@
 """Supervisor lifecycle on real processes: signals to the supervisor, its death, leftovers of a
 previous instance, pid reuse, its own suspension, and the control-request contract."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,19 @@ import time
 
 import psutil
 import pytest
+from fixtures.fakes.sup_harness import (
+    HBWORKER,
+    PY,
+    attempts,
+    run_supervisor,
+    start_supervisor,
+    state,
+    strays,
+    wait_for,
+    wait_no_strays,
+    write_config,
+)
 
-from fixtures.fakes.sup_harness import (HBWORKER, PY, attempts, run_supervisor, start_supervisor, state, strays,
-                                        wait_for, wait_no_strays, write_config)
 from hangwatch.common.config import load_config
 from hangwatch.supervisor.loop.supervisor import Supervisor
 
@@ -67,11 +78,15 @@ def test_a_second_sigterm_kills_a_worker_that_does_not_stop(tmp_path):
 
 def test_worker_dies_with_a_sigkilled_supervisor_and_the_next_one_ends_the_leftovers(tmp_path):
     # attempt 1 spawns a grandchild in its group and blocks; deadlines are far away
-    cfg_path, run_dir = write_config(tmp_path, "grandchild", "--bad-attempts", "99",
-                                     watchdog={"step_timeout_s": 120, "silence_timeout_s": 120})
+    cfg_path, run_dir = write_config(
+        tmp_path, "grandchild", "--bad-attempts", "99", watchdog={"step_timeout_s": 120, "silence_timeout_s": 120}
+    )
     sup = start_supervisor(cfg_path)
-    wait_for(lambda: len(state(run_dir).get("descendants") or []) == 1 if (run_dir / "state.json").exists() else False,
-             20, "the grandchild recorded in state.json")
+    wait_for(
+        lambda: len(state(run_dir).get("descendants") or []) == 1 if (run_dir / "state.json").exists() else False,
+        20,
+        "the grandchild recorded in state.json",
+    )
     st = state(run_dir)
     worker = psutil.Process(st["worker"]["pid"])
     grandchild = psutil.Process(st["descendants"][0]["pid"])
@@ -101,16 +116,38 @@ def test_a_previous_supervisors_worker_that_still_runs_is_ended(tmp_path):
     cfg_path, run_dir = write_config(tmp_path, "ok")
     run_dir.mkdir()
     (tmp_path / "old").mkdir()
-    old = subprocess.Popen([PY, str(HBWORKER), "grandchild", "--tag", str(run_dir)], start_new_session=True,
-                           env={**os.environ, "HANGWATCH_RUN_DIR": str(tmp_path / "old"), "HANGWATCH_ATTEMPT": "1",
-                                "HANGWATCH_HEARTBEAT_DIR": str(tmp_path / "old"), "PYTHONPATH": str(HBWORKER.parents[2])})
-    wait_for(lambda: (tmp_path / "old" / "pids.txt").exists() and len((tmp_path / "old" / "pids.txt").read_text().split()) == 2,
-             20, "old worker and its grandchild")
+    old = subprocess.Popen(
+        [PY, str(HBWORKER), "grandchild", "--tag", str(run_dir)],
+        start_new_session=True,
+        env={
+            **os.environ,
+            "HANGWATCH_RUN_DIR": str(tmp_path / "old"),
+            "HANGWATCH_ATTEMPT": "1",
+            "HANGWATCH_HEARTBEAT_DIR": str(tmp_path / "old"),
+            "PYTHONPATH": str(HBWORKER.parents[2]),
+        },
+    )
+    wait_for(
+        lambda: (
+            (tmp_path / "old" / "pids.txt").exists() and len((tmp_path / "old" / "pids.txt").read_text().split()) == 2
+        ),
+        20,
+        "old worker and its grandchild",
+    )
     gc_pid = int((tmp_path / "old" / "pids.txt").read_text().split()[1])
     ct = psutil.Process(old.pid).create_time()
-    (run_dir / "state.json").write_text(json.dumps({
-        "state": "running", "updated_wall": time.time(), "supervisor": dead_process_ref(),
-        "worker": {"pid": old.pid, "pgid": old.pid, "sid": old.pid, "create_time": ct}, "pids": {}, "descendants": []}))
+    (run_dir / "state.json").write_text(
+        json.dumps(
+            {
+                "state": "running",
+                "updated_wall": time.time(),
+                "supervisor": dead_process_ref(),
+                "worker": {"pid": old.pid, "pgid": old.pid, "sid": old.pid, "create_time": ct},
+                "pids": {},
+                "descendants": [],
+            }
+        )
+    )
     rc, out = run_supervisor(cfg_path)
     assert rc == 0, out[-3000:]
     assert old.wait(timeout=10) is not None  # ended (it was our child here only because the test started it)
@@ -125,9 +162,18 @@ def test_a_reused_pid_is_not_killed(tmp_path):
     try:
         real_ct = psutil.Process(bystander.pid).create_time()
         fake = {"pid": bystander.pid, "create_time": real_ct - 1000.0}  # the old worker had this pid long ago
-        (run_dir / "state.json").write_text(json.dumps({
-            "state": "running", "updated_wall": real_ct - 900.0, "supervisor": dead_process_ref(),
-            "worker": {**fake, "pgid": bystander.pid, "sid": bystander.pid}, "pids": {"0": fake}, "descendants": [fake]}))
+        (run_dir / "state.json").write_text(
+            json.dumps(
+                {
+                    "state": "running",
+                    "updated_wall": real_ct - 900.0,
+                    "supervisor": dead_process_ref(),
+                    "worker": {**fake, "pgid": bystander.pid, "sid": bystander.pid},
+                    "pids": {"0": fake},
+                    "descendants": [fake],
+                }
+            )
+        )
         rc, out = run_supervisor(cfg_path)
         assert rc == 0, out[-3000:]
         assert bystander.poll() is None, "an unrelated process with a reused pid was killed"
@@ -141,7 +187,9 @@ def test_refuses_to_run_beside_a_live_supervisor(tmp_path):
     cfg_path, run_dir = write_config(tmp_path, "ok")
     run_dir.mkdir()
     me = psutil.Process(os.getpid())
-    (run_dir / "state.json").write_text(json.dumps({"state": "running", "supervisor": {"pid": me.pid, "create_time": me.create_time()}}))
+    (run_dir / "state.json").write_text(
+        json.dumps({"state": "running", "supervisor": {"pid": me.pid, "create_time": me.create_time()}})
+    )
     rc, out = run_supervisor(cfg_path)
     assert rc == 1 and "another supervisor" in out and f"pid {me.pid}" in out
     assert not (run_dir / "attempts").exists()
@@ -149,8 +197,9 @@ def test_refuses_to_run_beside_a_live_supervisor(tmp_path):
 
 def test_a_suspended_machine_does_not_fire_deadlines(tmp_path):
     # supervisor and worker both frozen (what a laptop's sleep looks like) for longer than every deadline
-    cfg_path, run_dir = write_config(tmp_path, "ok", "--steps", "40", "--step-s", "0.1",
-                                     watchdog={"silence_timeout_s": 3, "step_timeout_s": 2})
+    cfg_path, run_dir = write_config(
+        tmp_path, "ok", "--steps", "40", "--step-s", "0.1", watchdog={"silence_timeout_s": 3, "step_timeout_s": 2}
+    )
     sup = start_supervisor(cfg_path)
     wait_for(running_with_steps(run_dir), 20, "steps")
     worker_pgid = state(run_dir)["worker"]["pgid"]
@@ -225,26 +274,31 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
         def cond():
             s = box["sup"]
             tr = s.deadlines.ranks.get(0)
-            return s.attempt == attempt and s.lifecycle.state.value == state and (tr is not None and tr.step >= min_step)
+            return (
+                s.attempt == attempt and s.lifecycle.state.value == state and (tr is not None and tr.step >= min_step)
+            )
+
         return cond
 
     paused = lambda: box["sup"].lifecycle.state.value == "paused"  # noqa: E731
-    control = ScriptedControl([
-        (at(1), {"cmd": "bogus"}),
-        (at(1), {"cmd": "status"}),
-        (at(1), {"cmd": "dump"}),
-        (at(1), {"cmd": "resume"}),
-        (at(1), {"cmd": "restart", "mode": "sideways"}),
-        (at(1), {"cmd": "restart", "mode": "graceful"}),
-        (at(2), {"cmd": "restart", "mode": "now"}),
-        (at(3), {"cmd": "incidents"}),
-        (at(3), {"cmd": "incidents", "id": "0001"}),
-        (at(3), {"cmd": "incidents", "id": "0042"}),
-        (at(3), {"cmd": "pause"}),
-        (paused, {"cmd": "status"}),
-        (paused, {"cmd": "resume"}),
-        (at(4), {"cmd": "stop"}),
-    ])
+    control = ScriptedControl(
+        [
+            (at(1), {"cmd": "bogus"}),
+            (at(1), {"cmd": "status"}),
+            (at(1), {"cmd": "dump"}),
+            (at(1), {"cmd": "resume"}),
+            (at(1), {"cmd": "restart", "mode": "sideways"}),
+            (at(1), {"cmd": "restart", "mode": "graceful"}),
+            (at(2), {"cmd": "restart", "mode": "now"}),
+            (at(3), {"cmd": "incidents"}),
+            (at(3), {"cmd": "incidents", "id": "0001"}),
+            (at(3), {"cmd": "incidents", "id": "0042"}),
+            (at(3), {"cmd": "pause"}),
+            (paused, {"cmd": "status"}),
+            (paused, {"cmd": "resume"}),
+            (at(4), {"cmd": "stop"}),
+        ]
+    )
     notifier = Recorder()
     # NVML's reading is a seam: status reports what it says, on a machine with GPUs or without
     no_gpu = {"available": False, "reason": "no GPU: NVML unavailable (faked)"}
@@ -261,8 +315,21 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     assert {d["name"] for d in st["deadlines"]} == {"silence", "step"}
     assert st["gpu"]["available"] is False and st["gpu"]["reason"] == no_gpu["reason"]
     assert st["last_good_checkpoint"].startswith("ckpt-")
-    for key in ("phase_age_s", "phase_budget_s", "tokens_per_s", "lr", "last_beat_age_s", "restarts", "incidents",
-                "last_incident", "run_dir", "config", "supervisor_pid", "uptime_s", "torn_lines"):
+    for key in (
+        "phase_age_s",
+        "phase_budget_s",
+        "tokens_per_s",
+        "lr",
+        "last_beat_age_s",
+        "restarts",
+        "incidents",
+        "last_incident",
+        "run_dir",
+        "config",
+        "supervisor_pid",
+        "uptime_s",
+        "torn_lines",
+    ):
         assert key in st
     dump = get(cmd="dump")["result"]["dumps"]["0"]
     assert "most recent call first" in dump and "in main" in dump and dump.count("Current thread") == 1

@@ -14,6 +14,7 @@ For each row: the deadline or exit classification, the incident kind and classif
 stuck function for Python-level hangs, every process of the tree gone (fault children included),
 the resume from the last good checkpoint, and a finished run; then equal final weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from fixtures.fakes.demo_runs import finish, start
-from fixtures.fakes.workers import safetensors_raw
 from fixtures.fakes.sup_harness import ROOT, incidents, run_supervisor, state
+from fixtures.fakes.workers import safetensors_raw
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,13 @@ MAX_STEPS = 22
 
 # (fault, incident kind, deadline name or None, classification contains, stuck function or None)
 CHAIN = [
-    ({"kind": "busy_loop", "at_step": 3, "spawn_child": True}, "stall", "step", "busy loop in Python", "_select_ranges"),
+    (
+        {"kind": "busy_loop", "at_step": 3, "spawn_child": True},
+        "stall",
+        "step",
+        "busy loop in Python",
+        "_select_ranges",
+    ),
     ({"kind": "block_c", "at_step": 5, "spawn_child": True}, "stall", "step", "blocked in C", "_wait_for_batch"),
     ({"kind": "livelock", "at_step": 7}, "livelock", "step", "livelock", "_retry_forever"),
     ({"kind": "hang_generate", "at_step": 8}, "stall", "phase", "blocked in C", "__call__"),
@@ -53,13 +59,24 @@ def config(tmp_path: Path, name: str, faults: list, step_timeout_s: float = 60) 
     run_dir = tmp_path / name
     cfg.update(
         run_dir=str(run_dir),
-        data={"train": str(ROOT / "configs/data/train.jsonl"), "eval": str(ROOT / "configs/data/eval.jsonl"), "max_length": 64},
+        data={
+            "train": str(ROOT / "configs/data/train.jsonl"),
+            "eval": str(ROOT / "configs/data/eval.jsonl"),
+            "max_length": 64,
+        },
         faults=faults,
         # generous for a tiny model (a step takes ~0.2 s, but many seconds on two shared, busy cores);
         # no row relies on silence: it only has to stay out of the way of slow, healthy stretches
-        watchdog={"startup_timeout_s": 300, "silence_timeout_s": max(30, step_timeout_s), "step_timeout_s": step_timeout_s,
-                  "dump_grace_s": 2, "term_grace_s": 3, "poll_interval_s": 0.1, "py_spy": False,
-                  "phase_budgets_s": {"eval": 120, "generate": 12, "checkpoint": 120, "load": 300}},
+        watchdog={
+            "startup_timeout_s": 300,
+            "silence_timeout_s": max(30, step_timeout_s),
+            "step_timeout_s": step_timeout_s,
+            "dump_grace_s": 2,
+            "term_grace_s": 3,
+            "poll_interval_s": 0.1,
+            "py_spy": False,
+            "phase_budgets_s": {"eval": 120, "generate": 12, "checkpoint": 120, "load": 300},
+        },
         restart={"backoff_initial_s": 0, "max_restarts": 20, "oom_remediation": False},  # bitwise against the reference
     )
     cfg["train"].update(max_steps=MAX_STEPS, sleep_per_step_s=0.0, max_nonfinite_streak=3)
@@ -75,8 +92,6 @@ def run_to_end(cfg_path: Path, run_dir: Path, timeout: float) -> str:
     assert rc == 0, out[-6000:]
     assert state(run_dir)["state"] == "finished"
     return out
-
-
 
 
 def final_weights(run_dir: Path) -> dict:

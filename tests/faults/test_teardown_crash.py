@@ -5,6 +5,7 @@ a crash before the end, or a nonzero exit status, is still a failure.
 Real `hangwatch run` over unedited scripts (automatic instrumentation): the teardown crash is an object whose
 `__del__` calls `os.abort()` while the interpreter finalizes its modules — after every `atexit` handler, as a
 native destructor's would be."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.user_shell import VENV_BIN, incidents, log_events, run_hangwatch, worker_logs
+
 from hangwatch.common.protocol import decode_line
 
 pytestmark = pytest.mark.slow
@@ -69,10 +70,19 @@ TRAIN = """
 
 
 def config() -> dict:
-    return {"watchdog": {"startup_timeout_s": 120, "silence_timeout_s": 60, "first_steps_timeout_s": 60,
-                         "dump_grace_s": 2, "term_grace_s": 2, "py_spy": False, "poll_interval_s": 0.1,
-                         "exit_after_stop_s": 2},
-            "restart": {"backoff_initial_s": 0, "max_restarts": 2}}
+    return {
+        "watchdog": {
+            "startup_timeout_s": 120,
+            "silence_timeout_s": 60,
+            "first_steps_timeout_s": 60,
+            "dump_grace_s": 2,
+            "term_grace_s": 2,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+            "exit_after_stop_s": 2,
+        },
+        "restart": {"backoff_initial_s": 0, "max_restarts": 2},
+    }
 
 
 def run(tmp_path: Path, how: str, *, ranks: int = 1, abort_rank: int = 0):
@@ -109,11 +119,14 @@ def test_a_crash_in_teardown_after_every_rank_exited_cleanly_finishes_the_run(tm
     assert "SIGABRT" in worker_logs(run_dir) or ranks == 1
 
 
-@pytest.mark.parametrize("how, stop", [
-    ("abort_mid_run", None),  # died at step 2: no exit line
-    ("exit_3", {"reason": "exit", "code": 3}),
-    ("raise", {"reason": "exit", "code": 1, "exception": "KeyError"}),
-])
+@pytest.mark.parametrize(
+    "how, stop",
+    [
+        ("abort_mid_run", None),  # died at step 2: no exit line
+        ("exit_3", {"reason": "exit", "code": 3}),
+        ("raise", {"reason": "exit", "code": 1, "exception": "KeyError"}),
+    ],
+)
 def test_an_unfinished_or_failed_exit_is_still_restarted(tmp_path, how, stop):
     r, run_dir = run(tmp_path, how)
     assert r.returncode == 0, f"{r.stderr[-3000:]}\n{worker_logs(run_dir)}"

@@ -8,6 +8,7 @@ the silence deadline fires and the tree is killed; the helper outlives SIGKILL. 
   * `restart.on_unkillable: fail` — the same incident, and the run ends `failed` (exit 1) with the helper
     still frozen.
 Needs root and the v1 freezer hierarchy (skipped elsewhere, saying so)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.fakes.user_shell import hangwatch_argv, incidents, user_env, worker_logs
 
 pytestmark = pytest.mark.slow
@@ -91,15 +91,29 @@ def supervised(tmp_path: Path, mode: str):
 
 
 def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, Path]:
-    cfg = {"watchdog": {"output_silence_timeout_s": 2, "startup_timeout_s": 60, "term_grace_s": 1,
-                        "stuck_term_grace_s": 1, "kill_wait_s": 1, "py_spy": False, "poll_interval_s": 0.1},
-           "worker": {"instrument": "off"},
-           "restart": {"backoff_initial_s": 0, "max_restarts": 3, "on_unkillable": mode}}
+    cfg = {
+        "watchdog": {
+            "output_silence_timeout_s": 2,
+            "startup_timeout_s": 60,
+            "term_grace_s": 1,
+            "stuck_term_grace_s": 1,
+            "kill_wait_s": 1,
+            "py_spy": False,
+            "poll_interval_s": 0.1,
+        },
+        "worker": {"instrument": "off"},
+        "restart": {"backoff_initial_s": 0, "max_restarts": 3, "on_unkillable": mode},
+    }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     pidfile = tmp_path / "helper.pid"
-    proc = subprocess.Popen([*hangwatch_argv(), "run", "cfg.yaml", "--run-dir", "run", "--", "python", str(SCRIPT),
-                             str(pidfile)], cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*hangwatch_argv(), "run", "cfg.yaml", "--run-dir", "run", "--", "python", str(SCRIPT), str(pidfile)],
+        cwd=tmp_path,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, tmp_path / "run", pidfile
 
 

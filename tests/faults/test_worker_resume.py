@@ -1,5 +1,6 @@
 """Exact resume: a run SIGKILLed at several moments and restarted ends bit for bit where an
 uninterrupted run of the same config ends, and every step's loss after each resume is the same."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from fixtures.fakes.workers import make_config, read_beats, start_worker, wait_for_beat
+from safetensors.torch import load_file
 
 MAX_STEPS = 36
 
@@ -21,7 +21,13 @@ def resume_config(tmp_path: Path) -> Path:
     return make_config(
         tmp_path,
         lora={"dropout": 0.1, "target_modules": ["q_proj", "v_proj", "o_proj"], "modules_to_save": ["lm_head"]},
-        train={"max_steps": MAX_STEPS, "micro_batch_size": 3, "grad_accum": 3, "warmup_steps": 4, "sleep_per_step_s": 0.06},
+        train={
+            "max_steps": MAX_STEPS,
+            "micro_batch_size": 3,
+            "grad_accum": 3,
+            "warmup_steps": 4,
+            "sleep_per_step_s": 0.06,
+        },
         eval={"every_steps": 12, "max_new_tokens": 4},
         checkpoint={"every_steps": 5, "keep_last": 3, "confirm_steps": 1},
     )
@@ -49,7 +55,9 @@ def test_sigkilled_run_resumes_bit_for_bit(tmp_path):
     # Attempt 1: SIGKILL between two micro-batches of one optimizer step.
     target = rng.randint(7, 9)  # after step 5's checkpoint was confirmed, so the next attempt resumes
     p = start_worker(config, killed_dir, log=tmp_path / "killed.log")
-    wait_for_beat(killed_dir, 1, lambda b: b["event"] == "progress" and b.get("micro_step") == 1 and b["step"] >= target - 1, p)
+    wait_for_beat(
+        killed_dir, 1, lambda b: b["event"] == "progress" and b.get("micro_step") == 1 and b["step"] >= target - 1, p
+    )
     kill(p)
 
     # Attempt 2: SIGKILL right after a checkpoint commit (before it could be confirmed good).

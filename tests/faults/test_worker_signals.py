@@ -1,5 +1,6 @@
 """Signals: SIGUSR1 dumps every thread's stack and training goes on; a second SIGTERM ends the
 worker at once (the first asks for a graceful stop, covered by the resume test)."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,6 @@ import signal
 import time
 
 import pytest
-
 from fixtures.fakes.workers import make_config, read_beats, start_worker, wait_for_beat
 
 

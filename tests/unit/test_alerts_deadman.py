@@ -1,35 +1,58 @@
 """The dead-man's switch on a fake clock: pinged only while healthy, every interval, never queued behind a slow ping."""
+
 from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.watch.deadlines import RankTrack
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger, healthy
 from hangwatch.supervisor.ops.notify import Stats
 from hangwatch.supervisor.rules.states import State
+from hangwatch.supervisor.watch.deadlines import RankTrack
 
 
-def track(phase="train", last_step_at=95.0, last_line_at=99.0, phase_since=50.0, budget=None, started=True, stopped=False):
-    return RankTrack(rank=0, started=started, stopped=stopped, phase=phase, last_step_at=last_step_at,
-                     last_line_at=last_line_at, phase_since=phase_since, phase_budget=budget)
+def track(
+    phase="train", last_step_at=95.0, last_line_at=99.0, phase_since=50.0, budget=None, started=True, stopped=False
+):
+    return RankTrack(
+        rank=0,
+        started=started,
+        stopped=stopped,
+        phase=phase,
+        last_step_at=last_step_at,
+        last_line_at=last_line_at,
+        phase_since=phase_since,
+        phase_budget=budget,
+    )
 
 
-@pytest.mark.parametrize("state, tr, ok, why", [
-    (State.RUNNING, track(), True, "stepping"),
-    (State.RUNNING, track(last_step_at=89.0), False, "no step for more than 10s"),  # a stall, or a livelock's progress
-    (State.RUNNING, track(last_step_at=None), False, "no step for more than 10s"),
-    (State.RUNNING, track(phase="idle", last_step_at=None, last_line_at=95.0), True, "idle"),
-    (State.RUNNING, track(phase="idle", last_line_at=80.0), False, "no beat for more than 10s in phase 'idle'"),
-    (State.RUNNING, track(phase="eval", last_line_at=98.0, phase_since=60.0, budget=900), True, "in phase 'eval'"),
-    (State.RUNNING, track(phase="generate", last_line_at=98.0, phase_since=60.0, budget=30), False,
-     "phase 'generate' is past its budget"),
-    (State.RUNNING, None, False, "no start beat yet"),
-    (State.RUNNING, track(started=False), False, "no start beat yet"),
-    (State.RUNNING, track(stopped=True), False, "the worker is stopping"),
-    (State.STARTING, track(), False, "state starting"),
-    (State.STALLED, track(), False, "state stalled"),
-    (State.BACKOFF, track(), False, "state backoff"),
-])
+@pytest.mark.parametrize(
+    "state, tr, ok, why",
+    [
+        (State.RUNNING, track(), True, "stepping"),
+        (
+            State.RUNNING,
+            track(last_step_at=89.0),
+            False,
+            "no step for more than 10s",
+        ),  # a stall, or a livelock's progress
+        (State.RUNNING, track(last_step_at=None), False, "no step for more than 10s"),
+        (State.RUNNING, track(phase="idle", last_step_at=None, last_line_at=95.0), True, "idle"),
+        (State.RUNNING, track(phase="idle", last_line_at=80.0), False, "no beat for more than 10s in phase 'idle'"),
+        (State.RUNNING, track(phase="eval", last_line_at=98.0, phase_since=60.0, budget=900), True, "in phase 'eval'"),
+        (
+            State.RUNNING,
+            track(phase="generate", last_line_at=98.0, phase_since=60.0, budget=30),
+            False,
+            "phase 'generate' is past its budget",
+        ),
+        (State.RUNNING, None, False, "no start beat yet"),
+        (State.RUNNING, track(started=False), False, "no start beat yet"),
+        (State.RUNNING, track(stopped=True), False, "the worker is stopping"),
+        (State.STARTING, track(), False, "state starting"),
+        (State.STALLED, track(), False, "state stalled"),
+        (State.BACKOFF, track(), False, "state backoff"),
+    ],
+)
 def test_healthy(state, tr, ok, why):
     assert healthy(state, tr, 100.0, 10.0) == (ok, why)
 

@@ -1,5 +1,6 @@
 """Alerts without a network: which log events become which alert (storm control included), the words of each,
 the courier's retries, the outbox that never blocks, the notifier fan-out and the log tap."""
+
 from __future__ import annotations
 
 import io
@@ -14,8 +15,17 @@ from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, Courier, Notice, Throttle, compose
 from hangwatch.supervisor.ops.notify import Fanout, Outbox, Stats
 
-ALL = {"incident", "recovered", "failed", "crash_loop", "no_progress", "lost_peer", "resume_diverged", "generate_truncated",
-       "unkillable"}
+ALL = {
+    "incident",
+    "recovered",
+    "failed",
+    "crash_loop",
+    "no_progress",
+    "lost_peer",
+    "resume_diverged",
+    "generate_truncated",
+    "unkillable",
+}
 
 
 def desk(on=ALL, interval=300.0):
@@ -24,14 +34,34 @@ def desk(on=ALL, interval=300.0):
 
 
 def stall(d, ident, now, attempt=1, step=4, kind="stall"):
-    d.feed({"event": "stall_detected", "incident": ident, "kind": kind, "step": step, "attempt": attempt,
-            "deadline": "step", "elapsed_s": 2.0}, now)
-    d.feed({"event": "stack_dumped", "incident": ident, "stuck": "f (x.py:1)", "classification": "blocked in C"}, now + 1)
+    d.feed(
+        {
+            "event": "stall_detected",
+            "incident": ident,
+            "kind": kind,
+            "step": step,
+            "attempt": attempt,
+            "deadline": "step",
+            "elapsed_s": 2.0,
+        },
+        now,
+    )
+    d.feed(
+        {"event": "stack_dumped", "incident": ident, "stuck": "f (x.py:1)", "classification": "blocked in C"}, now + 1
+    )
 
 
 def crash(d, ident, now, attempt):
-    d.feed({"event": "worker_failed", "kind": "crash", "incident": ident, "attempt": attempt,
-            "classification": "crash with RuntimeError"}, now)
+    d.feed(
+        {
+            "event": "worker_failed",
+            "kind": "crash",
+            "incident": ident,
+            "attempt": attempt,
+            "classification": "crash with RuntimeError",
+        },
+        now,
+    )
 
 
 def gone(d, now, nxt="backoff", attempt=1):
@@ -68,13 +98,16 @@ def test_a_crash_loop_is_one_incident_alert_and_one_summary():
     assert d.throttle.suppressed == 3
 
 
-@pytest.mark.parametrize("ending, on, expected", [
-    ("crash_loop", ALL, "crash_loop"),
-    ("no_progress", ALL, "no_progress"),
-    (None, ALL, "failed"),
-    ("crash_loop", {"failed"}, "failed"),  # the specific kind is off: the run's end still says failed
-    ("no_progress", {"incident"}, None),
-])
+@pytest.mark.parametrize(
+    "ending, on, expected",
+    [
+        ("crash_loop", ALL, "crash_loop"),
+        ("no_progress", ALL, "no_progress"),
+        (None, ALL, "failed"),
+        ("crash_loop", {"failed"}, "failed"),  # the specific kind is off: the run's end still says failed
+        ("no_progress", {"incident"}, None),
+    ],
+)
 def test_the_runs_end_is_one_alert_of_the_most_specific_kind_enabled(ending, on, expected):
     d, sent = desk(on)
     d.feed({"event": "state", "to": "failed", "why": "why", "attempt": 3}, 5.0)
@@ -131,10 +164,13 @@ def test_events_not_in_alerts_on_are_not_sent():
     assert sent == []
 
 
-@pytest.mark.parametrize("steps, sent_events", [
-    ([], ["incident"]),
-    ([("recovered", 5)], ["incident", "recovered"]),
-])
+@pytest.mark.parametrize(
+    "steps, sent_events",
+    [
+        ([], ["incident"]),
+        ([("recovered", 5)], ["incident", "recovered"]),
+    ],
+)
 def test_throttle_table(steps, sent_events):
     t = Throttle(100)
     out = t.incident(Notice("incident", {"id": "1"}), 0.0)
@@ -151,11 +187,22 @@ def test_throttle_table(steps, sent_events):
 def write_incident(run_dir, ident="0001", kind="stall", **extra):
     d = run_dir / "incidents" / f"{ident}-{kind}"
     d.mkdir(parents=True)
-    rec = {"id": ident, "kind": kind, "attempt": 1, "step": 40, "classification": "blocked in C (CPU 0%, state S)",
-           "stuck_frame": {"function": "__call__", "file": "daemon/faults.py", "line": 121}, "dump_rank": 0,
-           "dumps": {"0": "stack-rank0.txt"}, "deadline": {"name": "phase", "budget_s": 10.0, "elapsed_s": 10.001},
-           "timings": {"sigkill_after_s": 0.5, "detection_to_gone_s": 6.1}, "last_good_checkpoint": "ckpt/step-30",
-           "last_good_step": 30, "summary": "in generate(): phase deadline 10.0s exceeded", **extra}
+    rec = {
+        "id": ident,
+        "kind": kind,
+        "attempt": 1,
+        "step": 40,
+        "classification": "blocked in C (CPU 0%, state S)",
+        "stuck_frame": {"function": "__call__", "file": "daemon/faults.py", "line": 121},
+        "dump_rank": 0,
+        "dumps": {"0": "stack-rank0.txt"},
+        "deadline": {"name": "phase", "budget_s": 10.0, "elapsed_s": 10.001},
+        "timings": {"sigkill_after_s": 0.5, "detection_to_gone_s": 6.1},
+        "last_good_checkpoint": "ckpt/step-30",
+        "last_good_step": 30,
+        "summary": "in generate(): phase deadline 10.0s exceeded",
+        **extra,
+    }
     (d / "incident.json").write_text(json.dumps(rec))
     return d
 
@@ -163,24 +210,41 @@ def write_incident(run_dir, ident="0001", kind="stall", **extra):
 def test_the_incident_alert_names_run_kind_culprit_frame_step_action_duration_and_place(tmp_path):
     run_dir = tmp_path / "demo"
     inc_dir = write_incident(run_dir)
-    n = Notice("incident", {"id": "0001", "kind": "stall", "next": "backoff", "why": "…; next attempt in 1s",
-                            "handled_s": 6.2})
+    n = Notice(
+        "incident", {"id": "0001", "kind": "stall", "next": "backoff", "why": "…; next attempt in 1s", "handled_s": 6.2}
+    )
     msg = compose(n, run_dir, "box1")
     assert msg["title"] == "hangwatch demo: stall at step 40 — restarting"
     body = msg["body"]
-    for needle in (f"run: demo ({run_dir.resolve()}) on box1, attempt 1", "kind: stall",
-                   "culprit: rank 0: blocked in C (CPU 0%, state S)", "frame: __call__ (daemon/faults.py:121)",
-                   "step: 40", "done: dumped the stacks of rank(s) 0; stopped the process tree (SIGTERM, then SIGKILL); "
-                   "restarting from ckpt/step-30 (step 30); next attempt in 1s",
-                   "took: detected 10.001 s after the last sign of progress (phase deadline 10.0 s); handled 6.2 s after "
-                   "detection; tree gone 6.1 s after detection", f"incident: {inc_dir.resolve()}"):
+    for needle in (
+        f"run: demo ({run_dir.resolve()}) on box1, attempt 1",
+        "kind: stall",
+        "culprit: rank 0: blocked in C (CPU 0%, state S)",
+        "frame: __call__ (daemon/faults.py:121)",
+        "step: 40",
+        "done: dumped the stacks of rank(s) 0; stopped the process tree (SIGTERM, then SIGKILL); "
+        "restarting from ckpt/step-30 (step 30); next attempt in 1s",
+        "took: detected 10.001 s after the last sign of progress (phase deadline 10.0 s); handled 6.2 s after "
+        "detection; tree gone 6.1 s after detection",
+        f"incident: {inc_dir.resolve()}",
+    ):
         assert needle in body, (needle, body)
     assert msg["level"] == "failure" and msg["kind"] == "stall" and msg["incident_dir"] == str(inc_dir.resolve())
 
 
 def test_an_incident_whose_record_cannot_be_read_is_still_worded_from_the_log(tmp_path):
-    n = Notice("incident", {"id": "0007", "kind": "crash", "step": 3, "classification": "crash with ValueError",
-                            "next": "failed", "why": "crash loop", "handled_s": 0.1})
+    n = Notice(
+        "incident",
+        {
+            "id": "0007",
+            "kind": "crash",
+            "step": 3,
+            "classification": "crash with ValueError",
+            "next": "failed",
+            "why": "crash loop",
+            "handled_s": 0.1,
+        },
+    )
     msg = compose(n, tmp_path / "r", "h")
     assert "kind: crash" in msg["body"] and "culprit: crash with ValueError" in msg["body"]
     assert "ended the run failed: crash loop" in msg["body"] and "incident: 0007" in msg["body"]
@@ -209,9 +273,15 @@ class FlakySink:
             raise OSError("connection refused")
 
 
-@pytest.mark.parametrize("failures, retries, calls, result", [
-    (0, 2, 1, "sent"), (2, 2, 3, "sent"), (3, 2, 3, "failed"), (1, 0, 1, "failed"),
-])
+@pytest.mark.parametrize(
+    "failures, retries, calls, result",
+    [
+        (0, 2, 1, "sent"),
+        (2, 2, 3, "sent"),
+        (3, 2, 3, "failed"),
+        (1, 0, 1, "failed"),
+    ],
+)
 def test_the_courier_retries_then_counts(tmp_path, failures, retries, calls, result):
     stats, sink, naps = Stats(), FlakySink(failures), []
     Courier(tmp_path, [sink], retries, stats, sleep=naps.append, host="h").deliver(Notice("failed", {"why": "x"}))
@@ -222,7 +292,9 @@ def test_the_courier_retries_then_counts(tmp_path, failures, retries, calls, res
 
 def test_one_failing_sink_does_not_stop_the_others(tmp_path):
     stats, good = Stats(), []
-    Courier(tmp_path, [FlakySink(99), good.append], 0, stats, sleep=lambda s: None, host="h").deliver(Notice("failed", {}))
+    Courier(tmp_path, [FlakySink(99), good.append], 0, stats, sleep=lambda s: None, host="h").deliver(
+        Notice("failed", {})
+    )
     assert len(good) == 1 and stats.snapshot()[("alerts_failed", "flaky")] == 1
 
 
@@ -241,6 +313,7 @@ def test_the_outbox_never_blocks_and_counts_what_it_drops():
 def test_an_outbox_whose_setup_fails_drops_and_counts():
     def broken():
         raise ValueError("no such plugin")
+
     box = Outbox("a", lambda item: None, setup=broken).start()
     box.put(1)
     assert box.close(5)
@@ -298,14 +371,35 @@ def test_a_lost_peer_is_one_warning_alert_with_the_wait_in_words(tmp_path):
 
 
 def diverged(d, ident, now, attempt=3, step=41):
-    d.feed({"event": "resume_diverged", "incident": ident, "attempt": attempt, "step": step, "figure": "lr",
-            "now": 1.2e-4, "before": 2.0e-4, "on_divergence": "warn",
-            "text": f"resume diverged at step {step}: lr 0.00012 now, 0.0002 before"}, now)
+    d.feed(
+        {
+            "event": "resume_diverged",
+            "incident": ident,
+            "attempt": attempt,
+            "step": step,
+            "figure": "lr",
+            "now": 1.2e-4,
+            "before": 2.0e-4,
+            "on_divergence": "warn",
+            "text": f"resume diverged at step {step}: lr 0.00012 now, 0.0002 before",
+        },
+        now,
+    )
 
 
 def truncated(d, ident, now, attempt=1, step=50):
-    d.feed({"event": "generate_truncated", "incident": ident, "attempt": attempt, "step": step, "tokens": {"0": 512},
-            "limit": 512, "text": "generate ran past its 60 s budget still producing tokens: ended at token 512"}, now)
+    d.feed(
+        {
+            "event": "generate_truncated",
+            "incident": ident,
+            "attempt": attempt,
+            "step": step,
+            "tokens": {"0": 512},
+            "limit": 512,
+            "text": "generate ran past its 60 s budget still producing tokens: ended at token 512",
+        },
+        now,
+    )
 
 
 def test_alert_events_known_to_the_config_are_the_ones_the_desk_can_send():
@@ -324,9 +418,17 @@ def test_a_diverged_resume_is_sent_at_once_even_inside_an_incident_storm():
     diverged(d, "0003", 4.0)
     assert [n.event for n in sent] == ["incident", "resume_diverged"]
     n = sent[1]
-    assert n.facts == {"id": "0003", "kind": "resume_diverged", "attempt": 3, "step": 41, "figure": "lr", "now": 1.2e-4,
-                       "before": 2.0e-4, "on_divergence": "warn",
-                       "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before"}
+    assert n.facts == {
+        "id": "0003",
+        "kind": "resume_diverged",
+        "attempt": 3,
+        "step": 41,
+        "figure": "lr",
+        "now": 1.2e-4,
+        "before": 2.0e-4,
+        "on_divergence": "warn",
+        "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
+    }
     assert n.held == [] and [h["id"] for h in d.throttle.held] == ["0002"]  # the storm's count is the storm's
     diverged(d, "0004", 5.0, attempt=4)
     assert [n.event for n in sent] == ["incident", "resume_diverged", "resume_diverged"]  # never held
@@ -336,16 +438,27 @@ def test_an_unkillable_tree_is_sent_at_once_inside_an_incident_storm_and_says_wh
     d, sent = desk()
     stall(d, "0001", 0.0)
     gone(d, 1.0)  # an incident alert: the storm window is open
-    d.feed({"event": "unkillable", "incident": "0002", "attempt": 1, "pids": [4242], "on_unkillable": "wait",
+    d.feed(
+        {
+            "event": "unkillable",
+            "incident": "0002",
+            "attempt": 1,
+            "pids": [4242],
+            "on_unkillable": "wait",
             "text": "1 process(es) of attempt 1's tree outlived SIGKILL by 30 s: 4242 (disk-sleep, waiting in "
-                    "nfs_wait_bit_killable)"}, 2.0)
+            "nfs_wait_bit_killable)",
+        },
+        2.0,
+    )
     assert [n.event for n in sent] == ["incident", "unkillable"]
     n = sent[1]
     assert n.held == [] and n.facts["pids"] == [4242] and n.facts["on_unkillable"] == "wait"
     assert "nfs_wait_bit_killable" in n.facts["text"]
     d2, sent2 = desk(on=ALL - {"unkillable"})
-    d2.feed({"event": "unkillable", "incident": "0002", "attempt": 1, "pids": [4242], "on_unkillable": "fail",
-             "text": "…"}, 0.0)
+    d2.feed(
+        {"event": "unkillable", "incident": "0002", "attempt": 1, "pids": [4242], "on_unkillable": "fail", "text": "…"},
+        0.0,
+    )
     assert sent2 == []
 
 
@@ -367,7 +480,10 @@ def test_generate_truncated_is_one_warning_then_counted_into_summaries():
     assert sent[0].facts["tokens"] == {"0": 512} and sent[0].facts["limit"] == 512 and sent[0].facts["step"] == 50
     d.tick(61.0)
     assert [n.event for n in sent] == ["generate_truncated", "summary"]
-    assert [(h["id"], h["kind"]) for h in sent[1].held] == [("0002", "generate_truncated"), ("0003", "generate_truncated")]
+    assert [(h["id"], h["kind"]) for h in sent[1].held] == [
+        ("0002", "generate_truncated"),
+        ("0003", "generate_truncated"),
+    ]
     truncated(d, "0004", 70.0, step=200)
     d.tick(100.0)
     assert len(sent) == 2  # within the interval of the last summary
@@ -409,46 +525,87 @@ def test_the_new_events_are_not_sent_when_not_in_alerts_on():
 
 def test_the_diverged_resume_alert_names_step_figure_the_audit_and_the_first_difference(tmp_path):
     run_dir = tmp_path / "demo"
-    audit = {"attempt": 3, "previous_attempt": 2, "resumed_step": 40, "replayed": [41, 44], "verdict": "diverged",
-             "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
-             "difference": {"step": 41, "rank": 0, "figure": "lr", "now": 1.2e-4, "before": 2.0e-4}}
-    inc_dir = write_incident(run_dir, "0005", "resume_diverged", step=41, attempt=3, resume_audit=audit,
-                             on_divergence="stop")
-    n = Notice("resume_diverged", {"id": "0005", "kind": "resume_diverged", "attempt": 3, "step": 41, "figure": "lr",
-                                   "text": audit["text"]})
+    audit = {
+        "attempt": 3,
+        "previous_attempt": 2,
+        "resumed_step": 40,
+        "replayed": [41, 44],
+        "verdict": "diverged",
+        "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
+        "difference": {"step": 41, "rank": 0, "figure": "lr", "now": 1.2e-4, "before": 2.0e-4},
+    }
+    inc_dir = write_incident(
+        run_dir, "0005", "resume_diverged", step=41, attempt=3, resume_audit=audit, on_divergence="stop"
+    )
+    n = Notice(
+        "resume_diverged",
+        {"id": "0005", "kind": "resume_diverged", "attempt": 3, "step": 41, "figure": "lr", "text": audit["text"]},
+    )
     msg = compose(n, run_dir, "box1")
     assert msg["title"] == "hangwatch demo: resume DIVERGED at step 41 — lr differs from before the restart"
     assert msg["level"] == "failure" and msg["kind"] == "resume_diverged" and msg["figure"] == "lr"
     assert msg["difference"] == audit["difference"]
-    for needle in (f"run: demo ({run_dir.resolve()}) on box1, attempt 3", f"audit: {audit['text']}",
-                   "difference: step 41, rank 0: lr 0.00012 now, 0.0002 before",
-                   "then: the run ends failed (watchdog.resume_audit.on_divergence: stop)", f"incident: {inc_dir.resolve()}"):
+    for needle in (
+        f"run: demo ({run_dir.resolve()}) on box1, attempt 3",
+        f"audit: {audit['text']}",
+        "difference: step 41, rank 0: lr 0.00012 now, 0.0002 before",
+        "then: the run ends failed (watchdog.resume_audit.on_divergence: stop)",
+        f"incident: {inc_dir.resolve()}",
+    ):
         assert needle in msg["body"], (needle, msg["body"])
 
 
 def test_the_truncation_alert_names_tokens_limit_budget_prompt_and_output(tmp_path):
     run_dir = tmp_path / "demo"
-    inc_dir = write_incident(run_dir, "0002", "generate_truncated", step=50, attempt=1, ranks=[0, 1],
-                             tokens={"0": 512, "1": 512}, limit=512,
-                             prompt="reverse: cat", output_tail="tac tac tac " * 40, budget_s=60.0, elapsed_s=61.2,
-                             phase="generate", summary="generate truncated")
-    n = Notice("generate_truncated", {"id": "0002", "kind": "generate_truncated", "attempt": 1, "step": 50,
-                                      "tokens": {"0": 512, "1": 512}, "limit": 512, "text": "ended at 512 tokens"})
+    inc_dir = write_incident(
+        run_dir,
+        "0002",
+        "generate_truncated",
+        step=50,
+        attempt=1,
+        ranks=[0, 1],
+        tokens={"0": 512, "1": 512},
+        limit=512,
+        prompt="reverse: cat",
+        output_tail="tac tac tac " * 40,
+        budget_s=60.0,
+        elapsed_s=61.2,
+        phase="generate",
+        summary="generate truncated",
+    )
+    n = Notice(
+        "generate_truncated",
+        {
+            "id": "0002",
+            "kind": "generate_truncated",
+            "attempt": 1,
+            "step": 50,
+            "tokens": {"0": 512, "1": 512},
+            "limit": 512,
+            "text": "ended at 512 tokens",
+        },
+    )
     msg = compose(n, run_dir, "box1")
     assert msg["title"] == "hangwatch demo: generate truncated at step 50 — 512 tokens"
     assert msg["level"] == "warning" and msg["tokens"] == {"0": 512, "1": 512} and msg["limit"] == 512
     body = msg["body"]
-    for needle in ("what: ended at 512 tokens",
-                   "took: 61.2 s in phase generate, budget 60.0 s; ended at 512 tokens (limit 512) on rank(s) 0, 1",
-                   "prompt: reverse: cat", "done: nothing restarted", f"incident: {inc_dir.resolve()}"):
+    for needle in (
+        "what: ended at 512 tokens",
+        "took: 61.2 s in phase generate, budget 60.0 s; ended at 512 tokens (limit 512) on rank(s) 0, 1",
+        "prompt: reverse: cat",
+        "done: nothing restarted",
+        f"incident: {inc_dir.resolve()}",
+    ):
         assert needle in body, (needle, body)
     [tail] = [line for line in body.splitlines() if line.startswith("output ends: ")]
     assert tail.startswith("output ends: …") and len(tail) <= len("output ends: ") + 200
 
 
 def test_the_new_alerts_read_from_the_log_alone_when_the_incident_cannot_be_read(tmp_path):
-    n = Notice("generate_truncated", {"id": "0009", "step": 7, "tokens": {"0": 64, "1": 60}, "limit": 64, "text": "cut",
-                                      "attempt": 2})
+    n = Notice(
+        "generate_truncated",
+        {"id": "0009", "step": 7, "tokens": {"0": 64, "1": 60}, "limit": 64, "text": "cut", "attempt": 2},
+    )
     msg = compose(n, tmp_path / "r", "h")
     assert msg["title"] == "hangwatch r: generate truncated at step 7 — 64 tokens (rank 0), 60 tokens (rank 1)"
     assert "incident: 0009" in msg["body"]

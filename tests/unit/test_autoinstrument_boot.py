@@ -1,6 +1,7 @@
 """The bootstrap file every Python of a worker's tree reads (daemon/autoinstrument/boot/sitecustomize.py): it must
 parse on any Python 3 (and 2.7: a `python2` child must not print a SyntaxError at start-up), carry the same
 minimum version as the supervisor's side, and import nothing but the standard library at its top."""
+
 from __future__ import annotations
 
 import ast
@@ -28,16 +29,29 @@ def test_conservative_syntax():
 def test_an_old_interpreter_compiles_it(python, tmp_path):
     if not os.path.exists(python):
         pytest.skip(f"{python} is not installed here")
-    p = subprocess.run([python, "-S", "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], "
-                        "cfile=sys.argv[2], doraise=True)", str(SITECUSTOMIZE), str(tmp_path / "s.pyc")],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [
+            python,
+            "-S",
+            "-c",
+            "import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)",
+            str(SITECUSTOMIZE),
+            str(tmp_path / "s.pyc"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 0, p.stderr
 
 
 def constant(name: str):
     tree = ast.parse(SITECUSTOMIZE.read_text())
-    values = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-              and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    values = [
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+    ]
     assert len(values) == 1, name
     return values[0]
 
@@ -68,6 +82,10 @@ def test_it_reads_the_variables_the_supervisor_sets():
     from hangwatch.common.protocol import ENV_RUN_DIR
 
     source = SITECUSTOMIZE.read_text()
-    for name in (instrumentation.ENV_INSTRUMENT, instrumentation.ENV_SOURCE_ROOT, instrumentation.ENV_BOOT_DIR,
-                 ENV_RUN_DIR):
+    for name in (
+        instrumentation.ENV_INSTRUMENT,
+        instrumentation.ENV_SOURCE_ROOT,
+        instrumentation.ENV_BOOT_DIR,
+        ENV_RUN_DIR,
+    ):
         assert f'"{name}"' in source, name

@@ -1,6 +1,7 @@
 """The automatic instrumentation never breaks the run: a hook whose own code fails reports it once (a `warn` beat)
 and is switched off; the script's own exceptions pass through the wrappers untouched; saves nest, and only
 the outermost one is a phase and an announcement (daemon/autoinstrument/{context,saves,frameworks}.py)."""
+
 from __future__ import annotations
 
 import io
@@ -8,10 +9,17 @@ import os
 import types
 
 import pytest
-
 from fixtures.fakes.autoinstrument import auto_context, beats, events, reset_process_state
-from hangwatch.daemon.autoinstrument.frameworks import (KEEP, PASS, WARN, Frameworks, hf_checkpoint,
-                                                        lightning_checkpoint, resume_decision)
+
+from hangwatch.daemon.autoinstrument.frameworks import (
+    KEEP,
+    PASS,
+    WARN,
+    Frameworks,
+    hf_checkpoint,
+    lightning_checkpoint,
+    resume_decision,
+)
 from hangwatch.daemon.autoinstrument.imports import PostImportHooks
 from hangwatch.daemon.autoinstrument.saves import SKIP, Saves, file_target
 from hangwatch.daemon.autoinstrument.steps import StepCounter
@@ -114,9 +122,13 @@ def test_only_the_outermost_save_is_a_phase_and_an_announcement(ctx, tmp_path):
         torch_save({}, f)  # a file object: the phase, nobody to announce
     assert len(written) == 4
     lines = [(b["event"], b.get("phase"), b.get("path")) for b in beats(ctx)][2:]
-    assert lines == [("phase", "checkpoint", None), ("phase", "train", None),
-                     ("checkpoint", "train", os.path.abspath("out/final")),
-                     ("phase", "checkpoint", None), ("phase", "train", None)]
+    assert lines == [
+        ("phase", "checkpoint", None),
+        ("phase", "train", None),
+        ("checkpoint", "train", os.path.abspath("out/final")),
+        ("phase", "checkpoint", None),
+        ("phase", "train", None),
+    ]
     ckpt = [b for b in beats(ctx) if b["event"] == "checkpoint"][0]
     assert (ckpt["step"], ckpt["good"], ckpt["saved_by"]) == (7, False, "save_pretrained")
 
@@ -136,8 +148,9 @@ def test_a_failing_post_import_callback_is_one_warning(ctx):
         raise AttributeError("module 'json' has no attribute 'Trainer'")
 
     hooks.register("json", patch)  # imported already: at once
-    assert warns(ctx) == ["instrumentation error in patching json: AttributeError: module 'json' has no "
-                          "attribute 'Trainer'"]
+    assert warns(ctx) == [
+        "instrumentation error in patching json: AttributeError: module 'json' has no attribute 'Trainer'"
+    ]
 
 
 # ---- Trainers: the callback and the resume ---------------------------------------------------------------
@@ -225,16 +238,19 @@ def test_trainer_train_resumes_from_the_last_good_checkpoint(ctx, tmp_path, caps
     assert "resuming from the last good checkpoint" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("given,expect", [
-    (None, (PASS, "/ck/good")),
-    (True, (KEEP, None)),
-    (False, (KEEP, None)),
-    ("/ck/good", (KEEP, None)),
-    ("/ck/good/", (KEEP, None)),
-    ("last", (KEEP, None)),
-    ("registry:model:latest", (KEEP, None)),
-    ("/ck/older", (WARN, "resume_from_checkpoint=/ck/older is not the last good checkpoint /ck/good")),
-])
+@pytest.mark.parametrize(
+    "given,expect",
+    [
+        (None, (PASS, "/ck/good")),
+        (True, (KEEP, None)),
+        (False, (KEEP, None)),
+        ("/ck/good", (KEEP, None)),
+        ("/ck/good/", (KEEP, None)),
+        ("last", (KEEP, None)),
+        ("registry:model:latest", (KEEP, None)),
+        ("/ck/older", (WARN, "resume_from_checkpoint=/ck/older is not the last good checkpoint /ck/good")),
+    ],
+)
 def test_resume_decisions(given, expect):
     assert resume_decision(given, "/ck/good", lambda p: True, ("last", "best", "hpc", "registry")) == expect
 

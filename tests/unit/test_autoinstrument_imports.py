@@ -1,4 +1,5 @@
 """The post-import hook registry (daemon/autoinstrument/imports.py), with fake modules written to tmp_path."""
+
 from __future__ import annotations
 
 import importlib
@@ -17,12 +18,14 @@ def fake_modules(tmp_path, monkeypatch):
     pkg = tmp_path / name
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text(textwrap.dedent("""
+    (pkg / "a.py").write_text(
+        textwrap.dedent("""
         import sys
         def save(x):
             return ("saved", x)
         ORDER = list(getattr(sys, "_hwfake_order", []))
-    """))
+    """)
+    )
     (pkg / "boom.py").write_text("raise RuntimeError('the module itself fails')\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "deep.py").write_text("VALUE = 41\n")

@@ -1,6 +1,7 @@
 """One source of truth per step, one heartbeat per process: the automatic optimizer hook beats steps only while
 nobody else does, and the callbacks write through the process's shared heartbeat — their own `start` a line
 after the bootstrap's (daemon/heartbeat.py: Heartbeat.shared, WRITERS; daemon/autoinstrument/steps.py)."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,8 +9,8 @@ import math
 
 import pytest
 import torch
-
 from fixtures.fakes.autoinstrument import auto_context, auto_env, beats, events, reset_process_state
+
 from hangwatch.daemon.autoinstrument.phases import EvalPhase
 from hangwatch.daemon.autoinstrument.saves import Saves
 from hangwatch.daemon.autoinstrument.steps import StepCounter, current_lr
@@ -96,7 +97,9 @@ def test_a_callbacks_start_goes_through_the_shared_heartbeat_after_the_bootstrap
     hb.enter_phase("train")
     starts = [b for b in beats(ctx) if b["event"] == "start"]
     assert [(b.get("instrumented"), b.get("integration"), b["resumed_from"], b["step"]) for b in starts] == [
-        ("auto", None, None, 10), (None, "transformers", "/ck/checkpoint-4", 4)]
+        ("auto", None, None, 10),
+        (None, "transformers", "/ck/checkpoint-4", 4),
+    ]
     assert WRITERS.steps_elsewhere and not WRITERS.manual  # quiet steps; phases and saves still ours
 
 

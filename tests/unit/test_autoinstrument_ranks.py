@@ -1,5 +1,6 @@
 """Which Python processes of a worker tree are ranks (daemon/autoinstrument/ranks.py): pure functions of a
 command line, an environment and a pid."""
+
 from __future__ import annotations
 
 import os
@@ -8,54 +9,95 @@ import sys
 import pytest
 
 from hangwatch.daemon.autoinstrument import ranks
-from hangwatch.daemon.autoinstrument.ranks import (HELPER, INHERITED, LAUNCHER, OWN, RANK, Command, decide,
-                                                   effective_rank, parse_command)
+from hangwatch.daemon.autoinstrument.ranks import (
+    HELPER,
+    INHERITED,
+    LAUNCHER,
+    OWN,
+    RANK,
+    Command,
+    decide,
+    effective_rank,
+    parse_command,
+)
 
 PY = "/venv/bin/python"
 HB = "/runs/r/attempts/0001"
 
 
-@pytest.mark.parametrize("argv,expect", [
-    ([PY, "train.py", "--lr", "1"], Command(script="train.py", args=("--lr", "1"))),
-    ([PY, "-u", "-X", "dev", "-W", "ignore", "train.py"], Command(script="train.py")),
-    ([PY, "-Wd", "-Xfaulthandler", "train.py"], Command(script="train.py")),
-    ([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "t.py"],
-     Command(module="torch.distributed.run", args=("--nproc-per-node", "2", "t.py"))),
-    ([PY, "-um", "accelerate.commands.launch", "t.py"], Command(module="accelerate.commands.launch", args=("t.py",))),
-    ([PY, "-mtorch.distributed.launch"], Command(module="torch.distributed.launch")),
-    ([PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)", "--multiprocessing-fork"],
-     Command(code="from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
-             args=("--multiprocessing-fork",))),
-    ([PY, "--check-hash-based-pycs", "always", "--", "-odd-name.py", "x"], Command(script="-odd-name.py", args=("x",))),
-    ([PY, "/venv/bin/torchrun", "--nproc-per-node", "2", "t.py"],
-     Command(script="/venv/bin/torchrun", args=("--nproc-per-node", "2", "t.py"))),
-    ([PY], Command()),
-    ([PY, "-"], Command()),
-])
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        ([PY, "train.py", "--lr", "1"], Command(script="train.py", args=("--lr", "1"))),
+        ([PY, "-u", "-X", "dev", "-W", "ignore", "train.py"], Command(script="train.py")),
+        ([PY, "-Wd", "-Xfaulthandler", "train.py"], Command(script="train.py")),
+        (
+            [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "t.py"],
+            Command(module="torch.distributed.run", args=("--nproc-per-node", "2", "t.py")),
+        ),
+        (
+            [PY, "-um", "accelerate.commands.launch", "t.py"],
+            Command(module="accelerate.commands.launch", args=("t.py",)),
+        ),
+        ([PY, "-mtorch.distributed.launch"], Command(module="torch.distributed.launch")),
+        (
+            [
+                PY,
+                "-c",
+                "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+                "--multiprocessing-fork",
+            ],
+            Command(
+                code="from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+                args=("--multiprocessing-fork",),
+            ),
+        ),
+        (
+            [PY, "--check-hash-based-pycs", "always", "--", "-odd-name.py", "x"],
+            Command(script="-odd-name.py", args=("x",)),
+        ),
+        (
+            [PY, "/venv/bin/torchrun", "--nproc-per-node", "2", "t.py"],
+            Command(script="/venv/bin/torchrun", args=("--nproc-per-node", "2", "t.py")),
+        ),
+        ([PY], Command()),
+        ([PY, "-"], Command()),
+    ],
+)
 def test_the_command_an_interpreter_runs(argv, expect):
     assert parse_command(argv) == expect
 
 
-@pytest.mark.parametrize("argv,kind", [
-    ([PY, "/venv/bin/torchrun", "--nproc-per-node", "2", "t.py"], LAUNCHER),
-    ([PY, "-m", "torch.distributed.run", "t.py"], LAUNCHER),
-    ([PY, "-m", "torch.distributed.launch", "t.py"], LAUNCHER),
-    ([PY, "/venv/bin/accelerate", "launch", "t.py"], LAUNCHER),
-    ([PY, "-m", "accelerate.commands.launch", "t.py"], LAUNCHER),
-    ([PY, "/usr/local/bin/deepspeed", "t.py"], LAUNCHER),
-    ([PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "t.py"], LAUNCHER),
-    ([PY, "/venv/bin/trl", "sft", "--model", "m"], LAUNCHER),
-    ([PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
-      "--multiprocessing-fork"], HELPER),
-    ([PY, "-c", "from multiprocessing.forkserver import main; main(8, 9, ['__main__'])"], HELPER),
-    ([PY, "-c", "from multiprocessing.resource_tracker import main;main(6)"], HELPER),
-    ([PY, "-m", "torch._inductor.compile_worker", "--workers=4"], HELPER),
-    ([PY, "-m", "hangwatch.daemon", "--config", "c.yaml"], OWN),
-    ([PY, "/venv/bin/hangwatch", "status"], OWN),
-    ([PY, "train.py"], RANK),
-    ([PY, "-m", "my_project.train"], RANK),
-    ([PY, "-c", "import torch; print(torch.__version__)"], RANK),
-])
+@pytest.mark.parametrize(
+    "argv,kind",
+    [
+        ([PY, "/venv/bin/torchrun", "--nproc-per-node", "2", "t.py"], LAUNCHER),
+        ([PY, "-m", "torch.distributed.run", "t.py"], LAUNCHER),
+        ([PY, "-m", "torch.distributed.launch", "t.py"], LAUNCHER),
+        ([PY, "/venv/bin/accelerate", "launch", "t.py"], LAUNCHER),
+        ([PY, "-m", "accelerate.commands.launch", "t.py"], LAUNCHER),
+        ([PY, "/usr/local/bin/deepspeed", "t.py"], LAUNCHER),
+        ([PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "t.py"], LAUNCHER),
+        ([PY, "/venv/bin/trl", "sft", "--model", "m"], LAUNCHER),
+        (
+            [
+                PY,
+                "-c",
+                "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+                "--multiprocessing-fork",
+            ],
+            HELPER,
+        ),
+        ([PY, "-c", "from multiprocessing.forkserver import main; main(8, 9, ['__main__'])"], HELPER),
+        ([PY, "-c", "from multiprocessing.resource_tracker import main;main(6)"], HELPER),
+        ([PY, "-m", "torch._inductor.compile_worker", "--workers=4"], HELPER),
+        ([PY, "-m", "hangwatch.daemon", "--config", "c.yaml"], OWN),
+        ([PY, "/venv/bin/hangwatch", "status"], OWN),
+        ([PY, "train.py"], RANK),
+        ([PY, "-m", "my_project.train"], RANK),
+        ([PY, "-c", "import torch; print(torch.__version__)"], RANK),
+    ],
+)
 def test_roles_from_the_command_line(argv, kind):
     assert decide({}, argv, HB, 100).kind == kind
 
@@ -83,8 +125,10 @@ def test_a_descendant_of_the_process_that_claimed_the_rank_is_silent():
     # (a wrapper that runs the training script), `-c` code never does; once it trained, its children are its own
     top: dict = {}
     ranks.claim(top, 0, 50, HB)
-    assert decide(top, [PY, "train.py"], HB, 51).kind == RANK and "taken over from process 50" in decide(
-        top, [PY, "train.py"], HB, 51).why
+    assert (
+        decide(top, [PY, "train.py"], HB, 51).kind == RANK
+        and "taken over from process 50" in decide(top, [PY, "train.py"], HB, 51).why
+    )
     assert decide(top, [PY, "-m", "pkg.train"], HB, 51).kind == RANK
     assert decide(top, [PY, "-c", "import torch; print(torch.__version__)"], HB, 51).kind == INHERITED
     ranks.claim(top, 0, 50, HB, held=True)
@@ -98,16 +142,19 @@ def test_a_launcher_drops_the_claim_it_inherited():
     ranks.release_claim(env)  # none: nothing to do
 
 
-@pytest.mark.parametrize("env,rank", [
-    ({}, 0),
-    ({"RANK": "3", "LOCAL_RANK": "1"}, 3),
-    ({"RANK": ""}, 0),
-    ({"RANK": "x"}, 0),
-    ({"LOCAL_RANK": "2"}, 2),                       # Lightning's own launcher on one node
-    ({"LOCAL_RANK": "2", "NODE_RANK": "0"}, 2),
-    ({"LOCAL_RANK": "2", "NODE_RANK": "1"}, 0),     # several nodes: the global rank is not known from this
-    ({"LOCAL_RANK": "2", "GROUP_RANK": "1"}, 0),
-])
+@pytest.mark.parametrize(
+    "env,rank",
+    [
+        ({}, 0),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, 3),
+        ({"RANK": ""}, 0),
+        ({"RANK": "x"}, 0),
+        ({"LOCAL_RANK": "2"}, 2),  # Lightning's own launcher on one node
+        ({"LOCAL_RANK": "2", "NODE_RANK": "0"}, 2),
+        ({"LOCAL_RANK": "2", "NODE_RANK": "1"}, 0),  # several nodes: the global rank is not known from this
+        ({"LOCAL_RANK": "2", "GROUP_RANK": "1"}, 0),
+    ],
+)
 def test_effective_rank(env, rank):
     assert effective_rank(env) == rank
 

@@ -5,6 +5,7 @@ Table-driven over beat sequences on the pure `CheckpointLedger`; then the persis
 trip, a corrupt file set aside, a refused write through the FsOps seam), the facts state.json shows,
 and what an attempt is handed (`attempt.worker_env`, `attempt.worker_argv`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -19,8 +20,8 @@ from structlog.testing import capture_logs
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import ENV_RESUME_FROM
-from hangwatch.supervisor.records import checkpoint_ledger as cl
 from hangwatch.supervisor.processes.attempt import worker_argv, worker_env
+from hangwatch.supervisor.records import checkpoint_ledger as cl
 from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger, PersistedLedger, loss_of
 from hangwatch.supervisor.records.run_state import RunFacts
 
@@ -59,58 +60,167 @@ def feed(beats, confirm_steps=2) -> CheckpointLedger:
 
 # (id, confirm_steps, beats, {path: (status, words in `why`)}, last good)
 CASES = [
-    ("two finite steps confirm", 2, [st(3), ck("a", 4), st(5), st(6, 0.9)],
-     {"a": ("good", "confirmed by finite loss at steps 5, 6")}, "a"),
+    (
+        "two finite steps confirm",
+        2,
+        [st(3), ck("a", 4), st(5), st(6, 0.9)],
+        {"a": ("good", "confirmed by finite loss at steps 5, 6")},
+        "a",
+    ),
     ("one step is not enough", 2, [ck("a", 4), st(5)], {"a": ("pending", "")}, None),
     ("nan after it spoils it", 2, [ck("a", 4), st(5, NAN)], {"a": ("bad", "loss nan at step 5")}, None),
     ("inf spoils it too", 2, [ck("a", 4), st(5, INF)], {"a": ("bad", "loss inf at step 5")}, None),
-    ("nan after the confirmation spoils only the newer one", 2,
-     [ck("a", 2), st(3), st(4), ck("b", 4), st(5), st(6, NAN), st(7)],
-     {"a": ("good", "steps 3, 4"), "b": ("bad", "loss nan at step 6")}, "a"),
+    (
+        "nan after the confirmation spoils only the newer one",
+        2,
+        [ck("a", 2), st(3), st(4), ck("b", 4), st(5), st(6, NAN), st(7)],
+        {"a": ("good", "steps 3, 4"), "b": ("bad", "loss nan at step 6")},
+        "a",
+    ),
     ("nan before the checkpoint is not about it", 2, [st(3, NAN), ck("a", 4), st(5), st(6)], {"a": ("good", "")}, "a"),
     ("good=True is good at once", 2, [ck("a", 4, good=True)], {"a": ("good", "announced good by the worker")}, "a"),
-    ("the built-in worker's confirmation of a pending one", 2, [ck("a", 4), st(5), ck("a", 4, good=True)],
-     {"a": ("good", "announced good by the worker")}, "a"),
-    ("the worker's word wins over a nan the supervisor saw", 2, [ck("a", 4), st(5, NAN), ck("a", 4, good=True)],
-     {"a": ("good", "the supervisor had seen: loss nan at step 5")}, "a"),
-    ("a later attempt's re-save replaces the record", 2,
-     [ck("a", 4), st(5), st(6), end(1), ck("a", 4, attempt=2)], {"a": ("pending", "")}, None),
-    ("a re-save spoiled in the later attempt", 2,
-     [ck("a", 4), st(5), st(6), end(1), ck("a", 4, attempt=2), st(5, NAN, attempt=2)],
-     {"a": ("bad", "loss nan at step 5")}, None),
-    ("the same checkpoint from another rank changes nothing", 2, [ck("a", 4), st(5), st(6), ck("a", 4, rank=1)],
-     {"a": ("good", "")}, "a"),
-    ("a 'latest' path saved again at a newer step waits again", 2, [ck("last", 4), st(5), st(6), ck("last", 8)],
-     {"last": ("pending", "")}, None),
-    ("steps not above its own confirm nothing", 2, [ck("a", 4), st(4), st(4, rank=1), st(3)], {"a": ("pending", "")}, None),
-    ("several ranks' beats of one step count once", 2, [ck("a", 4), st(5), st(5, rank=1)], {"a": ("pending", "")}, None),
-    ("another step from any rank completes it", 2, [ck("a", 4), st(5), st(5, rank=1), st(6, rank=1)],
-     {"a": ("good", "steps 5, 6")}, "a"),
-    ("a lagging rank's nan spoils it whatever the step", 2, [ck("a", 4), st(5), st(3, NAN, rank=1)],
-     {"a": ("bad", "loss nan at step 3")}, None),
-    ("lossless steps of a worker that reports losses count for nothing", 2,
-     [st(1), ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS), st(7)], {"a": ("pending", "")}, None),
-    ("... only its reported losses do", 2, [st(1), ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS), st(7), st(8, None)],
-     {"a": ("pending", "")}, None),
+    (
+        "the built-in worker's confirmation of a pending one",
+        2,
+        [ck("a", 4), st(5), ck("a", 4, good=True)],
+        {"a": ("good", "announced good by the worker")},
+        "a",
+    ),
+    (
+        "the worker's word wins over a nan the supervisor saw",
+        2,
+        [ck("a", 4), st(5, NAN), ck("a", 4, good=True)],
+        {"a": ("good", "the supervisor had seen: loss nan at step 5")},
+        "a",
+    ),
+    (
+        "a later attempt's re-save replaces the record",
+        2,
+        [ck("a", 4), st(5), st(6), end(1), ck("a", 4, attempt=2)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "a re-save spoiled in the later attempt",
+        2,
+        [ck("a", 4), st(5), st(6), end(1), ck("a", 4, attempt=2), st(5, NAN, attempt=2)],
+        {"a": ("bad", "loss nan at step 5")},
+        None,
+    ),
+    (
+        "the same checkpoint from another rank changes nothing",
+        2,
+        [ck("a", 4), st(5), st(6), ck("a", 4, rank=1)],
+        {"a": ("good", "")},
+        "a",
+    ),
+    (
+        "a 'latest' path saved again at a newer step waits again",
+        2,
+        [ck("last", 4), st(5), st(6), ck("last", 8)],
+        {"last": ("pending", "")},
+        None,
+    ),
+    (
+        "steps not above its own confirm nothing",
+        2,
+        [ck("a", 4), st(4), st(4, rank=1), st(3)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "several ranks' beats of one step count once",
+        2,
+        [ck("a", 4), st(5), st(5, rank=1)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "another step from any rank completes it",
+        2,
+        [ck("a", 4), st(5), st(5, rank=1), st(6, rank=1)],
+        {"a": ("good", "steps 5, 6")},
+        "a",
+    ),
+    (
+        "a lagging rank's nan spoils it whatever the step",
+        2,
+        [ck("a", 4), st(5), st(3, NAN, rank=1)],
+        {"a": ("bad", "loss nan at step 3")},
+        None,
+    ),
+    (
+        "lossless steps of a worker that reports losses count for nothing",
+        2,
+        [st(1), ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS), st(7)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "... only its reported losses do",
+        2,
+        [st(1), ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS), st(7), st(8, None)],
+        {"a": ("pending", "")},
+        None,
+    ),
     ("... and confirm it", 2, [st(1), ck("a", 4), st(5, NO_LOSS), st(7), st(9)], {"a": ("good", "steps 7, 9")}, "a"),
-    ("a worker that never reports a loss is judged on its steps", 2, [ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS)],
-     {"a": ("good", "this worker reports no loss")}, "a"),
-    ("an attempt that ends first leaves it unconfirmed", 2, [ck("a", 4), st(5), end(1)],
-     {"a": ("unconfirmed", "attempt 1 ended before 2 later steps")}, None),
-    ("another attempt's steps do not confirm it", 2, [ck("a", 10), st(11, attempt=2), st(12, attempt=2)],
-     {"a": ("pending", "")}, None),
-    ("another attempt's nan does not spoil it", 2, [ck("a", 4), st(5), st(5, NAN, attempt=2)], {"a": ("pending", "")}, None),
-    ("a warn with a non-finite loss spoils it", 2, [ck("a", 4), warn(5, loss=NAN)],
-     {"a": ("bad", "loss nan at step 5")}, None),
-    ("the built-in worker withdrawing it spoils it", 2,
-     [ck("a", 4), ck("b", 6), warn(7, unconfirmed_checkpoints=["b"])],
-     {"a": ("pending", ""), "b": ("bad", "the worker withdrew it: non-finite loss")}, None),
-    ("a tensor's string is read as its number", 2, [ck("a", 4), st(5, "tensor(0.5000, grad_fn=<NllLossBackward0>)"),
-                                                    st(6, "tensor(nan)")], {"a": ("bad", "loss nan at step 6")}, None),
+    (
+        "a worker that never reports a loss is judged on its steps",
+        2,
+        [ck("a", 4), st(5, NO_LOSS), st(6, NO_LOSS)],
+        {"a": ("good", "this worker reports no loss")},
+        "a",
+    ),
+    (
+        "an attempt that ends first leaves it unconfirmed",
+        2,
+        [ck("a", 4), st(5), end(1)],
+        {"a": ("unconfirmed", "attempt 1 ended before 2 later steps")},
+        None,
+    ),
+    (
+        "another attempt's steps do not confirm it",
+        2,
+        [ck("a", 10), st(11, attempt=2), st(12, attempt=2)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "another attempt's nan does not spoil it",
+        2,
+        [ck("a", 4), st(5), st(5, NAN, attempt=2)],
+        {"a": ("pending", "")},
+        None,
+    ),
+    (
+        "a warn with a non-finite loss spoils it",
+        2,
+        [ck("a", 4), warn(5, loss=NAN)],
+        {"a": ("bad", "loss nan at step 5")},
+        None,
+    ),
+    (
+        "the built-in worker withdrawing it spoils it",
+        2,
+        [ck("a", 4), ck("b", 6), warn(7, unconfirmed_checkpoints=["b"])],
+        {"a": ("pending", ""), "b": ("bad", "the worker withdrew it: non-finite loss")},
+        None,
+    ),
+    (
+        "a tensor's string is read as its number",
+        2,
+        [ck("a", 4), st(5, "tensor(0.5000, grad_fn=<NllLossBackward0>)"), st(6, "tensor(nan)")],
+        {"a": ("bad", "loss nan at step 6")},
+        None,
+    ),
     ("confirm_steps 0: good when announced", 0, [ck("a", 4)], {"a": ("good", "confirm_steps is 0")}, "a"),
-    ("newest: highest step, then latest announced", 2,
-     [ck("a", 4, good=True), ck("b", 8, good=True), ck("c", 8, good=True), ck("d", 2, good=True)],
-     {"c": ("good", "")}, "c"),
+    (
+        "newest: highest step, then latest announced",
+        2,
+        [ck("a", 4, good=True), ck("b", 8, good=True), ck("c", 8, good=True), ck("d", 2, good=True)],
+        {"c": ("good", "")},
+        "c",
+    ),
     ("a beat without a path is ignored", 2, [(1, {"event": "checkpoint", "step": 4, "good": True})], {}, None),
 ]
 
@@ -126,8 +236,19 @@ def test_beat_sequences(confirm_steps, beats, expected, last):
     assert (good.path if good else None) == last
 
 
-@pytest.mark.parametrize("raw, value", [(1.5, 1.5), (2, 2.0), (None, None), (True, None), ("nan", NAN), ("x", None),
-                                        ("tensor(0.25, device='cuda:0')", 0.25), ({"a": 1}, None)])
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        (1.5, 1.5),
+        (2, 2.0),
+        (None, None),
+        (True, None),
+        ("nan", NAN),
+        ("x", None),
+        ("tensor(0.25, device='cuda:0')", 0.25),
+        ({"a": 1}, None),
+    ],
+)
 def test_loss_of(raw, value):
     got = loss_of({"loss": raw})
     assert (got is None and value is None) or (got == value or (got != got and value != value))
@@ -136,7 +257,9 @@ def test_loss_of(raw, value):
 
 def test_the_lossless_warning_is_said_once():
     book = CheckpointLedger(1)
-    kinds = [c.kind for beat in (ck("a", 1), st(2, NO_LOSS), ck("b", 2), st(3, NO_LOSS)) for c in book.observe(beat[1], 1)]
+    kinds = [
+        c.kind for beat in (ck("a", 1), st(2, NO_LOSS), ck("b", 2), st(3, NO_LOSS)) for c in book.observe(beat[1], 1)
+    ]
     assert kinds.count("lossless") == 1 and kinds.count("good") == 2
 
 
@@ -152,7 +275,9 @@ def test_settled_records_are_pruned_but_the_newest_good_one_is_kept(monkeypatch)
     monkeypatch.setattr(cl, "MAX_KEPT", 3)
     book = feed([ck("g", 100, good=True)] + [ck(f"x{i}", i) for i in range(6)] + [end(1)] + [ck("p", 7, attempt=2)])
     settled = {p for p, e in book.entries.items() if e.status != "pending"}
-    assert settled == {"g", "x3", "x4", "x5"} and "p" in book.entries  # the newest 3, the newest good one, the pending one
+    assert (
+        settled == {"g", "x3", "x4", "x5"} and "p" in book.entries
+    )  # the newest 3, the newest good one, the pending one
     book.observe(ck("y", 200, attempt=2)[1], 2)
     assert set(book.entries) == {"g", "x3", "x4", "x5", "p", "y"}
 
@@ -181,10 +306,21 @@ def test_the_record_round_trips_and_a_new_supervisor_finds_pending_ones_unconfir
     assert nxt[0].entry.seq > max(e.seq for p, e in again.ledger.entries.items() if p != "d")
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"version": 99, "checkpoints": []}),
-                                     json.dumps({"version": 1, "checkpoints": [{"path": "a"}]}),
-                                     json.dumps({"version": 1, "checkpoints": [{"path": "a", "step": 1, "status": "great",
-                                                                                "attempt": 1, "rank": 0, "seq": 1}]})])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[]",
+        json.dumps({"version": 99, "checkpoints": []}),
+        json.dumps({"version": 1, "checkpoints": [{"path": "a"}]}),
+        json.dumps(
+            {
+                "version": 1,
+                "checkpoints": [{"path": "a", "step": 1, "status": "great", "attempt": 1, "rank": 0, "seq": 1}],
+            }
+        ),
+    ],
+)
 def test_a_corrupt_record_is_set_aside_and_the_run_starts_empty(tmp_path, content):
     (tmp_path / "checkpoints.json").write_text(content)
     led = PersistedLedger(tmp_path, 2)
@@ -259,11 +395,16 @@ def cfg(tmp_path, **worker) -> Config:
     return Config.model_validate({"run_dir": str(tmp_path / "run"), "worker": worker})
 
 
-@pytest.mark.parametrize("command, first", [
-    (["python", "train.py"], sys.executable), (["python3", "-u", "train.py"], sys.executable),
-    (["python3.11", "train.py"], "python3.11"), (["/usr/bin/python", "train.py"], "/usr/bin/python"),
-    (["torchrun", "--nproc-per-node=2", "train.py"], "torchrun"),
-])
+@pytest.mark.parametrize(
+    "command, first",
+    [
+        (["python", "train.py"], sys.executable),
+        (["python3", "-u", "train.py"], sys.executable),
+        (["python3.11", "train.py"], "python3.11"),
+        (["/usr/bin/python", "train.py"], "/usr/bin/python"),
+        (["torchrun", "--nproc-per-node=2", "train.py"], "torchrun"),
+    ],
+)
 def test_a_bare_python_is_the_supervisors_own_interpreter(tmp_path, command, first):
     argv = worker_argv(cfg(tmp_path, command=command), tmp_path / "run" / "config.yaml")
     assert argv == [first, *command[1:]]
@@ -288,8 +429,11 @@ def test_the_run_summary_names_the_last_good_checkpoint_and_why_newer_ones_are_n
     led = persisted(tmp_path)
     for attempt, rec in [ck("a", 2), st(3), st(4), ck("b", 4), st(5, NAN)]:
         led.observe(rec, attempt)
-    assert checkpoint_lines(tmp_path) == ["  last good checkpoint: a (step 2)",
-                                          "  checkpoint b (step 4) is not good: loss nan at step 5"]
-    foreign = Config.model_validate({"run_dir": str(tmp_path), "worker": {"command": ["python", "t.py"]},
-                                     "checkpoint": {"confirm_steps": 3}})
+    assert checkpoint_lines(tmp_path) == [
+        "  last good checkpoint: a (step 2)",
+        "  checkpoint b (step 4) is not good: loss nan at step 5",
+    ]
+    foreign = Config.model_validate(
+        {"run_dir": str(tmp_path), "worker": {"command": ["python", "t.py"]}, "checkpoint": {"confirm_steps": 3}}
+    )
     assert "good after 3 later steps with a finite loss" in checkpoint_text(foreign)

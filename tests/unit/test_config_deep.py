@@ -1,6 +1,7 @@
 """`load_checked`: a config checked against the machine (data files and their first lines, the model,
 worker.cwd and worker.command, the run and socket directories, the control group).  Files in tmp_path,
 no processes; each row is one thing a user gets wrong, refused with the key, its line and the path."""
+
 from __future__ import annotations
 
 import json
@@ -50,49 +51,97 @@ PROBLEMS = [
     (BASE.replace("data/train", "data/nope"), ["{p}:3: data.train: {site}/data/nope.jsonl: no such file"]),
     (BASE + "  eval: data/nope.jsonl\n", ["{p}:4: data.eval: {site}/data/nope.jsonl: no such file"]),
     (BASE.replace("data/train.jsonl", "data"), ["{p}:3: data.train: {site}/data: is a directory, not a JSONL file"]),
-    (BASE.replace("data/train.jsonl", "a-file/train.jsonl"),
-     ["{p}:3: data.train: {site}/a-file/train.jsonl: cannot read: Not a directory"]),
-    (BASE.replace("data/train.jsonl", "data/empty.jsonl"),
-     ["{p}:3: data.train: {site}/data/empty.jsonl: empty: no example in it"]),
-    (BASE.replace("data/train.jsonl", "data/table.csv"),
-     ["{p}:3: data.train: {site}/data/table.csv:1: not valid JSON: Expecting value: line 1 column 1 (char 0) (and every "
-      "other of the first 2 line(s)): each line must be {{\"prompt\", \"completion\"}} or {{\"messages\": [...]}}"]),
-    (BASE.replace("data/train.jsonl", "data/text.jsonl"),
-     ["{p}:3: data.train: {site}/data/text.jsonl:2: expected keys 'prompt' and 'completion', or 'messages' (and every "
-      "other of the first 1 line(s)): each line must be {{\"prompt\", \"completion\"}} or {{\"messages\": [...]}}"]),
+    (
+        BASE.replace("data/train.jsonl", "a-file/train.jsonl"),
+        ["{p}:3: data.train: {site}/a-file/train.jsonl: cannot read: Not a directory"],
+    ),
+    (
+        BASE.replace("data/train.jsonl", "data/empty.jsonl"),
+        ["{p}:3: data.train: {site}/data/empty.jsonl: empty: no example in it"],
+    ),
+    (
+        BASE.replace("data/train.jsonl", "data/table.csv"),
+        [
+            "{p}:3: data.train: {site}/data/table.csv:1: not valid JSON: Expecting value: line 1 column 1 (char 0) (and every "
+            'other of the first 2 line(s)): each line must be {{"prompt", "completion"}} or {{"messages": [...]}}'
+        ],
+    ),
+    (
+        BASE.replace("data/train.jsonl", "data/text.jsonl"),
+        [
+            "{p}:3: data.train: {site}/data/text.jsonl:2: expected keys 'prompt' and 'completion', or 'messages' (and every "
+            'other of the first 1 line(s)): each line must be {{"prompt", "completion"}} or {{"messages": [...]}}'
+        ],
+    ),
     # model
-    (BASE + "model:\n  name_or_path: {site}/models/gone\n", ["{p}:5: model.name_or_path: {site}/models/gone: no such directory"]),
-    (BASE + "model:\n  name_or_path: ./models/gone\n", ["{p}:5: model.name_or_path: {site}/models/gone: no such directory"]),
-    (BASE + "model:\n  name_or_path: data\n",
-     ["{p}:5: model.name_or_path: {site}/data: no config.json in it: not a Hugging Face model directory"]),
-    (BASE + "model:\n  name_or_path: a-file\n",
-     ["{p}:5: model.name_or_path: {site}/a-file: a file; expected a model directory (config.json, weights, tokenizer)"]),
-    (BASE + "model:\n  name_or_path: org/uncached\n",
-     ["{p}:5: model.name_or_path: 'org/uncached' is neither a directory (no {site}/org/uncached) nor in the Hugging "
-      "Face hub cache ({site}/hub); hangwatch never downloads a model: give a model directory, or fetch it into the "
-      "cache first (`hf download org/uncached`)"]),
+    (
+        BASE + "model:\n  name_or_path: {site}/models/gone\n",
+        ["{p}:5: model.name_or_path: {site}/models/gone: no such directory"],
+    ),
+    (
+        BASE + "model:\n  name_or_path: ./models/gone\n",
+        ["{p}:5: model.name_or_path: {site}/models/gone: no such directory"],
+    ),
+    (
+        BASE + "model:\n  name_or_path: data\n",
+        ["{p}:5: model.name_or_path: {site}/data: no config.json in it: not a Hugging Face model directory"],
+    ),
+    (
+        BASE + "model:\n  name_or_path: a-file\n",
+        [
+            "{p}:5: model.name_or_path: {site}/a-file: a file; expected a model directory (config.json, weights, tokenizer)"
+        ],
+    ),
+    (
+        BASE + "model:\n  name_or_path: org/uncached\n",
+        [
+            "{p}:5: model.name_or_path: 'org/uncached' is neither a directory (no {site}/org/uncached) nor in the Hugging "
+            "Face hub cache ({site}/hub); hangwatch never downloads a model: give a model directory, or fetch it into the "
+            "cache first (`hf download org/uncached`)"
+        ],
+    ),
     # worker
     (OWN + "  cwd: nowhere\n", ["{p}:4: worker.cwd: {site}/nowhere: no such directory"]),
     (OWN + "  cwd: a-file\n", ["{p}:4: worker.cwd: {site}/a-file: not a directory"]),
-    (OWN.replace("[trainer]", "[no-such-program, x.py]"),
-     ["{p}:3: worker.command.0: 'no-such-program': not found on the worker's PATH ({site}/bin)"]),
+    (
+        OWN.replace("[trainer]", "[no-such-program, x.py]"),
+        ["{p}:3: worker.command.0: 'no-such-program': not found on the worker's PATH ({site}/bin)"],
+    ),
     (OWN.replace("[trainer]", "[./bin/gone]"), ["{p}:3: worker.command.0: {site}/bin/gone: no such file"]),
-    (OWN.replace("[trainer]", "[bin/plain.txt]"), ["{p}:3: worker.command.0: {site}/bin/plain.txt: not an executable file"]),
+    (
+        OWN.replace("[trainer]", "[bin/plain.txt]"),
+        ["{p}:3: worker.command.0: {site}/bin/plain.txt: not an executable file"],
+    ),
     (OWN.replace("[trainer]", "[./bin]"), ["{p}:3: worker.command.0: {site}/bin: not an executable file"]),
     # directories and the control socket
-    (OWN.replace("runs/x", "a-file/run"),
-     ["{p}:1: run_dir: {site}/a-file/run: {site}/a-file is not a directory, so the run directory cannot be created"]),
-    (OWN.replace("runs/x", "a-file"),
-     ["{p}:1: run_dir: {site}/a-file: {site}/a-file is not a directory, so the run directory cannot be used"]),
-    (OWN + "control:\n  socket: a-file/s/hw.sock\n",
-     ["{p}:5: control.socket: {site}/a-file/s: {site}/a-file is not a directory, so the socket's directory cannot be "
-      "created"]),
-    (OWN + "control:\n  group: no-such-group-hw\n", ["{p}:5: control.group: no such group 'no-such-group-hw' on this machine"]),
+    (
+        OWN.replace("runs/x", "a-file/run"),
+        ["{p}:1: run_dir: {site}/a-file/run: {site}/a-file is not a directory, so the run directory cannot be created"],
+    ),
+    (
+        OWN.replace("runs/x", "a-file"),
+        ["{p}:1: run_dir: {site}/a-file: {site}/a-file is not a directory, so the run directory cannot be used"],
+    ),
+    (
+        OWN + "control:\n  socket: a-file/s/hw.sock\n",
+        [
+            "{p}:5: control.socket: {site}/a-file/s: {site}/a-file is not a directory, so the socket's directory cannot be "
+            "created"
+        ],
+    ),
+    (
+        OWN + "control:\n  group: no-such-group-hw\n",
+        ["{p}:5: control.group: no such group 'no-such-group-hw' on this machine"],
+    ),
     # several: in the order of the file
-    ("worker:\n  command: [gone]\n  cwd: bin\ndata:\n  train: data/nope.jsonl\nrun_dir: a-file\n",
-     ["{p}:2: worker.command.0: 'gone': not found on the worker's PATH ({site}/bin)",
-      "{p}:5: data.train: {site}/data/nope.jsonl: no such file",
-      "{p}:6: run_dir: {site}/a-file: {site}/a-file is not a directory, so the run directory cannot be used"]),
+    (
+        "worker:\n  command: [gone]\n  cwd: bin\ndata:\n  train: data/nope.jsonl\nrun_dir: a-file\n",
+        [
+            "{p}:2: worker.command.0: 'gone': not found on the worker's PATH ({site}/bin)",
+            "{p}:5: data.train: {site}/data/nope.jsonl: no such file",
+            "{p}:6: run_dir: {site}/a-file: {site}/a-file is not a directory, so the run directory cannot be used",
+        ],
+    ),
 ]
 
 
@@ -145,7 +194,9 @@ def test_the_workers_own_environment_decides_the_path_and_the_hub_cache(site):
 
 
 def test_a_partly_bad_data_file_is_a_warning_per_bad_line(site):
-    (site / "data" / "train.jsonl").write_text("\n".join([GOOD_LINE, "{oops", json.dumps({"prompt": "p"}), CHAT_LINE]) + "\n")
+    (site / "data" / "train.jsonl").write_text(
+        "\n".join([GOOD_LINE, "{oops", json.dumps({"prompt": "p"}), CHAT_LINE]) + "\n"
+    )
     _, warnings = check(site, BASE)
     path, data = site / "c.yaml", site / "data" / "train.jsonl"
     assert warnings == [
@@ -165,7 +216,8 @@ def test_run_dir_from_the_command_line_is_not_blamed_on_the_files_line(site):
     with pytest.raises(ConfigError) as info:
         load_checked(site / "c.yaml", run_dir=str(site / "a-file" / "r"), environ={"PATH": str(site / "bin")})
     assert info.value.problems == [
-        f"{site / 'c.yaml'}: run_dir: {site}/a-file/r: {site}/a-file is not a directory, so the run directory cannot be created"]
+        f"{site / 'c.yaml'}: run_dir: {site}/a-file/r: {site}/a-file is not a directory, so the run directory cannot be created"
+    ]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the mode bits say")

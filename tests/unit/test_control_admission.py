@@ -3,6 +3,7 @@ per-process cap, over-long lines closed at once, empty lines answered, refused p
 
 The decisions are table-tested as pure functions; the server's use of them runs against real Unix
 sockets, polled from the test's own thread on a fake clock (fixtures.fakes.control_peers)."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ from typing import Optional
 
 import pytest
 import structlog
-
 from fixtures.fakes.control_peers import Deferred, Peer, raw
 from fixtures.fakes.polled_server import PolledServer
+
 from hangwatch.supervisor.cli.client import Client, DaemonUnavailable
 from hangwatch.supervisor.control import PeerCred, PeerPolicy
 from hangwatch.supervisor.control.admission import YOUNG_S, Limits, admit, eviction_key, oldest_idle, over_share
@@ -67,7 +68,10 @@ VICTIMS = [
     ([silent("asking", 0, inbuf=bytearray(b'{"cmd"')), silent("quiet", 9)], "quiet"),  # half a line leaves last
     ([silent("asking", 0, inbuf=bytearray(b'{"cmd"'))], "asking"),  # ... but it does leave
     ([silent("new", 4), silent("answered", 4, replies=1)], "answered"),  # equal silence: the one served already
-    ([silent("new", 1), silent("answered", 5, replies=1)], "answered"),  # served leaves before not yet asked, however new
+    (
+        [silent("new", 1), silent("answered", 5, replies=1)],
+        "answered",
+    ),  # served leaves before not yet asked, however new
     ([silent("a", 5, replies=1), silent("b", 1, replies=2)], "b"),  # among the served: the longest silent
     ([silent("second", 4, seq=2), silent("first", 4, seq=1)], "first"),  # equal in all: accept order
     ([waiting("dump", 0), unsent("slow", 0), silent("idle", 9)], "idle"),  # owed something: never
@@ -89,21 +93,54 @@ ADMISSIONS = [
     # limits (table, per process), slots, evicted, refusal
     ((3, 3), [silent("a", 0), silent("b", 1)], [], None),  # room: nobody leaves
     ((3, 3), [silent("a", 1), silent("b", 0, peer=OTHER), silent("c", 2)], ["b"], None),  # full: anyone's
-    ((9, 2), [silent("mine", 5), silent("theirs", 0, peer=OTHER), silent("mine2", 6)], ["mine"], None),  # at my cap: mine
-    ((9, 2), [waiting("m1", 0), waiting("m2", 0), silent("theirs", 0, peer=OTHER)], [],
-     "busy: process 100 already has 2 control connections, all waiting for replies (at most 2 per process)"),
-    ((3, 3), [waiting("a", 0), unsent("b", 0, peer=OTHER), waiting("c", 0)], [],
-     "busy: all 3 control connections are waiting for replies"),
-    ((3, 2), [silent("theirs", 0, peer=OTHER), silent("m1", 1), silent("m2", 2)], ["m1"], None),  # my own place is enough
+    (
+        (9, 2),
+        [silent("mine", 5), silent("theirs", 0, peer=OTHER), silent("mine2", 6)],
+        ["mine"],
+        None,
+    ),  # at my cap: mine
+    (
+        (9, 2),
+        [waiting("m1", 0), waiting("m2", 0), silent("theirs", 0, peer=OTHER)],
+        [],
+        "busy: process 100 already has 2 control connections, all waiting for replies (at most 2 per process)",
+    ),
+    (
+        (3, 3),
+        [waiting("a", 0), unsent("b", 0, peer=OTHER), waiting("c", 0)],
+        [],
+        "busy: all 3 control connections are waiting for replies",
+    ),
+    (
+        (3, 2),
+        [silent("theirs", 0, peer=OTHER), silent("m1", 1), silent("m2", 2)],
+        ["m1"],
+        None,
+    ),  # my own place is enough
     # The same pid under another uid is another process (another pid namespace): not mine.
     ((9, 1), [silent("ns", 0, peer=PeerCred(pid=100, uid=2000, gid=2000))], [], None),
     # A burst from one process: its newest, which asked nothing yet, are spared; it may pass its share while the table has room.
     ((9, 2), [arriving("m1", NOW - 1), arriving("m2", NOW - 0.5)], [], None),
     ((9, 2), [arriving("m1", NOW - 1), silent("m0", 0, replies=1), arriving("m2", NOW - 0.5)], ["m0"], None),
-    ((9, 2), [silent("m0", 0), silent("m1", 1), silent("m2", 2), silent("m3", 3)], ["m0", "m1", "m2"], None),  # past its share before
+    (
+        (9, 2),
+        [silent("m0", 0), silent("m1", 1), silent("m2", 2), silent("m3", 3)],
+        ["m0", "m1", "m2"],
+        None,
+    ),  # past its share before
     ((9, 2), [arriving("m1", NOW - YOUNG_S - 1), arriving("m2", NOW - 0.5)], ["m1"], None),  # aged: no longer spared
-    ((9, 2), [Slot("m1", NOW - 1, accepted=NOW - 1, inbuf=bytearray(b"{")), arriving("m2", NOW - 0.5)], ["m1"], None),  # asking
-    ((3, 3), [arriving("m1", NOW - 1), arriving("t", NOW - 2, peer=OTHER), arriving("m2", NOW - 0.5)], ["t"], None),  # a full table spares nobody
+    (
+        (9, 2),
+        [Slot("m1", NOW - 1, accepted=NOW - 1, inbuf=bytearray(b"{")), arriving("m2", NOW - 0.5)],
+        ["m1"],
+        None,
+    ),  # asking
+    (
+        (3, 3),
+        [arriving("m1", NOW - 1), arriving("t", NOW - 2, peer=OTHER), arriving("m2", NOW - 0.5)],
+        ["t"],
+        None,
+    ),  # a full table spares nobody
 ]
 
 
@@ -128,15 +165,24 @@ SHARES = [
 
 
 @pytest.mark.parametrize("per_process, slots, evicted, over", SHARES, ids=[f"s{i}" for i in range(len(SHARES))])
-def test_a_process_over_its_share_gives_back_its_oldest_idle_once_they_are_not_arriving(per_process, slots, evicted, over):
+def test_a_process_over_its_share_gives_back_its_oldest_idle_once_they_are_not_arriving(
+    per_process, slots, evicted, over
+):
     chosen, still_over = over_share(slots, Limits(9, per_process), NOW)
     assert sorted(s.name for s in chosen) == sorted(evicted)
     assert still_over == over
 
 
-@pytest.mark.parametrize("nofile, table, per_process", [
-    (20000, 256, 64), (1024, 256, 64), (256, 64, 16), (40, 16, 4), (8, 16, 4),
-])
+@pytest.mark.parametrize(
+    "nofile, table, per_process",
+    [
+        (20000, 256, 64),
+        (1024, 256, 64),
+        (256, 64, 16),
+        (40, 16, 4),
+        (8, 16, 4),
+    ],
+)
 def test_limits_derive_from_the_file_descriptor_limit(nofile, table, per_process):
     assert Limits.for_fd_limit(nofile) == Limits(table, per_process)
 
@@ -223,8 +269,13 @@ def test_when_every_connection_is_owed_a_reply_a_newcomer_hears_busy(tight):
     with structlog.testing.capture_logs():
         tight.poll_until(late.hung_up, "the newcomer to be refused and closed")
     # All four are this test's process, so its cap (3, the whole table) is what refuses.
-    assert late.replies() == [{"ok": False, "error": f"busy: process {os.getpid()} already has 3 control "
-                                                     f"connections, all waiting for replies (at most 3 per process)"}]
+    assert late.replies() == [
+        {
+            "ok": False,
+            "error": f"busy: process {os.getpid()} already has 3 control "
+            f"connections, all waiting for replies (at most 3 per process)",
+        }
+    ]
     assert tight.server.connected == 3 and tight.seen == ["dump"] * 3
     tight.now += 5
     tight.poll_until(lambda: all(p.replies() == [{"ok": True, "result": "dumped"}] for p in owed), "the dump replies")

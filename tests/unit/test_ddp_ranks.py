@@ -1,19 +1,28 @@
 """The pure parts of a multi-rank run: each rank's share of a step and of the held-out set, its seed,
 the order-fixed sums, the world size from the environment, what a waiting rank beats, and refusing a
 checkpoint of another world size."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
 from fixtures.fakes.workers import make_config
+
 from hangwatch.common.config import ConfigError, load_config
 from hangwatch.daemon.distributed import World, ordered_sum, wait_beating, world_size_from_env
 from hangwatch.daemon.resume_compat import check_resume_compatible, fingerprint
-from hangwatch.daemon.trainer.ranks import (effective_batch, eval_shard, position_for, rank_micro_batches, rank_seed,
-                                            rank_state, ranks_record, saved_world_size)
+from hangwatch.daemon.trainer.ranks import (
+    effective_batch,
+    eval_shard,
+    position_for,
+    rank_micro_batches,
+    rank_seed,
+    rank_state,
+    ranks_record,
+    saved_world_size,
+)
 
 EXAMPLES = list(range(24))  # stand-ins: the split never looks inside an example
 
@@ -33,11 +42,14 @@ def test_a_world_of_one_splits_a_step_as_the_single_process_worker_always_did():
     assert rank_micro_batches(EXAMPLES[:10], 0, 1, 4) == [EXAMPLES[0:4], EXAMPLES[4:8], EXAMPLES[8:10]]  # partial: kept
 
 
-@pytest.mark.parametrize("n,rank,world,micro,error", [
-    (10, 0, 2, 2, "does not split"),  # one rank would run fewer passes than another
-    (8, 2, 2, 2, "not in a world of 2"),
-    (8, -1, 2, 2, "not in a world of 2"),
-])
+@pytest.mark.parametrize(
+    "n,rank,world,micro,error",
+    [
+        (10, 0, 2, 2, "does not split"),  # one rank would run fewer passes than another
+        (8, 2, 2, 2, "not in a world of 2"),
+        (8, -1, 2, 2, "not in a world of 2"),
+    ],
+)
 def test_a_split_that_would_desynchronise_the_ranks_is_refused(n, rank, world, micro, error):
     with pytest.raises(ValueError, match=error):
         rank_micro_batches(EXAMPLES[:n], rank, world, micro)
@@ -85,8 +97,11 @@ def test_the_effective_batch_is_micro_times_accumulation_times_world_size():
 def test_sums_are_added_in_rank_order_whatever_the_values():
     # Rank order matters in floating point: (1e16 + 1) - 1e16 is 0, 1 + (1e16 - 1e16) would be 1.
     f64 = torch.float64
-    parts = [torch.tensor([1e16, 1.0], dtype=f64), torch.tensor([1.0, 1e16], dtype=f64),
-             torch.tensor([-1e16, -1e16], dtype=f64)]
+    parts = [
+        torch.tensor([1e16, 1.0], dtype=f64),
+        torch.tensor([1.0, 1e16], dtype=f64),
+        torch.tensor([-1e16, -1e16], dtype=f64),
+    ]
     total = ordered_sum(parts)
     assert total.tolist() == [0.0, 0.0]
     assert parts[0].tolist() == [1e16, 1.0]  # the first part is not modified
@@ -129,8 +144,14 @@ def test_a_waiting_rank_beats_progress_every_few_seconds_until_rank_0_is_done():
     clock = FakeClock()
     beats = []
     done_at = 12.0
-    n = wait_beating(lambda: clock.now >= done_at, lambda: beats.append(clock.now), clock=clock, sleep=clock.sleep,
-                     every_s=5.0, poll_s=0.5)
+    n = wait_beating(
+        lambda: clock.now >= done_at,
+        lambda: beats.append(clock.now),
+        clock=clock,
+        sleep=clock.sleep,
+        every_s=5.0,
+        poll_s=0.5,
+    )
     assert n == 2 and beats == [5.0, 10.0]
     assert wait_beating(lambda: True, lambda: beats.append("never"), clock=clock, sleep=clock.sleep) == 0
 

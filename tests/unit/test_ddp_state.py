@@ -1,6 +1,7 @@
 """A multi-rank run's per-rank state, in process: rank 0's checkpoint holds every rank's RNG states
 and data position (the other ranks played by a fake world), each rank gets its own back, a real
 one-rank process group trains through DDP exactly as without it, and faults and last words are per rank."""
+
 from __future__ import annotations
 
 import io
@@ -11,15 +12,15 @@ import socket
 
 import pytest
 import torch
-
 from fixtures.fakes.workers import make_config
+
 from hangwatch.common.config import FaultCfg, load_config
+from hangwatch.common.rundir import rank_exit_path
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ShuffledEpochs, validate_file
 from hangwatch.daemon.distributed import TorchWorld, World
 from hangwatch.daemon.faults import FIRED_FILE, FaultPlan
 from hangwatch.daemon.heartbeat import NullHeartbeat
-from hangwatch.common.rundir import rank_exit_path
 from hangwatch.daemon.lastwords import last_words_for
 from hangwatch.daemon.model import load_model
 from hangwatch.daemon.signals import StopRequest
@@ -43,8 +44,18 @@ def _trainer(cfg, run, world):
     bundle = load_model(cfg)
     examples, _ = validate_file(cfg.data.train, bundle.tokenizer, cfg)
     hb = NullHeartbeat(rank=world.rank)
-    return Trainer(cfg, hb, run, bundle, ShuffledEpochs(examples, cfg.train.seed), [], FaultPlan([], run, hb),
-                   StopRequest(), out=io.StringIO(), world=world)
+    return Trainer(
+        cfg,
+        hb,
+        run,
+        bundle,
+        ShuffledEpochs(examples, cfg.train.seed),
+        [],
+        FaultPlan([], run, hb),
+        StopRequest(),
+        out=io.StringIO(),
+        world=world,
+    )
 
 
 def test_rank_0_writes_every_ranks_rng_and_position_once_and_each_rank_resumes_its_own(tmp_path):
@@ -103,8 +114,13 @@ def test_a_real_process_group_trains_through_ddp_bit_for_bit_like_one_process(tm
     plain.seed_fresh()
     for _ in range(2):
         plain.after_step(plain.train_step())
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
+    for k, v in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         monkeypatch.setenv(k, v)
     world = TorchWorld(torch.device("cpu"))
     try:

@@ -11,6 +11,7 @@ hangwatch, not of how it was made.
 `check_docs(root)` takes the folder holding README.md and docs/, so the second test can show on a planted
 tree that each check reports what it should.
 """
+
 from __future__ import annotations
 
 import re

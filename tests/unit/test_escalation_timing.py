@@ -7,19 +7,26 @@ deadline found stuck gets `stuck_term_grace_s` between SIGTERM and SIGKILL; a st
 after a healthy stretch is immediate; only repeated failure backs off, and the crash-loop guard holds with
 or without delays.  Figures in seconds here are fake-clock seconds: the behaviour, not a timing.
 """
+
 from __future__ import annotations
 
 import signal
-import pytest
 
+import pytest
 from fixtures.fakes.fake_supervisor import DUMP, FakeProcessTable, Harness
+
 from hangwatch.common.config import RestartCfg
+from hangwatch.supervisor.episode.dump_collector import (
+    PARTIAL_SETTLE_S,
+    SETTLE_S,
+    DumpCollector,
+    dump_complete,
+    settle_s,
+)
+from hangwatch.supervisor.loop.supervisor import FAST_PASS_S
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.episode.dump_collector import (PARTIAL_SETTLE_S, SETTLE_S, DumpCollector, dump_complete,
-                                                          settle_s)
 from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.rules.policy import RestartPolicy
-from hangwatch.supervisor.loop.supervisor import FAST_PASS_S
 
 LIB = "/usr/lib/python3.11"
 WORKER_THREAD = f"""Thread 0x00007f0000000002 (most recent call first):
@@ -31,39 +38,51 @@ MAIN = """Current thread 0x00007f0000000001 (most recent call first):
   File "/srv/train.py", line 40 in main
   File "/srv/train.py", line 50 in <module>
 """
-MAIN_UNDER_RUNPY = MAIN + """  File "<frozen runpy>", line 88 in _run_code
+MAIN_UNDER_RUNPY = (
+    MAIN
+    + """  File "<frozen runpy>", line 88 in _run_code
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
+)
 MAIN_CUT = """Thread 0x00007f0000000001 (most recent call first):
   File "/srv/train.py", line 12 in recurse
   ...
 """
 
 
-@pytest.mark.parametrize("text, whole", [
-    (WORKER_THREAD + "\n" + MAIN, True),  # CPython's order: newer threads first, the main thread last
-    (MAIN_UNDER_RUNPY, True),  # `python -m`: runpy's frames below <module>
-    (DUMP.format(fn="block_in_c"), True),  # with a blank line after it
-    (WORKER_THREAD, False),  # caught between threads: the main thread is still to come
-    (WORKER_THREAD + "\n" + MAIN[:MAIN.index("  File")], False),  # the main thread's header only
-    (MAIN.rsplit("\n", 2)[0] + "\n", False),  # its outermost frame not written yet
-    ((WORKER_THREAD + "\n" + MAIN)[:-1], False),  # the last line not finished
-    (MAIN_CUT, False),  # faulthandler's 100-frame cut: nothing says it is the main thread
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "text, whole",
+    [
+        (WORKER_THREAD + "\n" + MAIN, True),  # CPython's order: newer threads first, the main thread last
+        (MAIN_UNDER_RUNPY, True),  # `python -m`: runpy's frames below <module>
+        (DUMP.format(fn="block_in_c"), True),  # with a blank line after it
+        (WORKER_THREAD, False),  # caught between threads: the main thread is still to come
+        (WORKER_THREAD + "\n" + MAIN[: MAIN.index("  File")], False),  # the main thread's header only
+        (MAIN.rsplit("\n", 2)[0] + "\n", False),  # its outermost frame not written yet
+        ((WORKER_THREAD + "\n" + MAIN)[:-1], False),  # the last line not finished
+        (MAIN_CUT, False),  # faulthandler's 100-frame cut: nothing says it is the main thread
+        ("", False),
+    ],
+)
 def test_a_dump_is_whole_when_it_ends_with_the_main_threads_block(text, whole):
     assert dump_complete(text) is whole
 
 
-@pytest.mark.parametrize("text, settle", [
-    (WORKER_THREAD, SETTLE_S),  # ends at a thread's bootstrap: a main thread that is gone, or one still to come
-    (MAIN_CUT, SETTLE_S),  # faulthandler's frame limit
-    (WORKER_THREAD + "\n" + MAIN, SETTLE_S),
-    (WORKER_THREAD + "\n" + MAIN.rsplit("\n", 2)[0] + "\n", PARTIAL_SETTLE_S),  # stopped inside the main thread's stack
-    (MAIN.split("\n", 2)[0] + "\n" + MAIN.split("\n", 2)[1] + "\n", PARTIAL_SETTLE_S),  # its innermost frame only
-    (WORKER_THREAD[:-1], PARTIAL_SETTLE_S),  # the last line not finished
-    ("", PARTIAL_SETTLE_S),
-])
+@pytest.mark.parametrize(
+    "text, settle",
+    [
+        (WORKER_THREAD, SETTLE_S),  # ends at a thread's bootstrap: a main thread that is gone, or one still to come
+        (MAIN_CUT, SETTLE_S),  # faulthandler's frame limit
+        (WORKER_THREAD + "\n" + MAIN, SETTLE_S),
+        (
+            WORKER_THREAD + "\n" + MAIN.rsplit("\n", 2)[0] + "\n",
+            PARTIAL_SETTLE_S,
+        ),  # stopped inside the main thread's stack
+        (MAIN.split("\n", 2)[0] + "\n" + MAIN.split("\n", 2)[1] + "\n", PARTIAL_SETTLE_S),  # its innermost frame only
+        (WORKER_THREAD[:-1], PARTIAL_SETTLE_S),  # the last line not finished
+        ("", PARTIAL_SETTLE_S),
+    ],
+)
 def test_a_dump_cut_inside_a_stack_is_given_longer_to_settle(text, settle):
     assert settle_s(text) == settle
 
@@ -93,8 +112,9 @@ def _collector(tmp_path, writes: list[str], **kw):
     table = FakeProcessTable()
     p = table.add()
     p.dump_path = tmp_path / "stack-rank0.txt"
-    dc = DumpCollector([DumpTarget(0, process.ProcRef(p.pid, p.create_time), p.dump_path)], grace_s=5, table=table,
-                       py_spy=False, **kw)
+    dc = DumpCollector(
+        [DumpTarget(0, process.ProcRef(p.pid, p.create_time), p.dump_path)], grace_s=5, table=table, py_spy=False, **kw
+    )
 
     def deliver(proc, sig):
         if sig == signal.SIGUSR1 and writes:
@@ -135,7 +155,7 @@ def test_a_writer_preempted_inside_the_main_threads_stack_is_waited_for_then_its
     def rest(t):  # the writer runs again 1.5 s later: longer than SETTLE_S, within PARTIAL_SETTLE_S
         if t == 1.5:
             with open(p.dump_path, "a") as f:
-                f.write(MAIN[len(innermost):])
+                f.write(MAIN[len(innermost) :])
 
     assert _first_done(dc, each=rest) == pytest.approx(1.6)  # whole at the next pass: at once
     assert dc.texts() == {0: WORKER_THREAD + "\n" + MAIN}
@@ -151,8 +171,10 @@ def test_a_dump_still_growing_is_waited_for(tmp_path):
     dc.begin(0.0)
 
     def grow(t):  # more arrives in pieces, 0.2 s apart: each piece restarts the wait
-        piece = {0.2: "Thread 0x00007f0000000003 (most recent call first):\n",
-                 0.4: f'  File "{LIB}/threading.py", line 1002 in _bootstrap\n'}.get(t)
+        piece = {
+            0.2: "Thread 0x00007f0000000003 (most recent call first):\n",
+            0.4: f'  File "{LIB}/threading.py", line 1002 in _bootstrap\n',
+        }.get(t)
         if piece:
             with open(p.dump_path, "a") as f:
                 f.write(piece)
@@ -232,7 +254,9 @@ def test_a_stuck_worker_whose_children_obey_sigterm_still_gets_its_sigkill_after
     h.until(lambda: h.sup.attempt == 2)
     assert child.status.signal == signal.SIGTERM  # SIGTERM first, to the whole group
     grace = h.sup.watchdog_cfg.stuck_term_grace_s
-    assert h.table.signals() == ["SIGUSR1", "-SIGTERM", "-SIGKILL"] and _kill_after_term(h) == pytest.approx(grace, abs=0.11)
+    assert h.table.signals() == ["SIGUSR1", "-SIGTERM", "-SIGKILL"] and _kill_after_term(h) == pytest.approx(
+        grace, abs=0.11
+    )
 
 
 @pytest.mark.parametrize("how", ["restart now", "crash, a child left behind"])
@@ -247,7 +271,11 @@ def test_a_worker_not_known_to_be_stuck_keeps_the_full_grace(tmp_path, how):
         w.exit(1)
     h.until(lambda: h.sup.attempt == 2)
     t = h.incident()["timings"]
-    assert h.table.signals()[-1] == "-SIGKILL" and t["term_grace_s"] == 1 and _kill_after_term(h) == pytest.approx(1.0, abs=0.11)
+    assert (
+        h.table.signals()[-1] == "-SIGKILL"
+        and t["term_grace_s"] == 1
+        and _kill_after_term(h) == pytest.approx(1.0, abs=0.11)
+    )
 
 
 def test_an_operators_graceful_restart_waits_the_full_grace_for_the_leftovers(tmp_path):
@@ -266,8 +294,9 @@ def test_an_operators_graceful_restart_waits_the_full_grace_for_the_leftovers(tm
 
 
 def _cfg(**kw):
-    return RestartCfg(**{"max_restarts": 3, "window_s": 100, "backoff_initial_s": 1, "backoff_max_s": 8,
-                         "healthy_after_s": 50, **kw})
+    return RestartCfg(
+        **{"max_restarts": 3, "window_s": 100, "backoff_initial_s": 1, "backoff_max_s": 8, "healthy_after_s": 50, **kw}
+    )
 
 
 def test_the_first_failure_restarts_at_once_and_repeated_failure_doubles():
@@ -323,7 +352,9 @@ def test_the_episode_says_when_it_next_has_something_to_do(tmp_path):
     assert ep.next_due_s(now, 0.5) == pytest.approx(0.5 - (now - ep.sampled_at))  # the CPU sample's end
     h.until(lambda: h.state == "killing")
     term_at = ep.killer.term_at
-    assert ep.next_due_s(term_at, 0.5) == pytest.approx(h.sup.watchdog_cfg.stuck_term_grace_s)  # the stuck grace, then SIGKILL
+    assert ep.next_due_s(term_at, 0.5) == pytest.approx(
+        h.sup.watchdog_cfg.stuck_term_grace_s
+    )  # the stuck grace, then SIGKILL
     assert ep.next_due_s(term_at + 0.7, 0.5) == 0  # overdue: at once, never negative
     h.until(lambda: ep.killer.kill_at is not None)
     assert ep.next_due_s(ep.killer.kill_at, 0.5) == pytest.approx(h.sup.watchdog_cfg.kill_wait_s)

@@ -1,11 +1,18 @@
 """What killed a process, only as far as the kernel's own records say; rank exceptions under torchrun."""
+
 from __future__ import annotations
 
 import pytest
-
 from fixtures.fakes.torchrun_report import root_cause
-from hangwatch.supervisor.episode.kernel_evidence import (cgroup_oom_kills, kernel_log, oom_victims, rank_exceptions, torchrun_root_cause,
-                                           sigkill_cause)
+
+from hangwatch.supervisor.episode.kernel_evidence import (
+    cgroup_oom_kills,
+    kernel_log,
+    oom_victims,
+    rank_exceptions,
+    sigkill_cause,
+    torchrun_root_cause,
+)
 
 
 def fake_cgroup(tmp_path, v2=True, count=0):
@@ -47,14 +54,17 @@ def test_oom_victims_are_read_from_both_kernel_line_shapes():
     assert oom_victims(KMSG) == {4242, 4343}
 
 
-@pytest.mark.parametrize("pids,before,now,records,expect", [
-    ({4242}, 0, 0, KMSG, "OOM killer (kernel log: killed process 4242)"),
-    ({77}, 2, 3, [], "OOM killer (the memory cgroup counted 1 OOM kill(s) during this attempt)"),
-    ({77}, 2, 2, [], "not sent by hangwatch, and not the OOM killer"),
-    ({77}, 2, 2, KMSG, "not sent by hangwatch, and not the OOM killer"),
-    ({77}, None, None, None, "whether it was the OOM killer is unknown"),
-    ({77}, 1, 1, None, "not sent by hangwatch, and not the OOM killer"),  # the counter alone is evidence enough
-])
+@pytest.mark.parametrize(
+    "pids,before,now,records,expect",
+    [
+        ({4242}, 0, 0, KMSG, "OOM killer (kernel log: killed process 4242)"),
+        ({77}, 2, 3, [], "OOM killer (the memory cgroup counted 1 OOM kill(s) during this attempt)"),
+        ({77}, 2, 2, [], "not sent by hangwatch, and not the OOM killer"),
+        ({77}, 2, 2, KMSG, "not sent by hangwatch, and not the OOM killer"),
+        ({77}, None, None, None, "whether it was the OOM killer is unknown"),
+        ({77}, 1, 1, None, "not sent by hangwatch, and not the OOM killer"),  # the counter alone is evidence enough
+    ],
+)
 def test_sigkill_cause_names_the_oom_killer_only_on_the_kernels_word(pids, before, now, records, expect):
     assert expect in sigkill_cause(pids, before, now, records)
 
@@ -67,20 +77,24 @@ def test_kernel_log_reads_records_until_the_end_and_none_when_unreadable(tmp_pat
 
 
 def test_rank_exceptions_come_from_torchruns_rank_prefixes():
-    log = "\n".join([
-        "W1123 torch/distributed/run.py: some launcher warning",
-        "[rank0]: step 3 ok",
-        "[rank1]: Traceback (most recent call last):",
-        '[rank1]:   File "train.py", line 40, in <module>',
-        "[rank1]:     boom()",
-        "[rank1]: ValueError: shard 7 is empty",
-        "[rank0]: Traceback (most recent call last):",
-        "[rank0]:   File \"train.py\", line 12, in <module>",
-        "[rank0]: RuntimeError: [../third_party/gloo/...] Connection closed by peer",
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
-    ])
-    assert rank_exceptions(log) == {1: "ValueError: shard 7 is empty",
-                                    0: "RuntimeError: [../third_party/gloo/...] Connection closed by peer"}
+    log = "\n".join(
+        [
+            "W1123 torch/distributed/run.py: some launcher warning",
+            "[rank0]: step 3 ok",
+            "[rank1]: Traceback (most recent call last):",
+            '[rank1]:   File "train.py", line 40, in <module>',
+            "[rank1]:     boom()",
+            "[rank1]: ValueError: shard 7 is empty",
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "train.py", line 12, in <module>',
+            "[rank0]: RuntimeError: [../third_party/gloo/...] Connection closed by peer",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        ]
+    )
+    assert rank_exceptions(log) == {
+        1: "ValueError: shard 7 is empty",
+        0: "RuntimeError: [../third_party/gloo/...] Connection closed by peer",
+    }
     assert rank_exceptions("no prefixes here\nTraceback (most recent call last):\nKeyError: 1") == {}
 
 

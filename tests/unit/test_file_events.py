@@ -2,6 +2,7 @@
 says so (no thread), through watchdog's inotify binding.  inotify queues an event inside the write(2)
 that causes it, so "nothing was queued" is checked right after the write, without waiting; `select`'s
 timeout below is a guard against a hang, never a measurement.  Behaviour only."""
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ tmp_path, read back the way torch reads it: O_RDONLY|O_NONBLOCK), the dump settl
 tests/fixtures/workers/ddp_fr_trace_gloo.pkl is a real flight-recorder dump from torch 2.13 (gloo, 2 ranks, rank 0 with an
 all_reduce that rank 1 never joined), written by torch's own `_dump_fr_trace`: the same dump code that serves the
 NCCL dump pipe."""
+
 from __future__ import annotations
 
 import io
@@ -12,28 +13,39 @@ import pickle
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import FakeProcessTable
+
 from hangwatch.common.config import Config
-from hangwatch.supervisor.processes.attempt import worker_env
 from hangwatch.supervisor.episode.dump_collector import StallDumps
-from hangwatch.supervisor.episode.flight_recorder import DataOnlyUnpickler, FlightDumps, decode, into_incident, poke, summarize
-from hangwatch.supervisor.processes.attempt import FlightPaths, flight_env
+from hangwatch.supervisor.episode.flight_recorder import (
+    DataOnlyUnpickler,
+    FlightDumps,
+    decode,
+    into_incident,
+    poke,
+    summarize,
+)
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.processes.attempt import FlightPaths, flight_env, worker_env
 
 REAL_DUMP = Path(__file__).resolve().parents[1] / "fixtures" / "workers" / "ddp_fr_trace_gloo.pkl"
 
 
 def test_the_worker_gets_torchs_flight_recorder_settings_unless_the_user_set_them(tmp_path):
     env = flight_env(tmp_path, {})
-    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl-trace-rank"),
-                   "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(tmp_path / "nccl-pipe-rank")}
+    assert env == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl-trace-rank"),
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(tmp_path / "nccl-pipe-rank"),
+    }
     mine = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/data/fr_", "TORCH_FR_BUFFER_SIZE": "0"}
     assert flight_env(tmp_path, mine) == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(tmp_path / "nccl-pipe-rank")}
     paths = FlightPaths.from_env({**mine, **flight_env(tmp_path, mine)})
     assert paths.trace(3) == Path("/data/fr_3") and paths.pipe(3) == tmp_path / "nccl-pipe-rank3.pipe"
-    assert FlightPaths.from_env({}).trace(0) == Path("/tmp/nccl_trace_rank_0") and FlightPaths.from_env({}).pipe(0) is None
+    assert (
+        FlightPaths.from_env({}).trace(0) == Path("/tmp/nccl_trace_rank_0") and FlightPaths.from_env({}).pipe(0) is None
+    )
 
 
 def torch_side_pipe(path: Path) -> int:
@@ -51,12 +63,15 @@ def test_poking_a_pipe_writes_a_byte_the_rank_reads(tmp_path):
         os.close(fd)
 
 
-@pytest.mark.parametrize("setup, words", [
-    ("missing", "no dump pipe: this rank has no NCCL process group"),
-    ("no_reader", "not triggered: nobody reads the dump pipe"),
-    ("regular", "is not a FIFO (left alone)"),
-    ("unset", "no dump pipe configured"),
-])
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        ("missing", "no dump pipe: this rank has no NCCL process group"),
+        ("no_reader", "not triggered: nobody reads the dump pipe"),
+        ("regular", "is not a FIFO (left alone)"),
+        ("unset", "no dump pipe configured"),
+    ],
+)
 def test_a_pipe_that_cannot_be_poked_never_blocks_and_says_why(tmp_path, setup, words):
     path = tmp_path / "p0.pipe"
     if setup == "no_reader":
@@ -103,8 +118,9 @@ def test_the_real_dump_decodes_to_plain_data_and_a_short_summary():
     assert problem == "" and obj["version"] == "2.10" and len(obj["entries"]) == 4
     s = summarize((obj, problem))
     assert s["decoded"] and s["last_enqueued"] == 4
-    assert s["summary"] == ("version 2.10: pg 0: enqueued #4, completed #3, pending gloo:all_reduce #4 "
-                            "(scheduled, sizes [[4096]])")
+    assert s["summary"] == (
+        "version 2.10: pg 0: enqueued #4, completed #3, pending gloo:all_reduce #4 (scheduled, sizes [[4096]])"
+    )
 
 
 class Boom:
@@ -117,11 +133,14 @@ def test_a_global_in_the_dump_is_refused_never_loaded():
         DataOnlyUnpickler(io.BytesIO(pickle.dumps(Boom()))).load()
 
 
-@pytest.mark.parametrize("data, why", [
-    (pickle.dumps(Boom()), "UnpicklingError: refused global posix.system"),
-    (b"\x80\x02garbage", "UnpicklingError"),
-    (pickle.dumps([1, 2]), "not a flight-recorder dump (a list)"),
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (pickle.dumps(Boom()), "UnpicklingError: refused global posix.system"),
+        (b"\x80\x02garbage", "UnpicklingError"),
+        (pickle.dumps([1, 2]), "not a flight-recorder dump (a list)"),
+    ],
+)
 def test_anything_but_plain_data_is_kept_raw_and_said(data, why):
     s = summarize(decode(data))
     assert s["decoded"] is False and s["last_enqueued"] is None
@@ -130,11 +149,20 @@ def test_anything_but_plain_data_is_kept_raw_and_said(data, why):
 
 def test_into_the_incident_raw_file_and_summary(tmp_path):
     inc = IncidentStore(tmp_path).create("stall")
-    results = {0: {"status": "triggered", "data": REAL_DUMP.read_bytes(), "path": "/x/trace0",
-                   **summarize(decode(REAL_DUMP.read_bytes()))},
-               1: {"status": "triggered", "data": None, "path": "/x/trace1", "summary": "no dump written"}}
+    results = {
+        0: {
+            "status": "triggered",
+            "data": REAL_DUMP.read_bytes(),
+            "path": "/x/trace0",
+            **summarize(decode(REAL_DUMP.read_bytes())),
+        },
+        1: {"status": "triggered", "data": None, "path": "/x/trace1", "summary": "no dump written"},
+    }
     rec = into_incident(inc, results)
-    assert rec["0"]["file"] == "nccl-trace-rank0.pkl" and (inc.dir / "nccl-trace-rank0.pkl").read_bytes() == REAL_DUMP.read_bytes()
+    assert (
+        rec["0"]["file"] == "nccl-trace-rank0.pkl"
+        and (inc.dir / "nccl-trace-rank0.pkl").read_bytes() == REAL_DUMP.read_bytes()
+    )
     assert "data" not in rec["0"] and rec["1"]["summary"] == "no dump written" and "file" not in rec["1"]
     none = {0: {"status": "no dump pipe: this rank has no NCCL process group", "data": None}}
     assert into_incident(inc, none) == "no dump pipe: this rank has no NCCL process group"
@@ -152,8 +180,13 @@ def test_the_stall_waits_for_the_flight_recorder_within_the_dump_grace(tmp_path)
         (tmp_path / "trace0").write_bytes(b"x")
         assert not dumps.advance(1.1)
         assert dumps.advance(1.5) and dumps.done
-        late = StallDumps([], grace_s=2.0, table=table, py_spy=False,
-                          flight=FlightDumps(FlightPaths(str(tmp_path / "pipe"), str(tmp_path / "never")), [0]))
+        late = StallDumps(
+            [],
+            grace_s=2.0,
+            table=table,
+            py_spy=False,
+            flight=FlightDumps(FlightPaths(str(tmp_path / "pipe"), str(tmp_path / "never")), [0]),
+        )
         late.begin(0.0)
         assert not late.advance(1.0) and late.advance(2.0)  # bounded by grace_s
     finally:
@@ -161,8 +194,9 @@ def test_the_stall_waits_for_the_flight_recorder_within_the_dump_grace(tmp_path)
 
 
 def test_worker_env_carries_the_settings_and_keeps_the_users(tmp_path):
-    cfg = Config.model_validate({"run_dir": str(tmp_path / "run"), "worker": {"command": ["x"], "env": {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}}})
+    cfg = Config.model_validate(
+        {"run_dir": str(tmp_path / "run"), "worker": {"command": ["x"], "env": {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}}}
+    )
     env = worker_env(cfg, 3, environ={"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     adir = tmp_path / "run" / "attempts" / "0003"
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's

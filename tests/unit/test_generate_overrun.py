@@ -1,14 +1,15 @@
 """A runaway generate on the fake supervisor: ordered to end in-process while tokens arrive (no signal, no restart,
 a `generate_truncated` incident), escalated when it does not obey or produces no tokens, restarted in `restart`
 mode; the resume audit and the goodput ledger seen through the loop."""
+
 from __future__ import annotations
 
 import json
 import signal
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import Harness
+
 from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.supervisor.loop import view as views
 
@@ -28,8 +29,18 @@ def _generate(h: Harness, *, tokens_every_s: float = 0.5, obey: bool = True, tok
             state["order"] = json.loads(order_path.read_text())
             if obey:
                 limit = state["order"]["tokens"]
-                w.beat("progress", **{TRUNCATED_FIELD: {"order": state["order"]["order"], "limit": limit, "tokens": limit,
-                                                        "prompt": "Once upon a time", "output_tail": "and and and"}})
+                w.beat(
+                    "progress",
+                    **{
+                        TRUNCATED_FIELD: {
+                            "order": state["order"]["order"],
+                            "limit": limit,
+                            "tokens": limit,
+                            "prompt": "Once upon a time",
+                            "output_tail": "and and and",
+                        }
+                    },
+                )
                 w.phase("train")
                 return
         if tokens and (state["order"] is None or not obey) and h.clock() >= state["next"]:
@@ -129,8 +140,11 @@ def test_the_resume_audit_through_the_loop_verified(tmp_path):
 
 @pytest.mark.parametrize("mode, final", [("warn", "running"), ("stop", "failed")])
 def test_the_resume_audit_through_the_loop_diverged(tmp_path, mode, final):
-    h = Harness(tmp_path, watchdog={"silence_timeout_s": 30, "resume_audit": {"on_divergence": mode}},
-                restart={"backoff_initial_s": 0.1})
+    h = Harness(
+        tmp_path,
+        watchdog={"silence_timeout_s": 30, "resume_audit": {"on_divergence": mode}},
+        restart={"backoff_initial_s": 0.1},
+    )
     h.sup.ledger.ledger.confirm_steps = 1
     whys = []
     h.sup.lifecycle._on_change = lambda src, dst, why: whys.append((dst.value, why))
@@ -145,7 +159,9 @@ def test_the_resume_audit_through_the_loop_diverged(tmp_path, mode, final):
     assert full["summary"].startswith("step 5: lr 0.001 vs 0.005 before the restart")
     if final == "failed":
         h.until(lambda: h.state == "failed", within_s=10)
-        assert h.sup.exit_code == 1 and whys[-1][0] == "failed" and whys[-1][1].startswith("resume diverged — step 5: lr")
+        assert (
+            h.sup.exit_code == 1 and whys[-1][0] == "failed" and whys[-1][1].startswith("resume diverged — step 5: lr")
+        )
         assert signal.SIGKILL in [s for _, s in h.table.sent] and len(h.spawn.workers) == 2
     else:
         assert h.state == "running"

@@ -4,6 +4,7 @@ files and real order files (no supervisor: the tests write the order themselves,
 
 The order file is stat'ed at most every `POLL_INTERVAL_S`; the tests that write an order at a known token set
 it to 0 so that the order is seen at that very token (a tiny model makes a token in about a millisecond)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,13 @@ from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 from hangwatch.common.protocol import GENERATE_STOP_NAME, MAX_LINE, TRUNCATED_FIELD, decode_line  # noqa: E402
 from hangwatch.daemon.heartbeat import Heartbeat, NullHeartbeat  # noqa: E402
 from hangwatch.daemon.integrations import generation  # noqa: E402
-from hangwatch.daemon.integrations.generation import (GenerateWatch, StopOrder, last_truncation,  # noqa: E402
-                                                      tokenizer_of, truncation_report)
+from hangwatch.daemon.integrations.generation import (
+    GenerateWatch,
+    StopOrder,
+    last_truncation,  # noqa: E402
+    tokenizer_of,
+    truncation_report,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import tiny_model  # noqa: E402
@@ -56,7 +62,9 @@ def heartbeat(tmp_path, rank: int = 0) -> Heartbeat:
 
 def write_order(directory: Path, body, order: int = 1) -> None:
     """As the supervisor does: a temporary file, then a rename over the order (a new inode)."""
-    text = body if isinstance(body, str) else json.dumps({"order": order, "tokens": body, "issued_unix": 0, "budget_s": 1})
+    text = (
+        body if isinstance(body, str) else json.dumps({"order": order, "tokens": body, "issued_unix": 0, "budget_s": 1})
+    )
     tmp = directory / f".{GENERATE_STOP_NAME}.tmp"
     tmp.write_text(text)
     os.replace(tmp, directory / GENERATE_STOP_NAME)
@@ -82,8 +90,13 @@ def enc_of(tok, text="question 7:"):
 
 
 def generate(model, tok, enc, criteria=(), **kw):
-    kw = {"max_new_tokens": MAX_NEW, "do_sample": False, "suppress_tokens": [tok.eos_token_id],
-          "pad_token_id": tok.pad_token_id, **kw}
+    kw = {
+        "max_new_tokens": MAX_NEW,
+        "do_sample": False,
+        "suppress_tokens": [tok.eos_token_id],
+        "pad_token_id": tok.pad_token_id,
+        **kw,
+    }
     return model.generate(**enc, stopping_criteria=StoppingCriteriaList(list(criteria)), **kw)
 
 
@@ -96,6 +109,7 @@ def truncated_lines(recs: list[dict]) -> list[dict]:
 
 
 # ---- through GenerateWatch -------------------------------------------------------------------------
+
 
 def test_without_an_order_nothing_changes(tmp_path, tok, model, every_token):
     enc = enc_of(tok)
@@ -135,7 +149,11 @@ def test_an_order_written_mid_generation_ends_it_at_the_limit(tmp_path, tok, mod
     assert enter < at < leave and line["phase"] == "generate" and recs[leave]["phase"] != "generate"
     report = line[TRUNCATED_FIELD]
     assert {k_: report[k_] for k_ in ("order", "limit", "tokens", "prompt_tokens")} == {
-        "order": 7, "limit": k + 3, "tokens": k + 3, "prompt_tokens": prompt_len}
+        "order": 7,
+        "limit": k + 3,
+        "tokens": k + 3,
+        "prompt_tokens": prompt_len,
+    }
     assert report["prompt"] == tok.decode(out[0, :prompt_len], skip_special_tokens=True) == "question 7:"
     assert report["output_tail"] == tok.decode(out[0, prompt_len:], skip_special_tokens=True)
     assert "prompt_ids" not in report
@@ -167,8 +185,18 @@ def test_an_order_that_was_there_before_the_generate_began_is_not_its_order(tmp_
     assert last_truncation()["order"] == 2
 
 
-@pytest.mark.parametrize("bad", ['{"order": 1, "tok', "[]", '{"order": 1, "tokens": 0}', '{"order": 1, "tokens": true}',
-                                 '{"order": "1", "tokens": 5}', '{"tokens": 5}', '{"order": 1, "tokens": 2.5}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"order": 1, "tok',
+        "[]",
+        '{"order": 1, "tokens": 0}',
+        '{"order": 1, "tokens": true}',
+        '{"order": "1", "tokens": 5}',
+        '{"tokens": 5}',
+        '{"order": 1, "tokens": 2.5}',
+    ],
+)
 def test_a_partial_or_invalid_order_is_ignored_and_read_again(tmp_path, tok, model, every_token, bad):
     hb = heartbeat(tmp_path)
     enc = enc_of(tok)
@@ -210,14 +238,20 @@ def test_a_limit_already_passed_stops_at_once(tmp_path, tok, model, every_token)
 
 
 def test_every_row_of_a_batch_stops_and_row_0_is_reported(tmp_path, tok, model, every_token):
-    enc = tok(["question 7:", "what is 3 plus 3?"], return_tensors="pt", padding=True, padding_side="left",
-              return_token_type_ids=False)
+    enc = tok(
+        ["question 7:", "what is 3 plus 3?"],
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        return_token_type_ids=False,
+    )
     hb = heartbeat(tmp_path)
     watch = GenerateWatch(hb, tokenizer=tok)
     watch.install(model)
     try:
-        out = generate(model, tok, enc, [At({6: lambda: write_order(attempt_dir(tmp_path), 9)})],
-                       return_dict_in_generate=True)
+        out = generate(
+            model, tok, enc, [At({6: lambda: write_order(attempt_dir(tmp_path), 9)})], return_dict_in_generate=True
+        )
     finally:
         watch.uninstall()
     assert out.sequences.shape == (2, enc["input_ids"].shape[1] + 9)
@@ -283,6 +317,7 @@ def test_two_ranks_generating_in_lockstep_stop_at_the_same_token(tmp_path, tok, 
             if rank == 0:
                 write_order(attempt_dir(tmp_path), limit, order=4)
             seen.wait()
+
         return action
 
     def run(rank):
@@ -318,6 +353,7 @@ def test_two_ranks_generating_in_lockstep_stop_at_the_same_token(tmp_path, tok, 
 
 # ---- StopOrder, the report, the tokenizer ------------------------------------------------------------
 
+
 def test_the_order_file_is_stated_at_most_every_poll_interval(tmp_path):
     order = StopOrder(tmp_path, clock=lambda: 0.0)
     assert order.poll(100.0) is None
@@ -340,14 +376,14 @@ def test_where_there_is_no_attempt_directory_nothing_is_ever_ordered(tmp_path):
 def test_the_report_fits_one_heartbeat_line_whatever_the_text(tmp_path):
     hb = heartbeat(tmp_path)
     base = {"order": 1, "limit": 100, "tokens": 100, "prompt_tokens": 9000}
-    prompt, output = "\U0001F600é" * 5000, "\u4e2d" * 9000
+    prompt, output = "\U0001f600é" * 5000, "\u4e2d" * 9000
     report = truncation_report(base, prompt=prompt, output=output)
     hb.progress(**{TRUNCATED_FIELD: report})
     raw = Path(hb.path).read_bytes()
     assert len(raw) < MAX_LINE
     line = decode_line(raw)
     assert "truncated" not in line and line[TRUNCATED_FIELD] == report
-    assert report["prompt"].startswith("\U0001F600") and output.endswith(report["output_tail"])
+    assert report["prompt"].startswith("\U0001f600") and output.endswith(report["output_tail"])
     short = truncation_report(base, prompt="p" * 900, output="o" * 900)
     assert len(short["prompt"]) == generation.PROMPT_CHARS and short["prompt"][0] == "p" and "\u2026" in short["prompt"]
     assert short["output_tail"] == "o" * generation.TAIL_CHARS
@@ -368,6 +404,7 @@ def test_tokenizer_of(tok):
 
 # ---- the built-in worker's eval and the runaway_generate fault -----------------------------------------
 
+
 class WriteOrderAt(LogitsProcessor):
     """Writes the order when the call has made `k` tokens (a logits processor sees the ids before the next one)."""
 
@@ -384,13 +421,23 @@ class WriteOrderAt(LogitsProcessor):
 @pytest.fixture(scope="module")
 def bundle_and_cfg(tmp_path_factory):
     from fixtures.fakes.workers import make_config
+
     from hangwatch.common.config import load_config
     from hangwatch.daemon.model import load_model
 
     tmp = tmp_path_factory.mktemp("eval")
-    cfg = load_config(make_config(tmp, eval={"every_steps": 2, "max_new_tokens": 4, "progress_every_tokens": 2,
-                                             "prompts": ["upper: cat", "reverse: dog", "double: sun"]},
-                                  faults=[{"kind": "runaway_generate", "at_step": 2}]))
+    cfg = load_config(
+        make_config(
+            tmp,
+            eval={
+                "every_steps": 2,
+                "max_new_tokens": 4,
+                "progress_every_tokens": 2,
+                "prompts": ["upper: cat", "reverse: dog", "double: sun"],
+            },
+            faults=[{"kind": "runaway_generate", "at_step": 2}],
+        )
+    )
     return load_model(cfg), cfg
 
 
@@ -411,11 +458,18 @@ def test_a_runaway_eval_is_truncated_and_says_so(tmp_path, bundle_and_cfg, every
     assert scores[0, bundle.tokenizer.eos_token_id] == float("-inf") and scores[0, 0] == 0
 
     k, limit = 9, 12  # far past eval.max_new_tokens (4): the fault raised the cap and took EOS away
-    summary = run_eval(bundle, cfg, hb, run_dir, 2, [], processors=processors + [WriteOrderAt(attempt_dir(tmp_path), k, limit)])
+    summary = run_eval(
+        bundle, cfg, hb, run_dir, 2, [], processors=processors + [WriteOrderAt(attempt_dir(tmp_path), k, limit)]
+    )
     assert summary["generations"] == 1
     (record,) = [json.loads(line) for line in (run_dir / EVOLUTION).read_text().splitlines()]
     assert (record["prompt"], record["truncated"], record["tokens"], record["limit"], record["skipped_prompts"]) == (
-        "upper: cat", True, limit, limit, 2)
+        "upper: cat",
+        True,
+        limit,
+        limit,
+        2,
+    )
     recs = beats(hb)
     (line,) = truncated_lines(recs)
     assert line["phase"] == "generate" and recs[recs.index(line) + 1]["event"] == "phase"
@@ -428,7 +482,9 @@ def test_a_runaway_eval_is_truncated_and_says_so(tmp_path, bundle_and_cfg, every
     (run_dir / EVOLUTION).unlink()
     run_eval(bundle, cfg, hb, run_dir, 4, [], processors=plan.before_eval(4, 2, bundle))
     records = [json.loads(line) for line in (run_dir / EVOLUTION).read_text().splitlines()]
-    assert [sorted(r) for r in records] == [sorted(["step", "prompt", "reference", "output", "loss", "attempt", "t"])] * 3
+    assert [sorted(r) for r in records] == [
+        sorted(["step", "prompt", "reference", "output", "loss", "attempt", "t"])
+    ] * 3
 
 
 def test_hang_generate_is_still_the_processor_that_never_returns(tmp_path, bundle_and_cfg):
@@ -445,9 +501,20 @@ def test_the_report_marks_a_truncated_output():
     from hangwatch.supervisor.cli.report.data import RunData
     from hangwatch.supervisor.cli.report.page import generations_section
 
-    gens = [{"step": 2, "prompt": "p", "reference": None, "output": "aaaa", "loss": None, "attempt": 1,
-             "truncated": True, "tokens": 12, "skipped_prompts": 2},
-            {"step": 4, "prompt": "p", "reference": None, "output": "bbbb", "loss": None, "attempt": 1}]
+    gens = [
+        {
+            "step": 2,
+            "prompt": "p",
+            "reference": None,
+            "output": "aaaa",
+            "loss": None,
+            "attempt": 1,
+            "truncated": True,
+            "tokens": 12,
+            "skipped_prompts": 2,
+        },
+        {"step": 4, "prompt": "p", "reference": None, "output": "bbbb", "loss": None, "attempt": 1},
+    ]
     page = generations_section(RunData(run_dir=Path("x"), state={}, generations=gens))
     assert "aaaa\u2026 [truncated at 12 tokens, 2 prompts skipped]" in page and "bbbb</pre>" in page
 
@@ -467,7 +534,11 @@ def test_the_hf_callback_hands_the_trainers_tokenizer_to_its_watch(tmp_path, tok
 
     writers = (WRITERS.steps_elsewhere, WRITERS.manual, set(WRITERS.phase_owners))  # process-wide: put back after
     try:
-        for given, processing_class, expected in ((None, Processor(), tok), (tok, object(), tok), (None, object(), None)):
+        for given, processing_class, expected in (
+            (None, Processor(), tok),
+            (tok, object(), tok),
+            (None, object(), None),
+        ):
             callback = HangwatchCallback(environ=env, tokenizer=given)
             try:
                 callback.on_train_begin(args, state, None, model=model, processing_class=processing_class)

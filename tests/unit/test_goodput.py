@@ -1,35 +1,46 @@
 """The goodput ledger: the activity table, provisional time settled by progress or a detection, redone steps,
 the sum against the wall clock, the timeline, a supervisor that goes on from goodput.json."""
+
 from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.records.goodput import (CATEGORIES, LOST, MAX_SEGMENTS, Goodput, activity, goodput_line,
-                                                  read_goodput)
+from hangwatch.supervisor.records.goodput import (
+    CATEGORIES,
+    LOST,
+    MAX_SEGMENTS,
+    Goodput,
+    activity,
+    goodput_line,
+    read_goodput,
+)
 
 
-@pytest.mark.parametrize("state, kw, expected", [
-    ("running", dict(phase="train", stepped=True, after_failure=False), ("training", True)),
-    ("running", dict(phase="train", stepped=False, after_failure=False), ("startup", True)),
-    ("running", dict(phase="load", stepped=False, after_failure=True), ("restart_startup", True)),
-    ("starting", dict(phase=None, stepped=False, after_failure=True), ("restart_startup", True)),
-    ("running", dict(phase=None, stepped=True, after_failure=False), ("training", True)),
-    ("running", dict(phase="eval", stepped=True, after_failure=False), ("eval", True)),
-    ("running", dict(phase="generate", stepped=False, after_failure=False), ("eval", True)),
-    ("running", dict(phase="checkpoint", stepped=True, after_failure=True), ("checkpoint", True)),
-    ("running", dict(phase="idle", stepped=True, after_failure=False), ("idle", True)),
-    ("running", dict(phase="wait", stepped=True, after_failure=False), ("other", True)),
-    ("stopping", dict(phase="checkpoint", stepped=True, after_failure=False), ("checkpoint", True)),
-    ("stalled", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
-    ("dumping", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
-    ("killing", dict(phase="train", stepped=True, after_failure=True), ("kill", False)),
-    ("killing", dict(phase="train", stepped=True, after_failure=True, tree_gone=True), ("gpu_release", False)),
-    ("killing", dict(phase="train", stepped=True, after_failure=False, failing=False), ("other", False)),
-    ("backoff", dict(phase=None, stepped=False, after_failure=True), ("backoff", False)),
-    ("paused", dict(phase=None, stepped=False, after_failure=False), ("paused", False)),
-    ("finished", dict(phase="train", stepped=True, after_failure=False), None),
-    ("failed", dict(phase=None, stepped=False, after_failure=True), None),
-])
+@pytest.mark.parametrize(
+    "state, kw, expected",
+    [
+        ("running", dict(phase="train", stepped=True, after_failure=False), ("training", True)),
+        ("running", dict(phase="train", stepped=False, after_failure=False), ("startup", True)),
+        ("running", dict(phase="load", stepped=False, after_failure=True), ("restart_startup", True)),
+        ("starting", dict(phase=None, stepped=False, after_failure=True), ("restart_startup", True)),
+        ("running", dict(phase=None, stepped=True, after_failure=False), ("training", True)),
+        ("running", dict(phase="eval", stepped=True, after_failure=False), ("eval", True)),
+        ("running", dict(phase="generate", stepped=False, after_failure=False), ("eval", True)),
+        ("running", dict(phase="checkpoint", stepped=True, after_failure=True), ("checkpoint", True)),
+        ("running", dict(phase="idle", stepped=True, after_failure=False), ("idle", True)),
+        ("running", dict(phase="wait", stepped=True, after_failure=False), ("other", True)),
+        ("stopping", dict(phase="checkpoint", stepped=True, after_failure=False), ("checkpoint", True)),
+        ("stalled", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
+        ("dumping", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
+        ("killing", dict(phase="train", stepped=True, after_failure=True), ("kill", False)),
+        ("killing", dict(phase="train", stepped=True, after_failure=True, tree_gone=True), ("gpu_release", False)),
+        ("killing", dict(phase="train", stepped=True, after_failure=False, failing=False), ("other", False)),
+        ("backoff", dict(phase=None, stepped=False, after_failure=True), ("backoff", False)),
+        ("paused", dict(phase=None, stepped=False, after_failure=False), ("paused", False)),
+        ("finished", dict(phase="train", stepped=True, after_failure=False), None),
+        ("failed", dict(phase=None, stepped=False, after_failure=True), None),
+    ],
+)
 def test_activity_table(state, kw, expected):
     assert activity(state, **kw) == expected
 
@@ -143,5 +154,6 @@ def test_goodput_line_words():
     cats = {c: 0.0 for c in CATEGORIES}
     cats.update(training=3000.0, detection=40.0, dumps=20.0, kill=10.0, restart_startup=150.0, redone=120.0)
     snap = {"wall_s": 3340.0, "goodput_pct": 89.8, "categories": cats, "failures": 2}
-    assert goodput_line(snap) == ("goodput 89.8 % — lost 6 min: 2 failures (detection 40 s, recovery 3 min), "
-                                  "redone steps 2 min")
+    assert goodput_line(snap) == (
+        "goodput 89.8 % — lost 6 min: 2 failures (detection 40 s, recovery 3 min), redone steps 2 min"
+    )

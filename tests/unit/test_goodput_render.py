@@ -1,5 +1,6 @@
 """The goodput ledger and the resume audits where a person looks: the `status` row, the run's closing summary and
 the report's sections, each rendered from a snapshot or a run dir written here by hand."""
+
 from __future__ import annotations
 
 import io
@@ -23,22 +24,59 @@ def snapshot(**extra) -> dict:
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(training=5400.0, redone=120.0, eval=60.0, detection=40.0, dumps=20.0, kill=10.0, restart_startup=150.0)
     wall = sum(cats.values())
-    return {"version": 1, "started_unix": T0, "updated_unix": T0 + wall, "wall_s": wall, "categories": cats,
-            "goodput_pct": 100 * cats["training"] / wall, "lost_s": 340.0, "failures": 2, "line": LINE, **extra}
+    return {
+        "version": 1,
+        "started_unix": T0,
+        "updated_unix": T0 + wall,
+        "wall_s": wall,
+        "categories": cats,
+        "goodput_pct": 100 * cats["training"] / wall,
+        "lost_s": 340.0,
+        "failures": 2,
+        "line": LINE,
+        **extra,
+    }
 
 
-SEGMENTS = [[T0, T0 + 3000, "training"], [T0 + 3000, T0 + 3040, "detection"], [T0 + 3040, T0 + 3060, "dumps"],
-            [T0 + 3060, T0 + 3070, "kill"], [T0 + 3070, T0 + 3220, "restart_startup"], [T0 + 3220, T0 + 3340, "redone"],
-            [T0 + 3340, T0 + 3400, "eval"], [T0 + 3400, T0 + 5800, "training"]]
+SEGMENTS = [
+    [T0, T0 + 3000, "training"],
+    [T0 + 3000, T0 + 3040, "detection"],
+    [T0 + 3040, T0 + 3060, "dumps"],
+    [T0 + 3060, T0 + 3070, "kill"],
+    [T0 + 3070, T0 + 3220, "restart_startup"],
+    [T0 + 3220, T0 + 3340, "redone"],
+    [T0 + 3340, T0 + 3400, "eval"],
+    [T0 + 3400, T0 + 5800, "training"],
+]
 
-VERIFIED = {"attempt": 2, "previous_attempt": 1, "resumed_step": 30, "replayed": [31, 39], "compared": [31, 39],
-            "steps_compared": 9, "figures": ["loss"], "rtol": 0.0, "verdict": "verified",
-            "text": "resume verified: steps 31–39 replayed, loss bitwise equal", "incident": "0003"}
-DIVERGED = {"attempt": 3, "previous_attempt": 2, "resumed_step": 40, "replayed": [41, 44], "compared": [41, 41],
-            "steps_compared": 1, "figures": ["loss", "lr"], "rtol": 0.0, "verdict": "diverged",
-            "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
-            "difference": {"step": 41, "rank": 0, "figure": "lr", "now": 1.2e-4, "before": 2.0e-4}, "incident": "0004",
-            "diverged_incident": "0005"}
+VERIFIED = {
+    "attempt": 2,
+    "previous_attempt": 1,
+    "resumed_step": 30,
+    "replayed": [31, 39],
+    "compared": [31, 39],
+    "steps_compared": 9,
+    "figures": ["loss"],
+    "rtol": 0.0,
+    "verdict": "verified",
+    "text": "resume verified: steps 31–39 replayed, loss bitwise equal",
+    "incident": "0003",
+}
+DIVERGED = {
+    "attempt": 3,
+    "previous_attempt": 2,
+    "resumed_step": 40,
+    "replayed": [41, 44],
+    "compared": [41, 41],
+    "steps_compared": 1,
+    "figures": ["loss", "lr"],
+    "rtol": 0.0,
+    "verdict": "diverged",
+    "text": "resume diverged at step 41: lr 0.00012 now, 0.0002 before",
+    "difference": {"step": 41, "rank": 0, "figure": "lr", "now": 1.2e-4, "before": 2.0e-4},
+    "incident": "0004",
+    "diverged_incident": "0005",
+}
 
 
 def shown(renderable) -> str:
@@ -93,7 +131,7 @@ def test_the_runs_summary_has_the_goodput_line_then_one_line_per_resume_audit(tm
     incident(run, "0003", "stall", attempt=1)
     lines = run_summary(str(run), 0)
     at = next(i for i, line in enumerate(lines) if line.startswith("  incident 0003"))
-    assert lines[at + 1:at + 4] == [
+    assert lines[at + 1 : at + 4] == [
         f"  {LINE}",
         "  resume after incident 0003: resume verified: steps 31–39 replayed, loss bitwise equal",
         "  resume after incident 0004: resume diverged at step 41: lr 0.00012 now, 0.0002 before (incident 0005)",
@@ -111,7 +149,9 @@ def test_a_run_without_ledger_or_audits_says_nothing_of_them(tmp_path):
 def test_audits_fall_back_to_what_the_incidents_carry(tmp_path):
     run = run_dir_with(tmp_path)
     incident(run, "0003", "stall", attempt=1, resume_audit={k: v for k, v in VERIFIED.items() if k != "incident"})
-    incident(run, "0004", "resume_diverged", attempt=2, resume_audit={**VERIFIED, "incident": "0003"})  # the same restart
+    incident(
+        run, "0004", "resume_diverged", attempt=2, resume_audit={**VERIFIED, "incident": "0003"}
+    )  # the same restart
     incident(run, "0001", "crash", attempt=1)
     audits = read_resume_audits(run)
     assert [(a["attempt"], a["incident"], a["verdict"]) for a in audits] == [(2, "0003", "verified")]
@@ -153,7 +193,8 @@ def test_plotly_is_inlined_once_with_the_first_chart(tmp_path, stepped):
     run = run_dir_with(tmp_path, snapshot(segments=SEGMENTS))
     if stepped:
         (run / "attempts" / "0001" / "heartbeat-rank0.jsonl").write_text(
-            json.dumps({"v": 1, "event": "step", "t": T0, "step": 1, "loss": 2.0, "rank": 0, "attempt": 1}) + "\n")
+            json.dumps({"v": 1, "event": "step", "t": T0, "step": 1, "loss": 2.0, "rank": 0, "attempt": 1}) + "\n"
+        )
     page = render(read_run(run))
     assert ("No step beats yet." in page) is not stepped
     assert not re.search(r"<script[^>]+src=", page)
@@ -167,8 +208,10 @@ def test_the_report_lists_the_resume_audits(tmp_path):
     audits = section(page, "Resume audits")
     rows = re.findall(r"<tr>(<td.*?)</tr>", audits)
     assert len(rows) == 2
-    assert ('<td class="num">2</td><td class="num">30</td><td class="num">31–39</td>'
-            '<td class="verdict-verified">resume verified: steps 31–39 replayed, loss bitwise equal</td><td>0003</td>') == rows[0]
+    assert (
+        '<td class="num">2</td><td class="num">30</td><td class="num">31–39</td>'
+        '<td class="verdict-verified">resume verified: steps 31–39 replayed, loss bitwise equal</td><td>0003</td>'
+    ) == rows[0]
     assert 'class="verdict-diverged"' in rows[1] and "step 41, rank 0: lr 0.00012 now, 0.0002 before" in rows[1]
     assert rows[1].endswith("<td>0004, 0005 resume_diverged</td>")
 
@@ -180,6 +223,7 @@ def test_no_ledger_and_no_audits_is_a_muted_line_each(tmp_path):
 
 
 def test_a_ledger_without_a_timeline_still_has_its_table(tmp_path):
-    where = section(render(read_run(run_dir_with(tmp_path, snapshot(segments=[["x", 1, "training"]])))),
-                    "Where the time went")
+    where = section(
+        render(read_run(run_dir_with(tmp_path, snapshot(segments=[["x", 1, "training"]])))), "Where the time went"
+    )
     assert "No timeline in goodput.json." in where and where.count("data-category=") == len(CATEGORIES)

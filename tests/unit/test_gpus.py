@@ -1,6 +1,7 @@
 """The GPUs the worker will see (NVML's count narrowed by CUDA_VISIBLE_DEVICES, read as CUDA reads it), and the
 refusal of more built-in ranks than that on CUDA: in `validate-config`/`run` (`config.deep`) and in the doctor.
 NVML is faked: a list of UUIDs, None for a machine without it, or a stand-in `pynvml` module."""
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +13,12 @@ from hangwatch.common import gpus
 from hangwatch.common.config import deep, parse_config
 from hangwatch.common.gpus import Placement, WorkerGpus, placement_problem, visible_count, worker_gpus
 
-FOUR = ["GPU-1a2b3c4d-0000-0000-0000-000000000000", "GPU-1a2b9999-0000-0000-0000-000000000001",
-        "GPU-5e6f7a8b-0000-0000-0000-000000000002", "GPU-9c0d1e2f-0000-0000-0000-000000000003"]
+FOUR = [
+    "GPU-1a2b3c4d-0000-0000-0000-000000000000",
+    "GPU-1a2b9999-0000-0000-0000-000000000001",
+    "GPU-5e6f7a8b-0000-0000-0000-000000000002",
+    "GPU-9c0d1e2f-0000-0000-0000-000000000003",
+]
 
 
 @pytest.mark.parametrize(
@@ -76,24 +81,60 @@ NO_GPU_MACHINE = WorkerGpus(0, 0, None, "")
 @pytest.mark.parametrize(
     "device, nproc, seen, expected",
     [
-        ("cuda", 2, ONE_OF_FOUR, Placement(
-            ("worker", "nproc_per_node"),
-            "2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 on this machine): "
-            "NCCL needs one GPU per rank", "set worker.nproc_per_node: 1 or make more GPUs visible")),
-        ("auto", 4, TWO_OF_FOUR, Placement(
-            ("worker", "nproc_per_node"),
-            "4, but the worker sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1 in the environment; NVML counts 4 on this "
-            "machine): NCCL needs one GPU per rank", "set worker.nproc_per_node: 2 or make more GPUs visible")),
-        ("cuda", 8, ALL_FOUR, Placement(
-            ("worker", "nproc_per_node"),
-            "8, but the worker sees 4 GPUs (CUDA_VISIBLE_DEVICES not set; NVML counts 4 on this machine): NCCL needs "
-            "one GPU per rank", "set worker.nproc_per_node: 4 or make more GPUs visible")),
-        ("cuda", 1, NONE_OF_FOUR, Placement(
-            ("model", "device"), "cuda, but the worker sees no GPU (CUDA_VISIBLE_DEVICES='' in worker.env; NVML counts "
-            "4 on this machine)", "set model.device: cpu (or auto), or make a GPU visible")),
-        ("cuda", 2, NO_GPU_MACHINE, Placement(
-            ("model", "device"), "cuda, but the worker sees no GPU (CUDA_VISIBLE_DEVICES not set; NVML counts 0 on "
-            "this machine)", "set model.device: cpu (or auto), or make a GPU visible")),
+        (
+            "cuda",
+            2,
+            ONE_OF_FOUR,
+            Placement(
+                ("worker", "nproc_per_node"),
+                "2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 on this machine): "
+                "NCCL needs one GPU per rank",
+                "set worker.nproc_per_node: 1 or make more GPUs visible",
+            ),
+        ),
+        (
+            "auto",
+            4,
+            TWO_OF_FOUR,
+            Placement(
+                ("worker", "nproc_per_node"),
+                "4, but the worker sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1 in the environment; NVML counts 4 on this "
+                "machine): NCCL needs one GPU per rank",
+                "set worker.nproc_per_node: 2 or make more GPUs visible",
+            ),
+        ),
+        (
+            "cuda",
+            8,
+            ALL_FOUR,
+            Placement(
+                ("worker", "nproc_per_node"),
+                "8, but the worker sees 4 GPUs (CUDA_VISIBLE_DEVICES not set; NVML counts 4 on this machine): NCCL needs "
+                "one GPU per rank",
+                "set worker.nproc_per_node: 4 or make more GPUs visible",
+            ),
+        ),
+        (
+            "cuda",
+            1,
+            NONE_OF_FOUR,
+            Placement(
+                ("model", "device"),
+                "cuda, but the worker sees no GPU (CUDA_VISIBLE_DEVICES='' in worker.env; NVML counts "
+                "4 on this machine)",
+                "set model.device: cpu (or auto), or make a GPU visible",
+            ),
+        ),
+        (
+            "cuda",
+            2,
+            NO_GPU_MACHINE,
+            Placement(
+                ("model", "device"),
+                "cuda, but the worker sees no GPU (CUDA_VISIBLE_DEVICES not set; NVML counts 0 on this machine)",
+                "set model.device: cpu (or auto), or make a GPU visible",
+            ),
+        ),
         # enough GPUs
         ("cuda", 2, TWO_OF_FOUR, None),
         ("auto", 1, ONE_OF_FOUR, None),
@@ -115,9 +156,13 @@ def test_placement_problem(device, nproc, seen, expected):
 
 def config(device: str = "cuda", nproc: int = 2, worker_env: dict | None = None, command: list | None = None):
     env = "".join(f"    {k}: {v!r}\n" for k, v in (worker_env or {}).items())
-    return parse_config(f"run_dir: /tmp/hw-gpus\ndata:\n  train: train.jsonl\nmodel:\n  device: {device}\n"
-                        f"worker:\n  nproc_per_node: {nproc}\n" + (f"  env:\n{env}" if env else "")
-                        + (f"  command: {command}\n" if command else ""), environ={})
+    return parse_config(
+        f"run_dir: /tmp/hw-gpus\ndata:\n  train: train.jsonl\nmodel:\n  device: {device}\n"
+        f"worker:\n  nproc_per_node: {nproc}\n"
+        + (f"  env:\n{env}" if env else "")
+        + (f"  command: {command}\n" if command else ""),
+        environ={},
+    )
 
 
 def gpu_errors(cfg, environ=None, uuids=FOUR) -> list:
@@ -132,9 +177,13 @@ def gpu_errors(cfg, environ=None, uuids=FOUR) -> list:
 
 def test_more_ranks_than_visible_gpus_is_refused_with_both_numbers():
     errors, _ = gpu_errors(config(worker_env={"CUDA_VISIBLE_DEVICES": "0"}))
-    assert errors == [(("worker", "nproc_per_node"),
-                       "2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 on this "
-                       "machine): NCCL needs one GPU per rank; set worker.nproc_per_node: 1 or make more GPUs visible")]
+    assert errors == [
+        (
+            ("worker", "nproc_per_node"),
+            "2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; NVML counts 4 on this "
+            "machine): NCCL needs one GPU per rank; set worker.nproc_per_node: 1 or make more GPUs visible",
+        )
+    ]
 
 
 def test_the_check_is_part_of_the_machine_checks():
@@ -142,7 +191,8 @@ def test_the_check_is_part_of_the_machine_checks():
         return [loc for loc, _ in found.errors if loc in (("worker", "nproc_per_node"), ("model", "device"))]
 
     assert placement(deep.check(config(worker_env={"CUDA_VISIBLE_DEVICES": "0"}), {}, lambda: FOUR)) == [
-        ("worker", "nproc_per_node")]
+        ("worker", "nproc_per_node")
+    ]
     assert placement(deep.check(config(), {"CUDA_VISIBLE_DEVICES": "0,1"}, lambda: FOUR)) == []
 
 
@@ -167,11 +217,14 @@ def test_the_doctor_fails_the_placement_in_the_same_words():
     from hangwatch.daemon.doctor.findings import FAIL, OK, SKIP
     from hangwatch.daemon.doctor.runner import Doctor
 
-    f = Doctor(config(worker_env={"CUDA_VISIBLE_DEVICES": "0"}), cheap=True, env={},
-               gpu_uuids=lambda: FOUR).placement_finding()
+    f = Doctor(
+        config(worker_env={"CUDA_VISIBLE_DEVICES": "0"}), cheap=True, env={}, gpu_uuids=lambda: FOUR
+    ).placement_finding()
     assert (f.status, f.fix) == (FAIL, "set worker.nproc_per_node: 1 or make more GPUs visible")
-    assert f.summary == ("worker.nproc_per_node: 2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; "
-                         "NVML counts 4 on this machine): NCCL needs one GPU per rank")
+    assert f.summary == (
+        "worker.nproc_per_node: 2, but the worker sees 1 GPU (CUDA_VISIBLE_DEVICES=0 in worker.env; "
+        "NVML counts 4 on this machine): NCCL needs one GPU per rank"
+    )
     f = Doctor(config(), cheap=True, env={"CUDA_VISIBLE_DEVICES": "1,3"}, gpu_uuids=lambda: FOUR).placement_finding()
     assert f.status == OK and "one per visible GPU" in f.summary
     f = Doctor(config(), cheap=True, env={}, gpu_uuids=lambda: None).placement_finding()

@@ -5,6 +5,7 @@ One Trainer run covers every beat: 8 optimizer steps of 2 micro-batches, eval an
 steps, a user callback that generates after each eval, a `trainer.predict` from a user callback mid-run,
 and one micro-batch whose loss is NaN (its gradient is zero, so training goes on).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from transformers import GenerationMixin, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from hangwatch.daemon.integrations.transformers import (HangwatchCallback, checkpoint_step, count_inputs,  # noqa: E402
-                                                        resumed_checkpoint)
+from hangwatch.daemon.integrations.transformers import (
+    HangwatchCallback,
+    checkpoint_step,
+    count_inputs,  # noqa: E402
+    resumed_checkpoint,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import tiny_model  # noqa: E402
@@ -39,8 +44,13 @@ class Probe(TrainerCallback):
         cls = type(model)
         self.generate_patched.append("generate" in vars(cls) or "generate" in vars(model))
         enc = self.tok("question 5:", return_tensors="pt", return_token_type_ids=False)
-        model.generate(**enc, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                       pad_token_id=self.tok.pad_token_id)
+        model.generate(
+            **enc,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=self.tok.pad_token_id,
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == PREDICT_AT_STEP:
@@ -53,8 +63,9 @@ def nan_once(trainer_state):
 
     def loss_func(outputs, labels, num_items_in_batch=None):
         logits = outputs.logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100, reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
         loss = loss / (num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum())
         step = trainer_state().global_step + 1
         if step == NAN_AT_STEP and step not in seen:
@@ -72,13 +83,33 @@ def run_trainer(out_dir: Path, callback: HangwatchCallback) -> tuple[Trainer, Pr
     eval_ds = tiny_model.TextDataset(tok, tiny_model.TEXTS[32:36], length=32)
     probe = Probe(tok, eval_ds)
     args = TrainingArguments(
-        output_dir=str(out_dir), max_steps=MAX_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=2, learning_rate=1e-3, eval_strategy="steps", eval_steps=EVERY,
-        save_strategy="steps", save_steps=EVERY, logging_steps=1, logging_nan_inf_filter=False, report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=0)
+        output_dir=str(out_dir),
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=2,
+        learning_rate=1e-3,
+        eval_strategy="steps",
+        eval_steps=EVERY,
+        save_strategy="steps",
+        save_steps=EVERY,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     holder: dict = {}
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tok,
-                      compute_loss_func=nan_once(lambda: holder["t"].state), callbacks=[probe, callback])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tok,
+        compute_loss_func=nan_once(lambda: holder["t"].state),
+        callbacks=[probe, callback],
+    )
     holder["t"] = probe.trainer = trainer
     trainer.train()
     return trainer, probe
@@ -166,14 +197,17 @@ def test_outside_hangwatch_it_writes_nothing_and_wraps_nothing(tmp_path, monkeyp
     assert not {"training_step", "evaluate", "predict", "_save_checkpoint"} & set(vars(trainer))
 
 
-@pytest.mark.parametrize("step, offered, own_exists, expected", [
-    (0, "/c/checkpoint-8", True, None),                 # a fresh start resumed from nothing
-    (8, "/c/checkpoint-8", True, "/c/checkpoint-8"),    # what hangwatch offered, at its step
-    (12, "/c/checkpoint-8", True, "OWN"),               # the script resumed from something newer of its own
-    (12, "/c/checkpoint-8", False, "/c/checkpoint-8"),  # unknown: the offer is the best we know
-    (8, None, True, "OWN"),
-    (8, None, False, None),
-])
+@pytest.mark.parametrize(
+    "step, offered, own_exists, expected",
+    [
+        (0, "/c/checkpoint-8", True, None),  # a fresh start resumed from nothing
+        (8, "/c/checkpoint-8", True, "/c/checkpoint-8"),  # what hangwatch offered, at its step
+        (12, "/c/checkpoint-8", True, "OWN"),  # the script resumed from something newer of its own
+        (12, "/c/checkpoint-8", False, "/c/checkpoint-8"),  # unknown: the offer is the best we know
+        (8, None, True, "OWN"),
+        (8, None, False, None),
+    ],
+)
 def test_resumed_checkpoint(tmp_path, step, offered, own_exists, expected):
     if own_exists:
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -181,8 +215,16 @@ def test_resumed_checkpoint(tmp_path, step, offered, own_exists, expected):
     assert resumed_checkpoint(step, offered, str(tmp_path)) == want
 
 
-@pytest.mark.parametrize("path, step", [("/x/checkpoint-120", 120), ("/x/checkpoint-120/", 120), ("/x/ckpt-3", None),
-                                        ("/x/checkpoint-final", None), ("checkpoint-0", 0)])
+@pytest.mark.parametrize(
+    "path, step",
+    [
+        ("/x/checkpoint-120", 120),
+        ("/x/checkpoint-120/", 120),
+        ("/x/ckpt-3", None),
+        ("/x/checkpoint-final", None),
+        ("checkpoint-0", 0),
+    ],
+)
 def test_checkpoint_step(path, step):
     assert checkpoint_step(path) == step
 
@@ -225,14 +267,24 @@ def test_generate_watch_peft_copies_user_criteria_and_uninstall(tmp_path):
     assert watch.install(peft_model) >= 2 and watch.install(peft_model) == 0
     enc = tok("question 1:", return_tensors="pt", return_token_type_ids=False)
     user = StoppingCriteriaList([StopAfter(5)])
-    out = peft_model.generate(**enc, max_new_tokens=40, stopping_criteria=user, do_sample=False,
-                              suppress_tokens=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    out = peft_model.generate(
+        **enc,
+        max_new_tokens=40,
+        stopping_criteria=user,
+        do_sample=False,
+        suppress_tokens=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
     assert out.shape[1] - enc["input_ids"].shape[1] == 5 and len(user) == 1
-    other.generate(**enc, max_new_tokens=3, pad_token_id=tok.pad_token_id)            # never installed
+    other.generate(**enc, max_new_tokens=3, pad_token_id=tok.pad_token_id)  # never installed
     copy.deepcopy(peft_model.get_base_model()).generate(**enc, max_new_tokens=3, pad_token_id=tok.pad_token_id)
     recs = [json.loads(line) for line in (tmp_path / "hb.jsonl").read_text().splitlines()]
     assert [(r["event"], r["phase"], r.get("tokens")) for r in recs] == [
-        ("phase", "generate", None), ("progress", "generate", 2), ("progress", "generate", 4), ("phase", "init", None)]
+        ("phase", "generate", None),
+        ("progress", "generate", 2),
+        ("progress", "generate", 4),
+        ("phase", "init", None),
+    ]
     watch.uninstall()
     assert {cls: vars(cls).get("generate") for cls in classes} == classes
     assert vars(type(peft_model))["generate"].__qualname__ == "PeftModel.generate"

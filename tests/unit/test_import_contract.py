@@ -12,6 +12,7 @@ supervisor, and no import cycle anywhere in the product.
 Checked on the source with `ast` (every import statement, function-level ones included, relative ones
 resolved), so a forbidden import fails here even on a code path no other test runs.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,8 +26,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"common": "hangwatch.common", "daemon": "hangwatch.daemon", "supervisor": "hangwatch.supervisor"}
-ML_STACK = {"torch", "transformers", "peft", "numpy", "safetensors", "accelerate", "bitsandbytes", "lightning",
-            "pytorch_lightning"}
+ML_STACK = {
+    "torch",
+    "transformers",
+    "peft",
+    "numpy",
+    "safetensors",
+    "accelerate",
+    "bitsandbytes",
+    "lightning",
+    "pytorch_lightning",
+}
 STDLIB_COMMON = {"hangwatch.common.protocol", "hangwatch.common.rundir"}  # what heartbeat.py may use
 RULES = {
     # package: (forbidden hangwatch packages, forbidden third-party top-level names)
@@ -78,10 +88,16 @@ def violations(root: Path) -> list[str]:
                     found.append(f"{where}: {mod} imports {target} (no ML stack in {package})")
                 elif top in FOLDERS:
                     found.append(f"{where}: {mod} imports {target} (import names live under `hangwatch.`)")
-                elif folder == "daemon" and path.name == "heartbeat.py" and (
-                        top not in sys.stdlib_module_names and top != "__future__"
+                elif (
+                    folder == "daemon"
+                    and path.name == "heartbeat.py"
+                    and (
+                        top not in sys.stdlib_module_names
+                        and top != "__future__"
                         and not any(target == m or target.startswith(m + ".") for m in STDLIB_COMMON)
-                        and target != "hangwatch.common"):
+                        and target != "hangwatch.common"
+                    )
+                ):
                     found.append(f"{where}: heartbeat.py imports {target} (standard library only)")
     return found
 
@@ -192,8 +208,10 @@ def test_the_cycle_check_finds_a_planted_cycle(tmp_path):
         (tmp_path / f / "loop" / "__init__.py").write_text("from hangwatch.supervisor.loop import runner\n")
     sup = tmp_path / "supervisor"
     (sup / "loop" / "runner.py").write_text("from hangwatch.supervisor.loop import beats\n")
-    (sup / "loop" / "beats.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                           "    from hangwatch.supervisor.loop.runner import Supervisor\n")
+    (sup / "loop" / "beats.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from hangwatch.supervisor.loop.runner import Supervisor\n"
+    )
     (sup / "loop" / "pacing.py").write_text("def f():\n    from ..loop import runner\n")
     assert import_cycles(tmp_path) == [["hangwatch.supervisor.loop.beats", "hangwatch.supervisor.loop.runner"]]
     (sup / "loop" / "runner.py").write_text("from hangwatch.supervisor.loop import beats, pacing\n")
@@ -211,10 +229,13 @@ def test_every_package_is_found_for_the_wheel():
 
 def test_the_supervisor_never_loads_the_ml_stack_at_run_time():
     """The AST check covers our code; this covers third-party modules the supervisor imports."""
-    mods = sorted({module_name(ROOT, "supervisor", p) for p in (ROOT / "supervisor").rglob("*.py")
-                   if p.name != "__main__.py"})
-    code = (f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\n"
-            f"bad = {sorted(ML_STACK)!r}\nprint(sorted(set(bad) & set(sys.modules)))")
+    mods = sorted(
+        {module_name(ROOT, "supervisor", p) for p in (ROOT / "supervisor").rglob("*.py") if p.name != "__main__.py"}
+    )
+    code = (
+        f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\n"
+        f"bad = {sorted(ML_STACK)!r}\nprint(sorted(set(bad) & set(sys.modules)))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"

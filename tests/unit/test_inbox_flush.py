@@ -1,6 +1,7 @@
 """The partial step of a quiet continuous run and the checkpoint it leaves: the loss of a partial
 step against a hand computation, the flush through the real trainer on a fake clock (partial step,
 covering checkpoint, file in done/, settled good or provisional), and the settling rules."""
+
 from __future__ import annotations
 
 import io
@@ -9,10 +10,10 @@ import math
 
 import pytest
 import torch
-
 from fixtures.fakes.continuous_support import good_file, inbox_config, ledger, leftovers, names_in
 from fixtures.fakes.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox
 from fixtures.fakes.workers import make_config
+
 from hangwatch.common.config import load_config
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon import checkpoint as ckpt
@@ -31,8 +32,12 @@ from hangwatch.daemon.trainer.loop import Trainer
 def test_a_partial_step_is_the_mean_over_the_label_tokens_present(tmp_path):
     """3 examples where a step holds 4 (micro-batches of 2 and 1): loss and gradient are those of the
     mean cross-entropy over the 3 examples' completion tokens, computed here one example at a time."""
-    config = make_config(tmp_path, lora={"dropout": 0.0}, model={"tiny": {"extra_head": False}},
-                         train={"micro_batch_size": 2, "grad_accum": 2, "max_grad_norm": 1e9})
+    config = make_config(
+        tmp_path,
+        lora={"dropout": 0.0},
+        model={"tiny": {"extra_head": False}},
+        train={"micro_batch_size": 2, "grad_accum": 2, "max_grad_norm": 1e9},
+    )
     cfg = load_config(config)
     bundle = load_model(cfg)
     examples, _ = validate_file(cfg.data.train, bundle.tokenizer, cfg)
@@ -55,8 +60,17 @@ def test_a_partial_step_is_the_mean_over_the_label_tokens_present(tmp_path):
         p.grad = None
 
     hb = RecordingHeartbeat()
-    trainer = Trainer(cfg, hb, tmp_path / "run", bundle, ShuffledEpochs(examples, 0), [],
-                      FaultPlan([], tmp_path / "run", hb), StopRequest(), out=io.StringIO())
+    trainer = Trainer(
+        cfg,
+        hb,
+        tmp_path / "run",
+        bundle,
+        ShuffledEpochs(examples, 0),
+        [],
+        FaultPlan([], tmp_path / "run", hb),
+        StopRequest(),
+        out=io.StringIO(),
+    )
     trainer.seed_fresh()
     m = trainer.train_step(three)
     assert (m["finite"], m["partial"], m["examples"]) == (True, True, 3)
@@ -73,8 +87,10 @@ def test_a_partial_step_is_the_mean_over_the_label_tokens_present(tmp_path):
 def quiet_run(tmp_path, *, with_eval: bool, snapshot_at: float):
     """The real trainer over the inbox on a fake clock: a 7-example file (a step holds 4), nothing else
     arrives; at `snapshot_at` the run dir is looked at and a stop requested."""
-    overrides = {"data": {"replay_ratio": 0, "flush_after_s": 2.5, **({} if with_eval else {"eval": None})},
-                 "checkpoint": {"every_steps": 4, "confirm_steps": 1}}
+    overrides = {
+        "data": {"replay_ratio": 0, "flush_after_s": 2.5, **({} if with_eval else {"eval": None})},
+        "checkpoint": {"every_steps": 4, "confirm_steps": 1},
+    }
     cfg = load_config(inbox_config(tmp_path, **overrides))
     bundle = load_model(cfg)
     run = tmp_path / "run"
@@ -91,15 +107,29 @@ def quiet_run(tmp_path, *, with_eval: bool, snapshot_at: float):
 
     def look_and_stop():
         newest = ckpt.list_checkpoints(ckpt.checkpoints_root(run))[0]
-        seen.update(leftovers=leftovers(run), done=names_in(run, Stage.DONE), ledger=len(ledger(run)),
-                    newest=newest.name, good=ckpt.is_good(newest), provisional=ckpt.is_provisional(newest),
-                    state=ckpt.read_state(newest),
-                    marker=json.loads((newest / ckpt.GOOD).read_text()) if ckpt.is_good(newest) else None)
+        seen.update(
+            leftovers=leftovers(run),
+            done=names_in(run, Stage.DONE),
+            ledger=len(ledger(run)),
+            newest=newest.name,
+            good=ckpt.is_good(newest),
+            provisional=ckpt.is_provisional(newest),
+            state=ckpt.read_state(newest),
+            marker=json.loads((newest / ckpt.GOOD).read_text()) if ckpt.is_good(newest) else None,
+        )
         stop.requested = "SIGTERM"
 
     inbox.script[snapshot_at] = look_and_stop
-    feed = InboxFeed(ContinuousSource(run, check, replay_ratio=0), inbox, hb, stop, flush_after_s=cfg.data.flush_after_s,
-                     idle_exit_s=None, clock=clock, out=io.StringIO())
+    feed = InboxFeed(
+        ContinuousSource(run, check, replay_ratio=0),
+        inbox,
+        hb,
+        stop,
+        flush_after_s=cfg.data.flush_after_s,
+        idle_exit_s=None,
+        clock=clock,
+        out=io.StringIO(),
+    )
     eval_examples = validate_file(cfg.data.eval, bundle.tokenizer, cfg)[0] if with_eval else []
     trainer = Trainer(cfg, hb, run, bundle, feed, eval_examples, FaultPlan([], run, hb), stop, out=io.StringIO())
     trainer.seed_fresh()
@@ -137,9 +167,12 @@ def test_a_quiet_run_trains_a_partial_step_checkpoints_it_and_the_file_is_done(t
 
 def committed(run, step: int, *, weights_finite=True, streak=0, c: "Confirmation | None" = None) -> Pending:
     """A checkpoint committed as the trainer commits one (with `c`'s marks, when given)."""
+
     def fill(tmp):
-        (tmp / ckpt.STATE).write_text(json.dumps({"step": step, "weights_finite": weights_finite,
-                                                  "nonfinite_streak": streak}))
+        (tmp / ckpt.STATE).write_text(
+            json.dumps({"step": step, "weights_finite": weights_finite, "nonfinite_streak": streak})
+        )
+
     markers = c.commit_markers if c is not None else None
     return Pending(ckpt.commit(ckpt.checkpoints_root(run), step, fill, markers=markers), step)
 
@@ -148,15 +181,19 @@ def confirmation(run, *, continuous=True, confirm_steps=1) -> Confirmation:
     return Confirmation(run, NullHeartbeat(), confirm_steps, 3, lambda line: None, provisional_on_commit=continuous)
 
 
-@pytest.mark.parametrize("continuous,confirm_steps,weights_finite,streak,provisional", [
-    (True, 1, True, 0, True),  # continuous: resumable from the moment it is committed
-    (True, 1, False, 0, False),  # never with non-finite weights
-    (True, 1, True, 2, False),  # nor when the step before it was not finite
-    (False, 1, True, 0, False),  # a run over a file waits for the steps after it, as before
-    (True, 0, True, 0, False),  # no confirmation asked for: good at once instead
-])
-def test_which_checkpoints_are_provisional_at_commit(tmp_path, continuous, confirm_steps, weights_finite, streak,
-                                                     provisional):
+@pytest.mark.parametrize(
+    "continuous,confirm_steps,weights_finite,streak,provisional",
+    [
+        (True, 1, True, 0, True),  # continuous: resumable from the moment it is committed
+        (True, 1, False, 0, False),  # never with non-finite weights
+        (True, 1, True, 2, False),  # nor when the step before it was not finite
+        (False, 1, True, 0, False),  # a run over a file waits for the steps after it, as before
+        (True, 0, True, 0, False),  # no confirmation asked for: good at once instead
+    ],
+)
+def test_which_checkpoints_are_provisional_at_commit(
+    tmp_path, continuous, confirm_steps, weights_finite, streak, provisional
+):
     c = confirmation(tmp_path, continuous=continuous, confirm_steps=confirm_steps)
     p = committed(tmp_path, 4, weights_finite=weights_finite, streak=streak, c=c)
     assert ckpt.is_provisional(p.path) is provisional  # marked as it appeared, not a moment after

@@ -2,11 +2,13 @@
 step (`data.flush_after_s` with nothing new arriving), when the run ends (`data.idle_exit_s`), what
 resets the quiet clock, and that the wait keeps beating in phase `idle` and never oversleeps a
 decision."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
+from fixtures.fakes.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox, jsonl, validator  # noqa: E402
 
 from hangwatch.common.inbox_layout import Stage
 from hangwatch.daemon.inbox.feed import InboxFeed
@@ -14,32 +16,36 @@ from hangwatch.daemon.inbox.idle import FLUSH, IDLE, IdlePolicy
 from hangwatch.daemon.inbox.source import ContinuousSource
 from hangwatch.daemon.signals import StopRequest
 
-from fixtures.fakes.inbox_support import FakeClock, RecordingHeartbeat, ScriptedInbox, jsonl, validator  # noqa: E402
-
 STEP = 4  # examples in a full step
 
 
-@pytest.mark.parametrize("flush_after,idle_exit,quiet,flushed,decision", [
-    (2, None, 0.0, False, None),
-    (2, None, 1.99, False, None),
-    (2, None, 2.0, False, FLUSH),  # due exactly at flush_after_s
-    (2, None, 50.0, True, None),  # once per quiet spell
-    (2, 5, 4.99, True, None),
-    (2, 5, 5.0, True, IDLE),
-    (2, 5, 5.0, False, IDLE),  # the end wins: finishing trains and checkpoints what is in hand too
-    (10, 3, 3.0, False, IDLE),  # idle_exit_s below flush_after_s: the run ends before any flush
-])
+@pytest.mark.parametrize(
+    "flush_after,idle_exit,quiet,flushed,decision",
+    [
+        (2, None, 0.0, False, None),
+        (2, None, 1.99, False, None),
+        (2, None, 2.0, False, FLUSH),  # due exactly at flush_after_s
+        (2, None, 50.0, True, None),  # once per quiet spell
+        (2, 5, 4.99, True, None),
+        (2, 5, 5.0, True, IDLE),
+        (2, 5, 5.0, False, IDLE),  # the end wins: finishing trains and checkpoints what is in hand too
+        (10, 3, 3.0, False, IDLE),  # idle_exit_s below flush_after_s: the run ends before any flush
+    ],
+)
 def test_idle_decision(flush_after, idle_exit, quiet, flushed, decision):
     assert IdlePolicy(flush_after, idle_exit).decide(quiet, flushed) == decision
 
 
-@pytest.mark.parametrize("flush_after,idle_exit,quiet,flushed,wait", [
-    (30, None, 0.0, False, 1.0),  # a beat is owed first
-    (2, None, 1.5, False, 0.5),  # the flush is due first: wake exactly then
-    (2, None, 2.5, False, 0.0),  # overdue: do not block
-    (2, None, 10.0, True, 1.0),  # flushed, no end: beat every second for ever
-    (2, 5, 4.75, True, 0.25),
-])
+@pytest.mark.parametrize(
+    "flush_after,idle_exit,quiet,flushed,wait",
+    [
+        (30, None, 0.0, False, 1.0),  # a beat is owed first
+        (2, None, 1.5, False, 0.5),  # the flush is due first: wake exactly then
+        (2, None, 2.5, False, 0.0),  # overdue: do not block
+        (2, None, 10.0, True, 1.0),  # flushed, no end: beat every second for ever
+        (2, 5, 4.75, True, 0.25),
+    ],
+)
 def test_idle_wait_never_oversleeps_a_decision_or_a_beat(flush_after, idle_exit, quiet, flushed, wait):
     assert IdlePolicy(flush_after, idle_exit).wait_s(quiet, flushed, beat_every_s=1.0) == pytest.approx(wait)
 
@@ -52,8 +58,16 @@ def make_feed(run, script=None, *, flush_after_s=2.5, idle_exit_s=None, files=No
     inbox.intakes = 0
     hb = RecordingHeartbeat(clock)
     stop = StopRequest()
-    feed = InboxFeed(ContinuousSource(run, validator), inbox, hb, stop, flush_after_s=flush_after_s,
-                     idle_exit_s=idle_exit_s, clock=clock, out=io.StringIO())
+    feed = InboxFeed(
+        ContinuousSource(run, validator),
+        inbox,
+        hb,
+        stop,
+        flush_after_s=flush_after_s,
+        idle_exit_s=idle_exit_s,
+        clock=clock,
+        out=io.StringIO(),
+    )
     feed.restore(None)
     return feed, clock, inbox, hb, stop
 
@@ -63,8 +77,9 @@ def lines_of(examples) -> list[int]:
 
 
 def test_examples_in_hand_are_flushed_after_flush_after_s_of_quiet_and_only_once(tmp_path):
-    feed, clock, inbox, hb, _ = make_feed(tmp_path, flush_after_s=2.3, idle_exit_s=7.0,
-                                         files={"a.jsonl": jsonl(7, "a")})
+    feed, clock, inbox, hb, _ = make_feed(
+        tmp_path, flush_after_s=2.3, idle_exit_s=7.0, files={"a.jsonl": jsonl(7, "a")}
+    )
     examples, end = feed.take_step(STEP)
     assert (lines_of(examples), end, clock.now) == ([1, 2, 3, 4], None, 0.0)  # a full step: no wait at all
 

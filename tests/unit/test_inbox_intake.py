@@ -1,4 +1,5 @@
 """Inbox intake: publishing, the submit pre-check, and what gets rejected with which report."""
+
 from __future__ import annotations
 
 import json
@@ -7,14 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 from hangwatch.common.inbox_layout import Stage, data_files, move, queue_order, queue_status
 from hangwatch.common.transitions import IllegalTransition
 from hangwatch.daemon.inbox.assess import validate_only
 from hangwatch.daemon.inbox.intake import Inbox
 from hangwatch.daemon.inbox.publish import publish
-
-from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 
 def start(run_dir: Path, **kw) -> Inbox:
@@ -54,13 +54,16 @@ def test_publish_copies_complete_file_under_a_free_name(tmp_path):
     assert sorted(os.listdir(run / "inbox")) == ["data-2.jsonl", "data.jsonl", "p7-data.jsonl"]  # no .tmp- left
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"name": ".hidden.jsonl"}, "would be ignored"),
-    ({"name": "upload.part"}, "would be ignored"),
-    ({"name": "a/b.jsonl"}, "not a file name"),
-    ({"name": "x" * 250}, "longer than 200"),
-    ({"priority": 100}, "priority must be an integer from 0 to 99"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"name": ".hidden.jsonl"}, "would be ignored"),
+        ({"name": "upload.part"}, "would be ignored"),
+        ({"name": "a/b.jsonl"}, "not a file name"),
+        ({"name": "x" * 250}, "longer than 200"),
+        ({"priority": 100}, "priority must be an integer from 0 to 99"),
+    ],
+)
 def test_publish_refuses_names_the_inbox_would_not_take(tmp_path, kw, message):
     src = write(tmp_path / "data.jsonl", jsonl(1, "x"))
     with pytest.raises(ValueError, match=message):
@@ -77,7 +80,9 @@ def test_validate_only_says_what_it_accepts_and_why_not(tmp_path):
     assert [v.accepted for v in verdicts] == [True, False, False, False]
     assert verdicts[0].summary() == "good.jsonl: accepted, 4 example(s)"
     assert [r["code"] for r in verdicts[1].reasons] == ["bad_lines"]
-    assert verdicts[1].problems == [{"line": 3, "error": "not JSON: Expecting property name enclosed in double quotes (column 2)"}]
+    assert verdicts[1].problems == [
+        {"line": 3, "error": "not JSON: Expecting property name enclosed in double quotes (column 2)"}
+    ]
     assert "line 3: not JSON" in verdicts[1].summary()
     assert verdicts[2].reasons[0]["code"] == "duplicate" and "same submission" in verdicts[2].reasons[0]["message"]
     assert verdicts[3].reasons[0]["code"] == "missing"
@@ -121,16 +126,24 @@ def test_rejections_carry_line_numbers_and_specific_reasons(tmp_path):
     ]
     assert report_of(run, "long.jsonl")["problems"] == [{"line": 2, "error": "example too long: 301 characters > 200"}]
 
-    assert codes("empty.jsonl") == ["empty"] and report_of(run, "empty.jsonl")["reasons"][0]["message"] == "empty file (0 bytes)"
+    assert (
+        codes("empty.jsonl") == ["empty"]
+        and report_of(run, "empty.jsonl")["reasons"][0]["message"] == "empty file (0 bytes)"
+    )
     assert report_of(run, "blank.jsonl")["reasons"][0]["message"] == "no data: all 3 line(s) are blank"
     assert report_of(run, "binary.jsonl")["reasons"] == [
-        {"code": "binary", "message": "binary file: NUL byte on line 3", "line": 3}]
+        {"code": "binary", "message": "binary file: NUL byte on line 3", "line": 3}
+    ]
     assert report_of(run, "latin1.jsonl")["reasons"] == [
-        {"code": "not_utf8", "message": "not UTF-8 text: invalid byte 0xe9 on line 2, column 16", "line": 2}]
+        {"code": "not_utf8", "message": "not UTF-8 text: invalid byte 0xe9 on line 2, column 16", "line": 2}
+    ]
     assert report_of(run, "huge.jsonl")["reasons"] == [
-        {"code": "huge_line", "message": "line 2 is 5000 bytes, longer than the 4096-byte limit", "line": 2}]
+        {"code": "huge_line", "message": "line 2 is 5000 bytes, longer than the 4096-byte limit", "line": 2}
+    ]
     big = report_of(run, "big.jsonl")
-    assert codes("big.jsonl") == ["too_large"] and "larger than data.max_file_bytes = 8000" in big["reasons"][0]["message"]
+    assert (
+        codes("big.jsonl") == ["too_large"] and "larger than data.max_file_bytes = 8000" in big["reasons"][0]["message"]
+    )
     # nothing is lost: every rejected file keeps its bytes, next to its report
     assert (run / "rejected" / "big.jsonl").read_text() == jsonl(300, "z")
     assert queue_status(run)["rejected"] == 9
@@ -171,7 +184,13 @@ def test_same_content_twice_is_rejected_as_duplicate_and_names_do_not_collide(tm
     dup = report_of(run, "copy.jsonl")["reasons"][0]
     assert dup["code"] == "duplicate" and f"queue/{queued.filename}" in dup["message"]
     assert sorted(os.listdir(run / "rejected")) == [
-        "copy.jsonl", "copy.jsonl.error.json", "x-2.jsonl", "x-2.jsonl.error.json", "x.jsonl", "x.jsonl.error.json"]
+        "copy.jsonl",
+        "copy.jsonl.error.json",
+        "x-2.jsonl",
+        "x-2.jsonl.error.json",
+        "x.jsonl",
+        "x.jsonl.error.json",
+    ]
     assert report_of(run, "x-2.jsonl")["reasons"][0]["message"] == "no data: all 1 line(s) are blank"
 
 
@@ -185,7 +204,8 @@ def test_a_failing_validator_rejects_the_file_instead_of_crashing(tmp_path):
     result = inbox.intake("a.jsonl")
     assert result.outcome == "rejected"
     assert report_of(run, "a.jsonl")["reasons"] == [
-        {"code": "validator_error", "message": "validator failed: RuntimeError: tokenizer exploded"}]
+        {"code": "validator_error", "message": "validator failed: RuntimeError: tokenizer exploded"}
+    ]
 
 
 def test_priority_prefix_orders_the_queue_then_arrival(tmp_path):
@@ -195,7 +215,12 @@ def test_priority_prefix_orders_the_queue_then_arrival(tmp_path):
         write(run / "inbox" / name, jsonl(1, f"t{i}"))
         assert inbox.intake(name).outcome == "queued"
     assert [d.name for d in queue_order(run)] == [
-        "p3-urgent.jsonl", "p3-urgent2.jsonl", "p1-soon.jsonl", "first.jsonl", "second.jsonl"]
+        "p3-urgent.jsonl",
+        "p3-urgent2.jsonl",
+        "p1-soon.jsonl",
+        "first.jsonl",
+        "second.jsonl",
+    ]
 
 
 def test_only_legal_stage_moves_are_allowed(tmp_path):

@@ -1,5 +1,6 @@
 """The inbox's small pure parts, table-tested: the frontier of a position, counter-based replay
 draws and the pool they pick from, the ledger's cut/record (torn tail included), the status line counter."""
+
 from __future__ import annotations
 
 import json
@@ -21,29 +22,37 @@ def pos(**kw):
     return {**base, **kw}
 
 
-@pytest.mark.parametrize("position,front", [
-    (None, (0, 0)),
-    (pos(), (0, 0)),  # fresh: nothing trained
-    (pos(take=4), (4, INF_LINE)),  # no current file: everything up to take 4 is done
-    (pos(take=3, file=DN.filename, line=7), (3, 7)),
-    (pos(take=3, file=DN.filename, line=None), (3, INF_LINE)),  # the file's last example was taken
-])
+@pytest.mark.parametrize(
+    "position,front",
+    [
+        (None, (0, 0)),
+        (pos(), (0, 0)),  # fresh: nothing trained
+        (pos(take=4), (4, INF_LINE)),  # no current file: everything up to take 4 is done
+        (pos(take=3, file=DN.filename, line=7), (3, 7)),
+        (pos(take=3, file=DN.filename, line=None), (3, INF_LINE)),  # the file's last example was taken
+    ],
+)
 def test_frontier(position, front):
     assert frontier(position) == front
 
 
-@pytest.mark.parametrize("front,covered", [((3, INF_LINE), True), ((4, 0), True), ((3, 7), False), ((2, INF_LINE), False)])
+@pytest.mark.parametrize(
+    "front,covered", [((3, INF_LINE), True), ((4, 0), True), ((3, 7), False), ((2, INF_LINE), False)]
+)
 def test_a_file_is_covered_only_when_its_last_example_is_below_the_frontier(front, covered):
     assert covers_file(front, DN) is covered
 
 
-@pytest.mark.parametrize("bad", [
-    {"kind": "shuffled_epochs", "epoch": 0},
-    pos(v=2),
-    pos(take=-1),
-    pos(rng="3"),
-    pos(file="not-a-data-name.jsonl"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "shuffled_epochs", "epoch": 0},
+        pos(v=2),
+        pos(take=-1),
+        pos(rng="3"),
+        pos(file="not-a-data-name.jsonl"),
+    ],
+)
 def test_a_foreign_or_damaged_position_is_refused(bad):
     with pytest.raises(PositionError):
         check_position(bad)

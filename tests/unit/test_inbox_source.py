@@ -1,4 +1,5 @@
 """ContinuousSource: training order, stable ids, position/restore, replay, commit, rollback."""
+
 from __future__ import annotations
 
 import json
@@ -6,13 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 from hangwatch.common.inbox_layout import Stage, data_files, queue_status
 from hangwatch.daemon.inbox.intake import Inbox
 from hangwatch.daemon.inbox.position import PositionError
 from hangwatch.daemon.inbox.source import ContinuousSource
-
-from fixtures.fakes.inbox_support import jsonl, validator, write  # noqa: E402
 
 
 def queue_files(run: Path, files: dict[str, str], on_bad_lines: str = "reject_file") -> dict[str, str]:
@@ -46,7 +46,12 @@ def test_examples_come_in_queue_order_with_stable_ids(tmp_path):
     src = ContinuousSource(run, validator)
     src.restore(None, 0)
     items = drain(src)
-    assert [i.id for i in items] == [f"{sha['a.jsonl']}:1", f"{sha['a.jsonl']}:2", f"{sha['b.jsonl']}:2", f"{sha['b.jsonl']}:3"]
+    assert [i.id for i in items] == [
+        f"{sha['a.jsonl']}:1",
+        f"{sha['a.jsonl']}:2",
+        f"{sha['b.jsonl']}:2",
+        f"{sha['b.jsonl']}:3",
+    ]
     assert items[2].example == {"line": 2, "prompt": "b q0", "completion": "b a0"}
     assert not any(i.replay for i in items)
     # both taken, in take order, and still in processing/: no checkpoint covers them yet
@@ -115,7 +120,8 @@ def test_commit_records_the_ledger_and_completes_files_only_when_covered(tmp_pat
     assert pos["next"] == 3 and pos["line"] is None  # a.jsonl finished, b.jsonl not opened yet
     assert src.commit(pos, 10)["completed"] == [f"00000001-{sha['a.jsonl']}-a.jsonl"]
     assert [(e["id"], e["file"], e["line"], e["step"]) for e in ledger(run)] == [
-        (f"{sha['a.jsonl']}:{n}", f"00000001-{sha['a.jsonl']}-a.jsonl", n, 10) for n in (1, 2, 3)]
+        (f"{sha['a.jsonl']}:{n}", f"00000001-{sha['a.jsonl']}-a.jsonl", n, 10) for n in (1, 2, 3)
+    ]
 
     while (item := src.next_example()) is not None and item.replay:
         pass
@@ -195,7 +201,9 @@ def test_a_file_that_cannot_be_loaded_at_training_time_is_rejected_and_training_
     assert [i.line for i in drain(src)] == [1, 2]
     [name] = [n for n in os.listdir(run / "rejected") if not n.endswith(".json")]
     report = json.loads((run / "rejected" / f"{name}.error.json").read_text())
-    assert report["reasons"] == [{"code": "load_failed", "message": "could not be loaded for training: OSError: disk error"}]
+    assert report["reasons"] == [
+        {"code": "load_failed", "message": "could not be loaded for training: OSError: disk error"}
+    ]
     assert src.warnings and "moved to rejected/" in src.warnings[0]
 
 

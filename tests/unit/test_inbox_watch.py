@@ -1,14 +1,15 @@
 """Inbox watching with real watchdog events: down-time arrivals, live arrivals, partial files."""
+
 from __future__ import annotations
 
 import os
 import threading
 
+from fixtures.fakes.inbox_support import jsonl, queued_names, validator, write  # noqa: E402
+
 from hangwatch.common.inbox_layout import Stage, data_files
 from hangwatch.daemon.inbox.intake import Inbox
 from hangwatch.daemon.inbox.publish import publish
-
-from fixtures.fakes.inbox_support import jsonl, queued_names, validator, write  # noqa: E402
 
 
 def test_files_dropped_while_the_worker_was_down_are_taken_in_arrival_order(tmp_path):

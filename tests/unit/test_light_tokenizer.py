@@ -3,6 +3,7 @@
 The worker's tokenizer is transformers' (model.build_tiny_tokenizer, or AutoTokenizer on a directory as
 model.load_base loads it); every comparison below is against it, on real data lines and on lines made
 to be awkward (unicode, whitespace, special-token text, over-long, malformed)."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 REAL = [ROOT / "configs/data/train.jsonl", ROOT / "configs/data/eval.jsonl"]
 AWKWARD = [
     {"prompt": "upper: fox", "completion": "FOX"},
-    {"messages": [{"role": "system", "content": "  be brief\n"}, {"role": "user", "content": "hi\tthere\r\n"},
-                  {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
-                  {"role": "assistant", "content": "ok "}]},
+    {
+        "messages": [
+            {"role": "system", "content": "  be brief\n"},
+            {"role": "user", "content": "hi\tthere\r\n"},
+            {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "ok "},
+        ]
+    },
     {"prompt": "Ünïcödé — 日本語 🙂 ½", "completion": "ÀÉÎ ß"},
     {"prompt": "text with <|user|> and </s> and <s> inside", "completion": "<|assistant|> <pad> <unk>"},
     {"prompt": "word " * 40, "completion": "long prompt, cut at its start or rejected"},
@@ -32,10 +39,12 @@ AWKWARD = [
     {"messages": [{"role": "user", "content": "no assistant turn"}]},
     "not an object",
 ]
-CHATML = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-          "{{ raise_exception('bad role') }}{% endif %}"
-          "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('bad role') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def awkward_file(path: Path) -> Path:
@@ -77,12 +86,17 @@ def test_the_tiny_backend_is_the_one_transformers_wraps(vocab_size):
     assert light.special_tokens_map.items() <= worker.special_tokens_map.items()
     for text in ["<s>hi</s>", "plain text", "Ünï 🙂"]:
         for special in (True, False):
-            assert light(text, add_special_tokens=special)["input_ids"] == worker(text, add_special_tokens=special)["input_ids"]
+            assert (
+                light(text, add_special_tokens=special)["input_ids"]
+                == worker(text, add_special_tokens=special)["input_ids"]
+            )
 
 
 @pytest.mark.parametrize("vocab_size", [128, 40])
 @pytest.mark.parametrize("max_length,truncation", [(64, "keep_completion"), (32, "reject"), (24, "keep_completion")])
-def test_tiny_gives_the_workers_verdicts_on_real_and_awkward_lines(tmp_path, transformers_tiny, vocab_size, max_length, truncation):
+def test_tiny_gives_the_workers_verdicts_on_real_and_awkward_lines(
+    tmp_path, transformers_tiny, vocab_size, max_length, truncation
+):
     worker, light = transformers_tiny[vocab_size], tiny(vocab_size)
     cfg = data_cfg(max_length, truncation)
     files = REAL + [awkward_file(tmp_path / "awkward.jsonl")]
@@ -119,13 +133,20 @@ def save_bpe(where: Path, chat_template, tokenizer_class=None) -> Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([line for f in REAL for line in f.read_text().splitlines()],
-                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe.post_processor = processors.TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A <|begin|> $B",
-                                                       special_tokens=[("<|begin|>", bpe.token_to_id("<|begin|>"))])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin|>", eos_token="<|end|>",
-                                  additional_special_tokens=specials[2:])
+    bpe.train_from_iterator(
+        [line for f in REAL for line in f.read_text().splitlines()],
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A",
+        pair="<|begin|> $A <|begin|> $B",
+        special_tokens=[("<|begin|>", bpe.token_to_id("<|begin|>"))],
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|begin|>", eos_token="<|end|>", additional_special_tokens=specials[2:]
+    )
     tok.chat_template = chat_template
     tok.save_pretrained(where)
     LlamaConfig(vocab_size=400).save_pretrained(where)
@@ -168,8 +189,7 @@ def test_a_model_directory_is_light_once_recorded_and_gives_the_workers_verdicts
     if kind == "tiny saved":
         save_tiny(d)
     else:
-        save_bpe(d, None if kind == "bpe, no template" else CHATML,
-                 "GPT2Tokenizer" if "GPT2" in kind else None)
+        save_bpe(d, None if kind == "bpe, no template" else CHATML, "GPT2Tokenizer" if "GPT2" in kind else None)
     with caplog.at_level(logging.DEBUG, logger="hangwatch"):
         first = load_tokenizer(model_cfg(d))  # transformers, then recorded
         second = load_tokenizer(model_cfg(d))
@@ -234,15 +254,25 @@ def test_a_light_tokenizer_that_differs_is_caught_by_the_probes(transformers_tin
 
 def test_the_template_environment_is_transformers(transformers_tiny):
     """Loop controls, {% generation %}, tojson (non-ASCII kept), raise_exception, namespace: rendered alike."""
-    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
-                "{% set ns.n = ns.n + 1 %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | tojson }}"
-                "{% endgeneration %}{% else %}  {{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}{{ ns.n }}"
-                "{% if messages | length > 9 %}{{ raise_exception('too long') }}{% endif %}")
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | tojson }}"
+        "{% endgeneration %}{% else %}  {{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}{{ ns.n }}"
+        "{% if messages | length > 9 %}{{ raise_exception('too long') }}{% endif %}"
+    )
     worker = transformers_tiny[128]
-    light = LightTokenizer(light_tokenizer.tiny_backend(128), chat_template=template,
-                           special_tokens_map=worker.special_tokens_map, eos_token_id=worker.eos_token_id)
-    conv = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "wörld \"q\""},
-            {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    light = LightTokenizer(
+        light_tokenizer.tiny_backend(128),
+        chat_template=template,
+        special_tokens_map=worker.special_tokens_map,
+        eos_token_id=worker.eos_token_id,
+    )
+    conv = [
+        {"role": "user", "content": "héllo"},
+        {"role": "assistant", "content": 'wörld "q"'},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
     ours = light.apply_chat_template(conv)
     assert ours == worker.apply_chat_template(conv, chat_template=template, tokenize=False)
     assert '"wörld \\"q\\""' in ours and ours.endswith("3")

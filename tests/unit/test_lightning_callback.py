@@ -4,6 +4,7 @@
 Both `lightning.pytorch` and `pytorch_lightning` are imported before the integration, so its callback is a
 Callback to either Trainer: the first fit uses lightning.pytorch, the second pytorch_lightning.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,7 +41,7 @@ def module_class(base):
             super().__init__()
             self.model = tiny_model.model(TOK, seed=0)
             self.nan_at, self.fail_at = nan_at, fail_at
-            self.raw_losses: dict[int, list[float]] = {}   # optimizer step → the micro-batch losses
+            self.raw_losses: dict[int, list[float]] = {}  # optimizer step → the micro-batch losses
             self.patched_during_eval = []
 
         def training_step(self, batch, batch_idx):
@@ -56,16 +57,24 @@ def module_class(base):
         def validation_step(self, batch, batch_idx):
             self.patched_during_eval.append(getattr(type(self.model).generate, "__hangwatch_dispatch__", False))
             enc = TOK("question 3:", return_tensors="pt")
-            self.model.generate(**enc, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=TOK.pad_token_id)
+            self.model.generate(
+                **enc, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=TOK.pad_token_id
+            )
 
         def predict_step(self, batch, batch_idx):
-            return self.model.generate(input_ids=batch["input_ids"][:, :8], max_new_tokens=4, do_sample=False,
-                                       pad_token_id=TOK.pad_token_id)
+            return self.model.generate(
+                input_ids=batch["input_ids"][:, :8], max_new_tokens=4, do_sample=False, pad_token_id=TOK.pad_token_id
+            )
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)),
-                                                       "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)),
+                    "interval": "step",
+                },
+            }
 
     return TinyLM
 
@@ -112,11 +121,25 @@ def phases(events: list[dict]) -> list[str]:
 def test_a_lightning_fit_beats_steps_phases_checkpoints_and_resumes(run_dir, tmp_path, monkeypatch):
     TinyLM = module_class(L)
     module = TinyLM()
-    ckpt = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="step-{step}", every_n_train_steps=2,
-                                       save_top_k=-1, auto_insert_metric_name=False)
+    ckpt = L.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        filename="step-{step}",
+        every_n_train_steps=2,
+        save_top_k=-1,
+        auto_insert_metric_name=False,
+    )
     cb = hl.HangwatchCallback(progress_every=8)
-    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=2, val_check_interval=4, check_val_every_n_epoch=None,
-                        limit_val_batches=1, num_sanity_val_steps=1, callbacks=[ckpt, cb], default_root_dir=tmp_path, **QUIET)
+    trainer = L.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=[ckpt, cb],
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
     try:
         trainer.fit(module, *loaders())
     finally:
@@ -146,8 +169,8 @@ def test_a_lightning_fit_beats_steps_phases_checkpoints_and_resumes(run_dir, tmp
     gen_at = [i for i, e in enumerate(ev) if e["event"] == "phase" and e["phase"] == "generate"]
     for i in gen_at:
         assert ev[i - 1]["phase"] == "eval"
-        progress = [e["tokens"] for e in ev[i + 1:i + 4] if e["event"] == "progress"]
-        assert progress == [8, 16] and all(e["phase"] == "generate" for e in ev[i + 1:i + 3])
+        progress = [e["tokens"] for e in ev[i + 1 : i + 4] if e["event"] == "progress"]
+        assert progress == [8, 16] and all(e["phase"] == "generate" for e in ev[i + 1 : i + 3])
     assert module.patched_during_eval and all(module.patched_during_eval)
 
     # Saves are in `checkpoint`; each file is announced after it exists, at the step it holds.
@@ -168,8 +191,16 @@ def test_a_lightning_fit_beats_steps_phases_checkpoints_and_resumes(run_dir, tmp
     path = cks[0]["path"]
     monkeypatch.setenv("HANGWATCH_RESUME_FROM", path)
     cb2 = hl.HangwatchCallback()
-    trainer2 = L.Trainer(max_steps=3, accumulate_grad_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
-                         enable_checkpointing=False, callbacks=[cb2], default_root_dir=tmp_path, **QUIET)
+    trainer2 = L.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        callbacks=[cb2],
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
     try:
         trainer2.fit(TinyLM(), loaders()[0], ckpt_path=hl.resume_from())
     finally:
@@ -184,8 +215,15 @@ def test_pytorch_lightning_nonfinite_loss_predict_and_a_failing_fit(run_dir, tmp
     cb = hl.HangwatchCallback(eval_budget_s=120, predict_budget_s=60, generate_budget_s=30)
     assert isinstance(cb, pl.Callback) and isinstance(cb, L.Callback)
     # A lone callback (not in a list) is what Lightning checks with isinstance against its own package.
-    trainer = pl.Trainer(max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
-                         callbacks=cb, default_root_dir=tmp_path, **QUIET)
+    trainer = pl.Trainer(
+        max_steps=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        callbacks=cb,
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
     module = TinyLM(nan_at=2)
     try:
         trainer.fit(module, loaders()[0])
@@ -203,7 +241,7 @@ def test_pytorch_lightning_nonfinite_loss_predict_and_a_failing_fit(run_dir, tmp
     # fit → stop; predict afterwards is announced anew (a `stop` ends every deadline), then stopped.
     kinds = [(e["event"], e.get("reason") or e["phase"]) for e in ev if e["event"] in ("start", "stop", "phase")]
     first_stop = kinds.index(("stop", "finished"))
-    after = kinds[first_stop + 1:]
+    after = kinds[first_stop + 1 :]
     assert after[0][0] == "start" and ("phase", "predict") in after and ("phase", "generate") in after
     assert after[-1] == ("stop", "finished")
     predict_line = next(e for e in ev if e["event"] == "phase" and e["phase"] == "predict")
@@ -213,8 +251,15 @@ def test_pytorch_lightning_nonfinite_loss_predict_and_a_failing_fit(run_dir, tmp
     # A fit that raises: stop says why, and the attempt's last words classify the error.
     attempt(monkeypatch, run_dir, 2)
     cb2 = hl.HangwatchCallback()
-    trainer2 = pl.Trainer(max_steps=3, limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
-                          callbacks=[cb2], default_root_dir=tmp_path, **QUIET)
+    trainer2 = pl.Trainer(
+        max_steps=3,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        callbacks=[cb2],
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
     try:
         with pytest.raises(RuntimeError, match="boom"):
             trainer2.fit(TinyLM(fail_at=2), loaders()[0])
@@ -233,30 +278,42 @@ def test_outside_hangwatch_the_callback_does_nothing(tmp_path, monkeypatch):
     before = signal.getsignal(signal.SIGUSR1)
     module = module_class(L)()
     cb = hl.HangwatchCallback()
-    trainer = L.Trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
-                        num_sanity_val_steps=0, enable_checkpointing=False, callbacks=[cb], **QUIET)
+    trainer = L.Trainer(
+        max_steps=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        callbacks=[cb],
+        **QUIET,
+    )
     trainer.fit(module, *loaders(), ckpt_path=hl.resume_from())
     assert trainer.global_step == 2 and module.patched_during_eval == [False]
     assert cb.heartbeat is None and "save_checkpoint" not in vars(trainer)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []   # no run dir, no heartbeat written anywhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no heartbeat written anywhere
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
 def test_without_lightning_the_import_says_how_to_install(monkeypatch):
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
-        monkeypatch.setitem(sys.modules, name, None)   # what an environment without Lightning looks like
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without Lightning looks like
     monkeypatch.delitem(sys.modules, "hangwatch.daemon.integrations.lightning")
     with pytest.raises(ImportError, match=r"pip install hangwatch\[lightning\]"):
         importlib.import_module("hangwatch.daemon.integrations.lightning")
 
 
-@pytest.mark.parametrize("imported, chosen", [
-    ((), ("lightning.pytorch", "pytorch_lightning")),
-    (("pytorch_lightning",), ("pytorch_lightning",)),
-    (("lightning.pytorch",), ("lightning.pytorch",)),
-    (("pytorch_lightning", "lightning.pytorch"), ("lightning.pytorch", "pytorch_lightning")),
-    (iter(("pytorch_lightning", "lightning.pytorch")), ("lightning.pytorch", "pytorch_lightning")),  # read once
-], ids=["none", "pytorch_lightning", "lightning", "both", "both-iterator"])
+@pytest.mark.parametrize(
+    "imported, chosen",
+    [
+        ((), ("lightning.pytorch", "pytorch_lightning")),
+        (("pytorch_lightning",), ("pytorch_lightning",)),
+        (("lightning.pytorch",), ("lightning.pytorch",)),
+        (("pytorch_lightning", "lightning.pytorch"), ("lightning.pytorch", "pytorch_lightning")),
+        (iter(("pytorch_lightning", "lightning.pytorch")), ("lightning.pytorch", "pytorch_lightning")),  # read once
+    ],
+    ids=["none", "pytorch_lightning", "lightning", "both", "both-iterator"],
+)
 def test_choose_packages(imported, chosen):
     assert hl.choose_packages(imported) == chosen
 
@@ -266,10 +323,13 @@ def test_stop_reasons_and_losses():
         pass
 
     assert [hl.stop_reason(e) for e in (SIGTERMException(), KeyboardInterrupt(), RuntimeError("x"))] == [
-        "terminated", "interrupted", "error"]
+        "terminated",
+        "interrupted",
+        "error",
+    ]
     t = torch.tensor(0.5)
-    assert hl.step_loss({"loss": t}, automatic=True, accumulate=4) == 2.0   # Lightning divided it by 4
-    assert hl.step_loss(t, automatic=False, accumulate=4) == 0.5           # manual optimization: as returned
+    assert hl.step_loss({"loss": t}, automatic=True, accumulate=4) == 2.0  # Lightning divided it by 4
+    assert hl.step_loss(t, automatic=False, accumulate=4) == 0.5  # manual optimization: as returned
     assert hl.step_loss(None, automatic=True, accumulate=1) is None
     ids = torch.ones(3, 5, dtype=torch.long)
     mask = torch.tensor([[1] * 5, [1] * 2 + [0] * 3, [0] * 5])

@@ -1,26 +1,31 @@
 """A rank waiting on its DataLoader: its workers are found (forks of the rank, its spawned children, the forkserver's
 forks — never a process that exec'd something else), signalled only when their own dump file exists, and the one stuck
 worker is named with its frame."""
-from __future__ import annotations
 
-from pathlib import Path
+from __future__ import annotations
 
 import io
 import signal
+from pathlib import Path
 
 import pytest
+from fixtures.fakes.fake_supervisor import FakeProcessTable, Harness
 from rich.console import Console
 
-from fixtures.fakes.fake_supervisor import FakeProcessTable, Harness
 from hangwatch.common.rundir import dump_path_for
 from hangwatch.supervisor.cli import render
-from hangwatch.supervisor.episode.dump_collector import DumpCollector
-from hangwatch.supervisor.processes.attempt import DumpTarget
-from hangwatch.supervisor.episode.dump_collector import WorkerDumps
+from hangwatch.supervisor.episode.dump_collector import DumpCollector, WorkerDumps
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack
-from hangwatch.supervisor.incidents.loader_workers import (WorkerStack, forked_dump_path, judge, read_worker, started_as,
-                                                           worker_processes)
+from hangwatch.supervisor.incidents.loader_workers import (
+    WorkerStack,
+    forked_dump_path,
+    judge,
+    read_worker,
+    started_as,
+    worker_processes,
+)
+from hangwatch.supervisor.processes.attempt import DumpTarget
 from hangwatch.supervisor.processes.process import ProcRef
 
 LIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
@@ -86,43 +91,75 @@ IDLE = {"state": "S", "cpu_percent": 0.0}
 
 
 def proc(pid, ppid, cmdline=CMD, **kw):
-    return {"pid": pid, "ppid": ppid, "cmdline": cmdline, "state": "S", "cpu_percent": 0.0, "create_time": 1.7e9 + pid, **kw}
+    return {
+        "pid": pid,
+        "ppid": ppid,
+        "cmdline": cmdline,
+        "state": "S",
+        "cpu_percent": 0.0,
+        "create_time": 1.7e9 + pid,
+        **kw,
+    }
 
 
 PY = "/venv/bin/python"
-SPAWNED = [PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
-           "--multiprocessing-fork"]
-SPAWNED_WITH_FLAGS = [PY, "-s", "-X", "faulthandler", "-c",
-                      "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=9)",
-                      "--multiprocessing-fork"]
+SPAWNED = [
+    PY,
+    "-c",
+    "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+    "--multiprocessing-fork",
+]
+SPAWNED_WITH_FLAGS = [
+    PY,
+    "-s",
+    "-X",
+    "faulthandler",
+    "-c",
+    "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=9)",
+    "--multiprocessing-fork",
+]
 FORKSERVER = [PY, "-c", "from multiprocessing.forkserver import main; main(7, 8, ['__main__'], **{'sys_path': []})"]
 TRACKER = [PY, "-c", "from multiprocessing.resource_tracker import main;main(5)"]
 
 
-@pytest.mark.parametrize("cmdline, how", [
-    (CMD, "fork"),
-    (SPAWNED, "spawn"),
-    (SPAWNED_WITH_FLAGS, "spawn"),
-    (FORKSERVER, "forkserver"),
-    (TRACKER, None),  # multiprocessing's resource tracker: not a worker
-    (["/bin/sh", "-c", "nvidia-smi"], None),  # a fork that exec'd another program
-    ([PY, "-c", "print('from multiprocessing')"], None),
-    ([], None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "cmdline, how",
+    [
+        (CMD, "fork"),
+        (SPAWNED, "spawn"),
+        (SPAWNED_WITH_FLAGS, "spawn"),
+        (FORKSERVER, "forkserver"),
+        (TRACKER, None),  # multiprocessing's resource tracker: not a worker
+        (["/bin/sh", "-c", "nvidia-smi"], None),  # a fork that exec'd another program
+        ([PY, "-c", "print('from multiprocessing')"], None),
+        ([], None),
+        (None, None),
+    ],
+)
 def test_how_a_descendant_of_the_rank_was_started(cmdline, how):
     assert started_as(cmdline, CMD) == how
 
 
 def test_workers_are_the_ranks_forks_spawned_children_and_the_forkservers_forks():
-    procs = [proc(10, 1, ["torchrun", "train.py"]),  # the launcher
-             proc(20, 10), proc(30, 10),  # two ranks: the same command line, neither descends from the other
-             proc(21, 20), proc(22, 20), proc(23, 21),  # rank 0's forks, and a fork of a fork
-             proc(24, 20, ["/bin/sh", "-c", "nvidia-smi"]),  # a fork that exec'd another program
-             proc(25, 20, state="Z"), proc(31, 30),
-             proc(32, 30, TRACKER), proc(33, 30, SPAWNED), proc(34, 30, SPAWNED),  # rank 1: spawn
-             proc(40, 10), proc(41, 40, TRACKER), proc(42, 40, FORKSERVER),  # rank 2: forkserver …
-             proc(43, 42, FORKSERVER), proc(44, 42, FORKSERVER)]  # … whose forks are the workers
+    procs = [
+        proc(10, 1, ["torchrun", "train.py"]),  # the launcher
+        proc(20, 10),
+        proc(30, 10),  # two ranks: the same command line, neither descends from the other
+        proc(21, 20),
+        proc(22, 20),
+        proc(23, 21),  # rank 0's forks, and a fork of a fork
+        proc(24, 20, ["/bin/sh", "-c", "nvidia-smi"]),  # a fork that exec'd another program
+        proc(25, 20, state="Z"),
+        proc(31, 30),
+        proc(32, 30, TRACKER),
+        proc(33, 30, SPAWNED),
+        proc(34, 30, SPAWNED),  # rank 1: spawn
+        proc(40, 10),
+        proc(41, 40, TRACKER),
+        proc(42, 40, FORKSERVER),  # rank 2: forkserver …
+        proc(43, 42, FORKSERVER),
+        proc(44, 42, FORKSERVER),
+    ]  # … whose forks are the workers
     assert [p["pid"] for p in worker_processes(20, procs)] == [21, 22, 23]
     assert [p["pid"] for p in worker_processes(30, procs)] == [31, 33, 34]
     assert [p["pid"] for p in worker_processes(40, procs)] == [43, 44]
@@ -134,14 +171,17 @@ def ws(pid, text="", spy="", proc_rec=IDLE, **kw) -> WorkerStack:
     return WorkerStack(pid, proc_rec, frames, "faulthandler" if text else "py-spy" if spy else None, **kw)
 
 
-@pytest.mark.parametrize("w, activity, doing", [
-    (ws(1, IDLE_DUMP), "idle", "waiting on its index queue"),
-    (ws(2, STUCK_DUMP), "working", "at __getitem__ (train.py:36)"),
-    (ws(3, spy=PY_SPY_STUCK), "working", "at Rows.__getitem__ (train.py:36)"),  # py-spy: qualified names
-    (ws(4, MAIN_SPINS), "other", "not a DataLoader worker; innermost _poll_shard_ready (train.py:88)"),
-    (ws(5, note="py-spy gave no Python stack"), "unknown", "unknown: no stack"),
-    (ws(6, IDLE_DUMP.replace("in get", "in put")), "idle", "handing a batch over to the main process"),
-])
+@pytest.mark.parametrize(
+    "w, activity, doing",
+    [
+        (ws(1, IDLE_DUMP), "idle", "waiting on its index queue"),
+        (ws(2, STUCK_DUMP), "working", "at __getitem__ (train.py:36)"),
+        (ws(3, spy=PY_SPY_STUCK), "working", "at Rows.__getitem__ (train.py:36)"),  # py-spy: qualified names
+        (ws(4, MAIN_SPINS), "other", "not a DataLoader worker; innermost _poll_shard_ready (train.py:88)"),
+        (ws(5, note="py-spy gave no Python stack"), "unknown", "unknown: no stack"),
+        (ws(6, IDLE_DUMP.replace("in get", "in put")), "idle", "handing a batch over to the main process"),
+    ],
+)
 def test_what_each_worker_is_doing(w, activity, doing):
     r = read_worker(w)
     assert (r.activity, r.doing) == (activity, doing)
@@ -151,21 +191,37 @@ def test_what_each_worker_is_doing(w, activity, doing):
         assert r.classification == f"blocked in C (CPU 0%, state S) {doing}"
 
 
-@pytest.mark.parametrize("workers, stuck, why", [
-    ([ws(41, IDLE_DUMP), ws(42, STUCK_DUMP)], 42, "the only worker not idle: pid 42 at __getitem__ (train.py:36)"),
-    ([ws(41, STUCK_DUMP), ws(42, STUCK_DUMP)], None, "cannot tell which worker is stuck: pids 41, 42 all work on a batch"),
-    ([ws(41), ws(42, STUCK_DUMP)], None, "cannot tell which worker is stuck: pid(s) 41 gave no stack, pid 42 at __getitem__"),
-    ([ws(41, IDLE_DUMP), ws(42, IDLE_DUMP)], None, "every worker is idle (pids 41, 42)"),
-    ([ws(41, MAIN_SPINS)], None, "no DataLoader worker process found"),
-    ([ws(41, IDLE_DUMP), ws(42, spy=PY_SPY_STUCK), ws(43, MAIN_SPINS)], 42, "the only worker not idle: pid 42"),
-])
+@pytest.mark.parametrize(
+    "workers, stuck, why",
+    [
+        ([ws(41, IDLE_DUMP), ws(42, STUCK_DUMP)], 42, "the only worker not idle: pid 42 at __getitem__ (train.py:36)"),
+        (
+            [ws(41, STUCK_DUMP), ws(42, STUCK_DUMP)],
+            None,
+            "cannot tell which worker is stuck: pids 41, 42 all work on a batch",
+        ),
+        (
+            [ws(41), ws(42, STUCK_DUMP)],
+            None,
+            "cannot tell which worker is stuck: pid(s) 41 gave no stack, pid 42 at __getitem__",
+        ),
+        ([ws(41, IDLE_DUMP), ws(42, IDLE_DUMP)], None, "every worker is idle (pids 41, 42)"),
+        ([ws(41, MAIN_SPINS)], None, "no DataLoader worker process found"),
+        ([ws(41, IDLE_DUMP), ws(42, spy=PY_SPY_STUCK), ws(43, MAIN_SPINS)], 42, "the only worker not idle: pid 42"),
+    ],
+)
 def test_which_worker_is_stuck(workers, stuck, why):
     v = judge(workers)
     assert v.stuck_pid == stuck and v.why.startswith(why), v.why
     fields = v.fields()
-    assert fields["stuck_worker_pid"] == stuck and [w["pid"] for w in fields["dataloader_workers"]] == sorted(w.pid for w in workers)
+    assert fields["stuck_worker_pid"] == stuck and [w["pid"] for w in fields["dataloader_workers"]] == sorted(
+        w.pid for w in workers
+    )
     if stuck:
-        assert v.words() == f"stuck DataLoader worker pid {stuck} at {'Rows.' if stuck == 42 and workers[1].source == 'py-spy' else ''}__getitem__ (train.py:36)"
+        assert (
+            v.words()
+            == f"stuck DataLoader worker pid {stuck} at {'Rows.' if stuck == 42 and workers[1].source == 'py-spy' else ''}__getitem__ (train.py:36)"
+        )
         assert [w["idle"] for w in fields["dataloader_workers"]][0] is True
 
 
@@ -196,8 +252,12 @@ def _rank_with_workers(tmp_path, main_dump: str):
     table.cmdlines[rank.pid] = CMD
     procs = [proc(rank.pid, 1) | {"create_time": rank.create_time}]
     workers = {}
-    for name, dump, has_file, cmd_now in (("idle", IDLE_DUMP, True, CMD), ("stuck", STUCK_DUMP, True, CMD),
-                                          ("no file", STUCK_DUMP, False, CMD), ("exec'd since", STUCK_DUMP, True, ["sh"])):
+    for name, dump, has_file, cmd_now in (
+        ("idle", IDLE_DUMP, True, CMD),
+        ("stuck", STUCK_DUMP, True, CMD),
+        ("no file", STUCK_DUMP, False, CMD),
+        ("exec'd since", STUCK_DUMP, True, ["sh"]),
+    ):
         w = table.add(ppid=rank.pid)
         w.dump_path = forked_dump_path(rank.dump_path, w.pid)
         if has_file:
@@ -205,8 +265,14 @@ def _rank_with_workers(tmp_path, main_dump: str):
         table.dumps[w.pid], table.cmdlines[w.pid] = dump, cmd_now
         procs.append(proc(w.pid, rank.pid) | {"create_time": w.create_time})
         workers[name] = w
-    dc = DumpCollector([DumpTarget(0, ProcRef(rank.pid, rank.create_time), rank.dump_path)], grace_s=5, table=table,
-                       py_spy=False, out_dir=tmp_path, loader_workers=WorkerDumps(procs))
+    dc = DumpCollector(
+        [DumpTarget(0, ProcRef(rank.pid, rank.create_time), rank.dump_path)],
+        grace_s=5,
+        table=table,
+        py_spy=False,
+        out_dir=tmp_path,
+        loader_workers=WorkerDumps(procs),
+    )
     return table, rank, workers, dc
 
 
@@ -230,7 +296,10 @@ def test_a_rank_waiting_on_its_dataloader_gets_its_forks_dumped_and_the_stuck_on
     assert set(by_pid) == {w[k].pid for k in w}
     assert by_pid[w["no file"].pid][0].note.startswith(f"no stack-rank0-pid{w['no file'].pid}.txt")
     assert "no longer says it is a worker started by fork" in by_pid[w["exec'd since"].pid][0].note
-    assert "in __getitem__" in by_pid[w["stuck"].pid][1] and by_pid[w["stuck"].pid][0].dump == f"stack-rank0-pid{w['stuck'].pid}.txt"
+    assert (
+        "in __getitem__" in by_pid[w["stuck"].pid][1]
+        and by_pid[w["stuck"].pid][0].dump == f"stack-rank0-pid{w['stuck'].pid}.txt"
+    )
     v = judge([s for s, _ in found])
     assert v.stuck_pid is None  # two workers gave no stack: it cannot tell
     v = judge([by_pid[w["idle"].pid][0], by_pid[w["stuck"].pid][0]])
@@ -246,8 +315,12 @@ def test_a_ranks_spawned_workers_are_dumped_and_its_other_children_left_alone(tm
     table.dumps[rank.pid], table.cmdlines[rank.pid] = MAIN_WAITS, CMD
     procs = [proc(rank.pid, 1) | {"create_time": rank.create_time}]
     made = {}
-    for name, cmd, dump in (("idle", SPAWNED, IDLE_DUMP), ("stuck", SPAWNED, STUCK_DUMP), ("tracker", TRACKER, ""),
-                            ("rank 1", SPAWNED, MAIN_SPINS)):
+    for name, cmd, dump in (
+        ("idle", SPAWNED, IDLE_DUMP),
+        ("stuck", SPAWNED, STUCK_DUMP),
+        ("tracker", TRACKER, ""),
+        ("rank 1", SPAWNED, MAIN_SPINS),
+    ):
         p = table.add(ppid=rank.pid)
         p.dump_path = forked_dump_path(rank.dump_path, p.pid)
         p.dump_path.write_text("")
@@ -255,8 +328,14 @@ def test_a_ranks_spawned_workers_are_dumped_and_its_other_children_left_alone(tm
         procs.append(proc(p.pid, rank.pid, cmd) | {"create_time": p.create_time})
         made[name] = p
     other_rank = DumpTarget(1, ProcRef(made["rank 1"].pid, made["rank 1"].create_time), tmp_path / "stack-rank1.txt")
-    dc = DumpCollector([DumpTarget(0, ProcRef(rank.pid, rank.create_time), rank.dump_path), other_rank], grace_s=5,
-                       table=table, py_spy=False, out_dir=tmp_path, loader_workers=WorkerDumps(procs))
+    dc = DumpCollector(
+        [DumpTarget(0, ProcRef(rank.pid, rank.create_time), rank.dump_path), other_rank],
+        grace_s=5,
+        table=table,
+        py_spy=False,
+        out_dir=tmp_path,
+        loader_workers=WorkerDumps(procs),
+    )
     _drive(dc)
     usr1 = [pid for pid, sig in table.sent if sig == signal.SIGUSR1]
     assert usr1 == [rank.pid, made["rank 1"].pid, made["idle"].pid, made["stuck"].pid]  # the ranks, then the workers
@@ -323,14 +402,17 @@ def test_the_stall_incident_names_the_dataloader_wait_and_the_stuck_worker(tmp_p
 
         def take(self):
             return [proc(w.pid, 100) | {"create_time": w.proc.create_time}] + [
-                proc(p.pid, w.pid) | {"create_time": p.create_time} for p in (idle, stuck)]
+                proc(p.pid, w.pid) | {"create_time": p.create_time} for p in (idle, stuck)
+            ]
 
     h.sup.tools = type(h.sup.tools)(**{**h.sup.tools.__dict__, "snapshot": Sample})
     h.until(lambda: h.sup.attempt == 2)
     inc = h.incident()
     assert inc["landmark"]["name"] == "DataLoader.__next__" and inc["landmark"]["kind"] == "dataloader"
     assert inc["caller_frame"] == {"file": TRAIN, "line": 59, "function": "main"}
-    assert inc["summary"].startswith("in DataLoader.__next__(), called from main (train.py:59); innermost get; step deadline")
+    assert inc["summary"].startswith(
+        "in DataLoader.__next__(), called from main (train.py:59); innermost get; step deadline"
+    )
     assert inc["summary"].endswith(f"; stuck DataLoader worker pid {stuck.pid} at __getitem__ (train.py:36)")
     assert inc["stuck_worker_pid"] == stuck.pid
     workers = {x["pid"]: x for x in inc["dataloader_workers"]}
@@ -345,7 +427,9 @@ def test_the_stall_incident_names_the_dataloader_wait_and_the_stuck_worker(tmp_p
 
 
 def test_a_forks_dump_file_sits_next_to_its_ranks():
-    assert forked_dump_path(Path("/r/attempts/0001/stack-rank3.txt"), 42) == Path("/r/attempts/0001/stack-rank3-pid42.txt")
+    assert forked_dump_path(Path("/r/attempts/0001/stack-rank3.txt"), 42) == Path(
+        "/r/attempts/0001/stack-rank3-pid42.txt"
+    )
 
 
 def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_path, monkeypatch):
@@ -367,6 +451,8 @@ def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_p
     assert usr1 == [rank.pid, w["idle"].pid, w["stuck"].pid]  # after py-spy failed, the same rules as ever
     (found,) = dc.loader_workers.stacks().values()
     by_pid = {s.pid: s for s, _ in found}
-    assert by_pid[w["stuck"].pid].source == "faulthandler" and by_pid[w["stuck"].pid].note == "py-spy gave no Python stack"
+    assert (
+        by_pid[w["stuck"].pid].source == "faulthandler" and by_pid[w["stuck"].pid].note == "py-spy gave no Python stack"
+    )
     assert by_pid[w["no file"].pid].note.startswith("py-spy gave no Python stack; no stack-rank0-pid")
     assert judge([by_pid[w["idle"].pid], by_pid[w["stuck"].pid]]).stuck_pid == w["stuck"].pid

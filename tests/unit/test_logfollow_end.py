@@ -1,4 +1,5 @@
 """`hangwatch logs -f` ends when the run ends (and only then), after printing everything written."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,19 @@ def _state(run_dir: Path, state: str) -> None:
     (run_dir / "state.json").write_text(json.dumps({"state": state}))
 
 
-@pytest.mark.parametrize("state,locked,ended", [
-    (None, False, False),          # not started yet
-    ("running", True, False),
-    ("running", False, False),     # the supervisor died: systemd may restart it, keep following
-    ("paused", True, False),
-    ("finished", True, False),     # written, but the supervisor has not exited yet
-    ("finished", False, True),
-    ("failed", False, True),
-    ("stopped", False, True),
-])
+@pytest.mark.parametrize(
+    "state,locked,ended",
+    [
+        (None, False, False),  # not started yet
+        ("running", True, False),
+        ("running", False, False),  # the supervisor died: systemd may restart it, keep following
+        ("paused", True, False),
+        ("finished", True, False),  # written, but the supervisor has not exited yet
+        ("finished", False, True),
+        ("failed", False, True),
+        ("stopped", False, True),
+    ],
+)
 def test_run_ended_needs_an_end_state_and_no_live_supervisor(tmp_path, state, locked, ended):
     if state:
         _state(tmp_path, state)

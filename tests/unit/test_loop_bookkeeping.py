@@ -1,5 +1,6 @@
 """The per-line bookkeeping made cheap keeps its meaning: the straggler watch's median of the other ranks
 (kept sorted instead of sorted per line) is statistics.median's."""
+
 from __future__ import annotations
 
 import random

@@ -2,6 +2,7 @@
 earliest deadline (long when nothing is due), heartbeat writes wake it through inotify (a burst is one
 wake-up and one read of every new line), other files wake nothing, and lines count from when they were
 written.  Behaviour only: no assertion on how long anything took."""
+
 from __future__ import annotations
 
 import os
@@ -10,19 +11,30 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import Harness
+
 from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import heartbeat_path
 from hangwatch.supervisor.loop import supervisor as runner
-from hangwatch.supervisor.watch.beat_files import FILE_TIME_TICK_S, HeartbeatTail, local_file_times, written_at
 from hangwatch.supervisor.loop.wakeup import Wakeup
+from hangwatch.supervisor.watch.beat_files import FILE_TIME_TICK_S, HeartbeatTail, local_file_times, written_at
 
 
 def line(rank: int = 0, event: str = "step", step: int = 1, phase: str = "train", **kw) -> bytes:
-    return encode({"v": 1, "t": time.time(), "pid": 4242, "rank": rank, "attempt": 1, "event": event, "step": step,
-                   "phase": phase, **kw})
+    return encode(
+        {
+            "v": 1,
+            "t": time.time(),
+            "pid": 4242,
+            "rank": rank,
+            "attempt": 1,
+            "event": event,
+            "step": step,
+            "phase": phase,
+            **kw,
+        }
+    )
 
 
 def append(directory: Path, rank: int, *lines: bytes) -> Path:
@@ -119,7 +131,7 @@ def test_every_new_line_of_every_rank_is_read_in_one_call(tmp_path):
     assert tail.read() == []  # not a line until its newline comes
     append(tmp_path, 2, half[20:])
     assert [x["step"] for x in tail.read()] == [99]
-    assert "\"step\":99" in tail.tail_text(2)
+    assert '"step":99' in tail.tail_text(2)
 
 
 def test_a_read_limited_to_named_files_leaves_the_others_for_later(tmp_path):
@@ -148,27 +160,34 @@ def test_each_line_comes_with_its_files_modification_time(tmp_path):
     assert [m for m, _ in got] == [os.stat(path).st_mtime_ns] * 2
 
 
-@pytest.mark.parametrize("mtime_s, expect", [
-    (None, 100.0),                                  # no file time: when it was read
-    (995.0, 100.0 - 5.0 + FILE_TIME_TICK_S),         # written 5 s before the read (wall 1000 ↔ reader 100)
-    (999.999, 100.0),                                # within a tick of the read: never after it
-    (2000.0, 100.0),                                 # a file time in the future: the read
-    (900.0, 90.0),                                   # before the previous read (lo): it was not there then
-])
+@pytest.mark.parametrize(
+    "mtime_s, expect",
+    [
+        (None, 100.0),  # no file time: when it was read
+        (995.0, 100.0 - 5.0 + FILE_TIME_TICK_S),  # written 5 s before the read (wall 1000 ↔ reader 100)
+        (999.999, 100.0),  # within a tick of the read: never after it
+        (2000.0, 100.0),  # a file time in the future: the read
+        (900.0, 90.0),  # before the previous read (lo): it was not there then
+    ],
+)
 def test_a_line_counts_from_its_file_time_within_the_reads_that_bound_it(mtime_s, expect):
     mtime_ns = None if mtime_s is None else int(mtime_s * 1e9)
     assert written_at(mtime_ns, wall_now=1000.0, now=100.0, lo=90.0) == pytest.approx(expect)
 
 
-@pytest.mark.parametrize("fstype, local", [("ext4", True), ("tmpfs", True), ("xfs", True), ("nfs4", False),
-                                           ("fuse.sshfs", False), ("cifs", False)])
+@pytest.mark.parametrize(
+    "fstype, local",
+    [("ext4", True), ("tmpfs", True), ("xfs", True), ("nfs4", False), ("fuse.sshfs", False), ("cifs", False)],
+)
 def test_only_local_file_systems_date_lines_by_their_file_times(tmp_path, fstype, local):
     data = tmp_path / "data"
     data.mkdir()
     mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
-                         f"23 22 0:22 / {tmp_path} rw shared:1 - {fstype} server:/x rw\n"
-                         f"24 22 0:23 / {tmp_path}x rw - nfs server:/y rw\n")  # a longer name, not a parent
+    mountinfo.write_text(
+        f"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+        f"23 22 0:22 / {tmp_path} rw shared:1 - {fstype} server:/x rw\n"
+        f"24 22 0:23 / {tmp_path}x rw - nfs server:/y rw\n"
+    )  # a longer name, not a parent
     assert local_file_times(data, str(mountinfo)) is local
 
 
@@ -238,7 +257,9 @@ def test_a_notifier_that_wants_calling_shortens_the_sleep(tmp_path):
     h = harness(tmp_path, watchdog={"startup_timeout_s": 3600})
     h.until(lambda: h.spawn.workers)
     h.sup.wakeup = HeardWakeup()
-    h.sup.notifier = type("Pinger", (), {"next_due_s": lambda self, now: 1.5, "watchdog": lambda self, now=None: None})()
+    h.sup.notifier = type(
+        "Pinger", (), {"next_due_s": lambda self, now: 1.5, "watchdog": lambda self, now=None: None}
+    )()
     assert h.sup.next_wait(h.clock()) == 1.5
 
 

@@ -1,4 +1,5 @@
 """Prometheus metrics from the supervisor's state, read back with prometheus-client's own parser (no server, no loop)."""
+
 from __future__ import annotations
 
 import re
@@ -10,29 +11,54 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hangwatch.common.config import Config
 from hangwatch.common.config.ops_schema import MetricsCfg, host_port
-from hangwatch.supervisor.watch.calibration import Calibration
-from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.loop.view import Readers, View, max_steps
-from hangwatch.supervisor.processes.process import Worker
-from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.ops.metrics import METRICS, Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Stats
+from hangwatch.supervisor.processes.process import Worker
 from hangwatch.supervisor.processes.snapshot import GpuCache
-from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.records.run_state import RunFacts
+from hangwatch.supervisor.rules.outcome import Intent
+from hangwatch.supervisor.rules.states import State, StateMachine
+from hangwatch.supervisor.watch.calibration import Calibration
+from hangwatch.supervisor.watch.deadlines import Deadlines
 
-GPU = {"available": True, "devices": [{"index": 0, "name": "H100", "utilization_percent": 46,
-                                        "memory_used_bytes": 7 << 30, "memory_total_bytes": 80 << 30, "processes": []}]}
+GPU = {
+    "available": True,
+    "devices": [
+        {
+            "index": 0,
+            "name": "H100",
+            "utilization_percent": 46,
+            "memory_used_bytes": 7 << 30,
+            "memory_total_bytes": 80 << 30,
+            "processes": [],
+        }
+    ],
+}
 
 
 def fake_sup(tmp_path, inbox=False, gpu=None):
-    cfg = Config.model_validate({"run_dir": str(tmp_path), "worker": {"command": ["python", "train.py"]},
-                                 "data": {"inbox": inbox}, "watchdog": {"step_timeout_s": 30}})
+    cfg = Config.model_validate(
+        {
+            "run_dir": str(tmp_path),
+            "worker": {"command": ["python", "train.py"]},
+            "data": {"inbox": inbox},
+            "watchdog": {"step_timeout_s": 30},
+        }
+    )
     dl = Deadlines(cfg.watchdog, Calibration(cfg.watchdog))
-    sup = SimpleNamespace(cfg=cfg, run_dir=tmp_path, deadlines=dl, facts=RunFacts(), lifecycle=StateMachine(State.STARTING),
-                          incidents=IncidentStore(tmp_path), gpu=GpuCache(lambda: gpu or {"available": False, "reason": "no GPU"}),
-                          attempt=1, current=object())
+    sup = SimpleNamespace(
+        cfg=cfg,
+        run_dir=tmp_path,
+        deadlines=dl,
+        facts=RunFacts(),
+        lifecycle=StateMachine(State.STARTING),
+        incidents=IncidentStore(tmp_path),
+        gpu=GpuCache(lambda: gpu or {"available": False, "reason": "no GPU"}),
+        attempt=1,
+        current=object(),
+    )
     sup.worker_alive = lambda: True
     sup.view = lambda now: view_of(sup, now)
     return sup
@@ -41,21 +67,55 @@ def fake_sup(tmp_path, inbox=False, gpu=None):
 def view_of(sup, now) -> View:
     """The read model a running worker's loop would hand the metrics (only what they read is filled in)."""
     dl, facts = sup.deadlines, sup.facts
-    readers = Readers(ranks=lambda: tuple(t for _, t in sorted(dl.ranks.items())), deadlines=lambda: tuple(dl.active(now)),
-                      announced=dict, descendants=tuple, stragglers=dict, incidents=sup.incidents.count,
-                      gpu=lambda: sup.gpu.summary(now), queue=lambda: {} if sup.cfg.data.inbox else None)
-    return View(now=now, state=sup.lifecycle.state, intent=Intent.NONE, attempt=sup.attempt, exit_code=0,
-                worker=Worker(pid=9, create_time=1.0, argv=["python"], log_path=sup.run_dir / "w.log", started_at=0.0),
-                watching=True, main=dl.ranks.get(dl.main_rank()), restarts=facts.restarts, last_step=dict(facts.last_step),
-                last_good_checkpoint=facts.last_good_checkpoint, last_good_step=facts.last_good_step, last_incident=None,
-                torn_lines=0, max_steps=max_steps(facts.last_step, None), backoff_remaining_s=None,
-                step_budget=dl.step_budget(), calibration_samples=0, uptime_s=now, run_dir=str(sup.run_dir),
-                config="c.yaml", socket="s", readers=readers)
+    readers = Readers(
+        ranks=lambda: tuple(t for _, t in sorted(dl.ranks.items())),
+        deadlines=lambda: tuple(dl.active(now)),
+        announced=dict,
+        descendants=tuple,
+        stragglers=dict,
+        incidents=sup.incidents.count,
+        gpu=lambda: sup.gpu.summary(now),
+        queue=lambda: {} if sup.cfg.data.inbox else None,
+    )
+    return View(
+        now=now,
+        state=sup.lifecycle.state,
+        intent=Intent.NONE,
+        attempt=sup.attempt,
+        exit_code=0,
+        worker=Worker(pid=9, create_time=1.0, argv=["python"], log_path=sup.run_dir / "w.log", started_at=0.0),
+        watching=True,
+        main=dl.ranks.get(dl.main_rank()),
+        restarts=facts.restarts,
+        last_step=dict(facts.last_step),
+        last_good_checkpoint=facts.last_good_checkpoint,
+        last_good_step=facts.last_good_step,
+        last_incident=None,
+        torn_lines=0,
+        max_steps=max_steps(facts.last_step, None),
+        backoff_remaining_s=None,
+        step_budget=dl.step_budget(),
+        calibration_samples=0,
+        uptime_s=now,
+        run_dir=str(sup.run_dir),
+        config="c.yaml",
+        socket="s",
+        readers=readers,
+    )
 
 
 def beat(sup, now, event, step=0, **kw):
-    rec = {"v": 1, "t": 1_700_000_000.0 + now, "pid": 9, "rank": 0, "attempt": sup.attempt, "event": event,
-           "step": step, "phase": kw.pop("phase", "train"), **kw}
+    rec = {
+        "v": 1,
+        "t": 1_700_000_000.0 + now,
+        "pid": 9,
+        "rank": 0,
+        "attempt": sup.attempt,
+        "event": event,
+        "step": step,
+        "phase": kw.pop("phase", "train"),
+        **kw,
+    }
     sup.deadlines.observe(rec, now)
     if event == "step":
         sup.facts.last_step = rec
@@ -127,7 +187,10 @@ def test_histograms_and_delivery_counters(tmp_path):
     stats.add("alerts_dropped")
     s = samples(m)
     assert s[("hangwatch_detection_seconds_count", ())] == 1 and s[("hangwatch_detection_seconds_sum", ())] == 2.5
-    assert s[("hangwatch_recovery_seconds_sum", ())] == 12 and s[("hangwatch_recovery_seconds_bucket", (("le", "20.0"),))] == 1
+    assert (
+        s[("hangwatch_recovery_seconds_sum", ())] == 12
+        and s[("hangwatch_recovery_seconds_bucket", (("le", "20.0"),))] == 1
+    )
     assert s[("hangwatch_alerts_total", (("result", "sent"), ("sink", "json")))] == 1
     assert s[("hangwatch_alerts_total", (("result", "failed"), ("sink", "slack")))] == 2
     assert s[("hangwatch_deadman_pings_total", (("result", "sent"),))] == 7
@@ -153,7 +216,12 @@ def test_every_metric_is_in_the_docs_table():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "alerts-metrics-report.md").read_text()
-    table = {m for line in doc.splitlines() if line.startswith("| `hangwatch_") for m in re.findall(r"`(hangwatch_\w+)", line)}
+    table = {
+        m
+        for line in doc.splitlines()
+        if line.startswith("| `hangwatch_")
+        for m in re.findall(r"`(hangwatch_\w+)", line)
+    }
     assert set(METRICS) - table == set()
     assert table - set(METRICS) == set()
 
@@ -168,10 +236,30 @@ class WithGoodput:
         return getattr(self._view, name)
 
 
-LEDGER = {"version": 1, "wall_s": 1000.0, "goodput_pct": 85.0, "lost_s": 100.0, "failures": 1, "line": "goodput 85.0 % — …",
-          "categories": {"training": 850.0, "redone": 30.0, "eval": 50.0, "detection": 40.0, "dumps": 5.0, "kill": 5.0,
-                         "gpu_release": 0.0, "restart_startup": 20.0, "checkpoint": 0.0, "startup": 0.0, "backoff": 0.0,
-                         "paused": 0.0, "idle": 0.0, "other": 0.0}}
+LEDGER = {
+    "version": 1,
+    "wall_s": 1000.0,
+    "goodput_pct": 85.0,
+    "lost_s": 100.0,
+    "failures": 1,
+    "line": "goodput 85.0 % — …",
+    "categories": {
+        "training": 850.0,
+        "redone": 30.0,
+        "eval": 50.0,
+        "detection": 40.0,
+        "dumps": 5.0,
+        "kill": 5.0,
+        "gpu_release": 0.0,
+        "restart_startup": 20.0,
+        "checkpoint": 0.0,
+        "startup": 0.0,
+        "backoff": 0.0,
+        "paused": 0.0,
+        "idle": 0.0,
+        "other": 0.0,
+    },
+}
 
 
 def test_the_goodput_ledger_is_a_counter_per_category_and_a_ratio(tmp_path):
@@ -203,10 +291,15 @@ def test_a_ledger_without_a_ratio_serves_its_seconds_only(tmp_path):
     assert ("hangwatch_goodput_ratio", ()) not in s
 
 
-@pytest.mark.parametrize("listen, expected", [
-    ("127.0.0.1:9464", ("127.0.0.1", 9464)), ("9464", ("127.0.0.1", 9464)), ("[::1]:9464", ("::1", 9464)),
-    ("0.0.0.0:0", ("0.0.0.0", 0)),
-])
+@pytest.mark.parametrize(
+    "listen, expected",
+    [
+        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+        ("9464", ("127.0.0.1", 9464)),
+        ("[::1]:9464", ("::1", 9464)),
+        ("0.0.0.0:0", ("0.0.0.0", 0)),
+    ],
+)
 def test_listen_addresses(listen, expected):
     assert host_port(listen) == expected
 
@@ -246,8 +339,13 @@ def test_a_metrics_port_already_taken_refuses_to_start_and_says_why(tmp_path, ca
     taken.listen(1)
     port = taken.getsockname()[1]
     try:
-        cfg = Config.model_validate({"run_dir": str(tmp_path / "run"), "worker": {"command": ["python", "t.py"]},
-                                     "metrics": {"listen": f"127.0.0.1:{port}"}})
+        cfg = Config.model_validate(
+            {
+                "run_dir": str(tmp_path / "run"),
+                "worker": {"command": ["python", "t.py"]},
+                "metrics": {"listen": f"127.0.0.1:{port}"},
+            }
+        )
         assert app.run(cfg, control_factory=None, configure_logging=False) == 1
     finally:
         taken.close()

@@ -1,6 +1,7 @@
 """A configuration, data or disk error on any rank ends the run with that rank's code, though torchrun exits 1:
 the decision (`rules.no_retry`), the restart policy and the final outcome that follow from it, and what the
 supervisor reads for it from an attempt's directory and log."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from fixtures.fakes.torchrun_report import root_cause
+
 from hangwatch.common.config import RestartCfg
 from hangwatch.common.rundir import rank_exit_name
 from hangwatch.supervisor.episode.episode import classify, no_retry, rank_last_words
@@ -22,13 +23,26 @@ CONFIG = {"kind": "config_error", "message": "ConfigError: model.device: no GPU"
 DATA = {"kind": "data_error", "message": "DataError: train.jsonl: no usable example", "exit_code": 65}
 DISK = {"kind": "disk", "message": "OSError: [Errno 28] No space left on device", "exit_code": 74}
 CRASH = {"kind": "crash", "message": "RuntimeError: boom", "exit_code": 1}
-VICTIM = {"kind": "crash", "message": "RuntimeError: Connection closed by peer", "exit_code": 1, "collective_error": True}
+VICTIM = {
+    "kind": "crash",
+    "message": "RuntimeError: Connection closed by peer",
+    "exit_code": 1,
+    "collective_error": True,
+}
 
 
 def root(rank, exitcode, signal=None, exception=None) -> dict:
     """torchrun's root-cause report as `kernel_evidence.torchrun_root_cause` reads it."""
-    return {"rank": rank, "local_rank": rank, "exitcode": exitcode, "pid": 4242, "signal": signal, "exception": exception,
-            "host": "localhost", "error_file": None}
+    return {
+        "rank": rank,
+        "local_rank": rank,
+        "exitcode": exitcode,
+        "pid": 4242,
+        "signal": signal,
+        "exception": exception,
+        "host": "localhost",
+        "error_file": None,
+    }
 
 
 @pytest.mark.parametrize(
@@ -53,10 +67,23 @@ def root(rank, exitcode, signal=None, exception=None) -> dict:
         (1, {2: CONFIG, 1: CONFIG}, None, NoRetry(78, 1, CONFIG["message"])),
         # no last words: torchrun's root cause, when it exited with such a code by itself
         (1, {}, root(1, 78), NoRetry(78, 1, "exit 78 (EX_CONFIG) per torchrun's root-cause report, no last words")),
-        (1, {}, root(0, 74, exception="OSError: [Errno 28] No space left on device"),
-         NoRetry(74, 0, "exit 74 (EX_IOERR) per torchrun's root-cause report, no last words; the log's last exception: "
-                        "OSError: [Errno 28] No space left on device")),
-        (1, {0: VICTIM}, root(1, 65), NoRetry(65, 1, "exit 65 (EX_DATAERR) per torchrun's root-cause report, no last words")),
+        (
+            1,
+            {},
+            root(0, 74, exception="OSError: [Errno 28] No space left on device"),
+            NoRetry(
+                74,
+                0,
+                "exit 74 (EX_IOERR) per torchrun's root-cause report, no last words; the log's last exception: "
+                "OSError: [Errno 28] No space left on device",
+            ),
+        ),
+        (
+            1,
+            {0: VICTIM},
+            root(1, 65),
+            NoRetry(65, 1, "exit 65 (EX_DATAERR) per torchrun's root-cause report, no last words"),
+        ),
         # the worker's own code (a single process) stays what it is, with its words when they say the same
         (78, {0: CONFIG}, None, NoRetry(78, 0, CONFIG["message"])),
         (65, {}, None, NoRetry(65, None, "exit 65 (EX_DATAERR)")),
@@ -81,8 +108,13 @@ def test_no_retry_code(code, words, report, expected):
 @pytest.mark.parametrize(
     "words, expected",
     [
-        (CONFIG, 78), (DATA, 65), (DISK, 74), (CRASH, None), (VICTIM, None),
-        ({"kind": "config"}, 78), ({"kind": "data"}, 65),
+        (CONFIG, 78),
+        (DATA, 65),
+        (DISK, 74),
+        (CRASH, None),
+        (VICTIM, None),
+        ({"kind": "config"}, 78),
+        ({"kind": "data"}, 65),
         ({"kind": "checkpoint_failed", "exit_code": 74}, 74),  # a checkpoint the full disk refused
         ({"kind": "checkpoint_failed", "exit_code": 1}, None),
         ({"kind": "crash", "exit_code": True}, None),  # a bool is not an exit code
@@ -100,16 +132,25 @@ def test_words_code(words, expected):
 @pytest.mark.parametrize(
     "stop, worker_code, reason",
     [
-        (NoRetry(78, 1, "ConfigError: model.device: no GPU\nsecond line"), 1,
-         "rank 1 exited 78: configuration error (EX_CONFIG): ConfigError: model.device: no GPU; not restarting "
-         "(the worker exited with code 1)"),
-        (NoRetry(65, 0, "DataError: no usable example"), 1,
-         "rank 0 exited 65: unusable data (EX_DATAERR): DataError: no usable example; not restarting "
-         "(the worker exited with code 1)"),
-        (NoRetry(74, 1, "OSError: [Errno 28] No space left on device"), None,
-         "rank 1 exited 74: the disk refused a write (EX_IOERR): OSError: [Errno 28] No space left on device; not "
-         "restarting (the worker ended by a signal); make room, then `hangwatch run` resumes from the last good "
-         "checkpoint"),
+        (
+            NoRetry(78, 1, "ConfigError: model.device: no GPU\nsecond line"),
+            1,
+            "rank 1 exited 78: configuration error (EX_CONFIG): ConfigError: model.device: no GPU; not restarting "
+            "(the worker exited with code 1)",
+        ),
+        (
+            NoRetry(65, 0, "DataError: no usable example"),
+            1,
+            "rank 0 exited 65: unusable data (EX_DATAERR): DataError: no usable example; not restarting "
+            "(the worker exited with code 1)",
+        ),
+        (
+            NoRetry(74, 1, "OSError: [Errno 28] No space left on device"),
+            None,
+            "rank 1 exited 74: the disk refused a write (EX_IOERR): OSError: [Errno 28] No space left on device; not "
+            "restarting (the worker ended by a signal); make room, then `hangwatch run` resumes from the last good "
+            "checkpoint",
+        ),
     ],
 )
 def test_a_ranks_error_fails_the_run_with_its_code(stop, worker_code, reason):
@@ -185,7 +226,9 @@ def test_with_several_announced_ranks_the_incident_names_the_rank_itself(tmp_pat
 def test_an_attempt_that_wrote_nothing_is_left_to_the_policy(tmp_path):
     a = attempt(tmp_path, {1: CRASH})
     assert no_retry(a) is None
-    gone = SimpleNamespace(dir=tmp_path / "nowhere", worker=SimpleNamespace(exit_code=1, exit_signal=None,
-                                                                            log_path=tmp_path / "nowhere" / "w.log"),
-                           announced={})
+    gone = SimpleNamespace(
+        dir=tmp_path / "nowhere",
+        worker=SimpleNamespace(exit_code=1, exit_signal=None, log_path=tmp_path / "nowhere" / "w.log"),
+        announced={},
+    )
     assert rank_last_words(gone) == {} and no_retry(gone) is None

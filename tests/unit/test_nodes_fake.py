@@ -4,15 +4,21 @@ The supervisor is the real one (fake clock, fake process table, fake spawn); the
 record of what it was ordered (`FakeHelper`), and the test speaks for it (`feed`): the store's generation,
 a peer's notice, the peers' records, the reply to a bump.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import FakeHelper, Harness
-from hangwatch.supervisor.nodes.multi_node import (EXIT_BARRIER_MARGIN_S, EXIT_BARRIER_S, missing_words, peer_cause,
-                                                   present_nodes)
+
+from hangwatch.supervisor.nodes.multi_node import (
+    EXIT_BARRIER_MARGIN_S,
+    EXIT_BARRIER_S,
+    missing_words,
+    peer_cause,
+    present_nodes,
+)
 
 NODE = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "rdzv_id": "pair", "node_name": "a", "rdzv_timeout_s": 20}
 
@@ -94,8 +100,15 @@ def test_own_crash_tells_the_peers_counts_and_waits_for_the_new_generation(tmp_p
 def test_a_rank_whose_collective_broke_is_a_victim_restarted_for_free(tmp_path):
     h, helper = harness(tmp_path)
     store_up(h)
-    h.running().exit(1, last_words={"kind": "crash", "message": "RuntimeError: Connection closed by peer",
-                                    "rank": 0, "collective_error": True})
+    h.running().exit(
+        1,
+        last_words={
+            "kind": "crash",
+            "message": "RuntimeError: Connection closed by peer",
+            "rank": 0,
+            "collective_error": True,
+        },
+    )
     h.until(lambda: helper.ops("bump"), within_s=10)  # nobody else bumped: the victim makes the new generation
     bump = helper.ops("bump")[0]
     say(h, ev="bumped", id=bump["id"], **{"from": 0}, gen=1, mine=True, notice=bump["notice"])
@@ -110,8 +123,14 @@ def test_waiting_for_a_lost_peer_gives_one_lost_peer_incident_and_holds_the_star
     store_up(h, peers=("a",))
     h.until(lambda: h.spawn.workers)
     nodes_at(h, 0, ("a",))
-    say(h, ev="peers", nodes={"a": {"age_s": 0.0, "record": {"gen": 0, "state": "rendezvous"}},
-                              "b": {"age_s": 40.0, "record": {"gen": 0, "state": "running"}}})
+    say(
+        h,
+        ev="peers",
+        nodes={
+            "a": {"age_s": 0.0, "record": {"gen": 0, "state": "rendezvous"}},
+            "b": {"age_s": 40.0, "record": {"gen": 0, "state": "running"}},
+        },
+    )
     for _ in range(200):  # 100 s: well past rdzv_timeout_s (20) and startup_timeout_s (15)
         h.tick(0.5)
     incs = incidents(h)
@@ -145,23 +164,28 @@ def test_torchrun_restarting_its_ranks_within_an_attempt_is_a_round_not_a_fault(
     assert state["nodes"]["torchrun_round_changes"] == 1
 
 
-@pytest.mark.parametrize("own, notice, won, lost, expected", [
-    (True, {"node": "b"}, False, None, None),  # our culprit: counted, whoever bumped first
-    (False, {"node": "b"}, False, None, "peer node b restarted first"),
-    (None, {"node": "b"}, False, None, "peer node b restarted first"),  # cannot tell, a peer restarted first
-    (None, {"node": "b"}, True, None, None),  # cannot tell, and we restarted first: counted
-    (False, None, True, None, "local ranks were only waiting for their peers (victims)"),
-    (None, None, None, "connection reset", "the rendezvous store was lost (connection reset)"),
-    (None, None, None, None, None),
-])
+@pytest.mark.parametrize(
+    "own, notice, won, lost, expected",
+    [
+        (True, {"node": "b"}, False, None, None),  # our culprit: counted, whoever bumped first
+        (False, {"node": "b"}, False, None, "peer node b restarted first"),
+        (None, {"node": "b"}, False, None, "peer node b restarted first"),  # cannot tell, a peer restarted first
+        (None, {"node": "b"}, True, None, None),  # cannot tell, and we restarted first: counted
+        (False, None, True, None, "local ranks were only waiting for their peers (victims)"),
+        (None, None, None, "connection reset", "the rendezvous store was lost (connection reset)"),
+        (None, None, None, None, None),
+    ],
+)
 def test_peer_cause_table(own, notice, won, lost, expected):
     assert peer_cause(own, notice, won, lost) == expected
 
 
 def test_present_and_missing_words():
-    nodes = {"a": {"age_s": 0.2, "record": {"gen": 2, "state": "rendezvous"}},
-             "b": {"age_s": 9.0, "record": {"gen": 1, "state": "running"}},
-             "c": {"age_s": 0.1, "record": {"gen": 1, "state": "running"}}}  # alive but still in an older generation
+    nodes = {
+        "a": {"age_s": 0.2, "record": {"gen": 2, "state": "rendezvous"}},
+        "b": {"age_s": 9.0, "record": {"gen": 1, "state": "running"}},
+        "c": {"age_s": 0.1, "record": {"gen": 1, "state": "running"}},
+    }  # alive but still in an older generation
     assert present_nodes(nodes, 2) == ["a"]
     words = missing_words(3, ["a"], nodes, 0.0, "x-g2 at h:1")
     assert words.startswith("waiting for 2 of 3 nodes at the rendezvous since ")
@@ -175,9 +199,17 @@ def test_the_resume_point_is_the_one_agreed_for_the_generation_on_every_node(tmp
     store_up(h)
     h.running()
     # peer b (rank 0 ran there) offers a newer good checkpoint than this node's ledger knows
-    say(h, ev="peers", nodes={"a": {"age_s": 0.0, "record": {"gen": 0, "state": "running"}},
-                              "b": {"age_s": 0.2, "record": {"gen": 0, "state": "running",
-                                                             "resume": {"path": "/shared/step-00000006", "step": 6}}}})
+    say(
+        h,
+        ev="peers",
+        nodes={
+            "a": {"age_s": 0.0, "record": {"gen": 0, "state": "running"}},
+            "b": {
+                "age_s": 0.2,
+                "record": {"gen": 0, "state": "running", "resume": {"path": "/shared/step-00000006", "step": 6}},
+            },
+        },
+    )
     say(h, ev="gen", gen=1, notice={"node": "b", "kind": "stall", "summary": "rank 1 stuck"})
     h.until(lambda: h.sup.attempt == 2, within_s=30)
     proposal = helper.ops("agree_resume")[-1]
@@ -199,9 +231,14 @@ def test_a_peer_that_failed_ends_this_node_failed_too(tmp_path):
     h, helper = harness(tmp_path)
     store_up(h)
     h.running()
-    say(h, ev="peers", nodes={"a": {"age_s": 0.0, "record": {"gen": 0, "state": "running"}},
-                              "b": {"age_s": 0.3, "record": {"gen": 0, "state": "failed",
-                                                             "why": "crash loop: 3 restart(s) within 600s"}}})
+    say(
+        h,
+        ev="peers",
+        nodes={
+            "a": {"age_s": 0.0, "record": {"gen": 0, "state": "running"}},
+            "b": {"age_s": 0.3, "record": {"gen": 0, "state": "failed", "why": "crash loop: 3 restart(s) within 600s"}},
+        },
+    )
     h.until(lambda: h.state == "failed", within_s=60)
     assert h.sup.exit_code == 1
     assert helper.ops("status")[-1]["record"]["state"] == "failed"
@@ -219,8 +256,15 @@ def test_a_stop_while_waiting_for_the_store_ends_at_once(tmp_path):
 def test_a_victims_incident_learns_the_peers_reason_when_it_comes_later(tmp_path):
     h, helper = harness(tmp_path)
     store_up(h)
-    h.running().exit(1, last_words={"kind": "crash", "message": "RuntimeError: Connection closed by peer",
-                                    "rank": 0, "collective_error": True})
+    h.running().exit(
+        1,
+        last_words={
+            "kind": "crash",
+            "message": "RuntimeError: Connection closed by peer",
+            "rank": 0,
+            "collective_error": True,
+        },
+    )
     h.until(lambda: helper.ops("bump"), within_s=10)  # after the tree is gone: the culprit's node had its chance first
     assert [i["kind"] for i in incidents(h)] == ["crash"]
     notice = {"node": "b", "kind": "crash", "summary": "rank 1 crashed: RuntimeError: boom", "rank": 1}
@@ -297,8 +341,15 @@ def test_ranks_stopped_by_a_peers_stop_wait_for_it_without_burning_the_budget(tm
 def test_a_victims_only_node_leaves_the_bump_to_the_culprits_node(tmp_path):
     h, helper = harness(tmp_path)
     store_up(h)
-    h.running().exit(1, last_words={"kind": "crash", "message": "RuntimeError: Connection reset by peer",
-                                    "rank": 0, "collective_error": True})
+    h.running().exit(
+        1,
+        last_words={
+            "kind": "crash",
+            "message": "RuntimeError: Connection reset by peer",
+            "rank": 0,
+            "collective_error": True,
+        },
+    )
     h.until(lambda: h.state == "starting" and h.sup.awaiting_rendezvous, within_s=10)
     h.tick(1.0)
     assert not helper.ops("bump"), "a node with only victims bumped before the culprit's node could"

@@ -1,6 +1,7 @@
 """The control socket server and client against real Unix sockets: bad input, many and silent
 clients, slow readers, replies answered in a later pass (`Pending`), permissions (mode, SO_PEERCRED
 from another uid), stale and live sockets."""
+
 from __future__ import annotations
 
 import grp
@@ -16,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 import structlog
-
 from fixtures.fakes.control_peers import Deferred, Later, Peer, raw
 from fixtures.fakes.polled_server import PolledServer
 from fixtures.fakes.sup_harness import wait_for
+
 from hangwatch.supervisor.cli.client import Client, DaemonUnavailable, RequestFailed, resolve_socket
 from hangwatch.supervisor.control import (
     SOCKET_PATH_FILE,
@@ -85,7 +86,7 @@ def test_status_round_trip_and_nan_is_strict_json(sup):
 
 def test_malformed_requests_get_json_errors_and_the_server_carries_on(sup):
     s = raw(sup.path)
-    s.sendall(b"this is not json\n[1, 2]\n{\"nocmd\": 1}\n{\"cmd\": 5}\n\xff\xfe\n{\"cmd\": \"status\"}\n")
+    s.sendall(b'this is not json\n[1, 2]\n{"nocmd": 1}\n{"cmd": 5}\n\xff\xfe\n{"cmd": "status"}\n')
     replies = read_replies(s, 6)
     assert [r["ok"] for r in replies] == [False, False, False, False, False, True]
     assert "not valid JSON" in replies[0]["error"]
@@ -299,11 +300,14 @@ class Broken(Later):
         return ["not", "a", "reply"]
 
 
-@pytest.mark.parametrize("where, error", [
-    ("ready", "internal error while handling 'dump': RuntimeError: ready bug"),
-    ("reply", "internal error while handling 'dump': RuntimeError: reply bug"),
-    ("shape", "internal error: handler returned list, not a reply"),
-])
+@pytest.mark.parametrize(
+    "where, error",
+    [
+        ("ready", "internal error while handling 'dump': RuntimeError: ready bug"),
+        ("reply", "internal error while handling 'dump': RuntimeError: reply bug"),
+        ("shape", "internal error: handler returned list, not a reply"),
+    ],
+)
 def test_a_broken_pending_reply_is_an_error_reply_not_a_crash(deferred, where, error):
     deferred.later = Broken(where)
     peer = Peer(deferred.path)
@@ -388,7 +392,12 @@ def shared_dir():
 def _as_nobody(path: Path, *flags: str) -> list[str]:
     out = subprocess.run(
         ["/usr/bin/python3", "-I", "-c", PEER_CLIENT, str(path), *flags],
-        user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=30,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
@@ -504,13 +513,19 @@ def test_paths_longer_than_sun_path_work(tmp_path):
 
 
 def _cfg(socket_path=None, run_dir="/nonexistent"):
-    return SimpleNamespace(run_dir=run_dir, control=SimpleNamespace(socket=socket_path, group=None, max_request_bytes=65536))
+    return SimpleNamespace(
+        run_dir=run_dir, control=SimpleNamespace(socket=socket_path, group=None, max_request_bytes=65536)
+    )
 
 
 def test_socket_path_defaults(tmp_path):
     assert socket_path_for(_cfg(), tmp_path, environ={}) == tmp_path / "hangwatch.sock"
-    assert socket_path_for(_cfg(), tmp_path, environ={"RUNTIME_DIRECTORY": "/run/hangwatch/x"}) == Path("/run/hangwatch/x/hangwatch.sock")
-    assert socket_path_for(_cfg("/srv/hw.sock"), tmp_path, environ={"RUNTIME_DIRECTORY": "/run/x"}) == Path("/srv/hw.sock")
+    assert socket_path_for(_cfg(), tmp_path, environ={"RUNTIME_DIRECTORY": "/run/hangwatch/x"}) == Path(
+        "/run/hangwatch/x/hangwatch.sock"
+    )
+    assert socket_path_for(_cfg("/srv/hw.sock"), tmp_path, environ={"RUNTIME_DIRECTORY": "/run/x"}) == Path(
+        "/srv/hw.sock"
+    )
 
 
 def test_a_socket_outside_the_run_dir_is_recorded_there(tmp_path):
@@ -574,15 +589,26 @@ CONVERSATIONS = [
     ([b'{"cmd":"a"}', b""], ["a"], ["a"], True),  # end of input ends the last line
     ([b"\n  \n", b'{"cmd":"a"}\n'], [EMPTY_REQUEST, EMPTY_REQUEST, "a"], ["a"], False),  # an empty line is answered
     ([b'{"cmd":"a"}\n', b"  ", b""], ["a"], ["a"], True),  # bare whitespace before the end is no line
-    ([b'{"cmd":"a","pad":"' + b"x" * 80 + b'"}\n{"cmd":"b"}\n'],
-     ["request larger than 64 bytes; closing connection"], [], True),
+    (
+        [b'{"cmd":"a","pad":"' + b"x" * 80 + b'"}\n{"cmd":"b"}\n'],
+        ["request larger than 64 bytes; closing connection"],
+        [],
+        True,
+    ),
     ([b"x" * 65], ["request larger than 64 bytes; closing connection"], [], True),  # no newline yet, already too long
-    ([b"x" * 65, b'{"cmd":"b"}\n'], ["request larger than 64 bytes; closing connection"], [], True),  # the rest is dropped
+    (
+        [b"x" * 65, b'{"cmd":"b"}\n'],
+        ["request larger than 64 bytes; closing connection"],
+        [],
+        True,
+    ),  # the rest is dropped
     ([b'{"cmd":"a"}\n', b"", b'{"cmd":"b"}\n'], ["a"], ["a"], True),  # nothing after end of input
 ]
 
 
-@pytest.mark.parametrize("chunks, results, handled, hung_up", CONVERSATIONS, ids=[f"c{i}" for i in range(len(CONVERSATIONS))])
+@pytest.mark.parametrize(
+    "chunks, results, handled, hung_up", CONVERSATIONS, ids=[f"c{i}" for i in range(len(CONVERSATIONS))]
+)
 def test_conversation_framing(chunks, results, handled, hung_up):
     replies, seen, hangup = _talk(chunks)
     assert [r.get("result", r.get("error")) for r in replies] == results

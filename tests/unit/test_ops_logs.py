@@ -1,4 +1,5 @@
 """Supervisor logging (JSON file, console lines, rotation, SIGHUP) and reading logs back."""
+
 from __future__ import annotations
 
 import io
@@ -46,10 +47,18 @@ def test_json_lines_to_the_file_and_key_value_lines_to_a_pipe(tmp_path):
     assert [e["event"] for e in lines] == ["worker spawned", "request failed"]
     first = lines[0]
     assert list(first)[:4] == ["timestamp", "level", "logger", "event"]
-    assert (first["level"], first["logger"], first["pid"], first["argv"]) == ("info", "hangwatch.runner", 123, ["python", "x.py"])
+    assert (first["level"], first["logger"], first["pid"], first["argv"]) == (
+        "info",
+        "hangwatch.runner",
+        123,
+        ["python", "x.py"],
+    )
     assert "ValueError: bad thing" in lines[1]["exception"]
     console = stream.getvalue().splitlines()
-    assert console[0].split(" ", 1)[1] == 'level=info logger=hangwatch.runner event="worker spawned" pid=123 argv="[\'python\', \'x.py\']"'
+    assert (
+        console[0].split(" ", 1)[1]
+        == "level=info logger=hangwatch.runner event=\"worker spawned\" pid=123 argv=\"['python', 'x.py']\""
+    )
     assert "\x1b[" not in stream.getvalue()
 
 
@@ -174,7 +183,9 @@ def test_follow_supervisor_log_through_rotation_and_truncation(tmp_path):
         with open(path, "w") as f:
             f.write("4\n")
 
-    got = collect(logfollow.follow_log(tmp_path, supervisor=True, follow=True, sleep=Script(rotate, lambda: None, truncate)))
+    got = collect(
+        logfollow.follow_log(tmp_path, supervisor=True, follow=True, sleep=Script(rotate, lambda: None, truncate))
+    )
     assert got == [path, "one\n", "two\n", path, "three\n", "4\n"]
 
 
@@ -185,12 +196,19 @@ def test_no_log_without_follow_is_an_error(tmp_path):
         list(logfollow.follow_log(tmp_path, supervisor=True))
 
 
-@pytest.mark.parametrize("content,n,tail", [
-    (b"", 3, b""), (b"a\nb\nc\n", 0, b""), (b"a\nb\nc\n", 2, b"b\nc\n"), (b"a\nb\nc", 2, b"b\nc"),
-    (b"a\nb\n", 5, b"a\nb\n"), (b"x" * 200000 + b"\nlast\n", 1, b"last\n"),
-])
+@pytest.mark.parametrize(
+    "content,n,tail",
+    [
+        (b"", 3, b""),
+        (b"a\nb\nc\n", 0, b""),
+        (b"a\nb\nc\n", 2, b"b\nc\n"),
+        (b"a\nb\nc", 2, b"b\nc"),
+        (b"a\nb\n", 5, b"a\nb\n"),
+        (b"x" * 200000 + b"\nlast\n", 1, b"last\n"),
+    ],
+)
 def test_tail_offset(tmp_path, content, n, tail):
     p = tmp_path / "f"
     p.write_bytes(content)
     with open(p, "rb") as f:
-        assert content[logfollow._tail_offset(f, n):] == tail
+        assert content[logfollow._tail_offset(f, n) :] == tail

@@ -1,4 +1,5 @@
 """sd_notify against a real datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
 from __future__ import annotations
 
 import os

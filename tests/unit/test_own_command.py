@@ -1,6 +1,7 @@
 """`hangwatch run -- CMD`, supervisor side, on fakes: the command line and its run dir, resume arguments, the
 instrumentation environment, the output as evidence (tail, deadlines), bad checkpoints set aside, the tree's
 unannounced Python processes, NVML per process, the interpreter probe's reading of scripts."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hangwatch.common.config import ConfigError, WatchdogCfg, load_checked, parse_config, script_name
+from hangwatch.common.config import ConfigError, RestartCfg, WatchdogCfg, load_checked, parse_config, script_name
 from hangwatch.common.config.schema import DEFAULT_PROGRESS_PATTERN
 from hangwatch.common.exitcodes import EX_USAGE
 from hangwatch.common.instrumentation import BOOT_DIR, ENV_INSTRUMENT, ENV_RESUME_STEP, instrument_env
@@ -22,24 +23,26 @@ from hangwatch.supervisor.processes.interpreter import instrument_note, python_o
 from hangwatch.supervisor.processes.process import ProcRef
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, GOOD, CheckpointLedger, Entry, set_aside_bad
 from hangwatch.supervisor.rules.policy import RestartPolicy
-from hangwatch.common.config import RestartCfg
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines
 from hangwatch.supervisor.watch.output_tail import READ_CHUNK, OutputTail
 
-
 # ---- the command line -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, name", [
-    (["python", "train.py", "--lr", "1e-4"], "train"),
-    (["python", "-m", "pkg.train"], "pkg.train"),
-    (["torchrun", "--nproc-per-node", "2", "train.py"], "train"),
-    (["accelerate", "launch", "--num_processes", "2", "sft.py"], "sft"),
-    (["bash", "run.sh"], "run"),
-    (["trl", "sft", "--model_name_or_path", "m"], "trl-sft"),
-    (["./train"], "train"),
-    (["python3", "-u", "/abs/dir/fit.py"], "fit"),
-])
+
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["python", "train.py", "--lr", "1e-4"], "train"),
+        (["python", "-m", "pkg.train"], "pkg.train"),
+        (["torchrun", "--nproc-per-node", "2", "train.py"], "train"),
+        (["accelerate", "launch", "--num_processes", "2", "sft.py"], "sft"),
+        (["bash", "run.sh"], "run"),
+        (["trl", "sft", "--model_name_or_path", "m"], "trl-sft"),
+        (["./train"], "train"),
+        (["python3", "-u", "/abs/dir/fit.py"], "fit"),
+    ],
+)
 def test_a_command_names_its_run_dir_after_its_script(argv, name):
     assert script_name(argv) == name
 
@@ -55,7 +58,9 @@ def test_no_config_means_defaults_the_command_and_runs_slash_script(tmp_path, mo
 
 
 def test_a_config_with_a_command_keeps_its_settings_and_its_own_run_dir(tmp_path):
-    (tmp_path / "a.yaml").write_text("watchdog: {step_timeout_s: 7}\nworker: {command: [old], resume_args: [--resume, '{checkpoint}']}\n")
+    (tmp_path / "a.yaml").write_text(
+        "watchdog: {step_timeout_s: 7}\nworker: {command: [old], resume_args: [--resume, '{checkpoint}']}\n"
+    )
     cfg, _ = load_checked(tmp_path / "a.yaml", command=["python", "new.py"])
     assert cfg.worker.command == ["python", "new.py"] and cfg.watchdog.step_timeout_s == 7
     assert Path(cfg.run_dir) == tmp_path / "runs" / "new"
@@ -84,8 +89,11 @@ def test_run_without_config_or_command_is_a_usage_error():
 
 # ---- argv and environment of an attempt -------------------------------------------------------------------
 
+
 def test_resume_args_follow_the_command_only_when_there_is_a_checkpoint(tmp_path):
-    cfg = parse_config("worker: {command: [python, t.py, --x], resume_args: [--resume, '{checkpoint}', --at, '{step}']}\n")
+    cfg = parse_config(
+        "worker: {command: [python, t.py, --x], resume_args: [--resume, '{checkpoint}', --at, '{step}']}\n"
+    )
     assert attempts.worker_argv(cfg, tmp_path / "c.yaml")[1:] == ["t.py", "--x"]
     argv = attempts.worker_argv(cfg, tmp_path / "c.yaml", resume_from="/ck/step-20.pt", resume_step=20)
     assert argv[0] == sys.executable and argv[1:] == ["t.py", "--x", "--resume", "/ck/step-20.pt", "--at", "20"]
@@ -93,7 +101,11 @@ def test_resume_args_follow_the_command_only_when_there_is_a_checkpoint(tmp_path
 
 def test_the_bootstrap_comes_first_on_pythonpath_once_and_only_for_auto(tmp_path):
     env = instrument_env({"PYTHONPATH": f"/mine{os.pathsep}{BOOT_DIR}"}, resume_step=12)
-    assert env["PYTHONPATH"] == f"{BOOT_DIR}{os.pathsep}/mine" and env[ENV_INSTRUMENT] == "auto" and env[ENV_RESUME_STEP] == "12"
+    assert (
+        env["PYTHONPATH"] == f"{BOOT_DIR}{os.pathsep}/mine"
+        and env[ENV_INSTRUMENT] == "auto"
+        and env[ENV_RESUME_STEP] == "12"
+    )
     cfg = parse_config("worker: {command: [python, t.py]}\n")
     e = attempts.worker_env(cfg, 1, environ={"PATH": "/bin"}, resume_from="/ck", resume_step=4)
     assert e["PYTHONPATH"] == str(BOOT_DIR) and e[ENV_RESUME_STEP] == "4"
@@ -112,6 +124,7 @@ def test_a_command_that_exits_0_without_a_stop_line_has_finished():
 
 
 # ---- the output as evidence ---------------------------------------------------------------------------------
+
 
 def test_output_tail_reads_lines_progress_steps_and_tqdm_redraws(tmp_path):
     log = tmp_path / "worker.log"
@@ -175,6 +188,7 @@ def test_progress_in_the_output_keeps_a_load_phase_alive():
 
 # ---- checkpoints, processes, GPUs -----------------------------------------------------------------------------
 
+
 def entry(path, status, step, seq):
     return Entry(path=str(path), step=step, status=status, attempt=1, rank=0, seq=seq, why="loss nan at step 9")
 
@@ -234,21 +248,40 @@ class FakeAttempt:
 
 
 def test_the_trees_unannounced_python_processes_are_found_not_a_ranks_loader_workers():
-    table = Table({10: ("bash", ["/bin/bash", "run.sh"], [11]), 11: ("python3.11", ["python3", "job.py"], [12, 13]),
-                   12: ("pt_data_worker", ["/usr/bin/python3", "job.py"], []), 13: ("sleep", ["sleep", "9"], [])})
+    table = Table(
+        {
+            10: ("bash", ["/bin/bash", "run.sh"], [11]),
+            11: ("python3.11", ["python3", "job.py"], [12, 13]),
+            12: ("pt_data_worker", ["/usr/bin/python3", "job.py"], []),
+            13: ("sleep", ["sleep", "9"], []),
+        }
+    )
     assert [r.pid for r in unannounced_pythons(table, FakeAttempt(10))] == [11, 12]
     assert [r.pid for r in unannounced_pythons(table, FakeAttempt(10, announced=[11]))] == []
 
 
 def test_gpu_processes_are_the_trees_own():
-    gpu = {"available": True, "devices": [{"index": 0, "utilization_percent": 46, "processes": [
-        {"pid": 11, "used_memory_bytes": 5 << 30, "sm_util_percent": 3}, {"pid": 99, "used_memory_bytes": 1}]}]}
-    assert gpu_processes(gpu, {11, 12}) == [{"pid": 11, "device": 0, "used_memory_bytes": 5 << 30, "sm_util_percent": 3,
-                                            "device_utilization_percent": 46}]
+    gpu = {
+        "available": True,
+        "devices": [
+            {
+                "index": 0,
+                "utilization_percent": 46,
+                "processes": [
+                    {"pid": 11, "used_memory_bytes": 5 << 30, "sm_util_percent": 3},
+                    {"pid": 99, "used_memory_bytes": 1},
+                ],
+            }
+        ],
+    }
+    assert gpu_processes(gpu, {11, 12}) == [
+        {"pid": 11, "device": 0, "used_memory_bytes": 5 << 30, "sm_util_percent": 3, "device_utilization_percent": 46}
+    ]
     assert gpu_processes({"available": False, "reason": "no GPU"}, {11}) == []
 
 
 # ---- which Python a command runs ----------------------------------------------------------------------------
+
 
 def script(path: Path, text: str) -> Path:
     path.write_text(text)

@@ -4,6 +4,7 @@ The fake store answers compare_set exactly as torch 2.13's TCPStore does (see th
 included: on a missing key with a non-empty expected value it sets nothing and returns the expected value.
 No torch, no subprocess.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import time
 import pytest
 
 from hangwatch.daemon import peerlink as pl
-from hangwatch.daemon.peerlink import connect as plc
 from hangwatch.daemon.peerlink import KV, Ages, Peerlink
+from hangwatch.daemon.peerlink import connect as plc
 
 
 class FakeStore:
@@ -73,6 +74,7 @@ def make_link(store_box: list, node: str, clock=None, events=None):
         if store_box[0] is None or store_box[0].dead:
             raise ConnectionRefusedError("refused")
         return store_box[0], "client"
+
     link = Peerlink("r", node, connect, events.append, clock=clock or Clock(), endpoint="h:1", pid=7, hostname="box")
     return link, events
 
@@ -83,8 +85,16 @@ def of(events, ev):
 
 # ---------------------------------------------------------------- endpoint and hosting decision
 
-@pytest.mark.parametrize("text,want", [("127.0.0.1:29500", ("127.0.0.1", 29500)), ("node-1:1", ("node-1", 1)),
-                                       ("[::1]:65535", ("::1", 65535)), (" h:80 ", ("h", 80))])
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("127.0.0.1:29500", ("127.0.0.1", 29500)),
+        ("node-1:1", ("node-1", 1)),
+        ("[::1]:65535", ("::1", 65535)),
+        (" h:80 ", ("h", 80)),
+    ],
+)
 def test_endpoints_parse(text, want):
     assert pl.parse_endpoint(text) == want
 
@@ -96,19 +106,29 @@ def test_bad_endpoints_are_refused_naming_the_value(text):
     assert repr(text) in str(e.value)
 
 
-@pytest.mark.parametrize("host,resolved,want", [
-    ("localhost", [], True), ("BOX", [], True), ("127.0.0.1", [], True), ("127.3.2.1", [], True), ("::1", [], True),
-    ("10.0.0.5", [], True),  # an address of one of our interfaces
-    ("fe80::1%eth0", [], True),
-    ("other", ["10.0.0.5"], True),  # a name that resolves to one of ours
-    ("other", ["127.0.1.1"], True),
-    ("10.0.0.6", [], False), ("other", ["10.0.0.6"], False), ("other", [], False),
-])
+@pytest.mark.parametrize(
+    "host,resolved,want",
+    [
+        ("localhost", [], True),
+        ("BOX", [], True),
+        ("127.0.0.1", [], True),
+        ("127.3.2.1", [], True),
+        ("::1", [], True),
+        ("10.0.0.5", [], True),  # an address of one of our interfaces
+        ("fe80::1%eth0", [], True),
+        ("other", ["10.0.0.5"], True),  # a name that resolves to one of ours
+        ("other", ["127.0.1.1"], True),
+        ("10.0.0.6", [], False),
+        ("other", ["10.0.0.6"], False),
+        ("other", [], False),
+    ],
+)
 def test_the_hosting_decision(host, resolved, want):
     assert pl.is_local(host, "box", {"10.0.0.5", "fe80::1"}, resolved) is want
 
 
 # ---------------------------------------------------------------- compare-set building blocks
+
 
 def test_gen_is_created_once_and_never_lowered(kv):
     assert pl.ensure_gen_at_least(kv, 0) == 0
@@ -138,6 +158,7 @@ def test_members_append_retries_when_the_list_changed_under_it(kv):
             raced.append(1)
             real("members", expected, json.dumps(json.loads(expected) + ["c"]))
         return real(key, expected, desired)
+
     pl.join_members(kv, "a")
     kv.cas = cas
     assert pl.join_members(kv, "b") == ["a", "c", "b"]
@@ -193,6 +214,7 @@ def test_resume_first_proposal_wins(kv):
 
 # ---------------------------------------------------------------- ages
 
+
 def test_age_counts_from_the_last_seq_change():
     clock = Clock()
     ages = Ages(clock)
@@ -210,6 +232,7 @@ def test_age_counts_from_the_last_seq_change():
 
 # ---------------------------------------------------------------- the whole link on a fake store
 
+
 def test_two_links_agree_through_one_store():
     box, clock = [FakeStore()], Clock()
     a, ea = make_link(box, "a", clock)
@@ -219,8 +242,9 @@ def test_two_links_agree_through_one_store():
     assert of(ea, "gen") == [{"ev": "gen", "gen": 0, "notice": None}] == of(eb, "gen")
     a.handle(json.dumps({"op": "status", "record": {"state": "train", "seq": -1}}))
     a.handle(json.dumps({"op": "bump", "id": "x", "from": 0, "notice": {"why": "stall"}}))
-    assert of(ea, "bumped") == [{"ev": "bumped", "id": "x", "from": 0, "gen": 1, "mine": True,
-                                 "notice": {"why": "stall"}}]
+    assert of(ea, "bumped") == [
+        {"ev": "bumped", "id": "x", "from": 0, "gen": 1, "mine": True, "notice": {"why": "stall"}}
+    ]
     b.handle(json.dumps({"op": "bump", "id": "y", "from": 0, "notice": {"why": "other"}}))
     assert of(eb, "bumped")[0]["mine"] is False and of(eb, "bumped")[0]["notice"] == {"why": "stall"}
     a.beat()
@@ -265,12 +289,20 @@ def test_a_store_with_a_lower_gen_is_raised():
     assert box[0].data["hangwatch/r/gen"] == b"1" and [e["gen"] for e in of(eb, "gen")] == [0, 1]
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("garbage", "unparseable"), ("[1, 2]", "unparseable"), ('{"op": "fly"}', "unknown op"),
-    ('{"op": "bump", "id": 1}', "from"), ('{"op": "bump", "from": 0}', "id"),
-    ('{"op": "bump", "id": 1, "from": "0"}', "from"), ('{"op": "agree_resume", "id": 1}', "gen"),
-    ('{"op": "agree_resume", "id": 1, "gen": 0, "proposal": "x"}', "proposal"), ('{"op": "status"}', "record"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("garbage", "unparseable"),
+        ("[1, 2]", "unparseable"),
+        ('{"op": "fly"}', "unknown op"),
+        ('{"op": "bump", "id": 1}', "from"),
+        ('{"op": "bump", "from": 0}', "id"),
+        ('{"op": "bump", "id": 1, "from": "0"}', "from"),
+        ('{"op": "agree_resume", "id": 1}', "gen"),
+        ('{"op": "agree_resume", "id": 1, "gen": 0, "proposal": "x"}', "proposal"),
+        ('{"op": "status"}', "record"),
+    ],
+)
 def test_bad_commands_answer_an_error_and_keep_going(line, needle):
     box = [FakeStore()]
     a, ea = make_link(box, "a")
@@ -280,6 +312,7 @@ def test_bad_commands_answer_an_error_and_keep_going(line, needle):
 
 
 # ---------------------------------------------------------------- bounded calls (no torch: a store that hangs)
+
 
 class HangingStore(FakeStore):
     def __init__(self):
@@ -316,6 +349,7 @@ def test_connecting_runs_in_the_background_and_is_not_an_outage_while_it_runs():
     def slow_connect():
         go.wait(30)
         return store, "client"
+
     events = []
     link = Peerlink("r", "a", plc.AsyncConnect(slow_connect, 1.0), events.append, clock=Clock())
     link.beat()

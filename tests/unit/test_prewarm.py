@@ -3,6 +3,7 @@ it is released (with the resume point decided then) only once that tree is gone,
 killed and reaped — when no restart follows; a standby that died or cannot be released means a cold spawn.
 Plus the pure parts (eligibility, when a restart is coming) and the release line both sides must agree on.
 No process is started and torch is not imported."""
+
 from __future__ import annotations
 
 import io
@@ -11,9 +12,9 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import Harness
 from fixtures.fakes.standby import prewarmed, signalled
+
 from hangwatch.common.config import Config
 from hangwatch.common.protocol import ENV_ATTEMPT, ENV_HEARTBEAT_DIR, ENV_RESUME_FROM
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
@@ -21,7 +22,6 @@ from hangwatch.daemon import prewarm as worker_side
 from hangwatch.supervisor.processes import prewarm
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
-
 
 # ---- the pure parts ----------------------------------------------------------------------------
 
@@ -33,21 +33,28 @@ def cfg(**over) -> Config:
     return Config.model_validate(base)
 
 
-@pytest.mark.parametrize("config, why", [
-    (cfg(), None),
-    (cfg(restart={"prewarm": False}), "restart.prewarm is off"),
-    (cfg(worker={"command": ["python", "train.py"]}), "only the built-in worker"),
-    (cfg(worker={"nproc_per_node": 2}), "only a single-process worker"),
-    (cfg(restart={"prewarm": "always"}), None),
-    (cfg(restart={"prewarm": "always"}, model={"name_or_path": "/m", "load_in_4bit": True, "device": "cuda"}),
-     "a standby must hold no GPU memory"),
-])
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        (cfg(), None),
+        (cfg(restart={"prewarm": False}), "restart.prewarm is off"),
+        (cfg(worker={"command": ["python", "train.py"]}), "only the built-in worker"),
+        (cfg(worker={"nproc_per_node": 2}), "only a single-process worker"),
+        (cfg(restart={"prewarm": "always"}), None),
+        (
+            cfg(restart={"prewarm": "always"}, model={"name_or_path": "/m", "load_in_4bit": True, "device": "cuda"}),
+            "a standby must hold no GPU memory",
+        ),
+    ],
+)
 def test_which_runs_are_prewarmed(config, why):
     got = prewarm.ineligible(config)
     assert (got is None) if why is None else (why in got)
 
 
-@pytest.mark.parametrize("value, error", [("always", None), (True, None), ("sometimes", "restart.prewarm"), (3, "restart.prewarm")])
+@pytest.mark.parametrize(
+    "value, error", [("always", None), (True, None), ("sometimes", "restart.prewarm"), (3, "restart.prewarm")]
+)
 def test_prewarm_takes_a_bool_or_always(value, error):
     from hangwatch.common.config import ConfigError
     from hangwatch.common.config.load import parse_config
@@ -64,17 +71,20 @@ def test_prewarm_takes_a_bool_or_always(value, error):
 RESTART, FAIL, FINISH = Decision("restart", "crash"), Decision("fail", "exit 78"), Decision("finish", "done")
 
 
-@pytest.mark.parametrize("intent, decision, want", [
-    (Intent.NONE, None, True),  # a stall: the policy decides later; a restart is the usual outcome
-    (Intent.NONE, RESTART, True),
-    (Intent.NONE, FAIL, False),
-    (Intent.NONE, FINISH, False),
-    (Intent.RESTART, None, True),  # `restart` (graceful)
-    (Intent.RESTART, FAIL, True),  # an explicit restart wins over the policy, as in outcome.resolve
-    (Intent.EXIT, None, False),
-    (Intent.PAUSE, RESTART, False),
-    (Intent.FAIL, None, False),
-])
+@pytest.mark.parametrize(
+    "intent, decision, want",
+    [
+        (Intent.NONE, None, True),  # a stall: the policy decides later; a restart is the usual outcome
+        (Intent.NONE, RESTART, True),
+        (Intent.NONE, FAIL, False),
+        (Intent.NONE, FINISH, False),
+        (Intent.RESTART, None, True),  # `restart` (graceful)
+        (Intent.RESTART, FAIL, True),  # an explicit restart wins over the policy, as in outcome.resolve
+        (Intent.EXIT, None, False),
+        (Intent.PAUSE, RESTART, False),
+        (Intent.FAIL, None, False),
+    ],
+)
 def test_a_standby_is_wanted_only_where_a_restart_follows(intent, decision, want):
     assert prewarm.wanted(intent, decision) is want
 
@@ -86,12 +96,15 @@ def test_the_release_line_is_what_the_standby_reads():
     assert prewarm.STANDBY_FLAG == worker_side.STANDBY_FLAG
 
 
-@pytest.mark.parametrize("raw, problem", [
-    (b'{"attempt": 4, "resume_from": ""}\n', "spawned for attempt 3"),
-    (b"resume please\n", "not JSON"),
-    (b'{"attempt": "3", "resume_from": ""}\n', "lacks attempt"),
-    (b'{"attempt": 3}\n', "lacks attempt"),
-])
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b'{"attempt": 4, "resume_from": ""}\n', "spawned for attempt 3"),
+        (b"resume please\n", "not JSON"),
+        (b'{"attempt": "3", "resume_from": ""}\n', "lacks attempt"),
+        (b'{"attempt": 3}\n', "lacks attempt"),
+    ],
+)
 def test_a_standby_refuses_a_release_it_cannot_trust(raw, problem):
     with pytest.raises(worker_side.ReleaseError, match=problem):
         worker_side.read_release(io.BytesIO(raw), 3)
@@ -99,9 +112,11 @@ def test_a_standby_refuses_a_release_it_cannot_trust(raw, problem):
 
 def fake_preload(monkeypatch, body):
     """The preload itself is torch's business: stand it in (these tests are about the wait and the release)."""
+
     def run(cfg, into, out, attempt):
         body(into)
         into.ready_t = 1.0
+
     monkeypatch.setattr(worker_side, "preload", run)
 
 

@@ -2,6 +2,7 @@
 (never while it loads), is what the restart releases, is followed by the next one once the new attempt steps; a
 standby that dies is replaced after a back-off that grows while they keep dying; `status` shows it, loading or
 ready, with its RAM; nothing of it is left when the run ends."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.standby import prewarmed, signalled
+
 from hangwatch.common.rundir import STANDBY_READY_NAME
 from hangwatch.supervisor.loop.commands import dispatch
 from hangwatch.supervisor.processes import prewarm
@@ -52,8 +53,9 @@ def test_status_shows_the_standby_loading_then_ready_with_its_ram(tmp_path):
     assert got["state"] == "ready" and got["preload_s"] == 4.12
     from hangwatch.supervisor.cli.render import standby_text
 
-    assert standby_text(got) == (f"attempt 2 ready (preloaded in 4.1s), pid {sb.worker.pid}: 812 MiB RAM, "
-                                 "no GPU memory until released")
+    assert standby_text(got) == (
+        f"attempt 2 ready (preloaded in 4.1s), pid {sb.worker.pid}: 812 MiB RAM, no GPU memory until released"
+    )
     ready.write_text(json.dumps({"pid": 1, "attempt": 2, "preload_s": 1.0, "error": None}))  # another process's word
     h.tick()
     assert status(h)["standby"]["state"] == "loading"

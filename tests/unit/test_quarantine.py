@@ -1,6 +1,7 @@
 """NaN quarantine: who is quarantined (pure table), the data order that skips them, and the worker end to end
 in process: poisoned ids → one rollback, exactly those ids quarantined, no further rollback, and every
 other example in its place."""
+
 from __future__ import annotations
 
 import json
@@ -14,17 +15,23 @@ from hangwatch.daemon.trainer import quarantine as q
 from hangwatch.daemon.trainer.quarantine import BadStep
 
 
-@pytest.mark.parametrize("streak, streaks, want", [
-    # the examples whose own loss was non-finite, and only they
-    ([BadStep(5, ["a", "b"], ["b"]), BadStep(5, ["c", "d"], [])], [], [("b", q.OWN_LOSS, 5)]),
-    # nothing attributable the first time: no quarantine (the rollback alone may cure it)
-    ([BadStep(5, ["a", "b"], []), BadStep(5, ["c", "d"], [])], [], []),
-    # the same optimizer step fails again after a rollback: widened to every example of the streak
-    ([BadStep(5, ["a", "b"], []), BadStep(5, ["c", "b"], ["b"])], [{"steps": [5]}],
-     [("a", q.AGAIN, 5), ("b", q.AGAIN, 5), ("c", q.AGAIN, 5)]),
-    # another step failing is a new streak, judged on its own
-    ([BadStep(9, ["e", "f"], ["f"])], [{"steps": [5]}], [("f", q.OWN_LOSS, 9)]),
-])
+@pytest.mark.parametrize(
+    "streak, streaks, want",
+    [
+        # the examples whose own loss was non-finite, and only they
+        ([BadStep(5, ["a", "b"], ["b"]), BadStep(5, ["c", "d"], [])], [], [("b", q.OWN_LOSS, 5)]),
+        # nothing attributable the first time: no quarantine (the rollback alone may cure it)
+        ([BadStep(5, ["a", "b"], []), BadStep(5, ["c", "d"], [])], [], []),
+        # the same optimizer step fails again after a rollback: widened to every example of the streak
+        (
+            [BadStep(5, ["a", "b"], []), BadStep(5, ["c", "b"], ["b"])],
+            [{"steps": [5]}],
+            [("a", q.AGAIN, 5), ("b", q.AGAIN, 5), ("c", q.AGAIN, 5)],
+        ),
+        # another step failing is a new streak, judged on its own
+        ([BadStep(9, ["e", "f"], ["f"])], [{"steps": [5]}], [("f", q.OWN_LOSS, 9)]),
+    ],
+)
 def test_culprits(streak, streaks, want):
     assert q.culprits(streak, [], streaks) == want
 
@@ -65,16 +72,22 @@ def step_ids(beats):
 
 
 def test_poisoned_examples_one_rollback_then_quarantined_and_skipped(tmp_path):
-    clean = make_config(tmp_path / "clean", train={"max_steps": 12, "max_nonfinite_streak": 1},
-                        checkpoint={"every_steps": 2, "confirm_steps": 0})
+    clean = make_config(
+        tmp_path / "clean",
+        train={"max_steps": 12, "max_nonfinite_streak": 1},
+        checkpoint={"every_steps": 2, "confirm_steps": 0},
+    )
     assert run_in_process(clean) == 0
     by_step = step_ids(read_beats(tmp_path / "clean" / "run", 1))
     reference = [i for s in sorted(by_step) for i in by_step[s]]
     poison = [by_step[3][1], by_step[3][6]]  # two examples of step 3
 
-    config = make_config(tmp_path, train={"max_steps": 10, "max_nonfinite_streak": 1},
-                         checkpoint={"every_steps": 2, "confirm_steps": 0},
-                         faults=[{"kind": "poison", "example_ids": poison}])
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 10, "max_nonfinite_streak": 1},
+        checkpoint={"every_steps": 2, "confirm_steps": 0},
+        faults=[{"kind": "poison", "example_ids": poison}],
+    )
     run = tmp_path / "run"
     codes = []
     while len(codes) < 4:  # what the supervisor does: restart after 75, until the run ends

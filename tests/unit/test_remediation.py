@@ -1,4 +1,5 @@
 """OOM remediation's decision table and its file (supervisor/records/remediation.py): pure, no processes."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -8,9 +9,12 @@ from hangwatch.supervisor.records.remediation import OomRemediation, Setting
 
 
 def cfg(micro=4, accum=2, gc=False, command=None, on=True):
-    return SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
-                           model=SimpleNamespace(gradient_checkpointing=gc), worker=SimpleNamespace(command=command),
-                           restart=SimpleNamespace(oom_remediation=on))
+    return SimpleNamespace(
+        train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
+        model=SimpleNamespace(gradient_checkpointing=gc),
+        worker=SimpleNamespace(command=command),
+        restart=SimpleNamespace(oom_remediation=on),
+    )
 
 
 def test_oom_remediation_can_be_turned_off(tmp_path):
@@ -18,16 +22,19 @@ def test_oom_remediation_can_be_turned_off(tmp_path):
     assert not (tmp_path / "remediation.json").exists()
 
 
-@pytest.mark.parametrize("now, after", [
-    (Setting(4, 2), Setting(2, 4)),
-    (Setting(2, 4), Setting(1, 8)),
-    (Setting(1, 8), Setting(1, 8, True)),
-    (Setting(1, 8, True), None),
-    (Setting(3, 1), Setting(1, 3)),  # no even half: the largest divisor at most half
-    (Setting(6, 1), Setting(3, 2)),
-    (Setting(12, 5, True), Setting(6, 10, True)),  # configured with checkpointing: it stays on
-    (Setting(1, 1), Setting(1, 1, True)),
-])
+@pytest.mark.parametrize(
+    "now, after",
+    [
+        (Setting(4, 2), Setting(2, 4)),
+        (Setting(2, 4), Setting(1, 8)),
+        (Setting(1, 8), Setting(1, 8, True)),
+        (Setting(1, 8, True), None),
+        (Setting(3, 1), Setting(1, 3)),  # no even half: the largest divisor at most half
+        (Setting(6, 1), Setting(3, 2)),
+        (Setting(12, 5, True), Setting(6, 10, True)),  # configured with checkpointing: it stays on
+        (Setting(1, 1), Setting(1, 1, True)),
+    ],
+)
 def test_ladder(now, after):
     assert rem.next_setting(now) == after
     if after is not None:
@@ -45,8 +52,10 @@ def test_ladder_ends_after_every_rung_and_names_them():
         record = rem.applied(record, c, remedy, attempt=len(rungs), step=3, incident=f"i{len(rungs)}", now=0.0)
     assert rungs == [Setting(2, 4), Setting(1, 8), Setting(1, 8, True)]
     assert remedy.fields()["action"] == "failed"
-    assert ("micro_batch_size 4 × grad_accum 2 → micro_batch_size 2 × grad_accum 4 → micro_batch_size 1 × grad_accum 8 "
-            "→ micro_batch_size 1 × grad_accum 8, gradient checkpointing") in remedy.message
+    assert (
+        "micro_batch_size 4 × grad_accum 2 → micro_batch_size 2 × grad_accum 4 → micro_batch_size 1 × grad_accum 8 "
+        "→ micro_batch_size 1 × grad_accum 8, gradient checkpointing"
+    ) in remedy.message
     assert [h["incident"] for h in record["history"]] == ["i1", "i2", "i3"]
 
 
@@ -113,7 +122,9 @@ def test_quarantine_view(tmp_path):
     (tmp_path / rem.QUARANTINE_NAME).write_text("".join(__import__("json").dumps(r) + "\n" for r in lines) + '{"id": ')
     s = rem.quarantine_summary(rem.read_quarantine(tmp_path))
     assert s["count"] == 30 and len(s["ids"]) == 20 and s["more"] == 10
-    assert [r["id"] for r in rem.quarantine_fields(tmp_path, 2)["quarantined"]] == [f"t.jsonl:{i}" for i in range(25, 30)]
+    assert [r["id"] for r in rem.quarantine_fields(tmp_path, 2)["quarantined"]] == [
+        f"t.jsonl:{i}" for i in range(25, 30)
+    ]
 
 
 def test_state_fields_from_the_files_alone(tmp_path):

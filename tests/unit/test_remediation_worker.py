@@ -1,6 +1,7 @@
 """The worker under OOM remediation (in process, the supervisor's decision made by supervisor.remediation):
 an OOM at micro-batch 4 → the next attempt trains at micro-batch 2 × twice the accumulation, with exactly the
 examples, per optimizer step, that an uninterrupted micro-batch-2 run has."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ def step_ids(beats):
 
 
 def test_oom_restart_regroups_the_step_and_keeps_its_examples(tmp_path, capsys):
-    common = {"train": {"max_steps": 6, "micro_batch_size": 4, "grad_accum": 2},
-              "checkpoint": {"every_steps": 2, "confirm_steps": 0}}
+    common = {
+        "train": {"max_steps": 6, "micro_batch_size": 4, "grad_accum": 2},
+        "checkpoint": {"every_steps": 2, "confirm_steps": 0},
+    }
     config = make_config(tmp_path / "a", faults=[{"kind": "oom", "at_step": 5}], **common)
     run = tmp_path / "a" / "run"
     assert run_in_process(config) == 1
@@ -33,11 +36,17 @@ def test_oom_restart_regroups_the_step_and_keeps_its_examples(tmp_path, capsys):
     start = read_beats(run, 2)[0]
     assert (start["micro_batch_size"], start["grad_accum"], start["effective_batch"]) == (2, 4, 8)
     assert start["remediation"]["configured"]["micro_batch_size"] == 4 and start["resumed_step"] == 4
-    assert "OOM remediation in force (1 out-of-memory restart(s)): micro_batch_size 2 × grad_accum 4" in capsys.readouterr().out
+    assert (
+        "OOM remediation in force (1 out-of-memory restart(s)): micro_batch_size 2 × grad_accum 4"
+        in capsys.readouterr().out
+    )
 
     # An uninterrupted run configured at micro-batch 2 × 4: the same examples in every optimizer step.
-    ref_config = make_config(tmp_path / "b", train={**common["train"], "micro_batch_size": 2, "grad_accum": 4},
-                             checkpoint=common["checkpoint"])
+    ref_config = make_config(
+        tmp_path / "b",
+        train={**common["train"], "micro_batch_size": 2, "grad_accum": 4},
+        checkpoint=common["checkpoint"],
+    )
     assert run_in_process(ref_config) == 0
     remedied = {**step_ids(read_beats(run, 1)), **step_ids(read_beats(run, 2))}
     reference = step_ids(read_beats(tmp_path / "b" / "run", 1))
@@ -54,9 +63,18 @@ def test_a_record_for_another_batch_is_ignored_with_a_warning(tmp_path):
     config = make_config(tmp_path, train={"max_steps": 2}, checkpoint={"every_steps": 2, "confirm_steps": 0})
     run = tmp_path / "run"
     run.mkdir()
-    (run / "remediation.json").write_text(json.dumps({
-        "version": 1, "configured": {"micro_batch_size": 8, "grad_accum": 1, "gradient_checkpointing": False},
-        "micro_batch_size": 4, "grad_accum": 2, "gradient_checkpointing": False, "history": []}))
+    (run / "remediation.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "configured": {"micro_batch_size": 8, "grad_accum": 1, "gradient_checkpointing": False},
+                "micro_batch_size": 4,
+                "grad_accum": 2,
+                "gradient_checkpointing": False,
+                "history": [],
+            }
+        )
+    )
     assert run_in_process(config) == 0
     beats = read_beats(run, 1)
     assert beats[0]["micro_batch_size"] == 4 and "remediation" not in beats[0]

@@ -1,4 +1,5 @@
 """The report's reading of a run dir (written here by hand) and the page it makes — no supervisor, no browser."""
+
 from __future__ import annotations
 
 import json
@@ -24,18 +25,46 @@ def incident(run_dir, ident, kind, **rec):
 
 def make_run(tmp_path):
     run = tmp_path / "r"
-    beats(run, 1, [{"event": "start", "t": 100.0, "step": 0, "resumed_from": None}]
-          + [{"event": "step", "t": 100.0 + s, "step": s, "loss": 3.0 / s, "lr": 1e-4, "tokens_per_s": 500} for s in range(1, 8)])
-    beats(run, 2, [{"event": "start", "t": 120.0, "step": 4, "resumed_from": "ckpt-4"}]
-          + [{"event": "step", "t": 120.0 + s, "step": 4 + s, "loss": "nan" if s == 2 else 1.0, "step_time_s": 0.5}
-             for s in range(1, 4)] + [{"event": "stop", "t": 124.0, "step": 7, "reason": "finished"}])
-    incident(run, "0001", "stall", attempt=1, step=7, time="2026-11-23T03:14:15+0000", time_unix=110.0,
-             classification="busy loop in Python (CPU 100%) at spin (/srv/train.py:88)",
-             stuck_frame={"function": "spin", "file": "/srv/train.py", "line": 88}, dump_rank=0,
-             deadline={"name": "step", "elapsed_s": 3.2}, summary="step deadline …", last_good_step=4)
+    beats(
+        run,
+        1,
+        [{"event": "start", "t": 100.0, "step": 0, "resumed_from": None}]
+        + [
+            {"event": "step", "t": 100.0 + s, "step": s, "loss": 3.0 / s, "lr": 1e-4, "tokens_per_s": 500}
+            for s in range(1, 8)
+        ],
+    )
+    beats(
+        run,
+        2,
+        [{"event": "start", "t": 120.0, "step": 4, "resumed_from": "ckpt-4"}]
+        + [
+            {"event": "step", "t": 120.0 + s, "step": 4 + s, "loss": "nan" if s == 2 else 1.0, "step_time_s": 0.5}
+            for s in range(1, 4)
+        ]
+        + [{"event": "stop", "t": 124.0, "step": 7, "reason": "finished"}],
+    )
+    incident(
+        run,
+        "0001",
+        "stall",
+        attempt=1,
+        step=7,
+        time="2026-11-23T03:14:15+0000",
+        time_unix=110.0,
+        classification="busy loop in Python (CPU 100%) at spin (/srv/train.py:88)",
+        stuck_frame={"function": "spin", "file": "/srv/train.py", "line": 88},
+        dump_rank=0,
+        deadline={"name": "step", "elapsed_s": 3.2},
+        summary="step deadline …",
+        last_good_step=4,
+    )
     (run / "evolution.jsonl").write_text(
-        json.dumps({"step": 5, "prompt": "upper: fox", "reference": "FOX", "output": "F<o>x", "attempt": 1}) + "\n"
-        + json.dumps({"step": 6, "prompt": "upper: fox", "reference": "FOX", "output": "FOX", "attempt": 2}) + "\n")
+        json.dumps({"step": 5, "prompt": "upper: fox", "reference": "FOX", "output": "F<o>x", "attempt": 1})
+        + "\n"
+        + json.dumps({"step": 6, "prompt": "upper: fox", "reference": "FOX", "output": "FOX", "attempt": 2})
+        + "\n"
+    )
     (run / "state.json").write_text(json.dumps({"state": "finished", "restarts": 1, "last_good_checkpoint": "ckpt-6"}))
     return run
 
@@ -46,8 +75,10 @@ def test_the_run_as_the_report_reads_it(tmp_path):
     assert data.steps[1]["step_s"] == 1.0  # between beats when the step gives no time of its own
     assert data.steps[-1]["step_s"] == 0.5
     assert data.steps[-2]["finite"] is False  # "nan" arrives as a string
-    assert [(a["attempt"], a["first_step"], a["last_step"], a["resumed_from"], a["stop"]) for a in data.attempts] == \
-        [(1, 1, 7, None, None), (2, 5, 7, "ckpt-4", "finished")]
+    assert [(a["attempt"], a["first_step"], a["last_step"], a["resumed_from"], a["stop"]) for a in data.attempts] == [
+        (1, 1, 7, None, None),
+        (2, 5, 7, "ckpt-4", "finished"),
+    ]
     [inc] = data.incidents
     assert inc["steps_lost"] == 3  # hit at step 7, the next attempt resumed from step 4
     assert inc["recover_s"] == 11.0  # detected at 110, the next attempt's first step at 121

@@ -1,5 +1,6 @@
 """The resume audit, pure: comparisons, the words of a difference, the replay window read back from the earlier
 attempts' heartbeat files (only the tail), verified / diverged / partial / unverifiable."""
+
 from __future__ import annotations
 
 import json
@@ -9,20 +10,30 @@ import pytest
 
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import attempt_dir, heartbeat_path
-from hangwatch.supervisor.watch.resume_audit import (FOREIGN_RTOL, ReplayAudit, default_rtol, differences,
-                                                     earlier_beats, explain, same)
+from hangwatch.supervisor.watch.resume_audit import (
+    FOREIGN_RTOL,
+    ReplayAudit,
+    default_rtol,
+    differences,
+    earlier_beats,
+    explain,
+    same,
+)
 
 
-@pytest.mark.parametrize("a, b, rtol, expected", [
-    (2.5, 2.5, 0.0, True),
-    (2.5, math.nextafter(2.5, 3.0), 0.0, False),
-    (2.5, 2.52, 0.01, True),
-    (2.5, 2.6, 0.01, False),
-    (float("nan"), float("nan"), 0.0, True),
-    (float("inf"), float("inf"), 0.0, True),
-    (float("nan"), 1.0, 0.5, False),
-    (0.0, 0.0, 0.0, True),
-])
+@pytest.mark.parametrize(
+    "a, b, rtol, expected",
+    [
+        (2.5, 2.5, 0.0, True),
+        (2.5, math.nextafter(2.5, 3.0), 0.0, False),
+        (2.5, 2.52, 0.01, True),
+        (2.5, 2.6, 0.01, False),
+        (float("nan"), float("nan"), 0.0, True),
+        (float("inf"), float("inf"), 0.0, True),
+        (float("nan"), 1.0, 0.5, False),
+        (0.0, 0.0, 0.0, True),
+    ],
+)
 def test_same(a, b, rtol, expected):
     assert same(a, b, rtol) is expected
 
@@ -38,12 +49,15 @@ def test_default_rtol():
     assert default_rtol(0.2, own_command=False) == 0.2
 
 
-@pytest.mark.parametrize("diffs, words", [
-    ([("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
-    ([("loss", 2.3104, 2.4471), ("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
-    ([("loss", 2.3104, 2.4471)], "data order"),
-    ([("grad_norm", 1.5, 0.7)], "the data, the model or the optimizer state"),
-])
+@pytest.mark.parametrize(
+    "diffs, words",
+    [
+        ([("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
+        ([("loss", 2.3104, 2.4471), ("lr", 1.2e-4, 2.0e-4)], "the learning-rate schedule was not restored"),
+        ([("loss", 2.3104, 2.4471)], "data order"),
+        ([("grad_norm", 1.5, 0.7)], "the data, the model or the optimizer state"),
+    ],
+)
 def test_explain_names_the_figure_and_what_was_not_restored(diffs, words):
     text = explain(31, diffs)
     assert text.startswith("step 31: " + diffs[0][0]) and "before the restart" in text and words in text
@@ -54,8 +68,21 @@ def _write(run_dir, attempt, rank, lines):
     d.mkdir(parents=True, exist_ok=True)
     with open(heartbeat_path(d, rank), "ab") as f:
         for ev, step, extra in lines:
-            f.write(encode({"v": 1, "t": 0.0, "pid": 1, "rank": rank, "attempt": attempt, "event": ev, "step": step,
-                            "phase": "train", **extra}))
+            f.write(
+                encode(
+                    {
+                        "v": 1,
+                        "t": 0.0,
+                        "pid": 1,
+                        "rank": rank,
+                        "attempt": attempt,
+                        "event": ev,
+                        "step": step,
+                        "phase": "train",
+                        **extra,
+                    }
+                )
+            )
 
 
 def _steps(lo, hi, attempt=1, **over):
@@ -147,8 +174,10 @@ def test_several_ranks_name_the_rank_that_differs():
 
 
 def test_a_step_that_was_not_finite_before_the_restart_ends_the_window():
-    before = {(0, s): (1, {"loss": (float("nan") if s == 9 else 1.0 / s), "grad_norm": 0.0 if s == 9 else 1.0})
-              for s in range(5, 11)}
+    before = {
+        (0, s): (1, {"loss": (float("nan") if s == 9 else 1.0 / s), "grad_norm": 0.0 if s == 9 else 1.0})
+        for s in range(5, 11)
+    }
     a = ReplayAudit(2, 4, before, 0.0)
     assert a.window == (5, 8) and a.cutoff == 9
     for s in range(5, 9):

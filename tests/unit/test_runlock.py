@@ -1,4 +1,5 @@
 """One supervisor per run dir: the flock, its holder's pid, and its release on death."""
+
 from __future__ import annotations
 
 import fcntl

@@ -4,6 +4,7 @@ lines written by the test, scripted control requests.  No process is started; ev
 
 Signals read "SIGUSR1" (to one announced pid), "-SIGTERM" (to the worker's process group), …
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import Harness
+
 from hangwatch.supervisor.ops import logsetup
 
 
@@ -46,6 +47,7 @@ def eval_over_budget(h):
 def exits(code=None, sig=None):
     def script(h):
         h.running().exit(code, sig)
+
     return script
 
 
@@ -96,6 +98,7 @@ def during_backoff(cmd):  # two crashes in a row, and the request while the supe
         crash_twice(h)
         h.until(lambda: h.state == "backoff")
         h.request(cmd=cmd)
+
     return script
 
 
@@ -105,6 +108,7 @@ def while_paused(cmd):
         h.request(cmd="pause")
         h.until(lambda: h.state == "paused")
         h.request(cmd=cmd)
+
     return script
 
 
@@ -121,10 +125,15 @@ def exits_while_stopping(code, last_words=None):
         h.request(cmd="stop")
         h.until(lambda: h.state == "stopping")
         h.worker.exit(code, last_words=last_words)
+
     return script
 
 
-CRASH_WORDS = {"kind": "crash", "message": "boom", "traceback": "Traceback (most recent call last):\nValueError: boom\n"}
+CRASH_WORDS = {
+    "kind": "crash",
+    "message": "boom",
+    "traceback": "Traceback (most recent call last):\nValueError: boom\n",
+}
 
 
 def hangs_after_stop_line(h):  # `stop finished`, then never exits: the exit deadline (exit_after_stop 4 + term 1)
@@ -154,6 +163,7 @@ def supervisor_signal(sig):
     def script(h):
         h.running()
         h.sup.wakeup.record(sig)
+
     return script
 
 
@@ -183,75 +193,275 @@ STALL = "starting running stalled dumping killing"
 RESTARTED = "backoff starting"
 STOPPED = "starting running stopping killing"
 CASES = [
-    Case("stall: dumps, TERM, backoff, restart", stop_stepping, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM"], [("stall", "step")]),
-    Case("stall: TERM ignored, KILL after grace", ignore_term, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "step")], IGNORE),
-    Case("a second failure in a row backs off before the restart", crash_twice, in_state("backoff"),
-         f"starting running killing {RESTARTED} running killing backoff", ["-SIGTERM"] * 2, [("crash", None)] * 2),
-    Case("startup timeout: no SIGUSR1 to a worker that never announced", never_start, attempt(2),
-         f"starting stalled dumping killing {RESTARTED}", ["-SIGTERM"], [("startup_timeout", "startup")], DIE),
-    Case("silence", silent_in_eval, attempt(2), f"{STALL} {RESTARTED}", ["SIGUSR1", "-SIGTERM"], [("stall", "silence")]),
-    Case("livelock: progress beats without a step", livelocked, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM"], [("livelock", "step")]),
-    Case("phase budget from the line", eval_over_budget, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM"], [("stall", "phase")]),
-    Case("crash exit → restart", exits(1), attempt(2), f"starting running killing {RESTARTED}", ["-SIGTERM"],
-         [("crash", None)]),
-    Case("killed by a signal → restart", exits(sig=signal.SIGKILL), attempt(2), f"starting running killing {RESTARTED}",
-         ["-SIGTERM"], [("signal", None)]),
-    Case("exit 75 → restart (rollback)", exits(75), attempt(2), f"starting running killing {RESTARTED}", ["-SIGTERM"],
-         [("nan", None)]),
-    Case("exit 78 → failed, no restart", exits(78), in_state("failed"), "starting running killing failed", ["-SIGTERM"],
-         [("config_error", None)], exit_code=78),
-    Case("exit 65 → failed, no restart", exits(65), in_state("failed"), "starting running killing failed", ["-SIGTERM"],
-         [("data_error", None)], exit_code=65),
+    Case(
+        "stall: dumps, TERM, backoff, restart",
+        stop_stepping,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM"],
+        [("stall", "step")],
+    ),
+    Case(
+        "stall: TERM ignored, KILL after grace",
+        ignore_term,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM", "-SIGKILL"],
+        [("stall", "step")],
+        IGNORE,
+    ),
+    Case(
+        "a second failure in a row backs off before the restart",
+        crash_twice,
+        in_state("backoff"),
+        f"starting running killing {RESTARTED} running killing backoff",
+        ["-SIGTERM"] * 2,
+        [("crash", None)] * 2,
+    ),
+    Case(
+        "startup timeout: no SIGUSR1 to a worker that never announced",
+        never_start,
+        attempt(2),
+        f"starting stalled dumping killing {RESTARTED}",
+        ["-SIGTERM"],
+        [("startup_timeout", "startup")],
+        DIE,
+    ),
+    Case(
+        "silence", silent_in_eval, attempt(2), f"{STALL} {RESTARTED}", ["SIGUSR1", "-SIGTERM"], [("stall", "silence")]
+    ),
+    Case(
+        "livelock: progress beats without a step",
+        livelocked,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM"],
+        [("livelock", "step")],
+    ),
+    Case(
+        "phase budget from the line",
+        eval_over_budget,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM"],
+        [("stall", "phase")],
+    ),
+    Case(
+        "crash exit → restart",
+        exits(1),
+        attempt(2),
+        f"starting running killing {RESTARTED}",
+        ["-SIGTERM"],
+        [("crash", None)],
+    ),
+    Case(
+        "killed by a signal → restart",
+        exits(sig=signal.SIGKILL),
+        attempt(2),
+        f"starting running killing {RESTARTED}",
+        ["-SIGTERM"],
+        [("signal", None)],
+    ),
+    Case(
+        "exit 75 → restart (rollback)",
+        exits(75),
+        attempt(2),
+        f"starting running killing {RESTARTED}",
+        ["-SIGTERM"],
+        [("nan", None)],
+    ),
+    Case(
+        "exit 78 → failed, no restart",
+        exits(78),
+        in_state("failed"),
+        "starting running killing failed",
+        ["-SIGTERM"],
+        [("config_error", None)],
+        exit_code=78,
+    ),
+    Case(
+        "exit 65 → failed, no restart",
+        exits(65),
+        in_state("failed"),
+        "starting running killing failed",
+        ["-SIGTERM"],
+        [("data_error", None)],
+        exit_code=65,
+    ),
     Case("finished", finishes, in_state("finished"), "starting running killing finished", ["-SIGTERM"], exit_code=0),
-    Case("restart now: dump, kill, restart without backoff", restart_now, attempt(2), f"{STALL} starting",
-         ["SIGUSR1", "-SIGTERM"], [("manual", None)]),
-    Case("restart now while killing: restart without backoff", restart_now_while_killing, attempt(2), f"{STALL} starting",
-         ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "step")], IGNORE),
-    Case("graceful restart: SIGTERM to the worker, no incident", graceful_restart, attempt(2), f"{STOPPED} starting",
-         ["SIGTERM", "-SIGTERM"]),
-    Case("stop: checkpoint, exit 0, stopped", stop, in_state("stopped"), f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"],
-         exit_code=0),
-    Case("a second stop forces the kill", stop_twice, in_state("stopped"), f"{STOPPED} stopped", ["SIGTERM", "-SIGKILL"],
-         harness=IGNORE, exit_code=0),
-    Case("pause during backoff", during_backoff("pause"), in_state("paused"),
-         f"starting running killing {RESTARTED} running killing backoff paused", ["-SIGTERM"] * 2, [("crash", None)] * 2),
-    Case("pause, then resume", while_paused("resume"), attempt(2), f"{STOPPED} paused starting", ["SIGTERM", "-SIGTERM"]),
-    Case("stop during backoff", during_backoff("stop"), in_state("stopped"),
-         f"starting running killing {RESTARTED} running killing backoff stopped", ["-SIGTERM"] * 2, [("crash", None)] * 2,
-         exit_code=0),
-    Case("stop while paused", while_paused("stop"), in_state("stopped"), f"{STOPPED} paused stopped",
-         ["SIGTERM", "-SIGTERM"], exit_code=0),
-    Case("crash loop → failed", crash_loop, in_state("failed"),
-         f"starting running killing {RESTARTED} running killing {RESTARTED} running killing failed", ["-SIGTERM"] * 3,
-         [("crash", None)] * 3 + [("crash_loop", None)], {"restart": {"max_restarts": 2, "backoff_initial_s": 0}},
-         exit_code=1),
-    Case("worker crashes while stopping", exits_while_stopping(1, CRASH_WORDS), in_state("stopped"), f"{STOPPED} stopped",
-         ["SIGTERM", "-SIGTERM"], [("crash", None)], IGNORE, exit_code=0),
+    Case(
+        "restart now: dump, kill, restart without backoff",
+        restart_now,
+        attempt(2),
+        f"{STALL} starting",
+        ["SIGUSR1", "-SIGTERM"],
+        [("manual", None)],
+    ),
+    Case(
+        "restart now while killing: restart without backoff",
+        restart_now_while_killing,
+        attempt(2),
+        f"{STALL} starting",
+        ["SIGUSR1", "-SIGTERM", "-SIGKILL"],
+        [("stall", "step")],
+        IGNORE,
+    ),
+    Case(
+        "graceful restart: SIGTERM to the worker, no incident",
+        graceful_restart,
+        attempt(2),
+        f"{STOPPED} starting",
+        ["SIGTERM", "-SIGTERM"],
+    ),
+    Case(
+        "stop: checkpoint, exit 0, stopped",
+        stop,
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        exit_code=0,
+    ),
+    Case(
+        "a second stop forces the kill",
+        stop_twice,
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGKILL"],
+        harness=IGNORE,
+        exit_code=0,
+    ),
+    Case(
+        "pause during backoff",
+        during_backoff("pause"),
+        in_state("paused"),
+        f"starting running killing {RESTARTED} running killing backoff paused",
+        ["-SIGTERM"] * 2,
+        [("crash", None)] * 2,
+    ),
+    Case(
+        "pause, then resume", while_paused("resume"), attempt(2), f"{STOPPED} paused starting", ["SIGTERM", "-SIGTERM"]
+    ),
+    Case(
+        "stop during backoff",
+        during_backoff("stop"),
+        in_state("stopped"),
+        f"starting running killing {RESTARTED} running killing backoff stopped",
+        ["-SIGTERM"] * 2,
+        [("crash", None)] * 2,
+        exit_code=0,
+    ),
+    Case(
+        "stop while paused",
+        while_paused("stop"),
+        in_state("stopped"),
+        f"{STOPPED} paused stopped",
+        ["SIGTERM", "-SIGTERM"],
+        exit_code=0,
+    ),
+    Case(
+        "crash loop → failed",
+        crash_loop,
+        in_state("failed"),
+        f"starting running killing {RESTARTED} running killing {RESTARTED} running killing failed",
+        ["-SIGTERM"] * 3,
+        [("crash", None)] * 3 + [("crash_loop", None)],
+        {"restart": {"max_restarts": 2, "backoff_initial_s": 0}},
+        exit_code=1,
+    ),
+    Case(
+        "worker crashes while stopping",
+        exits_while_stopping(1, CRASH_WORDS),
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        [("crash", None)],
+        IGNORE,
+        exit_code=0,
+    ),
     # torchrun exits 1 after forwarding our SIGTERM: a stop hangwatch asked for is a stop, not a crash.
-    Case("a launcher exits 1 on the stop it was asked for", exits_while_stopping(1), in_state("stopped"),
-         f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
-    Case("worker exits cleanly while stopping", exits_while_stopping(0), in_state("stopped"), f"{STOPPED} stopped",
-         ["SIGTERM", "-SIGTERM"], [], IGNORE, exit_code=0),
+    Case(
+        "a launcher exits 1 on the stop it was asked for",
+        exits_while_stopping(1),
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        [],
+        IGNORE,
+        exit_code=0,
+    ),
+    Case(
+        "worker exits cleanly while stopping",
+        exits_while_stopping(0),
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        [],
+        IGNORE,
+        exit_code=0,
+    ),
     # every rank had said `finished`: the work is done, the tree that would not go is killed and the run is finished
-    Case("hangs on its way out after `stop finished`", hangs_after_stop_line, in_state("finished"), f"{STALL} finished",
-         ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "exit")], IGNORE, exit_code=0),
-    Case("hangs on its way out after `stop terminated`", hangs_after_stop_line_unfinished, attempt(2),
-         f"{STALL} {RESTARTED}", ["SIGUSR1", "-SIGTERM", "-SIGKILL"], [("stall", "exit")], IGNORE),
-    Case("a deadline while stopping escalates", ignores_stop, in_state("stopped"),
-         "starting running stopping stalled dumping killing stopped", ["SIGTERM", "SIGUSR1", "-SIGTERM", "-SIGKILL"],
-         [("stall", "step")], IGNORE, exit_code=0),
-    Case("a child that left the group gets its own SIGKILL", setsid_child, attempt(2), f"{STALL} {RESTARTED}",
-         ["SIGUSR1", "-SIGTERM", "-SIGKILL", "SIGKILL"], [("stall", "step")]),
-    Case("the worker cannot be spawned", spawn_fails, in_state("failed"), "starting failed", [], [("config_error", None)],
-         exit_code=78),
-    Case("SIGTERM to the supervisor: graceful stop", supervisor_signal(signal.SIGTERM), in_state("stopped"),
-         f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"], exit_code=0),
-    Case("SIGINT to the supervisor: graceful stop", supervisor_signal(signal.SIGINT), in_state("stopped"),
-         f"{STOPPED} stopped", ["SIGTERM", "-SIGTERM"], exit_code=0),
+    Case(
+        "hangs on its way out after `stop finished`",
+        hangs_after_stop_line,
+        in_state("finished"),
+        f"{STALL} finished",
+        ["SIGUSR1", "-SIGTERM", "-SIGKILL"],
+        [("stall", "exit")],
+        IGNORE,
+        exit_code=0,
+    ),
+    Case(
+        "hangs on its way out after `stop terminated`",
+        hangs_after_stop_line_unfinished,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM", "-SIGKILL"],
+        [("stall", "exit")],
+        IGNORE,
+    ),
+    Case(
+        "a deadline while stopping escalates",
+        ignores_stop,
+        in_state("stopped"),
+        "starting running stopping stalled dumping killing stopped",
+        ["SIGTERM", "SIGUSR1", "-SIGTERM", "-SIGKILL"],
+        [("stall", "step")],
+        IGNORE,
+        exit_code=0,
+    ),
+    Case(
+        "a child that left the group gets its own SIGKILL",
+        setsid_child,
+        attempt(2),
+        f"{STALL} {RESTARTED}",
+        ["SIGUSR1", "-SIGTERM", "-SIGKILL", "SIGKILL"],
+        [("stall", "step")],
+    ),
+    Case(
+        "the worker cannot be spawned",
+        spawn_fails,
+        in_state("failed"),
+        "starting failed",
+        [],
+        [("config_error", None)],
+        exit_code=78,
+    ),
+    Case(
+        "SIGTERM to the supervisor: graceful stop",
+        supervisor_signal(signal.SIGTERM),
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        exit_code=0,
+    ),
+    Case(
+        "SIGINT to the supervisor: graceful stop",
+        supervisor_signal(signal.SIGINT),
+        in_state("stopped"),
+        f"{STOPPED} stopped",
+        ["SIGTERM", "-SIGTERM"],
+        exit_code=0,
+    ),
 ]
 
 
@@ -287,12 +497,21 @@ def test_stall_incident_and_timings(tmp_path):
     inc = h.incident()
     assert inc["deadline"]["name"] == "step" and inc["deadline"]["budget_s"] == 2 and inc["step"] == 2
     assert inc["last_good_checkpoint"] == "ckpt-2" and inc["decision"] == {
-        "action": "restart", "reason": inc["decision"]["reason"], "delay_s": 0, "crash_loop": False, "rollback": False}
+        "action": "restart",
+        "reason": inc["decision"]["reason"],
+        "delay_s": 0,
+        "crash_loop": False,
+        "rollback": False,
+    }
     t = inc["timings"]
     assert t["snapshot_s"] == pytest.approx(0.5, abs=0.06)  # the CPU sample spans loop passes, no blocking
-    assert t["dump_started_at_s"] == 0 and t["dump_files_s"] == 0  # signalled at detection; the whole dump is in at once
+    assert (
+        t["dump_started_at_s"] == 0 and t["dump_files_s"] == 0
+    )  # signalled at detection; the whole dump is in at once
     grace = h.sup.watchdog_cfg.stuck_term_grace_s
-    assert t["term_grace_s"] == grace and t["sigkill_after_s"] == pytest.approx(grace, abs=0.11)  # stuck: stuck_term_grace_s
+    assert t["term_grace_s"] == grace and t["sigkill_after_s"] == pytest.approx(
+        grace, abs=0.11
+    )  # stuck: stuck_term_grace_s
     # the step deadline, the snapshot (the dumps within it), the stuck grace; no backoff before the first restart
     assert 2 + 0.5 + 0.5 <= took <= 2 + 0.5 + 0.5 + 0.4
     assert {"heartbeat-tail-rank0.jsonl", "worker-log-tail.txt", "stack-rank0.txt"} <= set(inc["files"])
@@ -367,8 +586,15 @@ def test_a_recorded_sighup_reopens_the_log(tmp_path):
 def test_control_commands(tmp_path):
     h = Harness(tmp_path)
     h.running()
-    for req in ({"cmd": "bogus"}, {"cmd": "status"}, {"cmd": "resume"}, {"cmd": "restart", "mode": "sideways"},
-                {"cmd": "incidents"}, {"cmd": "incidents", "id": "7"}, ["not", "an", "object"]):
+    for req in (
+        {"cmd": "bogus"},
+        {"cmd": "status"},
+        {"cmd": "resume"},
+        {"cmd": "restart", "mode": "sideways"},
+        {"cmd": "incidents"},
+        {"cmd": "incidents", "id": "7"},
+        ["not", "an", "object"],
+    ):
         h.control.queue.append(req)
     h.tick()
     assert "unknown command 'bogus'" in h.reply(cmd="bogus")["error"]
@@ -402,6 +628,7 @@ def test_state_file_and_notifications(tmp_path):
     h.request(cmd="stop")
     h.until(lambda: h.state == "stopped")
     import json
+
     final = json.loads(h.sup.state_path.read_text())
     assert final["worker"] is None and final["pids"] == {} and final["exit_code"] == 0
     kinds = [c[0] for c in h.notifier.calls]
@@ -459,11 +686,13 @@ def test_the_next_attempt_resumes_from_the_last_good_checkpoint_and_a_new_superv
         h.worker.beat("start", resumed_from=str(spoiled), dump_signal=None, dump_path=None)
         h.until(lambda: h.state == "running")
     assert [(r["log_level"], r["status"], r["why"]) for r in logs if r["event"] == "resumed_from_differs"] == [
-        ("warning", "bad", "loss nan at step 5")]
+        ("warning", "bad", "loss nan at step 5")
+    ]
 
     second = Harness(tmp_path)  # a new supervisor on the same run dir keeps the record
     assert second.sup.facts.last_good_checkpoint == str(good)
     import shutil
+
     shutil.rmtree(good)  # ... and skips a good checkpoint deleted meanwhile
     with capture_logs() as logs:
         second.until(lambda: second.spawn.workers)

@@ -1,6 +1,7 @@
 """A Slurm job's settings: the hostlist expander, and what `worker.nnodes: auto` (or unset in a job) takes from the
 environment of an srun task — node count, rendezvous endpoint and id, node name, a run dir per node — what the
 config's own values win over, and the environments refused with a message naming what is missing."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,10 +46,21 @@ def test_the_first_host_of_a_huge_range_is_found_without_expanding_it():
 
 
 # A task of `srun -N2 --ntasks-per-node=1` in job 4242 (what srun exports; SLURM_NODEID 1: the second node).
-TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODELIST": "gpu[07-08]",
-        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURMD_NODENAME": "gpu08", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+TASK = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURMD_NODENAME": "gpu08",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+}
 # The minimum a task needs: a job, a count, a node list, a step.
 BARE = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_STEP_ID": "2"}
 
@@ -57,17 +69,39 @@ RESOLVED = [
     ("auto, a full srun task", {"nnodes": "auto"}, TASK, (2, "gpu07:29400", "4242.0", "gpu08", "node1")),
     ("unset in a job", {}, TASK, (2, "gpu07:29400", "4242.0", "gpu08", "node1")),
     ("the minimum", {}, BARE, (3, "n1:29400", "77.2", "host-x", "host-x")),
-    ("the step's nodes, not the job's", {},
-     {**TASK, "SLURM_JOB_NODELIST": "gpu[01-08]", "SLURM_JOB_NUM_NODES": "8"}, (2, "gpu07:29400", "4242.0", "gpu08", "node1")),
-    ("SLURM_JOB_NUM_NODES alone", {},
-     {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "a,b", "SLURM_STEP_ID": "0"},
-     (2, "a:29400", "5.0", "host-x", "host-x")),
+    (
+        "the step's nodes, not the job's",
+        {},
+        {**TASK, "SLURM_JOB_NODELIST": "gpu[01-08]", "SLURM_JOB_NUM_NODES": "8"},
+        (2, "gpu07:29400", "4242.0", "gpu08", "node1"),
+    ),
+    (
+        "SLURM_JOB_NUM_NODES alone",
+        {},
+        {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "a,b", "SLURM_STEP_ID": "0"},
+        (2, "a:29400", "5.0", "host-x", "host-x"),
+    ),
     ("rdzv_port", {"rdzv_port": 31000}, TASK, (2, "gpu07:31000", "4242.0", "gpu08", "node1")),
-    ("the config's endpoint wins", {"rdzv_endpoint": "10.0.0.9:1234"}, TASK, (2, "10.0.0.9:1234", "4242.0", "gpu08", "node1")),
+    (
+        "the config's endpoint wins",
+        {"rdzv_endpoint": "10.0.0.9:1234"},
+        TASK,
+        (2, "10.0.0.9:1234", "4242.0", "gpu08", "node1"),
+    ),
     ("the config's rdzv_id wins", {"rdzv_id": "llama"}, TASK, (2, "gpu07:29400", "llama", "gpu08", "node1")),
     ("the config's node_name wins", {"node_name": "left"}, TASK, (2, "gpu07:29400", "4242.0", "left", "node1")),
-    ("one node: nothing else", {}, {**TASK, "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "1"}, (1, None, None, None, None)),
-    ("one node, the batch script", {"nnodes": "auto"}, {"SLURM_JOB_ID": "9", "SLURM_NNODES": "1"}, (1, None, None, None, None)),
+    (
+        "one node: nothing else",
+        {},
+        {**TASK, "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "1"},
+        (1, None, None, None, None),
+    ),
+    (
+        "one node, the batch script",
+        {"nnodes": "auto"},
+        {"SLURM_JOB_ID": "9", "SLURM_NNODES": "1"},
+        (1, None, None, None, None),
+    ),
 ]
 
 
@@ -83,35 +117,73 @@ def test_what_a_slurm_task_supplies(worker, env, expected):
     assert d.job_id == env["SLURM_JOB_ID"]
 
 
-@pytest.mark.parametrize("worker,env", [
-    ({"nnodes": 4}, TASK),  # a number: the config's word, Slurm is not asked
-    ({"nnodes": 1}, TASK),
-    ({}, {}),  # a workstation: the default, 1
-    ({}, {"SLURM_JOB_ID": "1"}),  # no node count: not enough to call it a job
-], ids=["explicit-4", "explicit-1", "workstation", "job-id-alone"])
+@pytest.mark.parametrize(
+    "worker,env",
+    [
+        ({"nnodes": 4}, TASK),  # a number: the config's word, Slurm is not asked
+        ({"nnodes": 1}, TASK),
+        ({}, {}),  # a workstation: the default, 1
+        ({}, {"SLURM_JOB_ID": "1"}),  # no node count: not enough to call it a job
+    ],
+    ids=["explicit-4", "explicit-1", "workstation", "job-id-alone"],
+)
 def test_slurm_has_no_say(worker, env):
     assert resolve(worker, env, hostname="h") is None
 
 
 REFUSED = [
-    ("auto on a workstation", {"nnodes": "auto"}, {},
-     "auto takes the node count from Slurm, but this process is not in a Slurm job (SLURM_JOB_ID is not set; none of "
-     "SLURM_STEP_NUM_NODES, SLURM_NNODES, SLURM_JOB_NUM_NODES is set)"),
+    (
+        "auto on a workstation",
+        {"nnodes": "auto"},
+        {},
+        "auto takes the node count from Slurm, but this process is not in a Slurm job (SLURM_JOB_ID is not set; none of "
+        "SLURM_STEP_NUM_NODES, SLURM_NNODES, SLURM_JOB_NUM_NODES is set)",
+    ),
     ("auto without a count", {"nnodes": "auto"}, {"SLURM_JOB_ID": "3"}, "none of SLURM_STEP_NUM_NODES"),
-    ("the batch script of a 4-node job", {}, {"SLURM_JOB_ID": "3", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "n[1-4]"},
-     "Slurm job 3 has 4 nodes (SLURM_NNODES), but this process is not an srun task (SLURM_STEP_ID not set): it runs on "
-     "this node only and the other 3 start no hangwatch"),
-    ("two tasks per node", {}, {**TASK, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
-     "this srun step puts 2 tasks on a node (SLURM_STEP_TASKS_PER_NODE=2(x2))"),
+    (
+        "the batch script of a 4-node job",
+        {},
+        {"SLURM_JOB_ID": "3", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "n[1-4]"},
+        "Slurm job 3 has 4 nodes (SLURM_NNODES), but this process is not an srun task (SLURM_STEP_ID not set): it runs on "
+        "this node only and the other 3 start no hangwatch",
+    ),
+    (
+        "two tasks per node",
+        {},
+        {**TASK, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+        "this srun step puts 2 tasks on a node (SLURM_STEP_TASKS_PER_NODE=2(x2))",
+    ),
     ("uneven tasks per node", {}, {**TASK, "SLURM_STEP_TASKS_PER_NODE": "1,2"}, "puts 2 tasks on a node"),
-    ("the second task of a node", {}, {**TASK, "SLURM_STEP_TASKS_PER_NODE": "", "SLURM_LOCALID": "1"},
-     "this is task 1 on its node (SLURM_LOCALID=1)"),
-    ("one node, two tasks", {}, {**TASK, "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2"}, "use `srun --ntasks-per-node=1`"),
-    ("a count that is not one", {}, {**TASK, "SLURM_STEP_NUM_NODES": "two"}, "SLURM_STEP_NUM_NODES='two' is not a node count"),
-    ("no node list", {}, {"SLURM_JOB_ID": "3", "SLURM_NNODES": "2", "SLURM_STEP_ID": "0"},
-     "no node list to take the rendezvous host from"),
-    ("a node list that is not one", {}, {**TASK, "SLURM_STEP_NODELIST": "gpu[07-"},
-     "SLURM_STEP_NODELIST='gpu[07-' is not a Slurm host list"),
+    (
+        "the second task of a node",
+        {},
+        {**TASK, "SLURM_STEP_TASKS_PER_NODE": "", "SLURM_LOCALID": "1"},
+        "this is task 1 on its node (SLURM_LOCALID=1)",
+    ),
+    (
+        "one node, two tasks",
+        {},
+        {**TASK, "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2"},
+        "use `srun --ntasks-per-node=1`",
+    ),
+    (
+        "a count that is not one",
+        {},
+        {**TASK, "SLURM_STEP_NUM_NODES": "two"},
+        "SLURM_STEP_NUM_NODES='two' is not a node count",
+    ),
+    (
+        "no node list",
+        {},
+        {"SLURM_JOB_ID": "3", "SLURM_NNODES": "2", "SLURM_STEP_ID": "0"},
+        "no node list to take the rendezvous host from",
+    ),
+    (
+        "a node list that is not one",
+        {},
+        {**TASK, "SLURM_STEP_NODELIST": "gpu[07-"},
+        "SLURM_STEP_NODELIST='gpu[07-' is not a Slurm host list",
+    ),
 ]
 
 
@@ -123,7 +195,9 @@ def test_what_a_slurm_task_cannot_supply_is_refused_with_its_reason(worker, env,
 
 
 def test_an_explicit_endpoint_needs_no_node_list():
-    d = resolve({"rdzv_endpoint": "h:1"}, {"SLURM_JOB_ID": "3", "SLURM_NNODES": "2", "SLURM_STEP_ID": "0"}, hostname="h")
+    d = resolve(
+        {"rdzv_endpoint": "h:1"}, {"SLURM_JOB_ID": "3", "SLURM_NNODES": "2", "SLURM_STEP_ID": "0"}, hostname="h"
+    )
     assert d.nnodes == 2 and "rdzv_endpoint" not in d.values
 
 
@@ -168,9 +242,11 @@ def test_problems_are_config_errors_at_the_key(tmp_path):
     assert info.value.problems[0].startswith("job.yaml:3: worker.nnodes: auto takes the node count from Slurm")
     with pytest.raises(ConfigError) as info:
         parse_config(OWN, source="job.yaml", environ={**TASK, "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": ""})
-    assert info.value.problems == ["job.yaml:1: worker.nnodes: this is task 1 on its node (SLURM_LOCALID=1): each task "
-                                   "would be a hangwatch of its own, and one per node starts that node's "
-                                   "worker.nproc_per_node ranks itself: use `srun --ntasks-per-node=1`"]
+    assert info.value.problems == [
+        "job.yaml:1: worker.nnodes: this is task 1 on its node (SLURM_LOCALID=1): each task "
+        "would be a hangwatch of its own, and one per node starts that node's "
+        "worker.nproc_per_node ranks itself: use `srun --ntasks-per-node=1`"
+    ]
 
 
 def test_auto_past_the_loader_is_named(tmp_path):
@@ -187,8 +263,10 @@ def test_idle_gpus_of_the_node_are_a_warning_and_nproc_per_node_is_not_changed(t
     path.write_text(OWN.replace("x.py", str(Path(__file__))) + "checkpoint: {dir: /shared/ckpt}\n")
     cfg, warnings = load_checked(path, environ={**TASK, "SLURM_GPUS_ON_NODE": "8", "PATH": "/usr/bin:/bin"})
     assert cfg.worker.nproc_per_node == 1
-    assert any("worker.nproc_per_node: 1, but Slurm gave this node 8 GPUs (SLURM_GPUS_ON_NODE): 7 would sit idle" in w
-               for w in warnings), warnings
+    assert any(
+        "worker.nproc_per_node: 1, but Slurm gave this node 8 GPUs (SLURM_GPUS_ON_NODE): 7 would sit idle" in w
+        for w in warnings
+    ), warnings
 
 
 def test_the_reference_says_auto_and_the_port():
@@ -204,10 +282,12 @@ def test_validate_config_and_run_say_what_came_from_the_job(tmp_path):
     path.write_text(OWN)
     cfg = load_config(path, environ=TASK)
     text = slurm_text(cfg)
-    assert text == (f"Slurm job 4242 step 0: worker.nnodes 2 (SLURM_STEP_NUM_NODES), worker.rdzv_endpoint gpu07:29400 "
-                    "(the first node of SLURM_STEP_NODELIST, port worker.rdzv_port), worker.rdzv_id 4242.0 "
-                    "(SLURM_JOB_ID.SLURM_STEP_ID), worker.node_name gpu08 (SLURMD_NODENAME), run dir "
-                    f"{tmp_path / 'runs' / 'default' / 'node1'} (node1 after the config's run_dir: SLURM_NODEID)")
+    assert text == (
+        f"Slurm job 4242 step 0: worker.nnodes 2 (SLURM_STEP_NUM_NODES), worker.rdzv_endpoint gpu07:29400 "
+        "(the first node of SLURM_STEP_NODELIST, port worker.rdzv_port), worker.rdzv_id 4242.0 "
+        "(SLURM_JOB_ID.SLURM_STEP_ID), worker.node_name gpu08 (SLURMD_NODENAME), run dir "
+        f"{tmp_path / 'runs' / 'default' / 'node1'} (node1 after the config's run_dir: SLURM_NODEID)"
+    )
     assert ("slurm", text) in config_summary(cfg)
     assert slurm_text(parse_config(OWN, environ={})) is None
 
@@ -227,5 +307,7 @@ def test_the_preamble_of_a_command_says_which_values_are_the_jobs():
 
     cfg, _ = load_checked(None, command=["python", str(Path(__file__))], environ={**TASK, "PATH": "/usr/bin:/bin"})
     assert cfg.worker.nnodes == 2 and Path(cfg.run_dir).parts[-2:] == (Path(__file__).stem, "node1")
-    assert ("hangwatch: worker.nnodes, worker.rdzv_endpoint, worker.rdzv_id, worker.node_name and run_dir there are this "
-            "Slurm job's: take them out of a kept copy, and the next job supplies its own") in command_preamble(cfg, None)
+    assert (
+        "hangwatch: worker.nnodes, worker.rdzv_endpoint, worker.rdzv_id, worker.node_name and run_dir there are this "
+        "Slurm job's: take them out of a kept copy, and the next job supplies its own"
+    ) in command_preamble(cfg, None)

@@ -2,6 +2,7 @@
 DataLoader's workers under those start methods), which inherit nothing of their parent: each registers faulthandler
 into a file of its own, `stack-rank<R>-pid<PID>.txt`, as a forked worker does — and it is never the reason a child
 fails to start.  Real processes: a rank that starts one child and signals it."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-RANK = textwrap.dedent('''\
+RANK = textwrap.dedent("""\
     import json, multiprocessing as mp, os, signal, sys, time
     from pathlib import Path
     from hangwatch.daemon.heartbeat import Heartbeat
@@ -46,7 +47,7 @@ RANK = textwrap.dedent('''\
         child.join(30)
         out["exitcode"] = child.exitcode
         print(json.dumps(out))
-''')
+""")
 
 
 def run_rank(tmp_path, method: str, case: str = "") -> dict:
@@ -54,8 +55,13 @@ def run_rank(tmp_path, method: str, case: str = "") -> dict:
     script.write_text(RANK)
     directory = tmp_path / "attempt"
     directory.mkdir()
-    p = subprocess.run([sys.executable, str(script), method, str(directory), case], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, str(script), method, str(directory), case],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -65,7 +71,9 @@ def test_a_spawned_child_of_a_rank_dumps_its_own_stack_into_a_file_of_its_own(tm
     out = run_rank(tmp_path, method)
     assert out["file"], out
     # the child's own stack, not the rank's: its target under multiprocessing's entry
-    assert re.search(r'rank\.py", line \d+ in work\n.*multiprocessing/spawn\.py", line \d+ in _main', out["dump"], re.S), out
+    assert re.search(
+        r'rank\.py", line \d+ in work\n.*multiprocessing/spawn\.py", line \d+ in _main', out["dump"], re.S
+    ), out
 
     assert out["exitcode"] == 0  # SIGUSR1 dumped and left it running
 

@@ -1,23 +1,41 @@
 """Deadlines and calibration on a fake clock: no sleeps, every boundary checked exactly."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from hangwatch.supervisor.watch.calibration import Calibration, p99
 from hangwatch.common.config import WatchdogCfg
+from hangwatch.supervisor.watch.calibration import Calibration, p99
 from hangwatch.supervisor.watch.deadlines import Deadlines, SuspensionDetector
 
 
 def line(event, *, rank=0, step=0, phase="init", **kw):
-    return {"v": 1, "t": 0.0, "pid": 100 + rank, "rank": rank, "attempt": 1, "event": event, "step": step, "phase": phase, **kw}
+    return {
+        "v": 1,
+        "t": 0.0,
+        "pid": 100 + rank,
+        "rank": rank,
+        "attempt": 1,
+        "event": event,
+        "step": step,
+        "phase": phase,
+        **kw,
+    }
 
 
 def make(**wd):
-    base = dict(startup_timeout_s=30, silence_timeout_s=20, first_steps_timeout_s=50, calibrate_after=5,
-                calibration_factor=4.0, step_timeout_min_s=1.0, step_timeout_max_s=100.0,
-                phase_budgets_s={"eval": 15, "checkpoint": 40})
+    base = dict(
+        startup_timeout_s=30,
+        silence_timeout_s=20,
+        first_steps_timeout_s=50,
+        calibrate_after=5,
+        calibration_factor=4.0,
+        step_timeout_min_s=1.0,
+        step_timeout_max_s=100.0,
+        phase_budgets_s={"eval": 15, "checkpoint": 40},
+    )
     base.update(wd)
     cfg = WatchdogCfg(**base)
     return Deadlines(cfg, Calibration(cfg))
@@ -295,8 +313,14 @@ def test_next_due_and_check_agree_with_every_armed_deadline():
 
     rnd = random.Random(7)
     for _ in range(40):
-        d = make(step_timeout_s=None, first_steps_timeout_s=6, silence_timeout_s=9, calibrate_after=3,
-                 step_timeout_min_s=0.5, default_phase_budget_s=4)
+        d = make(
+            step_timeout_s=None,
+            first_steps_timeout_s=6,
+            silence_timeout_s=9,
+            calibrate_after=3,
+            step_timeout_min_s=0.5,
+            default_phase_budget_s=4,
+        )
         t = 0.0
         d.arm_startup(t)
         for _ in range(60):

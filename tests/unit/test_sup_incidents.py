@@ -1,19 +1,28 @@
 """Reading the evidence: faulthandler dumps, exit classification, incident files, the tree killer."""
+
 from __future__ import annotations
 
 import json
 import signal
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import FakeProcessTable
+
 from hangwatch.common.rundir import tail_text
-from hangwatch.supervisor.processes import process
 from hangwatch.supervisor.episode.dump_collector import DumpCollector
 from hangwatch.supervisor.episode.tree_killer import TreeKiller
+from hangwatch.supervisor.incidents import (
+    IncidentStore,
+    classify_exit,
+    classify_stall,
+    fatal_error,
+    frame_str,
+    main_stack,
+    parse_faulthandler,
+    stuck_frame,
+)
+from hangwatch.supervisor.processes import process
 from hangwatch.supervisor.processes.attempt import DumpTarget
-from hangwatch.supervisor.incidents import (IncidentStore, classify_exit, classify_stall, fatal_error, frame_str,
-                                            main_stack, parse_faulthandler, stuck_frame)
 
 DUMP_M = """\
 Thread 0x00007f0000000001 (most recent call first):
@@ -75,7 +84,7 @@ def test_a_thread_cut_at_faulthandlers_frame_limit_is_marked_truncated():
 
 
 def test_fatal_error_and_frame_str():
-    segv = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n  File \"m.py\", line 3 in f\n"
+    segv = 'Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n  File "m.py", line 3 in f\n'
     assert fatal_error(segv) == "Segmentation fault" and fatal_error(DUMP_M) is None
     assert frame_str(stuck_frame(segv)[0]) == "f (m.py:3)" and frame_str(None) == "unknown"
 
@@ -101,20 +110,59 @@ def test_stall_classification_from_cpu_and_state(procs, needle):
 @pytest.mark.parametrize(
     "code, sig, last_words, log, kind, needle",
     [
-        (1, None, {"kind": "crash", "message": "boom", "traceback": "Traceback (most recent call last):\n  File \"x\", line 1\nValueError: boom\n"},
-         "", "crash", "ValueError: boom"),
+        (
+            1,
+            None,
+            {
+                "kind": "crash",
+                "message": "boom",
+                "traceback": 'Traceback (most recent call last):\n  File "x", line 1\nValueError: boom\n',
+            },
+            "",
+            "crash",
+            "ValueError: boom",
+        ),
         (1, None, {"kind": "oom", "message": "CUDA out of memory"}, "", "oom", "out of memory"),
         (75, None, {"kind": "nan", "message": "5 non-finite losses in a row"}, "", "nan", "5 non-finite"),
         (78, None, None, "", "config_error", "EX_CONFIG"),
         (65, None, {"kind": "data_error", "message": "no usable example"}, "", "data_error", "no usable example"),
         (None, signal.SIGSEGV, None, "", "signal", "killed by SIGSEGV (signal 11)"),
-        (74, None, {"kind": "checkpoint_failed", "message": "checkpoint of step 30 could not be written under /r: "
-                    "[Errno 28] No space left on device"}, "", "checkpoint_failed", "checkpoint save failed: checkpoint of step 30"),
+        (
+            74,
+            None,
+            {
+                "kind": "checkpoint_failed",
+                "message": "checkpoint of step 30 could not be written under /r: [Errno 28] No space left on device",
+            },
+            "",
+            "checkpoint_failed",
+            "checkpoint save failed: checkpoint of step 30",
+        ),
         (74, None, None, "", "disk", "exit 74 (EX_IOERR), no last words"),
-        (None, signal.SIGKILL, None, "", "signal", "killed by SIGKILL (signal 9): not sent by hangwatch; what sent it is unknown"),
-        (1, None, None, "step 3\nTraceback (most recent call last):\n  File \"t.py\", line 3\ntorch.OutOfMemoryError: CUDA out of memory\n",
-         "oom", "torch.OutOfMemoryError"),
-        (1, None, None, "Traceback (most recent call last):\n  File \"t.py\", line 3\nKeyError: 'x'\n", "crash", "KeyError: 'x' (from the worker log)"),
+        (
+            None,
+            signal.SIGKILL,
+            None,
+            "",
+            "signal",
+            "killed by SIGKILL (signal 9): not sent by hangwatch; what sent it is unknown",
+        ),
+        (
+            1,
+            None,
+            None,
+            'step 3\nTraceback (most recent call last):\n  File "t.py", line 3\ntorch.OutOfMemoryError: CUDA out of memory\n',
+            "oom",
+            "torch.OutOfMemoryError",
+        ),
+        (
+            1,
+            None,
+            None,
+            "Traceback (most recent call last):\n  File \"t.py\", line 3\nKeyError: 'x'\n",
+            "crash",
+            "KeyError: 'x' (from the worker log)",
+        ),
         (3, None, None, "", "crash", "exited with code 3 without last words"),
     ],
 )
@@ -123,23 +171,33 @@ def test_exit_classification(code, sig, last_words, log, kind, needle):
     assert got_kind == kind and needle in text, text
 
 
-@pytest.mark.parametrize("cause, kind", [
-    ("the kernel's OOM killer (kernel log: killed process 41)", "oom"),
-    ("not sent by hangwatch, and not the OOM killer (the kernel recorded no OOM kill)", "signal"),
-    ("not sent by hangwatch; the kernel's OOM records cannot be read here, so whether it was the OOM killer is unknown",
-     "signal"),
-])
+@pytest.mark.parametrize(
+    "cause, kind",
+    [
+        ("the kernel's OOM killer (kernel log: killed process 41)", "oom"),
+        ("not sent by hangwatch, and not the OOM killer (the kernel recorded no OOM kill)", "signal"),
+        (
+            "not sent by hangwatch; the kernel's OOM records cannot be read here, so whether it was the OOM killer is unknown",
+            "signal",
+        ),
+    ],
+)
 def test_a_sigkill_names_the_oom_killer_only_when_the_evidence_does(cause, kind):
     got_kind, text = classify_exit(None, signal.SIGKILL, None, "", sigkill_cause=cause)
     assert (got_kind, text) == (kind, f"killed by SIGKILL (signal 9): {cause}")
-    assert classify_exit(None, signal.SIGKILL, None, "", killed_by_us=True) == ("signal", "killed by SIGKILL (signal 9)")
+    assert classify_exit(None, signal.SIGKILL, None, "", killed_by_us=True) == (
+        "signal",
+        "killed by SIGKILL (signal 9)",
+    )
 
 
 def test_a_torchrun_jobs_failed_rank_is_named_not_childfailederror():
     root = {"rank": 1, "exitcode": 1, "pid": 9406, "signal": None, "exception": "ValueError: shard 7 is empty"}
     tail = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
     assert classify_exit(1, None, None, tail, launcher=root) == (
-        "crash", "rank 1 failed first (exit code 1, pid 9406, per torchrun): ValueError: shard 7 is empty")
+        "crash",
+        "rank 1 failed first (exit code 1, pid 9406, per torchrun): ValueError: shard 7 is empty",
+    )
     oom = dict(root, exception="torch.OutOfMemoryError: CUDA out of memory")
     assert classify_exit(1, None, None, tail, launcher=oom)[0] == "oom"
     assert "no exception in the log" in classify_exit(1, None, None, tail, launcher=dict(root, exception=None))[1]
@@ -167,7 +225,9 @@ def test_evidence_files_are_listed_in_the_record(tmp_path):
     inc.write()
     record = json.loads((inc.dir / "incident.json").read_text())
     assert record["files"] == ["stack-rank0.txt", "raw.bin"]
-    assert (inc.dir / "stack-rank0.txt").read_text() == "Thread 0x1 again\n" and (inc.dir / "raw.bin").read_bytes() == b"\x00\x01"
+    assert (inc.dir / "stack-rank0.txt").read_text() == "Thread 0x1 again\n" and (
+        inc.dir / "raw.bin"
+    ).read_bytes() == b"\x00\x01"
     assert [p.name for p in inc.dir.iterdir() if p.name.startswith(".tmp-")] == []
 
 
@@ -221,10 +281,16 @@ def test_tree_killer_gives_up_waiting_for_gpu_memory_after_its_bound():
     p, worker = _fake_worker(table, term="ignore")
     killer = _killer(table, worker, gpu_release_timeout_s=2, gpu_pids=lambda: {p.pid})
     _drive(table, killer, worker, limit=30)
-    assert worker.exit_signal == signal.SIGKILL and killer.kill_at == pytest.approx(1.0)  # SIGTERM ignored → SIGKILL after grace
+    assert worker.exit_signal == signal.SIGKILL and killer.kill_at == pytest.approx(
+        1.0
+    )  # SIGTERM ignored → SIGKILL after grace
     assert table.signals() == ["-SIGTERM", "-SIGKILL"]
-    assert killer.gpu_release == {"checked": True, "released": False, "waited_s": pytest.approx(2.0, abs=0.15),
-                                  "pids_still_holding": [p.pid]}
+    assert killer.gpu_release == {
+        "checked": True,
+        "released": False,
+        "waited_s": pytest.approx(2.0, abs=0.15),
+        "pids_still_holding": [p.pid],
+    }
     assert json.dumps(killer.timings())
 
 
@@ -256,8 +322,10 @@ def test_dump_collector_signals_announced_targets_and_keeps_only_what_was_append
     a, b = table.add(), table.add()
     a.dump_path, b.dump_path = tmp_path / "stack-rank0.txt", tmp_path / "stack-rank1.txt"
     a.dump_path.write_text("an old dump\n")
-    targets = [DumpTarget(0, process.ProcRef(a.pid, a.create_time), a.dump_path),
-               DumpTarget(1, process.ProcRef(b.pid, b.create_time), b.dump_path)]
+    targets = [
+        DumpTarget(0, process.ProcRef(a.pid, a.create_time), a.dump_path),
+        DumpTarget(1, process.ProcRef(b.pid, b.create_time), b.dump_path),
+    ]
     dc = DumpCollector(targets, grace_s=5, table=table, py_spy=False)
     dc.begin(0.0)
     assert table.sent == [(a.pid, signal.SIGUSR1), (b.pid, signal.SIGUSR1)] and dc.signalled == {0: True, 1: True}
@@ -272,8 +340,12 @@ def test_dump_collector_signals_announced_targets_and_keeps_only_what_was_append
 def test_dump_collector_is_bounded_when_a_rank_never_writes(tmp_path):
     table = FakeProcessTable()
     mute = table.add()  # announced a dump file, but its handler writes elsewhere (or never)
-    dc = DumpCollector([DumpTarget(0, process.ProcRef(mute.pid, mute.create_time), tmp_path / "none.txt")],
-                       grace_s=2, table=table, py_spy=False)
+    dc = DumpCollector(
+        [DumpTarget(0, process.ProcRef(mute.pid, mute.create_time), tmp_path / "none.txt")],
+        grace_s=2,
+        table=table,
+        py_spy=False,
+    )
     mute.dump_path = tmp_path / "elsewhere.txt"
     dc.begin(0.0)
     assert not dc.advance(1.9) and dc.advance(2.0)
@@ -302,8 +374,10 @@ def test_a_stall_without_a_landmark_says_so_and_names_the_users_frame(tmp_path):
     h.until(lambda: h.sup.attempt == 2)
     inc = h.incident()
     assert inc["summary"].startswith("step deadline 2.0s exceeded by ")
-    assert inc["summary"].endswith("; blocked in C (CPU 0%, state S); no landmark call on the stack; "
-                                   "innermost _poll_shard_ready (worker.py:12), your own code"), inc["summary"]
+    assert inc["summary"].endswith(
+        "; blocked in C (CPU 0%, state S); no landmark call on the stack; "
+        "innermost _poll_shard_ready (worker.py:12), your own code"
+    ), inc["summary"]
     assert inc["landmark"] is None and inc["caller_frame"]["function"] == "_poll_shard_ready"
     assert inc["user_outermost_frame"]["function"] == "<module>" and inc["stack_truncated"] is False
     assert "call_chain" not in inc  # the old 8-frame chain is gone: the landmark reading replaces it
@@ -327,6 +401,8 @@ Current thread 0x1 (most recent call first):
     h.until(lambda: h.sup.attempt == 2)
     inc = h.incident()
     assert inc["kind"] == "signal" and inc["landmark"]["name"] == "backward"
-    assert inc["summary"] == ("killed by SIGSEGV (signal 11); in backward(), called from train_step (train.py:40); "
-                              "innermost _engine_run_backward")
+    assert inc["summary"] == (
+        "killed by SIGSEGV (signal 11); in backward(), called from train_step (train.py:40); "
+        "innermost _engine_run_backward"
+    )
     assert inc["caller_frame"]["line"] == 40 and inc["stuck_frame"]["function"] == "_engine_run_backward"

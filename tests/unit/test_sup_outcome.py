@@ -1,4 +1,5 @@
 """What follows once no worker is left: one pure decision, every row of its table."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,13 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
         (Intent.NONE, Decision("fail", "x"), 65, None, Outcome(State.FAILED, "x", 65)),
         (Intent.NONE, LOOP, 1, None, Outcome(State.FAILED, LOOP.reason, 1)),
         (Intent.NONE, LOOP, None, None, Outcome(State.FAILED, LOOP.reason, 1)),  # last one died by a signal
-        (Intent.NONE, RESTART, 1, None, Outcome(State.BACKOFF, "worker exited with code 1; next attempt in 4s", 0, 4.0)),
+        (
+            Intent.NONE,
+            RESTART,
+            1,
+            None,
+            Outcome(State.BACKOFF, "worker exited with code 1; next attempt in 4s", 0, 4.0),
+        ),
         # nothing asked, nothing decided (a backoff or a pause still running): stay
         (Intent.NONE, None, None, "backoff", None),
         (Intent.NONE, None, None, "paused", None),

@@ -1,4 +1,5 @@
 """The process-table seam, a dead supervisor's leftovers (on a fake table), the wake-up and the state record."""
+
 from __future__ import annotations
 
 import os
@@ -7,12 +8,12 @@ import threading
 import time
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import FakeClock, FakeProcessTable
-from hangwatch.supervisor.processes import leftovers
-from hangwatch.supervisor.records import run_state
-from hangwatch.supervisor.processes.process import ProcRef, PsutilProcessTable, decode_status
+
 from hangwatch.supervisor.loop.wakeup import Wakeup
+from hangwatch.supervisor.processes import leftovers
+from hangwatch.supervisor.processes.process import ProcRef, PsutilProcessTable, decode_status
+from hangwatch.supervisor.records import run_state
 
 
 def test_the_real_table_checks_identity_by_start_time():
@@ -27,15 +28,20 @@ def test_the_real_table_checks_identity_by_start_time():
     assert table.reap(os.getpid()) is None  # not our child: nothing to reap, never an error
 
 
-@pytest.mark.parametrize("status, decoded", [(3 << 8, (3, None)), (0, (0, None)), (signal.SIGKILL, (None, signal.SIGKILL))])
+@pytest.mark.parametrize(
+    "status, decoded", [(3 << 8, (3, None)), (0, (0, None)), (signal.SIGKILL, (None, signal.SIGKILL))]
+)
 def test_decode_status(status, decoded):
     assert tuple(decode_status(status)) == decoded
 
 
 def _state(worker, pids=(), descendants=(), updated=2.0e9):
-    return {"worker": {"pid": worker.pid, "pgid": worker.pgid, "sid": worker.sid, "create_time": worker.create_time},
-            "pids": {str(i): {"pid": p.pid, "create_time": p.create_time} for i, p in enumerate(pids)},
-            "descendants": [{"pid": p.pid, "create_time": p.create_time} for p in descendants], "updated_wall": updated}
+    return {
+        "worker": {"pid": worker.pid, "pgid": worker.pgid, "sid": worker.sid, "create_time": worker.create_time},
+        "pids": {str(i): {"pid": p.pid, "create_time": p.create_time} for i, p in enumerate(pids)},
+        "descendants": [{"pid": p.pid, "create_time": p.create_time} for p in descendants],
+        "updated_wall": updated,
+    }
 
 
 def test_leftovers_of_a_live_tree_are_the_group_and_the_recorded_pids():
@@ -83,10 +89,17 @@ def test_ending_leftovers_sigkills_what_sigterm_did_not_end():
 def test_a_live_supervisor_on_the_run_dir_refuses_the_second(tmp_path):
     t = FakeProcessTable()
     other = t.add(ppid=1)
-    why = leftovers.clear({"supervisor": {"pid": other.pid, "create_time": other.create_time}}, t,
-                          state_path=tmp_path / "state.json", grace_s=1)
+    why = leftovers.clear(
+        {"supervisor": {"pid": other.pid, "create_time": other.create_time}},
+        t,
+        state_path=tmp_path / "state.json",
+        grace_s=1,
+    )
     assert f"another supervisor (pid {other.pid}) is running" in why
-    assert leftovers.clear({"supervisor": {"pid": other.pid, "create_time": 1.0}}, t, state_path=tmp_path / "s", grace_s=1) is None
+    assert (
+        leftovers.clear({"supervisor": {"pid": other.pid, "create_time": 1.0}}, t, state_path=tmp_path / "s", grace_s=1)
+        is None
+    )
 
 
 def test_signals_are_recorded_in_order_and_wake_the_wait(tmp_path):
@@ -107,10 +120,25 @@ def test_signals_are_recorded_in_order_and_wake_the_wait(tmp_path):
 
 def test_the_state_record_drops_pids_once_the_tree_is_gone():
     facts = run_state.RunFacts(restarts=2, last_good_checkpoint="ckpt-4", last_good_step=4)
-    common = dict(state="backoff", final=False, supervisor=None, worker=None, announced={0: ProcRef(5, 1.0)},
-                  descendants=[ProcRef(6, 2.0)], attempt=3, incidents=1, socket="/s", run_dir="/r", exit_code=0, wall=7.0,
-                  restarts=facts.restarts, last_good_checkpoint=facts.last_good_checkpoint,
-                  last_good_step=facts.last_good_step, last_incident=None, torn_lines=0)
+    common = dict(
+        state="backoff",
+        final=False,
+        supervisor=None,
+        worker=None,
+        announced={0: ProcRef(5, 1.0)},
+        descendants=[ProcRef(6, 2.0)],
+        attempt=3,
+        incidents=1,
+        socket="/s",
+        run_dir="/r",
+        exit_code=0,
+        wall=7.0,
+        restarts=facts.restarts,
+        last_good_checkpoint=facts.last_good_checkpoint,
+        last_good_step=facts.last_good_step,
+        last_incident=None,
+        torn_lines=0,
+    )
     gone = run_state.record(tree_gone=True, **common)
     assert gone["pids"] == {} and gone["descendants"] == [] and gone["exit_code"] is None and gone["restarts"] == 2
     live = run_state.record(tree_gone=False, **common)
@@ -143,7 +171,9 @@ def test_the_built_in_worker_runs_under_torchrun_with_more_than_one_rank(tmp_pat
     base = {"run_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path / "t.jsonl")}}
     one = worker_argv(Config.model_validate(base), tmp_path / "run" / "config.yaml")
     assert one[:3] == [_sys.executable, "-m", "hangwatch.daemon"]
-    two = worker_argv(Config.model_validate({**base, "worker": {"nproc_per_node": 2}}), tmp_path / "run" / "config.yaml")
+    two = worker_argv(
+        Config.model_validate({**base, "worker": {"nproc_per_node": 2}}), tmp_path / "run" / "config.yaml"
+    )
     assert two[:7] == [_sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
     assert two[7:] == one[2:]
 

@@ -1,4 +1,5 @@
 """The lifecycle table and the restart policy, on a fake clock."""
+
 from __future__ import annotations
 
 import pytest
@@ -133,9 +134,13 @@ def test_the_supervisor_never_imports_the_training_stack():
     import subprocess
     import sys
 
-    code = ("import sys, hangwatch.supervisor.loop.supervisor, hangwatch.supervisor.processes.snapshot, hangwatch.supervisor.episode.dump_collector;"
-            "bad = {'torch', 'transformers', 'peft', 'numpy'} & set(sys.modules); print(sorted(bad)); sys.exit(bool(bad))")
+    code = (
+        "import sys, hangwatch.supervisor.loop.supervisor, hangwatch.supervisor.processes.snapshot, hangwatch.supervisor.episode.dump_collector;"
+        "bad = {'torch', 'transformers', 'peft', 'numpy'} & set(sys.modules); print(sorted(bad)); sys.exit(bool(bad))"
+    )
     from pathlib import Path
 
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert p.returncode == 0, p.stdout + p.stderr

@@ -2,11 +2,13 @@
 naming each survivor, its state and kernel wait channel; no second attempt on top of it; `wait` restarts once the
 survivors are gone, `fail` ends the run failed; an operator's stop does not wait for them.  And the wait channel
 read from /proc."""
+
 from __future__ import annotations
 
 import signal
 
 from fixtures.fakes.fake_supervisor import Harness
+
 from hangwatch.supervisor.processes.process import kernel_wait
 
 WD = {"kill_wait_s": 3, "step_timeout_s": 2}

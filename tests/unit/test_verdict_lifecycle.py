@@ -2,6 +2,7 @@
 session of its own.  SIGUSR1 reaches the ranks only, each rank is read from its own process and dump, the
 incident names the culprit, the ranks get their SIGTERM directly, `status` shows every rank, stragglers are
 warned about without a kill."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,15 @@ import logging
 import signal
 from pathlib import Path
 
-from rich.console import Console
-
 from fixtures.fakes.fake_supervisor import FakeProc, Harness
 from fixtures.fakes.torchrun_report import root_cause
+from rich.console import Console
+
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
+from hangwatch.supervisor.cli import render
 from hangwatch.supervisor.loop.commands import dispatch
 from hangwatch.supervisor.ops import logsetup
-from hangwatch.supervisor.cli import render
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 STACKS = {  # what each rank's faulthandler writes on SIGUSR1
@@ -48,8 +49,17 @@ class Rank:
         self.proc.dump_path = dump_path_for(self.dir, rank)
 
     def beat(self, event: str, **fields) -> None:
-        rec = {"v": 1, "t": 0.0, "pid": self.proc.pid, "rank": self.rank, "attempt": 1, "event": event,
-               "step": self.step_no, "phase": "train", **fields}
+        rec = {
+            "v": 1,
+            "t": 0.0,
+            "pid": self.proc.pid,
+            "rank": self.rank,
+            "attempt": 1,
+            "event": event,
+            "step": self.step_no,
+            "phase": "train",
+            **fields,
+        }
         with open(heartbeat_path(self.dir, self.rank), "ab") as f:
             f.write(encode(rec))
 
@@ -80,9 +90,15 @@ def two_ranks(h: Harness) -> tuple[Rank, Rank]:
             self.pids = sorted(set(roots) | set(extra))
 
         def take(self):
-            return [{"pid": pid, "state": "R" if pid in by_pid and by_pid[pid].cpu > 50 else "S",
-                     "cpu_percent": by_pid[pid].cpu if pid in by_pid else 0.0, "create_time": 1.7e9 + pid}
-                    for pid in self.pids]
+            return [
+                {
+                    "pid": pid,
+                    "state": "R" if pid in by_pid and by_pid[pid].cpu > 50 else "S",
+                    "cpu_percent": by_pid[pid].cpu if pid in by_pid else 0.0,
+                    "create_time": 1.7e9 + pid,
+                }
+                for pid in self.pids
+            ]
 
     h.sup.tools = type(h.sup.tools)(**{**h.sup.tools.__dict__, "snapshot": Sample})
     for r in ranks:
@@ -107,14 +123,23 @@ def test_the_spinning_rank_is_the_culprit_and_only_ranks_are_signalled(tmp_path)
 
     inc = h.incident()
     assert inc["culprit_rank"] == 1 and inc["dump_rank"] == 1
-    assert inc["summary"].startswith("rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); "
-                                     "rank 0 waiting in all_reduce; step deadline 2.0s exceeded by ")
+    assert inc["summary"].startswith(
+        "rank 1: busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88); "
+        "rank 0 waiting in all_reduce; step deadline 2.0s exceeded by "
+    )
     assert inc["classification"] == "busy loop in Python (CPU 99%) at _poll_shard_ready (/srv/job/train.py:88)"
-    roles = {r["rank"]: (r["role"], r["pid"], r["state"], r["cpu_percent"], r["collective"], r["step"]) for r in inc["ranks"]}
-    assert roles == {0: ("victim", r0.proc.pid, "S", 0.0, "all_reduce", 2), 1: ("culprit", r1.proc.pid, "R", 99.0, None, 2)}
+    roles = {
+        r["rank"]: (r["role"], r["pid"], r["state"], r["cpu_percent"], r["collective"], r["step"]) for r in inc["ranks"]
+    }
+    assert roles == {
+        0: ("victim", r0.proc.pid, "S", 0.0, "all_reduce", 2),
+        1: ("culprit", r1.proc.pid, "R", 99.0, None, 2),
+    }
     assert inc["stuck_frame"]["function"] == "_poll_shard_ready"
-    assert {"stack-rank0.txt", "stack-rank1.txt"} <= set(inc["files"]) and inc["dumps"] == {"0": "stack-rank0.txt",
-                                                                                              "1": "stack-rank1.txt"}
+    assert {"stack-rank0.txt", "stack-rank1.txt"} <= set(inc["files"]) and inc["dumps"] == {
+        "0": "stack-rank0.txt",
+        "1": "stack-rank1.txt",
+    }
     assert "in all_reduce" in (Path(h.sup.incidents.root) / f"{inc['id']}-stall" / "stack-rank0.txt").read_text()
 
 
@@ -128,8 +153,11 @@ def test_status_shows_every_rank_and_a_straggler_is_warned_not_killed(tmp_path):
 
 
 def straggler_is_warned(tmp_path):
-    h = Harness(tmp_path, proc={"term": "die"}, watchdog={"straggler_factor": 2.0, "straggler_steps": 3,
-                                                          "step_timeout_s": 30, "silence_timeout_s": 60})
+    h = Harness(
+        tmp_path,
+        proc={"term": "die"},
+        watchdog={"straggler_factor": 2.0, "straggler_steps": 3, "step_timeout_s": 30, "silence_timeout_s": 60},
+    )
     r0, r1 = two_ranks(h)
     for _ in range(4):  # rank 1 reports 4x rank 0's step time, step after step
         r0.step(step_time_s=0.1)
@@ -138,7 +166,9 @@ def straggler_is_warned(tmp_path):
     assert h.state == "running" and not [s for _, s in h.table.sent if s in (signal.SIGTERM, signal.SIGKILL)]
     st = dispatch({"cmd": "status"}, h.sup.requests, h.clock())["result"]
     rows = {r["rank"]: r for r in st["ranks"]}
-    assert set(rows) == {0, 1} and rows[1]["pid"] == r1.proc.pid and rows[0]["step"] == 6 and rows[1]["phase"] == "train"
+    assert (
+        set(rows) == {0, 1} and rows[1]["pid"] == r1.proc.pid and rows[0]["step"] == 6 and rows[1]["phase"] == "train"
+    )
     assert rows[0]["last_beat_age_s"] >= 0 and [d["name"] for d in rows[1]["deadlines"]] == ["silence", "step"]
     assert rows[1]["straggler"]["rank"] == 1 and rows[1]["straggler"]["others_median_s"] == 0.1
     assert rows[0]["straggler"] is None and set(st["stragglers"]) == {"1"}
@@ -149,8 +179,11 @@ def straggler_is_warned(tmp_path):
     assert f"rank 0  pid {r0.proc.pid}  train for" in human and f"rank 1  pid {r1.proc.pid}  train for" in human
     line1 = next(x for x in human.splitlines() if f"rank 1  pid {r1.proc.pid}" in x)
     assert "step 6" in line1 and " left of " in line1 and "straggler: 0.4s a step, 4.0× the others' median" in line1
-    warned = [json.loads(line) for line in (tmp_path / "logs" / "supervisor.log").read_text().splitlines()
-              if '"straggler"' in line]
+    warned = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "supervisor.log").read_text().splitlines()
+        if '"straggler"' in line
+    ]
     assert warned and warned[0]["rank"] == 1 and warned[0]["level"] == "warning"
     h.request(cmd="restart", mode="now")  # the next incident carries the warning
     h.until(lambda: h.sup.attempt == 2)

@@ -1,5 +1,6 @@
 """Checkpoints: atomic commit, damage of every kind falls back to the previous good checkpoint with
 the reason in `start.skipped_checkpoints`, retention never deletes the newest good one."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.fakes.workers import make_config, read_beats, run_in_process
 from safetensors.torch import load_file
 
-from fixtures.fakes.workers import make_config, read_beats, run_in_process
 from hangwatch.daemon import checkpoint as ckpt
 
 
@@ -18,8 +19,12 @@ from hangwatch.daemon import checkpoint as ckpt
 def finished_run(tmp_path_factory):
     """A 12-step run with good checkpoints at 3, 6, 9 and 12."""
     tmp = tmp_path_factory.mktemp("base")
-    config = make_config(tmp, train={"max_steps": 12}, checkpoint={"every_steps": 3, "keep_last": 10, "confirm_steps": 1},
-                         lora={"modules_to_save": ["lm_head"]})
+    config = make_config(
+        tmp,
+        train={"max_steps": 12},
+        checkpoint={"every_steps": 3, "keep_last": 10, "confirm_steps": 1},
+        lora={"modules_to_save": ["lm_head"]},
+    )
     assert run_in_process(config) == 0
     run = tmp / "run"
     assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == [ckpt.step_name(s) for s in (12, 9, 6, 3)]
@@ -124,9 +129,12 @@ def test_retention_keeps_last_k_and_the_newest_good(tmp_path):
 def test_run_retention_never_deletes_the_newest_good(tmp_path):
     # A checkpoint every step, each confirmed 3 steps later, keep_last 1: when the run crashes at the
     # start of step 9, step 8 is the newest valid one, 6-8 await confirmation, 5 is the newest good one.
-    config = make_config(tmp_path, train={"max_steps": 12},
-                         checkpoint={"every_steps": 1, "keep_last": 1, "confirm_steps": 3},
-                         faults=[{"kind": "crash", "at_step": 9}])
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 12},
+        checkpoint={"every_steps": 1, "keep_last": 1, "confirm_steps": 3},
+        faults=[{"kind": "crash", "at_step": 9}],
+    )
     assert run_in_process(config) == 1
     root = tmp_path / "run" / "checkpoints"
     assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(root)] == [8, 7, 6, 5]
@@ -175,4 +183,7 @@ def test_a_refused_checkpoint_write_leaves_nothing_and_says_so(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000010"]  # no .tmp-*, no step-20
     assert ck.validate(good) is None  # the last good checkpoint still checks out
     assert classify(err.value) == ("checkpoint_failed", 74)
-    assert classify(CheckpointSaveError(20, str(root), PermissionError(_errno.EACCES, "denied"))) == ("checkpoint_failed", 1)
+    assert classify(CheckpointSaveError(20, str(root), PermissionError(_errno.EACCES, "denied"))) == (
+        "checkpoint_failed",
+        1,
+    )

@@ -1,14 +1,15 @@
 """Data: label masking, truncation, bad lines reported with file and line, unusable data → exit 65."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fixtures.fakes.workers import make_config, run_in_process, write_jsonl
+
+from hangwatch.common.config import load_config
 from hangwatch.daemon.data import IGNORE_INDEX, ShuffledEpochs, validate_file
 from hangwatch.daemon.model import build_tiny_tokenizer
-from hangwatch.common.config import load_config
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,13 @@ def test_prompt_is_masked_and_completion_learned(tmp_path, tok):
 
 
 def test_messages_learn_only_the_last_assistant_turn(tmp_path, tok):
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"},
-            {"role": "assistant", "content": "ok"}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"},
+    ]
     f = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs}])
     (ex,), problems = validate_file(f, tok, cfg_with(tmp_path))
     assert problems == []
@@ -56,7 +61,11 @@ def test_truncation_keeps_the_completion(tmp_path, tok):
 
 
 def test_truncation_reject_and_completion_too_long(tmp_path, tok):
-    rows = [{"prompt": "p" * 100, "completion": "x"}, {"prompt": "p", "completion": "y" * 100}, {"prompt": "ok", "completion": "fine"}]
+    rows = [
+        {"prompt": "p" * 100, "completion": "x"},
+        {"prompt": "p", "completion": "y" * 100},
+        {"prompt": "ok", "completion": "fine"},
+    ]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
     examples, problems = validate_file(f, tok, cfg_with(tmp_path, max_length=32, truncation="reject"))
     assert [e.line for e in examples] == [3]
@@ -74,7 +83,7 @@ def test_bad_lines_are_reported_with_file_line_and_reason(tmp_path, tok):
         '["not", "an", "object"]',  # 3
         '{"prompt": "a"}',  # 4: no completion
         '{"prompt": 3, "completion": "x"}',  # 5: wrong type
-        '',  # blank: ignored
+        "",  # blank: ignored
         '{"prompt": "a", "completion": "   "}',  # 7: nothing to learn
         '{"messages": [{"role": "user", "content": "q"}]}',  # 8: no assistant turn
         '{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}',  # 9

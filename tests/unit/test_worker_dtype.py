@@ -3,6 +3,7 @@ parameters kept float32, gradient checkpointing (same numbers, exact resume — 
 (QLoRA) path.  No GPU is used, whatever the machine: CUDA's presence and bf16 support are faked (and its absence,
 where that is the point), and so are bitsandbytes and `from_pretrained` for the 4-bit path — what is tested is what
 the worker asks for, not the kernels."""
+
 from __future__ import annotations
 
 import sys
@@ -16,13 +17,16 @@ from hangwatch.common.config import ConfigError, load_config
 from hangwatch.daemon import model as M
 
 
-@pytest.mark.parametrize("dtype, device, bf16, want", [
-    ("auto", "cuda", True, torch.bfloat16),
-    ("auto", "cuda", False, torch.float32),  # e.g. a V100: float32 weights
-    ("auto", "cpu", False, torch.float32),
-    ("float32", "cuda", True, torch.float32),
-    ("bfloat16", "cpu", False, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "dtype, device, bf16, want",
+    [
+        ("auto", "cuda", True, torch.bfloat16),
+        ("auto", "cuda", False, torch.float32),  # e.g. a V100: float32 weights
+        ("auto", "cpu", False, torch.float32),
+        ("float32", "cuda", True, torch.float32),
+        ("bfloat16", "cpu", False, torch.bfloat16),
+    ],
+)
 def test_base_dtype(dtype, device, bf16, want):
     assert M.base_dtype(dtype, device, bf16) is want
 
@@ -68,8 +72,9 @@ def test_gradient_checkpointing_same_numbers_and_exact_resume(tmp_path):
     reference = losses_by_step(read_beats(tmp_path / "gc" / "run", 1))
     # Recomputation replays the RNG (dropout): the numbers are the ones without checkpointing.
     assert reference == losses_by_step(read_beats(tmp_path / "plain" / "run", 1))
-    crashed = make_config(tmp_path / "crash", model={"gradient_checkpointing": True},
-                          faults=[{"kind": "crash", "at_step": 3}], **common)
+    crashed = make_config(
+        tmp_path / "crash", model={"gradient_checkpointing": True}, faults=[{"kind": "crash", "at_step": 3}], **common
+    )
     assert run_in_process(crashed) == 1
     assert run_in_process(crashed) == 0
     resumed = read_beats(tmp_path / "crash" / "run", 2)
@@ -83,7 +88,9 @@ def test_4bit_is_refused_without_a_gpu(tmp_path, no_cuda):
     with pytest.raises(ConfigError, match="the tiny model is built"):
         load_config(make_config(tmp_path, model={"device": "auto", "load_in_4bit": True}))
     # device auto on a machine without CUDA: refused once the worker knows, still a config error (exit 78)
-    cfg = load_config(make_config(tmp_path, model={"device": "auto", "name_or_path": "some/model", "load_in_4bit": True}))
+    cfg = load_config(
+        make_config(tmp_path, model={"device": "auto", "name_or_path": "some/model", "load_in_4bit": True})
+    )
     with pytest.raises(ConfigError, match="needs a CUDA GPU and this worker runs on cpu"):
         M.load_model(cfg)
 
@@ -97,8 +104,17 @@ def test_4bit_path_asks_for_nf4_and_prepares_for_kbit_training(tmp_path, fake_cu
     import peft
     import transformers
 
-    cfg = load_config(make_config(tmp_path, model={"device": "auto", "name_or_path": str(tmp_path / "m"),
-                                                   "load_in_4bit": True, "gradient_checkpointing": True}))
+    cfg = load_config(
+        make_config(
+            tmp_path,
+            model={
+                "device": "auto",
+                "name_or_path": str(tmp_path / "m"),
+                "load_in_4bit": True,
+                "gradient_checkpointing": True,
+            },
+        )
+    )
     tok = M.build_tiny_tokenizer(cfg.model.tiny.vocab_size)
     asked = {}
 
@@ -112,8 +128,7 @@ def test_4bit_path_asks_for_nf4_and_prepares_for_kbit_training(tmp_path, fake_cu
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: tok))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(from_pretrained))
     prepared = {}
-    monkeypatch.setattr(peft, "prepare_model_for_kbit_training",
-                        lambda model, **kw: prepared.update(kw) or model)
+    monkeypatch.setattr(peft, "prepare_model_for_kbit_training", lambda model, **kw: prepared.update(kw) or model)
     base, _ = M.load_base(cfg, 0, torch.device("cuda"))
     q = asked["quantization_config"]
     assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_compute_dtype is torch.bfloat16

@@ -1,4 +1,5 @@
 """The non-finite guard (skip, warn, count; a streak exits 75 with last words) and config errors (78)."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,12 @@ def exit_words(run, attempt=1):
 
 
 def test_nonfinite_streak_exits_75_then_resumes_from_the_last_good(tmp_path):
-    config = make_config(tmp_path, train={"max_steps": 10, "max_nonfinite_streak": 3},
-                         checkpoint={"every_steps": 2, "confirm_steps": 1},
-                         faults=[{"kind": "nan", "at_step": 6, "steps": 5}])
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 10, "max_nonfinite_streak": 3},
+        checkpoint={"every_steps": 2, "confirm_steps": 1},
+        faults=[{"kind": "nan", "at_step": 6, "steps": 5}],
+    )
     run = tmp_path / "run"
     assert run_in_process(config) == 75
     words = exit_words(run)
@@ -36,9 +40,12 @@ def test_nonfinite_streak_exits_75_then_resumes_from_the_last_good(tmp_path):
 
 
 def test_short_nonfinite_burst_is_skipped_and_unconfirms_the_pending_checkpoint(tmp_path):
-    config = make_config(tmp_path, train={"max_steps": 8, "max_nonfinite_streak": 3},
-                         checkpoint={"every_steps": 4, "confirm_steps": 2},
-                         faults=[{"kind": "nan", "at_step": 6, "steps": 2}])
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 8, "max_nonfinite_streak": 3},
+        checkpoint={"every_steps": 4, "confirm_steps": 2},
+        faults=[{"kind": "nan", "at_step": 6, "steps": 2}],
+    )
     run = tmp_path / "run"
     assert run_in_process(config) == 0
     beats = read_beats(run, 1)

@@ -1,28 +1,33 @@
 """Extra trainable modules (the tiny model's causal_projection head and a modules_to_save entry)
 are trained, checkpointed, restored on resume and exported beside the adapter."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
 import torch
+from fixtures.fakes.workers import make_config, run_in_process
 from safetensors.torch import load_file
 
-from fixtures.fakes.workers import make_config, run_in_process
+from hangwatch.common.config import load_config
 from hangwatch.daemon import checkpoint as ckpt
-from hangwatch.daemon.faults import FaultPlan
 from hangwatch.daemon.export import load_final
+from hangwatch.daemon.faults import FaultPlan
 from hangwatch.daemon.heartbeat import NullHeartbeat
 from hangwatch.daemon.model import load_model
 from hangwatch.daemon.signals import StopRequest
 from hangwatch.daemon.trainer.loop import Trainer
-from hangwatch.common.config import load_config
 
 
 @pytest.mark.cuda_when_present  # PEFT loads the exported adapter onto the GPU whenever torch sees one
 def test_extra_modules_are_trained_saved_restored_and_exported(tmp_path):
-    config = make_config(tmp_path, train={"max_steps": 6}, lora={"modules_to_save": ["lm_head"]},
-                         checkpoint={"every_steps": 3, "confirm_steps": 0})
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 6},
+        lora={"modules_to_save": ["lm_head"]},
+        checkpoint={"every_steps": 3, "confirm_steps": 0},
+    )
     assert run_in_process(config) == 0
     step6 = tmp_path / "run" / "checkpoints" / ckpt.step_name(6)
     adapter = load_file(str(step6 / "adapter_model.safetensors"))
@@ -42,8 +47,17 @@ def test_extra_modules_are_trained_saved_restored_and_exported(tmp_path):
     assert not torch.equal(initial_lm, adapter[lm_key]), "lm_head did not train"
 
     hb = NullHeartbeat()
-    trainer = Trainer(cfg, hb, tmp_path / "run", bundle, _source(cfg, bundle), [], FaultPlan([], tmp_path / "run", hb),
-                      StopRequest(), out=io.StringIO())
+    trainer = Trainer(
+        cfg,
+        hb,
+        tmp_path / "run",
+        bundle,
+        _source(cfg, bundle),
+        [],
+        FaultPlan([], tmp_path / "run", hb),
+        StopRequest(),
+        out=io.StringIO(),
+    )
     trainer.restore(step6)
     assert trainer.step == 6
     assert torch.equal(head.proj.weight, extra["causal_projection.proj.weight"])
@@ -57,8 +71,12 @@ def test_extra_modules_are_trained_saved_restored_and_exported(tmp_path):
     assert torch.equal(extras["causal_projection"].proj.weight, extra["causal_projection.proj.weight"])
     lm = model.base_model.model.lm_head.modules_to_save["default"].weight
     assert torch.equal(lm, adapter[lm_key])
-    out = model.generate(input_ids=torch.tensor([tok("<s><|user|>upper: cat<|assistant|>", add_special_tokens=False)["input_ids"]]),
-                         max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        input_ids=torch.tensor([tok("<s><|user|>upper: cat<|assistant|>", add_special_tokens=False)["input_ids"]]),
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     assert out.shape[-1] > 0
 
 

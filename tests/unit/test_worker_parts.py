@@ -1,5 +1,6 @@
 """The worker's small parts: the null heartbeat and the dump handler's release, the one
 resume-compatibility rule, the declared data-source protocols, the learning-rate schedule."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -8,14 +9,13 @@ import json
 import signal
 
 import pytest
+from fixtures.fakes.workers import make_config
 
 from hangwatch.common.config import ConfigError, load_config
 from hangwatch.daemon.data import ContinuousDataSource, ShuffledEpochs
 from hangwatch.daemon.heartbeat import Heartbeat, NullHeartbeat
 from hangwatch.daemon.resume_compat import check_resume_compatible, fingerprint, fingerprint_differences
 from hangwatch.daemon.trainer.schedule import WarmupCosine
-
-from fixtures.fakes.workers import make_config
 
 
 def public_methods(cls) -> set[str]:
@@ -51,14 +51,17 @@ def test_release_dump_handler_undoes_start(tmp_path):
     hb.close()
 
 
-@pytest.mark.parametrize("saved,current,diffs", [
-    ({"train": {"lr": 1}}, {"train": {"lr": 1}}, []),
-    ({"train": {"lr": 1}}, {"train": {"lr": 2}}, ["train.lr: 1 → 2"]),
-    ({"train": {"sleep_per_step_s": 0}}, {"train": {"sleep_per_step_s": 1}}, []),  # free to differ
-    ({"train": {"max_nonfinite_streak": 5}}, {"train": {"max_nonfinite_streak": 9}}, []),
-    ({"lora": {"r": 8}}, {"lora": {"r": 8, "alpha": 16}}, ["lora.alpha: None → 16"]),
-    ({"data": {"max_length": 48}}, {"data": {"max_length": 64}}, ["data.max_length: 48 → 64"]),
-])
+@pytest.mark.parametrize(
+    "saved,current,diffs",
+    [
+        ({"train": {"lr": 1}}, {"train": {"lr": 1}}, []),
+        ({"train": {"lr": 1}}, {"train": {"lr": 2}}, ["train.lr: 1 → 2"]),
+        ({"train": {"sleep_per_step_s": 0}}, {"train": {"sleep_per_step_s": 1}}, []),  # free to differ
+        ({"train": {"max_nonfinite_streak": 5}}, {"train": {"max_nonfinite_streak": 9}}, []),
+        ({"lora": {"r": 8}}, {"lora": {"r": 8, "alpha": 16}}, ["lora.alpha: None → 16"]),
+        ({"data": {"max_length": 48}}, {"data": {"max_length": 64}}, ["data.max_length: 48 → 64"]),
+    ],
+)
 def test_fingerprint_differences(saved, current, diffs):
     assert fingerprint_differences(saved, current) == diffs
 
@@ -83,13 +86,26 @@ def test_resume_is_refused_when_settings_changed(tmp_path):
 
 def test_only_a_source_with_take_step_commit_and_close_is_continuous():
     class Feed:
-        def take(self, n): return []
-        def position(self): return {}
-        def restore(self, position, step=None): pass
-        def progress(self): return {}
-        def take_step(self, n): return [], None
-        def commit(self, position, step): pass
-        def close(self): pass
+        def take(self, n):
+            return []
+
+        def position(self):
+            return {}
+
+        def restore(self, position, step=None):
+            pass
+
+        def progress(self):
+            return {}
+
+        def take_step(self, n):
+            return [], None
+
+        def commit(self, position, step):
+            pass
+
+        def close(self):
+            pass
 
     assert isinstance(Feed(), ContinuousDataSource)
     assert not isinstance(ShuffledEpochs([object()], seed=0), ContinuousDataSource)

@@ -4,6 +4,7 @@ it survives each one, removes its own temporary files, and ends the run in a cle
 Table-driven over the write sites with a failing `FsOps` (the seam every write goes through), on the
 fake-driven supervisor. The real small filesystem is tests/faults/test_full_disk.py.
 """
+
 from __future__ import annotations
 
 import errno
@@ -11,8 +12,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from fixtures.fakes.fake_supervisor import Harness
+
 from hangwatch.common.durable import TMP_PREFIX, FsOps
 from hangwatch.common.exitcodes import EXIT_IOERR
 
@@ -77,14 +78,19 @@ def test_a_refused_write_ends_the_run_failed_naming_the_path(tmp_path, capsys, s
     h.until(lambda: h.sup.lifecycle.state.final, within_s=60)  # no exception escapes: the supervisor survives
     assert fs.refused, f"the {site} was never written"
     assert h.state == "failed" and h.sup.exit_code == EXIT_IOERR
-    what = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system", errno.EIO: "I/O error",
-            errno.EDQUOT: "disk quota exceeded"}[err]
+    what = {
+        errno.ENOSPC: "no space left on device",
+        errno.EROFS: "read-only file system",
+        errno.EIO: "I/O error",
+        errno.EDQUOT: "disk quota exceeded",
+    }[err]
     assert h.sup.fail_reason == f"{what} at {fs.refused[0]}"
     assert f"cannot write {fs.refused[0]}" in capsys.readouterr().err  # said where a person sees it
     assert not any(p.alive for p in h.table.procs.values())  # the worker was stopped, not stranded
     assert no_temporaries(tmp_path / "run") == []
     if site != "state.json":
         import json
+
         st = json.loads((tmp_path / "run" / "state.json").read_text())
         assert st["state"] == "failed" and st["exit_code"] == EXIT_IOERR
 

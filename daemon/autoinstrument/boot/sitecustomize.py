@@ -21,6 +21,7 @@ Written in conservative syntax on purpose (no f-strings, annotations or `:=`): e
 tree reads this file, whatever its version, and one that cannot parse it would print a SyntaxError at
 start-up instead of the one line that explains.
 """
+
 import os
 import sys
 
@@ -28,8 +29,14 @@ MIN_PYTHON = (3, 9)  # keep in step with hangwatch.common.instrumentation.MIN_PY
 TOO_OLD_NOTED = "HANGWATCH_TOO_OLD_NOTED"  # set once said, so the process's Python children stay quiet
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE_FOLDERS = {"hangwatch.common": "common", "hangwatch.daemon": "daemon"}
-_HANGWATCH_NAMES = ("hangwatch", "hangwatch.common", "hangwatch.daemon", "hangwatch.daemon.heartbeat",
-                    "hangwatch.common.protocol", "hangwatch.common.rundir")
+_HANGWATCH_NAMES = (
+    "hangwatch",
+    "hangwatch.common",
+    "hangwatch.daemon",
+    "hangwatch.daemon.heartbeat",
+    "hangwatch.common.protocol",
+    "hangwatch.common.rundir",
+)
 
 
 def _real(path):
@@ -69,8 +76,9 @@ def _chain():
         if sys.flags.verbose:
             sys.excepthook(*sys.exc_info())
         else:
-            sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
-                             % (err.__class__.__name__, err))
+            sys.stderr.write(
+                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (err.__class__.__name__, err)
+            )
     finally:
         for i, p in removed:  # back where they were; whatever that module added to sys.path stays
             sys.path.insert(min(i, len(sys.path)), p)
@@ -89,6 +97,7 @@ class _SourceFinder(object):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "hangwatch":
             from importlib.machinery import ModuleSpec
+
             return ModuleSpec("hangwatch", None, is_package=True)
         folder = _SOURCE_FOLDERS.get(fullname)
         if folder is None:
@@ -98,6 +107,7 @@ class _SourceFinder(object):
         if not os.path.isfile(init):
             return None
         from importlib.util import spec_from_file_location
+
         return spec_from_file_location(fullname, init, submodule_search_locations=[location])
 
 
@@ -112,8 +122,10 @@ def _make_importable():
             raise
     root = os.environ.get("HANGWATCH_SOURCE_ROOT")
     if not root or not os.path.isdir(os.path.join(root, "daemon")):
-        raise ImportError("hangwatch is not installed in this environment and HANGWATCH_SOURCE_ROOT (%r) "
-                          "holds no hangwatch source" % (root,))
+        raise ImportError(
+            "hangwatch is not installed in this environment and HANGWATCH_SOURCE_ROOT (%r) "
+            "holds no hangwatch source" % (root,)
+        )
     sys.meta_path.insert(0, _SourceFinder(root))
 
 
@@ -123,9 +135,11 @@ def _instrument():
         return
     if tuple(sys.version_info[:2]) < MIN_PYTHON:
         if not env.get(TOO_OLD_NOTED):
-            sys.stderr.write("hangwatch: Python %d.%d is too old for instrumentation (needs %d.%d+): this process "
-                             "is watched by its output, py-spy and NVML only\n"
-                             % (sys.version_info[0], sys.version_info[1], MIN_PYTHON[0], MIN_PYTHON[1]))
+            sys.stderr.write(
+                "hangwatch: Python %d.%d is too old for instrumentation (needs %d.%d+): this process "
+                "is watched by its output, py-spy and NVML only\n"
+                % (sys.version_info[0], sys.version_info[1], MIN_PYTHON[0], MIN_PYTHON[1])
+            )
             env[TOO_OLD_NOTED] = "1"
         return
     try:
@@ -135,8 +149,9 @@ def _instrument():
     except Exception:
         err = sys.exc_info()[1]
         try:
-            sys.stderr.write("hangwatch: instrumentation disabled in this process: %s: %s\n"
-                             % (err.__class__.__name__, err))
+            sys.stderr.write(
+                "hangwatch: instrumentation disabled in this process: %s: %s\n" % (err.__class__.__name__, err)
+            )
         except Exception:
             pass
 

@@ -8,6 +8,7 @@
 
 Only the run dir is read: the report works on a finished run, a running one and a copy of either.
 """
+
 from __future__ import annotations
 
 import importlib

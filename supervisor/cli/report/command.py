@@ -4,6 +4,7 @@ Reads only the run dir (no daemon needed): a finished run, a running one, or a c
 was written; 66 (EX_NOINPUT) the run dir does not exist or holds no run; 73 (EX_CANTCREAT) the page cannot
 be written.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,12 +17,21 @@ from hangwatch.common.exitcodes import EX_CANTCREAT, EX_NOINPUT
 from hangwatch.common.rundir import ATTEMPTS, STATE_NAME
 
 
-
 @click.command("report")
-@click.option("--run-dir", envvar="HANGWATCH_RUN_DIR", default=".", show_default="current directory, or $HANGWATCH_RUN_DIR",
-              type=click.Path(file_okay=False), help="The run directory to report on.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Where to write the page (default: <run dir>/report.html).")
+@click.option(
+    "--run-dir",
+    envvar="HANGWATCH_RUN_DIR",
+    default=".",
+    show_default="current directory, or $HANGWATCH_RUN_DIR",
+    type=click.Path(file_okay=False),
+    help="The run directory to report on.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write the page (default: <run dir>/report.html).",
+)
 @click.option("--open", "open_", is_flag=True, help="Open the page in the default browser once written.")
 def report(run_dir: str, out: Optional[str], open_: bool) -> None:
     """The run on one self-contained HTML page (opens without a network, readable on a phone): loss, lr, step

@@ -14,6 +14,7 @@
 A torn or foreign line is skipped, a missing file is an empty list: a report of a run that is still
 running, or of a partial copy, still renders.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,7 +78,9 @@ def _num(v) -> Optional[float]:
 
 
 def _main_rank_file(attempt_dir: Path) -> Optional[Path]:
-    found = sorted((int(m.group(1)), p) for p in attempt_dir.glob("heartbeat-rank*.jsonl") if (m := _RANK_FILE.match(p.name)))
+    found = sorted(
+        (int(m.group(1)), p) for p in attempt_dir.glob("heartbeat-rank*.jsonl") if (m := _RANK_FILE.match(p.name))
+    )
     return found[0][1] if found else None
 
 
@@ -90,8 +93,15 @@ def read_attempts(run_dir: Path) -> tuple[list[dict], list[dict]]:
             continue
         number = int(d.name)
         hb = _main_rank_file(d)
-        info = {"attempt": number, "started_t": None, "resumed_from": None, "first_step": None, "last_step": None,
-                "first_step_t": None, "stop": None}
+        info = {
+            "attempt": number,
+            "started_t": None,
+            "resumed_from": None,
+            "first_step": None,
+            "last_step": None,
+            "first_step_t": None,
+            "stop": None,
+        }
         prev_t: Optional[float] = None
         for rec in _lines(hb) if hb else ():
             ev, t = rec.get("event"), _num(rec.get("t"))
@@ -104,9 +114,18 @@ def read_attempts(run_dir: Path) -> tuple[list[dict], list[dict]]:
                 step_s = own if own is not None else (t - prev_t if t is not None and prev_t is not None else None)
                 prev_t = t
                 loss = _num(rec.get("loss"))
-                steps.append({"attempt": number, "step": rec["step"], "t": t, "loss": loss,
-                              "finite": loss is None or math.isfinite(loss), "lr": _num(rec.get("lr")),
-                              "tokens_per_s": _num(rec.get("tokens_per_s")), "step_s": step_s})
+                steps.append(
+                    {
+                        "attempt": number,
+                        "step": rec["step"],
+                        "t": t,
+                        "loss": loss,
+                        "finite": loss is None or math.isfinite(loss),
+                        "lr": _num(rec.get("lr")),
+                        "tokens_per_s": _num(rec.get("tokens_per_s")),
+                        "step_s": step_s,
+                    }
+                )
                 if info["first_step"] is None:
                     info["first_step"], info["first_step_t"] = rec["step"], t
                 info["last_step"] = rec["step"]
@@ -135,23 +154,50 @@ def read_incidents(run_dir: Path, attempts: list[dict]) -> list[dict]:
         what = str(rec.get("classification") or "")
         if frame and what.endswith(f" at {frame_str(frame)}"):  # the frame has its own column
             what = what[: -len(f" at {frame_str(frame)}")]
-        out.append({
-            "id": rec.get("id"), "kind": rec.get("kind"), "attempt": rec.get("attempt"), "step": step,
-            "time": rec.get("time"), "time_unix": detected, "dir": str(d),
-            "culprit": (f"rank {rank}: " if rank is not None else "") + what,
-            "frame": frame_str(frame) if frame else "",
-            "frame_short": f"{frame['function']} ({Path(str(frame['file'])).name}:{frame['line']})" if frame else "",
-            "detected_after_s": deadline.get("elapsed_s"), "deadline": deadline.get("name"),
-            "steps_lost": lost if lost is None or lost >= 0 else 0, "recover_s": round(recover, 1) if recover else None,
-            "summary": rec.get("summary") or "", "decision": (rec.get("decision") or {}).get("action"),
-        })
+        out.append(
+            {
+                "id": rec.get("id"),
+                "kind": rec.get("kind"),
+                "attempt": rec.get("attempt"),
+                "step": step,
+                "time": rec.get("time"),
+                "time_unix": detected,
+                "dir": str(d),
+                "culprit": (f"rank {rank}: " if rank is not None else "") + what,
+                "frame": frame_str(frame) if frame else "",
+                "frame_short": f"{frame['function']} ({Path(str(frame['file'])).name}:{frame['line']})"
+                if frame
+                else "",
+                "detected_after_s": deadline.get("elapsed_s"),
+                "deadline": deadline.get("name"),
+                "steps_lost": lost if lost is None or lost >= 0 else 0,
+                "recover_s": round(recover, 1) if recover else None,
+                "summary": rec.get("summary") or "",
+                "decision": (rec.get("decision") or {}).get("action"),
+            }
+        )
     return out
 
 
 def read_generations(run_dir: Path) -> list[dict]:
-    return [{k: rec.get(k) for k in ("step", "prompt", "reference", "output", "loss", "attempt", "truncated", "tokens",
-                                     "skipped_prompts")}
-            for rec in _lines(run_dir / EVOLUTION) if isinstance(rec.get("step"), int) and "prompt" in rec]
+    return [
+        {
+            k: rec.get(k)
+            for k in (
+                "step",
+                "prompt",
+                "reference",
+                "output",
+                "loss",
+                "attempt",
+                "truncated",
+                "tokens",
+                "skipped_prompts",
+            )
+        }
+        for rec in _lines(run_dir / EVOLUTION)
+        if isinstance(rec.get("step"), int) and "prompt" in rec
+    ]
 
 
 def read_resume_audits(run_dir) -> list[dict]:
@@ -179,6 +225,13 @@ def read_resume_audits(run_dir) -> list[dict]:
 def read_run(run_dir) -> RunData:
     run_dir = Path(run_dir)
     steps, attempts = read_attempts(run_dir)
-    return RunData(run_dir=run_dir, state=read_json(run_dir / STATE_NAME) or {}, steps=steps, attempts=attempts,
-                   incidents=read_incidents(run_dir, attempts), generations=read_generations(run_dir),
-                   goodput=read_goodput(run_dir), audits=read_resume_audits(run_dir))
+    return RunData(
+        run_dir=run_dir,
+        state=read_json(run_dir / STATE_NAME) or {},
+        steps=steps,
+        attempts=attempts,
+        incidents=read_incidents(run_dir, attempts),
+        generations=read_generations(run_dir),
+        goodput=read_goodput(run_dir),
+        audits=read_resume_audits(run_dir),
+    )

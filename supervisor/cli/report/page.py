@@ -8,6 +8,7 @@ category, and a table of the categories), the incidents table, the resume audits
 same training?) and, per eval prompt, its outputs over the steps.  The layout is one column that narrows to a
 phone's width (the tables scroll sideways there).  Plotly's JavaScript is inlined once, with the first chart.
 """
+
 from __future__ import annotations
 
 import html
@@ -41,9 +42,20 @@ tr.lost td{color:#8e2c20} tr.zero td{color:#999} tr.total td{font-weight:600;bor
 """
 # One colour per goodput category: kept work in green and blue, failures' cost in reds, waiting in greys.
 CATEGORY_COLORS = {
-    "training": "#2ca02c", "redone": "#ff7f0e", "eval": "#1f77b4", "checkpoint": "#9467bd", "startup": "#17becf",
-    "detection": "#d62728", "dumps": "#e377c2", "kill": "#8c1c13", "gpu_release": "#c76f6f",
-    "restart_startup": "#f4a582", "backoff": "#bcbd22", "paused": "#7f7f7f", "idle": "#c7c7c7", "other": "#8c564b",
+    "training": "#2ca02c",
+    "redone": "#ff7f0e",
+    "eval": "#1f77b4",
+    "checkpoint": "#9467bd",
+    "startup": "#17becf",
+    "detection": "#d62728",
+    "dumps": "#e377c2",
+    "kill": "#8c1c13",
+    "gpu_release": "#c76f6f",
+    "restart_startup": "#f4a582",
+    "backoff": "#bcbd22",
+    "paused": "#7f7f7f",
+    "idle": "#c7c7c7",
+    "other": "#8c564b",
 }
 
 
@@ -59,8 +71,13 @@ def figure(run: RunData):
     import plotly.graph_objects as go  # noqa: PLC0415 (only when a report is made)
     from plotly.subplots import make_subplots  # noqa: PLC0415
 
-    fig = make_subplots(rows=len(CHARTS), cols=1, shared_xaxes=True, vertical_spacing=0.04,
-                        subplot_titles=[title for _, title in CHARTS])
+    fig = make_subplots(
+        rows=len(CHARTS),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        subplot_titles=[title for _, title in CHARTS],
+    )
     attempts = sorted({s["attempt"] for s in run.steps})
     for i, number in enumerate(attempts):
         pts = _thin([s for s in run.steps if s["attempt"] == number])
@@ -68,21 +85,45 @@ def figure(run: RunData):
         for row, (key, title) in enumerate(CHARTS, start=1):
             xs = [p["step"] for p in pts if p[key] is not None]
             ys = [p[key] for p in pts if p[key] is not None]
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 60 else "lines",
-                                     name=f"attempt {number}", legendgroup=f"a{number}", showlegend=row == 1,
-                                     line={"color": color, "width": 1.6}, marker={"size": 4},
-                                     hovertemplate=f"attempt {number}<br>step %{{x}}<br>{title} %{{y:.4g}}<extra></extra>"),
-                          row=row, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines+markers" if len(xs) < 60 else "lines",
+                    name=f"attempt {number}",
+                    legendgroup=f"a{number}",
+                    showlegend=row == 1,
+                    line={"color": color, "width": 1.6},
+                    marker={"size": 4},
+                    hovertemplate=f"attempt {number}<br>step %{{x}}<br>{title} %{{y:.4g}}<extra></extra>",
+                ),
+                row=row,
+                col=1,
+            )
     for a in run.attempts[1:]:
         if a.get("first_step") is not None:
             fig.add_vline(x=a["first_step"] - 0.5, line={"color": "#888", "dash": "dot", "width": 1})
     for inc in run.incidents:
         if isinstance(inc.get("step"), int):
-            fig.add_vline(x=inc["step"], line={"color": "#c0392b", "width": 2},
-                          annotation={"text": f"{inc['id']} {inc['kind']}", "font": {"color": "#c0392b", "size": 11},
-                                      "textangle": -90, "yanchor": "top"}, annotation_position="top left")
-    fig.update_layout(autosize=True, height=230 * len(CHARTS) + 60, margin={"l": 50, "r": 10, "t": 40, "b": 40},
-                      legend={"orientation": "h", "y": -0.06}, hovermode="x unified", template="plotly_white")
+            fig.add_vline(
+                x=inc["step"],
+                line={"color": "#c0392b", "width": 2},
+                annotation={
+                    "text": f"{inc['id']} {inc['kind']}",
+                    "font": {"color": "#c0392b", "size": 11},
+                    "textangle": -90,
+                    "yanchor": "top",
+                },
+                annotation_position="top left",
+            )
+    fig.update_layout(
+        autosize=True,
+        height=230 * len(CHARTS) + 60,
+        margin={"l": 50, "r": 10, "t": 40, "b": 40},
+        legend={"orientation": "h", "y": -0.06},
+        hovermode="x unified",
+        template="plotly_white",
+    )
     fig.update_xaxes(title_text="step", row=len(CHARTS), col=1)
     return fig
 
@@ -100,19 +141,37 @@ def incidents_table(run: RunData) -> str:
     rows = []
     for i in run.incidents:
         clock = (i.get("time") or "")[11:19]
-        detected = clock + (f" ({i['deadline']} deadline, {i['detected_after_s']} s after the last progress)"
-                            if i.get("detected_after_s") is not None else "")
-        rows.append("<tr>" + _td(i["id"]) + f'<td class="kind">{html.escape(str(i["kind"]))}</td>' + _td(i["attempt"], "num")
-                    + _td(i["step"], "num") + _td(i["culprit"])
-                    + f'<td><code title="{html.escape(i["frame"])}">{html.escape(i["frame_short"] or "—")}</code></td>'
-                    + _td(detected) + _td(i["steps_lost"], "num")
-                    + _td(f"{i['recover_s']} s" if i.get("recover_s") is not None else "—", "num") + "</tr>")
+        detected = clock + (
+            f" ({i['deadline']} deadline, {i['detected_after_s']} s after the last progress)"
+            if i.get("detected_after_s") is not None
+            else ""
+        )
+        rows.append(
+            "<tr>"
+            + _td(i["id"])
+            + f'<td class="kind">{html.escape(str(i["kind"]))}</td>'
+            + _td(i["attempt"], "num")
+            + _td(i["step"], "num")
+            + _td(i["culprit"])
+            + f'<td><code title="{html.escape(i["frame"])}">{html.escape(i["frame_short"] or "—")}</code></td>'
+            + _td(detected)
+            + _td(i["steps_lost"], "num")
+            + _td(f"{i['recover_s']} s" if i.get("recover_s") is not None else "—", "num")
+            + "</tr>"
+        )
         if i.get("summary"):
-            rows.append(f'<tr class="more"><td></td><td colspan="{len(head) - 1}"><details><summary>summary and evidence'
-                        f'</summary><p>{html.escape(i["summary"])}</p><p class="muted">{html.escape(i["dir"])}</p>'
-                        f"</details></td></tr>")
-    return ('<div class="scroll"><table class="incidents"><tr>' + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
-            + "".join(rows) + "</table></div>")
+            rows.append(
+                f'<tr class="more"><td></td><td colspan="{len(head) - 1}"><details><summary>summary and evidence'
+                f'</summary><p>{html.escape(i["summary"])}</p><p class="muted">{html.escape(i["dir"])}</p>'
+                f"</details></td></tr>"
+            )
+    return (
+        '<div class="scroll"><table class="incidents"><tr>'
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table></div>"
+    )
 
 
 def generations_section(run: RunData) -> str:
@@ -131,11 +190,22 @@ def generations_section(run: RunData) -> str:
     out = []
     for prompt, gens in prompts.items():
         ref = next((g["reference"] for g in gens if g.get("reference")), None)
-        out.append(f"<h3>{html.escape(prompt)}</h3>" + (f'<p>reference: <code>{html.escape(str(ref))}</code></p>' if ref else ""))
-        rows = "".join("<tr>" + _td(g["step"], "num") + _td(g.get("attempt"), "num")
-                       + f"<td><pre>{html.escape(str(g.get('output') or ''))}{_truncated_mark(g)}</pre></td></tr>"
-                       for g in sorted(gens, key=lambda g: (g["step"], g.get("attempt") or 0)))
-        out.append('<div class="scroll"><table class="gen"><tr><th>step</th><th>attempt</th><th>output</th></tr>' + rows + "</table></div>")
+        out.append(
+            f"<h3>{html.escape(prompt)}</h3>"
+            + (f"<p>reference: <code>{html.escape(str(ref))}</code></p>" if ref else "")
+        )
+        rows = "".join(
+            "<tr>"
+            + _td(g["step"], "num")
+            + _td(g.get("attempt"), "num")
+            + f"<td><pre>{html.escape(str(g.get('output') or ''))}{_truncated_mark(g)}</pre></td></tr>"
+            for g in sorted(gens, key=lambda g: (g["step"], g.get("attempt") or 0))
+        )
+        out.append(
+            '<div class="scroll"><table class="gen"><tr><th>step</th><th>attempt</th><th>output</th></tr>'
+            + rows
+            + "</table></div>"
+        )
     return "".join(out)
 
 
@@ -170,14 +240,27 @@ def timeline_figure(goodput: dict):
     for cat in [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES)):
         mine = [(a, b) for a, b, c in segments if c == cat]
         label = LABELS.get(cat, cat)
-        fig.add_trace(go.Bar(
-            orientation="h", y=["wall time"] * len(mine), x=[(b - a) * 1000.0 for a, b in mine],
-            base=[_clock(a) for a, _ in mine], name=label, marker={"color": CATEGORY_COLORS.get(cat, "#999999")},
-            customdata=[[_clock(a)[11:19], _clock(b)[11:19], short(b - a)] for a, b in mine],
-            hovertemplate=f"{html.escape(label)}<br>%{{customdata[0]}} → %{{customdata[1]}} (%{{customdata[2]}})<extra></extra>"))
-    fig.update_layout(barmode="overlay", bargap=0.1, height=230, template="plotly_white",
-                      margin={"l": 10, "r": 10, "t": 10, "b": 40}, legend={"orientation": "h", "y": -0.35},
-                      hovermode="closest")
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                y=["wall time"] * len(mine),
+                x=[(b - a) * 1000.0 for a, b in mine],
+                base=[_clock(a) for a, _ in mine],
+                name=label,
+                marker={"color": CATEGORY_COLORS.get(cat, "#999999")},
+                customdata=[[_clock(a)[11:19], _clock(b)[11:19], short(b - a)] for a, b in mine],
+                hovertemplate=f"{html.escape(label)}<br>%{{customdata[0]}} → %{{customdata[1]}} (%{{customdata[2]}})<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="overlay",
+        bargap=0.1,
+        height=230,
+        template="plotly_white",
+        margin={"l": 10, "r": 10, "t": 10, "b": 40},
+        legend={"orientation": "h", "y": -0.35},
+        hovermode="closest",
+    )
     fig.update_xaxes(type="date")
     fig.update_yaxes(visible=False)
     return fig
@@ -193,13 +276,25 @@ def goodput_table(goodput: dict) -> str:
         cls = "zero" if sec <= 0 else ("lost" if cat in LOST else "")
         share = f"{100 * sec / wall:.1f} %" if wall else "—"
         swatch = f'<span class="swatch" style="background:{CATEGORY_COLORS.get(cat, "#999999")}"></span>'
-        rows.append(f'<tr class="{cls}" data-category="{html.escape(cat)}"><td>{swatch}<code>{html.escape(cat)}</code></td>'
-                    + _td(LABELS.get(cat, "")) + _td(f"{sec:.1f}", "num") + _td(short(sec), "num") + _td(share, "num")
-                    + "</tr>")
-    rows.append('<tr class="total"><td>wall time</td><td></td>' + _td(f"{wall:.1f}", "num") + _td(short(wall), "num")
-                + _td("100 %" if wall else "—", "num") + "</tr>")
-    return ('<div class="scroll"><table class="goodput"><tr><th>category</th><th>what</th><th>seconds</th><th></th>'
-            "<th>share</th></tr>" + "".join(rows) + "</table></div>")
+        rows.append(
+            f'<tr class="{cls}" data-category="{html.escape(cat)}"><td>{swatch}<code>{html.escape(cat)}</code></td>'
+            + _td(LABELS.get(cat, ""))
+            + _td(f"{sec:.1f}", "num")
+            + _td(short(sec), "num")
+            + _td(share, "num")
+            + "</tr>"
+        )
+    rows.append(
+        '<tr class="total"><td>wall time</td><td></td>'
+        + _td(f"{wall:.1f}", "num")
+        + _td(short(wall), "num")
+        + _td("100 %" if wall else "—", "num")
+        + "</tr>"
+    )
+    return (
+        '<div class="scroll"><table class="goodput"><tr><th>category</th><th>what</th><th>seconds</th><th></th>'
+        "<th>share</th></tr>" + "".join(rows) + "</table></div>"
+    )
 
 
 def goodput_section(run: RunData, plot) -> str:
@@ -223,8 +318,7 @@ def _steps(span) -> str:
 def _difference(d) -> str:
     if not isinstance(d, dict):
         return ""
-    return (f"step {d.get('step')}, rank {d.get('rank')}: {d.get('figure')} {d.get('now')} now, "
-            f"{d.get('before')} before")
+    return f"step {d.get('step')}, rank {d.get('rank')}: {d.get('figure')} {d.get('now')} now, {d.get('before')} before"
 
 
 def _incidents(audit: dict) -> str:
@@ -246,11 +340,19 @@ def audits_table(run: RunData) -> str:
         diff = _difference(a.get("difference"))
         if diff:
             text += f'<br><span class="muted">{html.escape(diff)}</span>'
-        rows.append("<tr>" + _td(a.get("attempt"), "num") + _td(a.get("resumed_step"), "num")
-                    + _td(_steps(a.get("replayed")), "num")
-                    + f'<td class="verdict-{html.escape(verdict)}">{text}</td>' + _td(_incidents(a)) + "</tr>")
-    return ('<div class="scroll"><table class="audits"><tr><th>attempt</th><th>resumed from step</th>'
-            "<th>replayed steps</th><th>verdict</th><th>incident</th></tr>" + "".join(rows) + "</table></div>")
+        rows.append(
+            "<tr>"
+            + _td(a.get("attempt"), "num")
+            + _td(a.get("resumed_step"), "num")
+            + _td(_steps(a.get("replayed")), "num")
+            + f'<td class="verdict-{html.escape(verdict)}">{text}</td>'
+            + _td(_incidents(a))
+            + "</tr>"
+        )
+    return (
+        '<div class="scroll"><table class="audits"><tr><th>attempt</th><th>resumed from step</th>'
+        "<th>replayed steps</th><th>verdict</th><th>incident</th></tr>" + "".join(rows) + "</table></div>"
+    )
 
 
 def render(run: RunData) -> str:
@@ -260,8 +362,13 @@ def render(run: RunData) -> str:
     inlined = []
 
     def plot(fig) -> str:
-        out = pio.to_html(fig, include_plotlyjs=not inlined, full_html=False, default_width="100%",
-                          config={"responsive": True, "displaylogo": False})
+        out = pio.to_html(
+            fig,
+            include_plotlyjs=not inlined,
+            full_html=False,
+            default_width="100%",
+            config={"responsive": True, "displaylogo": False},
+        )
         inlined.append(True)
         return out
 
@@ -269,26 +376,34 @@ def render(run: RunData) -> str:
     state = str(st.get("state") or "unknown")
     last_step = max((s["step"] for s in run.steps), default=None)
     day = next((i["time"][:10] for i in run.incidents if i.get("time")), None)
-    facts = [("state", f'<b class="state-{html.escape(state)}">{html.escape(state)}</b>'),
-             ("last step", last_step), ("attempts", len(run.attempts)), ("incidents", len(run.incidents)),
-             ("restarts", st.get("restarts")), ("last good checkpoint", st.get("last_good_checkpoint")),
-             ("first incident on", day),
-             ("goodput", _goodput_pct(run.goodput)),
-             ("run dir", str(run.run_dir.resolve()))]
-    facts_html = "".join(f"<span>{k}: <b>{v if k == 'state' else html.escape(str(v))}</b></span>"
-                         for k, v in facts if v is not None)
+    facts = [
+        ("state", f'<b class="state-{html.escape(state)}">{html.escape(state)}</b>'),
+        ("last step", last_step),
+        ("attempts", len(run.attempts)),
+        ("incidents", len(run.incidents)),
+        ("restarts", st.get("restarts")),
+        ("last good checkpoint", st.get("last_good_checkpoint")),
+        ("first incident on", day),
+        ("goodput", _goodput_pct(run.goodput)),
+        ("run dir", str(run.run_dir.resolve())),
+    ]
+    facts_html = "".join(
+        f"<span>{k}: <b>{v if k == 'state' else html.escape(str(v))}</b></span>" for k, v in facts if v is not None
+    )
     chart = plot(figure(run)) if run.steps else '<p class="muted">No step beats yet.</p>'
     where = goodput_section(run, plot)
     made = time.strftime("%Y-%m-%d %H:%M:%S %z")
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>hangwatch report: {html.escape(run.name)}</title><style>{CSS}</style></head><body>"
-            f"<h1>hangwatch report: {html.escape(run.name)}</h1><div class=\"facts\">{facts_html}</div>"
-            f"<h2>Training</h2>{chart}<h2>Where the time went</h2>{where}"
-            f"<h2>Incidents</h2>{incidents_table(run)}<h2>Resume audits</h2>{audits_table(run)}"
-            f"<h2>Eval generations over steps</h2>{generations_section(run)}"
-            f'<p class="muted">made {made} by hangwatch report from {html.escape(str(run.run_dir.resolve()))}</p>'
-            f"</body></html>")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>hangwatch report: {html.escape(run.name)}</title><style>{CSS}</style></head><body>"
+        f'<h1>hangwatch report: {html.escape(run.name)}</h1><div class="facts">{facts_html}</div>'
+        f"<h2>Training</h2>{chart}<h2>Where the time went</h2>{where}"
+        f"<h2>Incidents</h2>{incidents_table(run)}<h2>Resume audits</h2>{audits_table(run)}"
+        f"<h2>Eval generations over steps</h2>{generations_section(run)}"
+        f'<p class="muted">made {made} by hangwatch report from {html.escape(str(run.run_dir.resolve()))}</p>'
+        f"</body></html>"
+    )
 
 
 def _goodput_pct(g: Optional[dict]) -> Optional[str]:
