@@ -21,5 +21,6 @@ EXIT_TEMPFAIL = 75  # non-finite loss streak: restart with rollback to the last 
 EXIT_CONFIG = 78  # configuration error: do not restart
 
 NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG, EXIT_IOERR})
-EX_CANTCREAT = 73  # `run`: the run dir is held by another supervisor (nothing started or changed); `report`: the page cannot be written
+# `run`: the run dir is held by another supervisor (nothing started or changed); `report`: the page cannot be written
+EX_CANTCREAT = 73
 EX_NOINPUT = 66  # `report`: no run in the directory

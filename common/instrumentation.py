@@ -27,9 +27,8 @@ ENV_SOURCE_ROOT = "HANGWATCH_SOURCE_ROOT"  # the folder holding common/ and daem
 ENV_RESUME_STEP = "HANGWATCH_RESUME_STEP"  # the optimizer step of HANGWATCH_RESUME_FROM ("" when none)
 ENV_BOOT_DIR = "HANGWATCH_BOOT_DIR"  # the bootstrap directory, so the bootstrap can find its own entry on PYTHONPATH
 # Set by the worker's own processes, inherited by their children (a supervisor starting a worker may drop them):
-ENV_RANK_CLAIM = (
-    "HANGWATCH_RANK_CLAIM"  # "<rank>:<pid>:<heartbeat dir>": that rank is taken (daemon/autoinstrument/ranks.py)
-)
+# "<rank>:<pid>:<heartbeat dir>": that rank is taken (daemon/autoinstrument/process_roles.py)
+ENV_RANK_CLAIM = "HANGWATCH_RANK_CLAIM"
 ENV_TOO_OLD_NOTED = "HANGWATCH_TOO_OLD_NOTED"  # a too-old interpreter said so once: its Python children stay quiet
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]  # editable checkout: the repo; a wheel: site-packages/hangwatch

@@ -18,7 +18,7 @@ mode runs on one rank only.
 
 With `--standby` (`restart.prewarm`, spawned by the supervisor at a stall) the worker first loads its
 model and data on the CPU and waits on stdin for the supervisor's release, which says where to resume
-(`hangwatch.daemon.prewarm`); from its `start` beat on it is the worker described here.
+(`hangwatch.daemon.standby_worker`); from its `start` beat on it is the worker described here.
 
 Self-healing: after an out-of-memory failure the supervisor writes `<run_dir>/remediation.json` and the
 worker trains with its setting (a smaller micro-batch, more accumulation, then gradient checkpointing:
@@ -49,14 +49,22 @@ from hangwatch.common.rundir import CONFIG_NAME, next_attempt
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource
 from hangwatch.daemon.distributed import world_size_from_env
-from hangwatch.daemon.errors import DataError
 from hangwatch.daemon.heartbeat import Heartbeat
 from hangwatch.daemon.lastwords import last_words_for, write_last_words
-from hangwatch.daemon.prewarm import STANDBY_FLAG, FileData, Preloaded, hold, prepare_torch, quiet_libraries, read_files
 from hangwatch.daemon.resume_compat import check_resume_compatible
 from hangwatch.daemon.signals import StopRequest
+from hangwatch.daemon.standby_worker import (
+    STANDBY_FLAG,
+    FileData,
+    Preloaded,
+    hold,
+    prepare_torch,
+    quiet_libraries,
+    read_files,
+)
 from hangwatch.daemon.trainer import remediation
 from hangwatch.daemon.trainer.ranks import effective_batch
+from hangwatch.daemon.worker_errors import DataError
 
 MAX_PROBLEMS_IN_BEAT = 10
 
@@ -102,7 +110,8 @@ def load_data(cfg, tokenizer, hb, stop, files: Optional[FileData] = None):
         skip = quarantined_ids(cfg.run_dir) & {e.id for e in files.train}
         if skip and hb.rank == 0:
             print(
-                f"quarantine: {len(skip)} training example(s) skipped after non-finite losses: {', '.join(sorted(skip))}",
+                f"quarantine: {len(skip)} training example(s) skipped after non-finite losses: "
+                f"{', '.join(sorted(skip))}",
                 flush=True,
             )
         source = ShuffledEpochs(files.train, cfg.train.seed, skip=frozenset(skip))

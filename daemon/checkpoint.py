@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from hangwatch.common.durable import TMP_PREFIX, fsync_dir, fsync_file, write_atomic
 from hangwatch.common.rundir import CHECKPOINTS
-from hangwatch.daemon.errors import CheckpointSaveError
+from hangwatch.daemon.worker_errors import CheckpointSaveError
 
 MANIFEST = "manifest.json"
 GOOD = "GOOD"

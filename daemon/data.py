@@ -104,7 +104,8 @@ def build_example(
             )
         if n_completion >= max_length:
             raise ExampleRejected(
-                f"the completion alone is {n_completion} tokens; data.max_length={max_length} leaves no room for any prompt"
+                f"the completion alone is {n_completion} tokens; data.max_length={max_length} leaves no room for any "
+                "prompt"
             )
         prompt_ids = prompt_ids[n_prompt + n_completion - max_length :]
         truncated = True
@@ -217,7 +218,7 @@ class ShuffledEpochs:
         if not self.examples:
             raise ValueError("ShuffledEpochs needs at least one example")
         if self.skip and all(e.id in self.skip for e in self.examples):
-            from hangwatch.daemon.errors import DataError
+            from hangwatch.daemon.worker_errors import DataError
 
             raise DataError(
                 f"every training example ({len(self.examples)}) is quarantined after non-finite losses "

@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 from hangwatch.common.durable import write_json_atomic
 from hangwatch.common.rundir import read_json
-from hangwatch.daemon.doctor.memory import CUDA_CONTEXT_BYTES
+from hangwatch.daemon.doctor.memory_estimate import CUDA_CONTEXT_BYTES
 
 ENV_FAULTS = "HANGWATCH_FAULTS"
 FIRED_FILE = "faults-fired.json"

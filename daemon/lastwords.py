@@ -22,8 +22,8 @@ from typing import Any, Optional
 from hangwatch.common.durable import disk_error, write_json_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.common.rundir import rank_exit_path
-from hangwatch.daemon.errors import CheckpointSaveError, DataError, NonFiniteStreak
-from hangwatch.daemon.trainer import memory
+from hangwatch.daemon.trainer import memory_evidence
+from hangwatch.daemon.worker_errors import CheckpointSaveError, DataError, NonFiniteStreak
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
@@ -104,7 +104,7 @@ def last_words_for(
         extra.setdefault("problems", list(problems))
     if is_collective_error(exc):
         extra.setdefault("collective_error", True)
-    if kind == "oom" and (figures := memory.evidence()) is not None:
+    if kind == "oom" and (figures := memory_evidence.evidence()) is not None:
         extra["memory"] = figures  # the micro-batch in force, the weights' share, the device's figures (never raises)
     try:
         path = write_last_words(

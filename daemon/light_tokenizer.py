@@ -9,7 +9,7 @@ exactly that, and nothing else.
 How we know it gives the worker's ids:
 - the tiny model's tokenizer: its backend is built here (`tiny_backend`) and `model.build_tiny_tokenizer`
   wraps that very backend; transformers then adds the special tokens to it, and `tiny` adds the same ones
-  (tests/unit/test_light_tokenizer.py compares the serialized backends and the ids of real lines);
+  (tests/unit/daemon/test_light_tokenizer.py compares the serialized backends and the ids of real lines);
 - a named model's: what transformers makes of a model directory depends on its tokenizer class, its
   config and the transformers version, so it is never re-derived here.  The first time a directory is
   used (and again whenever its files or those versions change) transformers loads it; `remember` then

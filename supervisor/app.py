@@ -23,12 +23,12 @@ from hangwatch.common.config.ops_schema import host_port
 from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
 from hangwatch.supervisor.control import make_control
 from hangwatch.supervisor.loop.supervisor import Supervisor
-from hangwatch.supervisor.loop.view import View
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
+from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.rules.policy import ProgressPolicy
 

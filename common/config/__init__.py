@@ -73,3 +73,6 @@ __all__ = [
     "reference_text",
     "resolve_paths",
 ]
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("example_shape", "gpus")

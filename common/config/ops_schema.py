@@ -39,12 +39,12 @@ class AlertsCfg(_Section):
         default_factory=lambda: list(ALERT_EVENTS),
         description="Events that alert: incident (a stall or a crash, once handled: what fired, the culprit and its "
         "frame, what hangwatch did), recovered (training went past the step where the incident hit), failed (the run "
-        "ended failed), crash_loop, no_progress (`restart.no_progress_restarts` restarts never stepped past the last good "
-        "step), lost_peer (another node's failure made this one recover), resume_diverged (a step replayed after a restart "
-        "differs from the same step before it: sent at once, never held), generate_truncated (a runaway generate() was "
-        "ended at a token limit, nothing restarted: the first of the run is sent, later ones are counted into summaries), "
-        "unkillable (processes of the worker's tree outlived SIGKILL: a reboot or a GPU reset may be needed; sent at "
-        "once, never held).",
+        "ended failed), crash_loop, no_progress (`restart.no_progress_restarts` restarts never stepped past the last "
+        "good step), lost_peer (another node's failure made this one recover), resume_diverged (a step replayed after "
+        "a restart differs from the same step before it: sent at once, never held), generate_truncated (a runaway "
+        "generate() was ended at a token limit, nothing restarted: the first of the run is sent, later ones are "
+        "counted into summaries), unkillable (processes of the worker's tree outlived SIGKILL: a reboot or a GPU reset "
+        "may be needed; sent at once, never held).",
     )
     command: Optional[list[str]] = Field(
         None, description="An argv run per alert with the alert as one JSON object on stdin (exit 0: delivered)."

@@ -39,7 +39,8 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "") -> list[Ro
 
 
 def reference_markdown() -> str:
-    """The reference table (docs/configuration.md): every key, then the keys of one `watchdog.landmarks[]` and one `faults[]` entry."""
+    """The reference table (docs/configuration.md): every key, then the keys of one `watchdog.landmarks[]` and one
+    `faults[]` entry."""
     rows = (
         reference_rows() + reference_rows(LandmarkCfg, "watchdog.landmarks[].") + reference_rows(FaultCfg, "faults[].")
     )

@@ -148,7 +148,8 @@ def nodes_fit(cfg: Config) -> Iterator[Finding]:
         yield (
             ("worker", "command"),
             f"{w.command[0]!r}: with worker.nnodes {w.nnodes} hangwatch launches torchrun itself; "
-            "give the script as [python, train.py, …] (or a torchrun command line, whose rendezvous options hangwatch sets)",
+            "give the script as [python, train.py, …] (or a torchrun command line, whose rendezvous options hangwatch "
+            "sets)",
         )
 
 

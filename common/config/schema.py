@@ -44,7 +44,8 @@ class WorkerCfg(Section):
         None,
         description="null: the built-in training daemon; else an argv list, e.g. [python, train.py] or "
         "[torchrun, --nproc-per-node=8, train.py]. A bare `python`/`python3` first is the supervisor's own interpreter "
-        "(the environment hangwatch is installed in; under systemd PATH has no venv). Relative paths are used as given.",
+        "(the environment hangwatch is installed in; under systemd PATH has no venv). Relative paths are used as "
+        "given.",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
     cwd: Optional[str] = Field(
@@ -64,12 +65,13 @@ class WorkerCfg(Section):
         le=4096,
         json_schema_extra={"also": ["auto"]},
         description="Nodes (machines) of the run, each with its own `hangwatch run`: > 1 launches the worker "
-        "under torchrun with `--nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint E --rdzv-id ID-g<generation>` "
-        "(docs/several-machines.md); every node needs the same `rdzv_endpoint`, `rdzv_id` and a shared `checkpoint.dir`. "
-        "`auto`: from the Slurm job, for `srun --ntasks-per-node=1 hangwatch run CONFIG` with one config on every node "
-        "(docs/several-machines.md#slurm): the step's node count and, where not written, `rdzv_endpoint` (its first node, "
-        "`rdzv_port`), `rdzv_id` (`<SLURM_JOB_ID>.<SLURM_STEP_ID>`), `node_name` (SLURMD_NODENAME) and a run dir per node "
-        "(`<run_dir>/node<SLURM_NODEID>`); an error outside a Slurm job. Not written: `auto` inside a Slurm job, else 1.",
+        "under torchrun with `--nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint E --rdzv-id "
+        "ID-g<generation>` (docs/several-machines.md); every node needs the same `rdzv_endpoint`, `rdzv_id` and a "
+        "shared `checkpoint.dir`. `auto`: from the Slurm job, for `srun --ntasks-per-node=1 hangwatch run CONFIG` with "
+        "one config on every node (docs/several-machines.md#slurm): the step's node count and, where not written, "
+        "`rdzv_endpoint` (its first node, `rdzv_port`), `rdzv_id` (`<SLURM_JOB_ID>.<SLURM_STEP_ID>`), `node_name` "
+        "(SLURMD_NODENAME) and a run dir per node (`<run_dir>/node<SLURM_NODEID>`); an error outside a Slurm job. Not "
+        "written: `auto` inside a Slurm job, else 1.",
     )
     rdzv_endpoint: Optional[str] = Field(
         None,
@@ -108,17 +110,19 @@ class WorkerCfg(Section):
         0,
         ge=0,
         description="torchrun's own `--max-restarts` within one attempt (multi-rank and multi-node): torchrun "
-        "restarts its ranks in a new rendezvous round by itself; a new set of rank pids within an attempt is not a fault "
-        "and shows in `status` as the round. 0: every failure is hangwatch's (an incident, a coordinated restart).",
+        "restarts its ranks in a new rendezvous round by itself; a new set of rank pids within an attempt is not a "
+        "fault and shows in `status` as the round. 0: every failure is hangwatch's (an incident, a coordinated "
+        "restart).",
     )
 
     instrument: Literal["auto", "off"] = Field(
         "auto",
         description="With `worker.command`: `auto` instruments every Python process of the worker without an edit "
-        "of your files (a bootstrap `sitecustomize` on PYTHONPATH that chains to yours): heartbeats and stack dumps, a step "
-        "beat per optimizer step (loss, lr), HangwatchCallback added to HF/TRL and Lightning Trainers, `generate`, `eval` "
-        "and `checkpoint` phases, checkpoint announcements, the last good checkpoint handed to `Trainer.train()` / "
-        "`fit()`. `off`: nothing enters the worker; it is watched by its output, py-spy and NVML only.",
+        "of your files (a bootstrap `sitecustomize` on PYTHONPATH that chains to yours): heartbeats and stack dumps, a "
+        "step beat per optimizer step (loss, lr), HangwatchCallback added to HF/TRL and Lightning Trainers, "
+        "`generate`, `eval` and `checkpoint` phases, checkpoint announcements, the last good checkpoint handed to "
+        "`Trainer.train()` / `fit()`. `off`: nothing enters the worker; it is watched by its output, py-spy and NVML "
+        "only.",
     )
     resume_args: list[str] = Field(
         default_factory=list,
@@ -137,7 +141,8 @@ class WorkerCfg(Section):
                 raise ValueError(f"{arg!r}: only {{checkpoint}} and {{step}} can be filled in ({exc})") from None
         return v
 
-    # What load.py took from a Slurm job (common/config/slurm.Derived), for what `run` and `validate-config` say; not a key.
+    # What load.py took from a Slurm job (common/config/slurm.Derived), for what `run` and `validate-config` say;
+    # not a key.
     _slurm: Optional[object] = None
 
     @field_validator("nnodes", mode="before")
@@ -178,7 +183,8 @@ class LandmarkCfg(Section):
     function: str = Field(
         ...,
         min_length=1,
-        description="Function name as a stack dump shows it (e.g. `fetch_batch`; a `Class.method` form matches the method name).",
+        description="Function name as a stack dump shows it (e.g. `fetch_batch`; a `Class.method` form matches the "
+        "method name).",
     )
     file: Optional[str] = Field(
         None, description="Only frames whose file path contains this text (e.g. `mylib/io.py`); null: any file."
@@ -208,9 +214,9 @@ class ResumeAuditCfg(Section):
         ge=0,
         le=1,
         description="Relative tolerance of loss and gradient-norm comparisons; 0: bitwise equal. null: 0 for "
-        "the built-in worker (deterministic), 0.01 for your own command (nondeterministic GPU kernels move a replayed loss "
-        "by well under 1 %; a changed data order or a lost accumulation moves it by far more). The learning rate is "
-        "computed, not measured: it is compared within min(rtol, 1e-6).",
+        "the built-in worker (deterministic), 0.01 for your own command (nondeterministic GPU kernels move a replayed "
+        "loss by well under 1 %; a changed data order or a lost accumulation moves it by far more). The learning rate "
+        "is computed, not measured: it is compared within min(rtol, 1e-6).",
     )
     on_divergence: Literal["warn", "stop"] = Field(
         "warn",
@@ -233,8 +239,9 @@ class WatchdogCfg(Section):
         DEFAULT_PROGRESS_PATTERN,
         description="A regular expression that marks a line of the worker's output as progress "
         "(optional named group `step`: the step number). A worker whose output shows progress is not killed by the "
-        "startup deadline, and progress lines keep a `load` phase alive. The default matches `step N`, `global_step=N`, "
-        "`Step N/M`, HF Trainer's `{'loss': …}` lines, `Epoch N` and tqdm counters (`12/100 [00:03<…`). null: none.",
+        "startup deadline, and progress lines keep a `load` phase alive. The default matches `step N`, "
+        "`global_step=N`, `Step N/M`, HF Trainer's `{'loss': …}` lines, `Epoch N` and tqdm counters (`12/100 "
+        "[00:03<…`). null: none.",
     )
     step_timeout_s: Optional[float] = Field(
         None, gt=0, description="Fixed step deadline while in `train`; null: calibrated from observed step times."
@@ -248,8 +255,8 @@ class WatchdogCfg(Section):
     step_timeout_max_s: float = Field(1800, gt=0, description="Upper clamp of the calibrated step deadline.")
     phase_budgets_s: dict[str, Budget] = Field(
         default_factory=lambda: dict(DEFAULT_PHASE_BUDGETS_S),
-        description="Most time a phase may take (> 0 s), by name; a `budget_s` on the phase line wins. Your entries are "
-        "merged over the defaults (null removes one). `load` (model loading) defaults to `startup_timeout_s`; "
+        description="Most time a phase may take (> 0 s), by name; a `budget_s` on the phase line wins. Your entries "
+        "are merged over the defaults (null removes one). `load` (model loading) defaults to `startup_timeout_s`; "
         "`intake` is continuous mode's validation of one file.",
     )
     default_phase_budget_s: Optional[float] = Field(
@@ -268,7 +275,8 @@ class WatchdogCfg(Section):
         0.4,
         ge=0,
         description="SIGTERM → SIGKILL grace of a worker known to be stuck (a deadline fired): its main thread "
-        "cannot run a graceful stop, so it is not given `term_grace_s` it cannot use; children still get SIGTERM first.",
+        "cannot run a graceful stop, so it is not given `term_grace_s` it cannot use; children still get SIGTERM "
+        "first.",
     )
     kill_wait_s: float = Field(
         30, gt=0, description="After SIGKILL, how long to wait for the tree to go before recording survivors."
@@ -277,8 +285,8 @@ class WatchdogCfg(Section):
         30,
         gt=0,
         description="A worker that announced `stop` gets this long (plus `term_grace_s`) to exit before it is killed "
-        "(after every rank said its work was done — `finished`, `idle`, or the exit line with status 0 — the run then ends "
-        "finished; after any other `stop`, it restarts).",
+        "(after every rank said its work was done — `finished`, `idle`, or the exit line with status 0 — the run then "
+        "ends finished; after any other `stop`, it restarts).",
     )
     gpu_release_timeout_s: float = Field(
         30, ge=0, description="Most time to wait for a dead worker's GPU memory to be freed."
@@ -294,15 +302,15 @@ class WatchdogCfg(Section):
         gt=0,
         le=5,
         description="Fallback period: heartbeat files are read, and the control socket polled, this often "
-        "only where file events (inotify) or the control server's descriptor are unavailable; otherwise the loop wakes on "
-        "events and at the earliest deadline.",
+        "only where file events (inotify) or the control server's descriptor are unavailable; otherwise the loop wakes "
+        "on events and at the earliest deadline.",
     )
     straggler_factor: float = Field(
         2.0,
         gt=1.0,
         description="A rank whose step time stays above this multiple of the other ranks' median is a straggler "
-        "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a step line "
-        "carries, else the time between the rank's step lines.",
+        "(a warning in the log, `status` and the next incident; nothing is killed). Step time: the `step_time_s` a "
+        "step line carries, else the time between the rank's step lines.",
     )
     straggler_steps: int = Field(
         20, ge=1, description="Consecutive slow steps before a rank is recorded as a straggler."
@@ -310,16 +318,17 @@ class WatchdogCfg(Section):
     generate_overrun: Literal["truncate", "restart"] = Field(
         "truncate",
         description="A `generate` phase past its budget while tokens still arrive: `truncate` — the generation "
-        "is ended at the next token in the worker's own process (generate() returns what it has; every rank stops at the "
-        "same token), recorded as a `generate_truncated` incident, nothing restarted; `restart` — a livelock, killed and "
-        "restarted. A generate that produces no tokens (blocked in C, a kernel, a collective) is a stall either way.",
+        "is ended at the next token in the worker's own process (generate() returns what it has; every rank stops at "
+        "the same token), recorded as a `generate_truncated` incident, nothing restarted; `restart` — a livelock, "
+        "killed and restarted. A generate that produces no tokens (blocked in C, a kernel, a collective) is a stall "
+        "either way.",
     )
     resume_audit: ResumeAuditCfg = Field(default_factory=ResumeAuditCfg, description="The resume audit.")
     landmarks: list[LandmarkCfg] = Field(
         default_factory=list,
         description="Your own landmark frames, added to the built-in registry (generate, collectives, "
-        "DataLoader, checkpoint saving, backward, optimizer.step, tokenizer calls): an incident names the deepest landmark "
-        "of the stuck stack first.",
+        "DataLoader, checkpoint saving, backward, optimizer.step, tokenizer calls): an incident names the deepest "
+        "landmark of the stuck stack first.",
     )
 
     @field_validator("progress_pattern")
@@ -370,24 +379,26 @@ class RestartCfg(Section):
         True,
         description="Built-in worker: an out-of-memory failure restarts with a smaller micro-batch and more "
         "accumulation (the same examples per optimizer step; not bit-for-bit the same sums): the first one picked from "
-        "the OOM's memory figures (the weights' share, what the step needed, the device's capacity; 90 % of it at most), "
-        "else halved, down to 1, then gradient checkpointing, then `failed`. false: restart with the same settings.",
+        "the OOM's memory figures (the weights' share, what the step needed, the device's capacity; 90 % of it at "
+        "most), else halved, down to 1, then gradient checkpointing, then `failed`. false: restart with the same "
+        "settings.",
     )
     on_unkillable: Literal["wait", "fail"] = Field(
         "wait",
         description="A process of the worker's tree still there `watchdog.kill_wait_s` after SIGKILL (uninterruptible "
-        "sleep: NFS, a GPU driver) — no new attempt is started on top of it; an `unkillable` incident and an alert (a reboot "
-        "or a GPU reset may be needed). `wait`: restart once every survivor is gone; `fail`: end the run `failed` at once.",
+        "sleep: NFS, a GPU driver) — no new attempt is started on top of it; an `unkillable` incident and an alert (a "
+        "reboot or a GPU reset may be needed). `wait`: restart once every survivor is gone; `fail`: end the run "
+        "`failed` at once.",
     )
     prewarm: Union[Literal["always"], bool] = Field(
         False,
         description="Built-in worker on one process: keep the next attempt's process loaded as a standby that has "
         "imported torch/transformers/peft, read the data and built the base model with its LoRA wrapping on the CPU "
-        "(safetensors memory-mapped), holding no GPU memory; at a restart it is released with the resume point, moves to "
-        "the device once the dead processes' memory is released and loads only the checkpoint. `true`: the standby is "
-        "spawned at the stall (it loads while the stuck attempt is dumped and killed); `always`: it is spawned as soon as "
-        "the current attempt has taken its first step, so it is ready before anything fails (its RAM is shown by `status`; a "
-        "standby that dies is replaced). false: every restart is a cold start.",
+        "(safetensors memory-mapped), holding no GPU memory; at a restart it is released with the resume point, moves "
+        "to the device once the dead processes' memory is released and loads only the checkpoint. `true`: the standby "
+        "is spawned at the stall (it loads while the stuck attempt is dumped and killed); `always`: it is spawned as "
+        "soon as the current attempt has taken its first step, so it is ready before anything fails (its RAM is shown "
+        "by `status`; a standby that dies is replaced). false: every restart is a cold start.",
     )
 
     @field_validator("prewarm", mode="before")
@@ -402,7 +413,8 @@ class RestartCfg(Section):
 class ControlCfg(Section):
     socket: Optional[str] = Field(
         None,
-        description="Control socket path; null: $RUNTIME_DIRECTORY/hangwatch.sock under systemd, else <run_dir>/hangwatch.sock.",
+        description="Control socket path; null: $RUNTIME_DIRECTORY/hangwatch.sock under systemd, else "
+        "<run_dir>/hangwatch.sock.",
     )
     group: Optional[str] = Field(
         None, description="Group allowed to use the socket (mode 0660); null: owner only (0600)."
@@ -420,7 +432,8 @@ class TinyModelCfg(Section):
     max_position: int = Field(512, ge=16, description="Maximum sequence length.")
     extra_head: bool = Field(
         True,
-        description="Attach an extra trainable module (an auxiliary projection head) that must survive PEFT wrapping and resume.",
+        description="Attach an extra trainable module (an auxiliary projection head) that must survive PEFT wrapping "
+        "and resume.",
     )
 
     @model_validator(mode="after")
@@ -500,7 +513,8 @@ class DataCfg(Section):
         30,
         gt=0,
         description="Continuous mode: with nothing new arriving for this long, the examples in hand train as a "
-        "partial optimizer step (loss over the tokens present), the covering checkpoint is written and the file reaches done/.",
+        "partial optimizer step (loss over the tokens present), the covering checkpoint is written and the file "
+        "reaches done/.",
     )
     idle_exit_s: Optional[float] = Field(
         None,
@@ -523,7 +537,8 @@ class TrainCfg(Section):
     sleep_per_step_s: float = Field(
         0.0,
         ge=0,
-        description="Demo knob: an artificial delay per optimizer step, so a tiny model's run lasts long enough to watch.",
+        description="Demo knob: an artificial delay per optimizer step, so a tiny model's run lasts long enough to "
+        "watch.",
     )
 
 
@@ -549,14 +564,14 @@ class CheckpointCfg(Section):
         2,
         ge=0,
         description="Steps after a checkpoint, each with a finite loss, before it counts as good — for the built-in "
-        "worker's checkpoints and for those any script announces (`Heartbeat.checkpoint`); the last good one is handed to "
-        "every attempt in HANGWATCH_RESUME_FROM.",
+        "worker's checkpoints and for those any script announces (`Heartbeat.checkpoint`); the last good one is handed "
+        "to every attempt in HANGWATCH_RESUME_FROM.",
     )
     dir: Optional[str] = Field(
         None,
         description="Where the built-in worker writes its checkpoints (null: `<run_dir>/checkpoints`); relative to "
-        "the config file's directory. Multi-node: a directory every node sees (a shared filesystem); global rank 0 writes, "
-        "every rank resumes from the checkpoint rank 0 chose.",
+        "the config file's directory. Multi-node: a directory every node sees (a shared filesystem); global rank 0 "
+        "writes, every rank resumes from the checkpoint rank 0 chose.",
     )
 
 

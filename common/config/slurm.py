@@ -7,7 +7,8 @@ and the process inside a Slurm job, `load.py` asks `resolve` for what the job sa
 a mapping handed in, the host name a string), before the records validate anything:
 
     worker.nnodes         SLURM_STEP_NUM_NODES, else SLURM_NNODES, else SLURM_JOB_NUM_NODES
-    worker.rdzv_endpoint  <first host of SLURM_STEP_NODELIST (else SLURM_NODELIST, SLURM_JOB_NODELIST)>:<worker.rdzv_port>
+    worker.rdzv_endpoint  <first host of SLURM_STEP_NODELIST (else SLURM_NODELIST, SLURM_JOB_NODELIST)>:
+                          <worker.rdzv_port>
     worker.rdzv_id        <SLURM_JOB_ID>.<SLURM_STEP_ID>
     worker.node_name      SLURMD_NODENAME, else the host name
     run dir               <run_dir>/node<SLURM_NODEID>

@@ -4,7 +4,7 @@ The supervisor starts the worker's command with hangwatch's bootstrap directory 
 (`common.instrumentation.instrument_env`); the bootstrap's `sitecustomize` (boot/sitecustomize.py) calls
 `install()` in every Python process of the tree before the script's first line.  `install()`:
 
-  * decides whether this process is a rank (ranks.py): the worker's top Python process and each launcher's
+  * decides whether this process is a rank (process_roles.py): the worker's top Python process and each launcher's
     rank are; launchers, multiprocessing helpers and Python descendants of a process that already claimed the
     same rank are not, and only get a stack-dump handler of their own (`stack-rank<R>-pid<PID>.txt`);
   * in a rank: opens the rank's heartbeat (`Heartbeat.shared()`: the one the callbacks use too), beats `start`
@@ -37,7 +37,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 from hangwatch.common.instrumentation import ENV_INSTRUMENT, ENV_RESUME_STEP
 from hangwatch.common.protocol import ENV_RUN_DIR
 from hangwatch.common.rundir import dump_path_for, forked_dump_path
-from hangwatch.daemon.autoinstrument import ranks
+from hangwatch.daemon.autoinstrument import process_roles
 from hangwatch.daemon.autoinstrument.context import Context
 from hangwatch.daemon.autoinstrument.exits import ExitLine
 from hangwatch.daemon.autoinstrument.frameworks import Frameworks
@@ -55,7 +55,7 @@ class _Installed:
 
     def __init__(self):
         self.done = False
-        self.role: Optional[ranks.Role] = None
+        self.role: Optional[process_roles.Role] = None
         self.context: Optional[Context] = None
         self.hooks: Optional[PostImportHooks] = None
         self.dump_file = None  # a non-rank's dump file: faulthandler writes to its descriptor, keep it open
@@ -83,16 +83,16 @@ def install(
     if not enabled(env):
         return None
     _installed.done = True
-    command = list(ranks.command_line() if argv is None else argv)
+    command = list(process_roles.command_line() if argv is None else argv)
     directory, _, _ = target_from_env(env)
-    role = ranks.decide(env, command, str(directory), os.getpid())
+    role = process_roles.decide(env, command, str(directory), os.getpid())
     _installed.role = role
-    if role.kind == ranks.OWN:
+    if role.kind == process_roles.OWN:
         return None
-    if role.kind == ranks.LAUNCHER:
-        ranks.release_claim(env)  # the ranks it starts are judged afresh
-    if role.kind != ranks.RANK:
-        _installed.dump_file = _dumps_only(str(directory), role.rank, helper=role.kind == ranks.HELPER)
+    if role.kind == process_roles.LAUNCHER:
+        process_roles.release_claim(env)  # the ranks it starts are judged afresh
+    if role.kind != process_roles.RANK:
+        _installed.dump_file = _dumps_only(str(directory), role.rank, helper=role.kind == process_roles.HELPER)
         return None
     _installed.context = ctx = _instrument_rank(env, command, str(directory), role.rank)
     return ctx
@@ -103,7 +103,7 @@ def installed() -> Optional[Context]:
     return _installed.context
 
 
-def role() -> Optional[ranks.Role]:
+def role() -> Optional[process_roles.Role]:
     """The role `install()` found for this process (None before it ran or outside hangwatch)."""
     return _installed.role
 
@@ -134,7 +134,7 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
     hb.current_phase = "load"  # importing, loading the model: one long call that cannot beat, until the first step
     ctx = Context(hb, rank, step, env)
     hb._start(instrumented="auto", command=" ".join(command)[:COMMAND_CHARS])
-    ranks.claim(env, rank, os.getpid(), directory)
+    process_roles.claim(env, rank, os.getpid(), directory)
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=ctx.forked)
     try:
@@ -148,7 +148,7 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
     steps = StepCounter(ctx)
 
     def hold_claim() -> None:  # this process trains: the Python processes it starts from now on work for it
-        ranks.claim(env, rank, os.getpid(), directory, held=True)
+        process_roles.claim(env, rank, os.getpid(), directory, held=True)
         steps.on_step.remove(hold_claim)
 
     steps.on_step.append(hold_claim)
@@ -179,3 +179,6 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
 
 
 __all__ = ["install", "installed", "role", "enabled", "resume_step", "Context"]
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("heartbeat", "integrations")

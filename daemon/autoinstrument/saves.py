@@ -2,16 +2,16 @@
 
 Wrapped: `torch.save`, `safetensors.torch.save_file` / `save_model`, `PreTrainedModel.save_pretrained`,
 peft's `PeftModel.save_pretrained`, accelerate's `Accelerator.save_state` / `save_model`, Lightning Fabric's
-`Fabric.save`, and (frameworks.py) the HF Trainer's `_save_checkpoint` and Lightning's `Trainer.save_checkpoint`.  Saves nest — `_save_checkpoint` → `save_pretrained` → `save_file`, then
-`torch.save` of the optimizer — so only the OUTERMOST save of a thread counts: it puts the rank in
-`checkpoint` for its length (the training thread only: a background thread that saves must not move the
-training thread's phase), and once it has returned without an error announces its path — absolute, a URL as
-it is — at the heartbeat's current step (good=False: the supervisor confirms it from the finite steps that
-follow, and hands the last good one to the next attempt).  A save into a file object is in the phase but
-announced by nobody (no path to resume from; the script may rename it into place after); a save into memory
-(`io.BytesIO`) is no save at all.  The Trainer's and Lightning's saves are announced by their
-HangwatchCallback (which hangwatch adds to every Trainer): not twice.  `save_pretrained(is_main_process=False)`
-writes nothing and announces nothing.
+`Fabric.save`, and (frameworks.py) the HF Trainer's `_save_checkpoint` and Lightning's
+`Trainer.save_checkpoint`.  Saves nest — `_save_checkpoint` → `save_pretrained` → `save_file`, then
+`torch.save` of the optimizer — so only the OUTERMOST save of a thread counts: it puts the rank in `checkpoint`
+for its length (the training thread only: a background thread that saves must not move the training thread's
+phase), and once it has returned without an error announces its path — absolute, a URL as it is — at the
+heartbeat's current step (good=False: the supervisor confirms it from the finite steps that follow, and hands
+the last good one to the next attempt).  A save into a file object is in the phase but announced by nobody (no
+path to resume from; the script may rename it into place after); a save into memory (`io.BytesIO`) is no save
+at all.  The Trainer's and Lightning's saves are announced by their HangwatchCallback (which hangwatch adds to
+every Trainer): not twice.  `save_pretrained(is_main_process=False)` writes nothing and announces nothing.
 
 Standard library only at import.
 """

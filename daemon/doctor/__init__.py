@@ -12,3 +12,6 @@ GPU when there is one), so that the mistakes users' checklists list are caught b
 Every check runs the worker's own code (data.load_tokenizer / validate_file, model.load_model / wrap_lora,
 trainer.schedule.WarmupCosine, evaluate.generate_one), not a re-implementation of it.
 """
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("data", "evaluate", "model", "peerlink", "standby_worker", "submit", "trainer")

@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         say_config_problems(exc.problems)
         return EXIT_CONFIG
-    from hangwatch.daemon.prewarm import quiet_libraries
+    from hangwatch.daemon.standby_worker import quiet_libraries
 
     quiet_libraries()  # offline, no progress bars: as the worker
     from hangwatch.daemon.doctor.findings import exit_code
-    from hangwatch.daemon.doctor.render import as_json, as_plain, print_table
+    from hangwatch.daemon.doctor.findings_view import as_json, as_plain, print_table
     from hangwatch.daemon.doctor.runner import Doctor
 
     findings = Doctor(cfg, cheap=a.cheap).run()

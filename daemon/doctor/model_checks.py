@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hangwatch.daemon.data import IGNORE_INDEX, Example, collate
 from hangwatch.daemon.doctor.findings import Finding, fail, ok, skip, warn
-from hangwatch.daemon.doctor.memory import classify
+from hangwatch.daemon.doctor.memory_estimate import classify
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch

@@ -150,7 +150,8 @@ def check_disk(keep_last: int, checkpoint_bytes: Optional[int], free_bytes: int,
     need = int((keep_last + 1 + 0.34) * checkpoint_bytes)
     text = (
         f"{free_bytes / GIB:.2f} GiB free at {where}; retention needs ~{need / GIB:.3f} GiB "
-        f"(checkpoint.keep_last {keep_last} + 1 being written + export, {checkpoint_bytes / (1 << 20):.1f} MiB each, {basis})"
+        f"(checkpoint.keep_last {keep_last} + 1 being written + export, {checkpoint_bytes / (1 << 20):.1f} MiB each, "
+        f"{basis})"
     )
     if need > free_bytes:
         return fail(name, text, "free disk space, move run_dir, or lower checkpoint.keep_last")

@@ -264,19 +264,19 @@ class Doctor:
     def memory_finding(self) -> Finding:
         import torch
 
-        from hangwatch.daemon.doctor import memory
+        from hangwatch.daemon.doctor import memory_estimate
 
         cfg = self.cfg
         cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
         if cuda and not torch.cuda.is_available():
             return skip("memory estimate", "no CUDA device (see device placement)")
         bf16_ok = cuda and torch.cuda.is_bf16_supported()
-        self.counts = counts = memory.meta_counts(cfg)
+        self.counts = counts = memory_estimate.meta_counts(cfg)
         four_bit = bool(getattr(cfg.model, "load_in_4bit", False))
         ckpt = bool(getattr(cfg.model, "gradient_checkpointing", False))
-        wbytes = memory.weight_bytes_per_param(cfg.model.dtype, four_bit, cuda, bf16_ok)
+        wbytes = memory_estimate.weight_bytes_per_param(cfg.model.dtype, four_bit, cuda, bf16_ok)
         abytes = 2 if cuda and bf16_ok and cfg.model.dtype != "float32" else 4
-        parts = memory.estimate(
+        parts = memory_estimate.estimate(
             counts,
             micro_batch=cfg.train.micro_batch_size,
             max_length=cfg.data.max_length,
@@ -285,7 +285,7 @@ class Doctor:
             gradient_checkpointing=ckpt,
             cuda=cuda,
         )
-        available, where = memory.available_memory(cuda)
+        available, where = memory_estimate.available_memory(cuda)
         dtype_text = (
             f"base weights {'4-bit' if four_bit else {2.0: 'bfloat16', 4.0: 'float32'}.get(wbytes, wbytes)}, "
             f"compute {'bfloat16' if abytes == 2 else 'float32'}, trainable float32"
@@ -295,11 +295,11 @@ class Doctor:
             f"{counts.total:,} parameters ({counts.n_trainable:,} trainable), {counts.layers} layers × hidden "
             f"{counts.hidden}, micro_batch_size {cfg.train.micro_batch_size} × max_length {cfg.data.max_length}"
         )
-        return memory.check_memory(parts, available, where, dtype_text=dtype_text, shape_text=shape_text)
+        return memory_estimate.check_memory(parts, available, where, dtype_text=dtype_text, shape_text=shape_text)
 
     def load_model(self) -> Finding:
         from hangwatch.daemon.model import load_model
-        from hangwatch.daemon.prewarm import prepare_torch
+        from hangwatch.daemon.standby_worker import prepare_torch
 
         t0 = time.monotonic()
         prepare_torch(self.cfg)  # as the worker does before it builds its model (threads, determinism)

@@ -79,7 +79,8 @@ def check_special_tokens(tok, examples: list[Example]) -> Finding:
             return fail(
                 name,
                 f"pad == eos (id {eos}) and no training example learns eos: the model never learns to stop",
-                "give the tokenizer its own pad token (add_special_tokens({'pad_token': '<pad>'})), so eos stays a label",
+                "give the tokenizer its own pad token (add_special_tokens({'pad_token': '<pad>'})), so eos stays a "
+                "label",
             )
         return warn(
             name,

@@ -16,3 +16,6 @@ The stages and names of the files are `hangwatch.common.inbox_layout` (the super
 Nothing here imports torch; the worker hands in a `validator(path) -> (examples, problems)` that
 knows the tokenizer.
 """
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("data",)

@@ -12,3 +12,6 @@ from hangwatch.daemon.heartbeat import Heartbeat
 resume_from = Heartbeat.resume_from
 
 __all__ = ["resume_from"]
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("heartbeat", "lastwords")

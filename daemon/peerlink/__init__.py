@@ -345,3 +345,7 @@ class Peerlink:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise KeyError(f"{field} (a generation, an int >= 0)")
         return v
+
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ()

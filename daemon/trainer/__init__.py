@@ -9,3 +9,6 @@ memory.py        the device memory figures an out-of-memory failure's last words
 quarantine.py    training examples kept out after non-finite losses
 ranks.py         each rank's share of a step's examples
 """
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("checkpoint", "data", "distributed", "evaluate", "export", "model", "resume_compat", "worker_errors")

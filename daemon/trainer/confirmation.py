@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hangwatch.daemon import checkpoint as ckpt
-from hangwatch.daemon.errors import NonFiniteStreak
+from hangwatch.daemon.worker_errors import NonFiniteStreak
 
 
 class NonFiniteHeldOut(NonFiniteStreak):

@@ -52,15 +52,15 @@ import torch
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource, DataSource, Example, collate
 from hangwatch.daemon.distributed import World
-from hangwatch.daemon.errors import NonFiniteStreak
 from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
-from hangwatch.daemon.trainer import memory, quarantine, ranks, state
+from hangwatch.daemon.trainer import memory_evidence, quarantine, ranks, state
 from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankConfirmation
 from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
 from hangwatch.daemon.trainer.schedule import WarmupCosine
+from hangwatch.daemon.worker_errors import NonFiniteStreak
 
 
 class Trainer:
@@ -113,7 +113,7 @@ class Trainer:
         t = cfg.train
         self.params = [p for _, p in bundle.trainable_parameters()]
         # The weights' share, before DDP and the optimizer add theirs: an OOM's evidence (`trainer.memory`).
-        memory.note_model(bundle.device, t.micro_batch_size, probe=getattr(faults, "memory_probe", None))
+        memory_evidence.note_model(bundle.device, t.micro_batch_size, probe=getattr(faults, "memory_probe", None))
         self.train_module = self.world.wrap(bundle.model)  # what forward and backward go through (DDP)
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(t.warmup_steps, t.max_steps))

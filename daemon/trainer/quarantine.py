@@ -87,7 +87,8 @@ def culprits(streak: list[BadStep], earlier: list[dict], streaks: list[dict]) ->
 
 
 def record(run_dir: os.PathLike | str, streak: list[BadStep], attempt: int, now: Optional[float] = None) -> list[dict]:
-    """Append the culprits of `streak` to quarantine.jsonl (durably, before the worker exits); returns the new records."""
+    """Append the culprits of `streak` to quarantine.jsonl (durably, before the worker exits); returns the new
+    records."""
     t = time.time() if now is None else now
     new = [
         {"id": i, "reason": reason, "step": step, "attempt": attempt, "t": t}

@@ -194,13 +194,14 @@ def section(work: Path, quick: bool) -> dict:
     head = loads[0]
     return {
         "method": "`hangwatch run` watching synthetic ranks (scripts/baselines/synthetic_ranks.py) each beating a "
-        f"step line at a fixed rate — {', '.join(f'{r} ranks at {h:g} Hz (goal ≤ {g:g} % of one core)' for r, h, g in LOADS)}, "
-        f"RSS goal ≤ {RSS_GOAL_MIB:g} MiB — one load at a time, nothing else of this benchmark running; after all "
-        f"ranks started and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s for "
-        f"{window:g} s with psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary "
-        "context switches a second. Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for "
-        "120 s), sampled the same way. Start time: spawn of `hangwatch run` → the worker spawned "
-        "(attempts/0001/worker.log created) and → the control socket answering `status`, sequential trials.",
+        "step line at a fixed rate — "
+        f"{', '.join(f'{r} ranks at {h:g} Hz (goal ≤ {g:g} % of one core)' for r, h, g in LOADS)}, RSS goal ≤ "
+        f"{RSS_GOAL_MIB:g} MiB — one load at a time, nothing else of this benchmark running; after all ranks started "
+        f"and {settle:g} s to settle, the supervisor process (all its threads) sampled every 1 s for {window:g} s with "
+        "psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary context switches a second. "
+        "Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for 120 s), sampled the same way. "
+        "Start time: spawn of `hangwatch run` → the worker spawned (attempts/0001/worker.log created) and → the "
+        "control socket answering `status`, sequential trials.",
         "loads": loads,
         "idle": quiet,
         # the headline load (8 ranks at 20 Hz) at the top level, as before

@@ -70,8 +70,8 @@ def section(work: Path, quick: bool) -> dict:
     walls = {m: summary([r["wall_s"] for r in runs[m]]) for m in MODES}
     base = walls["baseline"]["median"]
     return {
-        "method": f"{rounds} interleaved round(s) of three `hangwatch run` on the demo model (60 steps, an eval every 20, "
-        "a 5 s generate budget): no fault; a runaway generate() (runaway_generate at the eval of step 20) with "
+        "method": f"{rounds} interleaved round(s) of three `hangwatch run` on the demo model (60 steps, an eval every "
+        "20, a 5 s generate budget): no fault; a runaway generate() (runaway_generate at the eval of step 20) with "
         "generate_overrun truncate; the same with restart. Wall time = the run's goodput ledger (goodput.json)",
         "runs": runs,
         "wall_s": walls,

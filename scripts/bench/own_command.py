@@ -68,8 +68,8 @@ def section(work: Path, quick: bool) -> dict:
             samples[name].append(first_step_s(argv, run_dir / "attempts" / "0001" / "worker.log", work))
     sums = {k: summary(v) for k, v in samples.items()}
     return {
-        "method": f"{rounds} interleaved rounds: the same unedited script (tiny Llama, CPU, one AdamW step) bare, under "
-        "`hangwatch run -- python train.py` (instrument auto) and with instrument off; launch → the step "
+        "method": f"{rounds} interleaved rounds: the same unedited script (tiny Llama, CPU, one AdamW step) bare, "
+        "under `hangwatch run -- python train.py` (instrument auto) and with instrument off; launch → the step "
         "line's own time stamp",
         "samples_s": samples,
         "summary": sums,

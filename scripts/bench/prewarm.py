@@ -362,7 +362,10 @@ def render(p: dict) -> tuple:
     how = p["method"]
     if large:
         lm = large["modes"]
-        label = f"~1B Llama ({large['params'] / 1e9:.2f} B parameters, {large['model_bytes'] / 1e9:.1f} GB safetensors, float32, CPU)"
+        label = (
+            f"~1B Llama ({large['params'] / 1e9:.2f} B parameters, {large['model_bytes'] / 1e9:.1f} GB safetensors, "
+            "float32, CPU)"
+        )
         rows += [
             [f"**{label}**", "", "", ""],
             row("· cold start: first attempt spawned → first step", "spawn_to_first_step_s", of=lm),
@@ -385,10 +388,11 @@ def render(p: dict) -> tuple:
             + ["; ".join(lm[m]["errors"]) or "none" if m in lm else "–" for m in MODES],
         ]
         how += (
-            f" The ~1B model: transformers' LlamaForCausalLM built from a config ({', '.join(f'{k} {v}' for k, v in LARGE.items())}), "
-            f"seeded, saved with save_pretrained as safetensors (kept in {CACHE}); one run per mode, cold then "
-            f"`always`, LoRA r 8 on every projection and nothing else trained, micro-batch 1 of at most 32 tokens, checkpoint every 2 steps confirmed after 1, "
-            f"block_c at step {LARGE_HANG_AT}, step_timeout_s {LARGE_STEP_TIMEOUT_S:g}."
+            " The ~1B model: transformers' LlamaForCausalLM built from a config "
+            f"({', '.join(f'{k} {v}' for k, v in LARGE.items())}), seeded, saved with save_pretrained as safetensors "
+            f"(kept in {CACHE}); one run per mode, cold then `always`, LoRA r 8 on every projection and nothing else "
+            "trained, micro-batch 1 of at most 32 tokens, checkpoint every 2 steps confirmed after 1, block_c at step "
+            f"{LARGE_HANG_AT}, step_timeout_s {LARGE_STEP_TIMEOUT_S:g}."
         )
     elif "large" in p:
         rows.append(["~1B Llama", "not measured under --quick", "–", "–"])

@@ -115,7 +115,8 @@ def heartbeat(h: dict) -> tuple:
             ["worker cold start: spawn → `start` beat", stats_cell(h["cold_start_to_start_beat"], "s", 1, 2)],
             ["worker cold start: spawn → first step", stats_cell(h["cold_start_to_first_step"], "s", 1, 2)],
         ],
-        f"{h['method']}; cold start = `python -m hangwatch.daemon` spawned alone (bench/heartbeat_cost.py), sequential trials.",
+        f"{h['method']}; cold start = `python -m hangwatch.daemon` spawned alone (bench/heartbeat_cost.py), sequential "
+        "trials.",
     )
 
 
@@ -262,10 +263,11 @@ def footprint_loads(f: dict) -> list[list[str]]:
             ]
         )
         if load.get("rss_goal_mib") is not None:
+            rss = load["rss_mib"]
             rows.append(
                 [
                     f"{name}: RSS (goal ≤ {load['rss_goal_mib']:g} MiB)",
-                    f"{load['rss_mib'] if isinstance(load['rss_mib'], (int, float)) else stats_cell(load['rss_mib'], 'MiB', 1, 1)}"
+                    f"{rss if isinstance(rss, (int, float)) else stats_cell(rss, 'MiB', 1, 1)}"
                     f" — {'met' if load.get('rss_meets_goal') else 'missed'}",
                 ]
             )

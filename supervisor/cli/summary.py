@@ -44,7 +44,9 @@ def run_summary(run_dir: str, code: int) -> list[str]:
 def goodput_lines(run_dir: Path) -> list[str]:
     """The goodput line (goodput.json), then one line per resume audit: "resume after incident 0003: resume
     verified: steps 31–39 replayed, loss bitwise equal"; nothing for what the run dir does not hold."""
-    from hangwatch.supervisor.cli.report.data import read_resume_audits  # the report's reader, once a run has ended
+    from hangwatch.supervisor.cli.report.run_records import (
+        read_resume_audits,
+    )  # the report's reader, once a run has ended
 
     out = []
     snap = read_goodput(run_dir)
@@ -208,13 +210,15 @@ def config_summary(cfg: Config) -> list[tuple[str, str]]:
         ("data", data),
         (
             "training",
-            f"{cfg.train.max_steps} steps, micro-batch {cfg.train.micro_batch_size} × accum {cfg.train.grad_accum}, lr {cfg.train.lr:g}",
+            f"{cfg.train.max_steps} steps, micro-batch {cfg.train.micro_batch_size} × accum {cfg.train.grad_accum},"
+            f" lr {cfg.train.lr:g}",
         ),
         ("deadlines", f"startup {w.startup_timeout_s:g}s, silence {w.silence_timeout_s:g}s, {step}"),
         ("phases", phases),
         (
             "restarts",
-            f"up to {r.max_restarts} in {r.window_s:g}s without progress, backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s",
+            f"up to {r.max_restarts} in {r.window_s:g}s without progress,"
+            f" backoff {r.backoff_initial_s:g}s → {r.backoff_max_s:g}s",
         ),
         ("checkpoint", checkpoint_text(cfg)),
         ("socket", f"{socket_path_for(cfg, cfg.run_dir)} (mode {mode})"),

@@ -16,7 +16,8 @@ close then (the server sweeps each pass).  A full table spares nobody: the bound
 Idle means nothing is owed either way: no deferred reply being waited for (a `dump`) and no reply
 bytes unsent.  Among the idle, connections already let go (their replies out, being closed) leave
 first, then the ones already answered, then the ones silent the longest, and a connection holding part
-of a line leaves last: it is in the middle of asking.  Only when every candidate is owed something is the newcomer refused.
+of a line leaves last: it is in the middle of asking.  Only when every candidate is owed something is
+the newcomer refused.
 """
 
 from __future__ import annotations

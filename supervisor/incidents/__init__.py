@@ -41,3 +41,6 @@ __all__ = [
     "stuck_frame",
     "summary_of",
 ]
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ()

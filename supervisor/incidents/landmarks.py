@@ -290,7 +290,8 @@ class Reading:
         return f"{text} (no frame of your own code calls it)"
 
     def summary(self) -> str:
-        """The landmark first: "in generate(), called from on_evaluate (train.py:46); innermost sdpa_attention_forward"."""
+        """The landmark first: "in generate(), called from on_evaluate (train.py:46); innermost
+        sdpa_attention_forward"."""
         if self.innermost_frame is None:
             return "no stack: the process wrote no dump"
         inner = self.innermost_frame

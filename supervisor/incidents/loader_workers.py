@@ -27,7 +27,7 @@ The main process receives batches in order and hands out new indices only as it 
 waits for one batch the other workers run out of work and go idle: the one worker still working is the
 stuck one.  When several work, or one gave no stack, the reading says it cannot tell rather than guess.
 
-Pure: snapshot records and stacks in, readings out.  Collection is `episode/dump_collector.WorkerDumps`.
+Pure: snapshot records and stacks in, readings out.  Collection is `escalation/dump_collector.WorkerDumps`.
 """
 
 from __future__ import annotations

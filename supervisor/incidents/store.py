@@ -3,6 +3,11 @@
 Numbers are taken by `mkdir` (exclusive), so two writers never share one; `incident.json` is
 replaced durably, so a reader sees the old record or the new, never half.
 
+The store is the one writer of `incident.json`: `create`, then `save` or `amend` by whoever owns the incident (the
+episode for a failure's, the concern that opened any other).  A later finding about an incident (the resume audit
+of the attempt that recovered from it) is recorded by its finder under the new attempt, naming the incident; readers
+see both joined (`with_findings`), and the incident's own file is never rewritten for it.
+
 A write the disk refuses (full, read-only, I/O error) never raises out of here: the incident lives
 on in memory (status, the run summary), the failure goes to `on_write_error(exc, path)` — the
 supervisor decides what a full disk means for the run — and no temporary file is left behind.
@@ -70,7 +75,7 @@ class Incident:
         self._on_write_error = on_write_error
 
     def add_file(self, name: str, content: str | bytes) -> Path:
-        """Write one evidence file into the incident and list it in the record (write() saves that)."""
+        """Write one evidence file into the incident and list it in the record (the store's `save` saves that)."""
         p = self.dir / name
         try:
             self._fs.write_file(p, content.encode() if isinstance(content, str) else content)
@@ -81,15 +86,6 @@ class Incident:
         if name not in self.data["files"]:
             self.data["files"].append(name)
         return p
-
-    def write(self) -> bool:
-        """Save the record; False when the disk refused (reported through `on_write_error`)."""
-        try:
-            self._fs.write_json(self.dir / RECORD_NAME, self.data)
-        except OSError as exc:
-            self._on_write_error(exc, self.dir / RECORD_NAME)
-            return False
-        return True
 
     def rekind(self, kind: str) -> None:
         """What the evidence showed once the dumps were in differs from the kind opened at detection
@@ -156,8 +152,22 @@ class IncidentStore:
         }
         inc = Incident(d, ident, kind, data, fs=self.fs, on_write_error=self.on_write_error)
         if d.is_dir():
-            inc.write()
+            self.save(inc)
         return inc
+
+    def save(self, inc: Incident) -> bool:
+        """Save the record; False when the disk refused (reported through `on_write_error`)."""
+        try:
+            self.fs.write_json(inc.dir / RECORD_NAME, inc.data)
+        except OSError as exc:
+            self.on_write_error(exc, inc.dir / RECORD_NAME)
+            return False
+        return True
+
+    def amend(self, inc: Incident, **fields) -> bool:
+        """Add or replace fields of the record and save it."""
+        inc.data.update(fields)
+        return self.save(inc)
 
     def list(self) -> list[dict]:
         """The summary of every incident, oldest first; a directory without a readable record still shows."""
@@ -175,5 +185,24 @@ class IncidentStore:
         ident = str(ident)
         for d in self.dirs():
             if d.name.split("-", 1)[0] == ident.zfill(4):
-                return read_json(d / RECORD_NAME) or {"id": ident, "error": UNREADABLE}
+                data = read_json(d / RECORD_NAME)
+                return with_findings(self.root.parent, data) if data else {"id": ident, "error": UNREADABLE}
         return None
+
+
+FINDINGS = (("resume-audit.json", "audits", "resume_audit"),)  # (file in the run dir, its list, the field it gives)
+
+
+def with_findings(run_dir: os.PathLike | str, record: dict) -> dict:
+    """An incident's record with the later findings about it joined in (a copy): the resume audit of the attempt
+    that recovered from it, as `resume_audit` — recorded in `resume-audit.json` under that attempt, naming the
+    incident.  A record without such findings comes back as it is."""
+    ident = record.get("id")
+    out = dict(record)
+    for name, key, field in FINDINGS:
+        data = read_json(Path(run_dir) / name)
+        entries = data.get(key) if isinstance(data, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict) and entry.get("incident") == ident and field not in out:
+                out[field] = entry
+    return out

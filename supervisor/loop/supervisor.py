@@ -2,10 +2,10 @@
 
     hangwatch run CONFIG [--run-dir DIR]      (wired by `hangwatch.supervisor.app`)
 
-`Supervisor` is the one owner of the loop's state; everything it acts with is handed in (seams) or
-built here, and nothing outside this module reads or writes its fields: readers get the read model
-(`view`), listeners get it once a pass, and the parts it uses — an episode, the attempt, the
-deadlines, the nodes seam — receive what they need and return decisions.
+`Supervisor` holds the state machine and nothing else: the pass, the handler of each state, the wiring.
+Everything it acts with is handed in (seams) or built here, and nothing outside this module reads or writes
+its fields: readers get the read model (`view`), listeners get it once a pass, and the parts it uses — an
+episode, the attempt, the deadlines, the nodes, the concerns — receive what they need and return decisions.
 
 Lifecycle: see `rules.states`.  One pass (`run_once(now)`), always in this order (docs/design.md, "The loop"):
     1. drain events — recorded signals, child exits (reaped here and nowhere else), heartbeat lines,
@@ -20,11 +20,17 @@ Lifecycle: see `rules.states`.  One pass (`run_once(now)`), always in this order
 Every time comes from the `now` the pass was given; only `run()` reads the clock, so a fake clock,
 a fake process table and a fake spawn drive the whole lifecycle without a process.
 
-A stall, top-down: `_overdue` records the expired deadline → `running` → `_escalated` opens
-`Episode.stall` (snapshot, SIGUSR1 dumps, py-spy) → STALLED → `stalled` (the snapshot) → DUMPING →
-`dumping` (the dumps read, the verdict) → `begin_kill` → KILLING → `killing` (SIGKILL at the grace) →
-`finish_episode` (the policy's decision, `rules.outcome.resolve`, the incident written) → `apply` →
-BACKOFF or `start_attempt`.
+A stall, top-down: `_overdue` records the expired deadline (a concern may handle it in the worker's process:
+`concerns.generate_overrun`) → `on_running` → `_escalated` opens `Episode.stall` (snapshot, SIGUSR1 dumps,
+py-spy; `_open` lets the concerns add to it) → STALLED → `on_stalled` (the snapshot) → DUMPING → `on_dumping` (the
+dumps read, the verdict) → `begin_kill` → KILLING → `on_killing` (SIGKILL at the grace; a concern may hold the
+teardown) → `finish_episode` (`_decide`, the one writer of the decision; `rules.outcome.next_outcome`; the
+incident completed) → `follow` → BACKOFF or `start_attempt`.
+
+What the loop watches for besides the deadlines — a runaway generate, the resume audit, OOM recovery, the wait for
+processes SIGKILL cannot end, goodput, the prewarmed standby, stragglers — are concerns (`concerns.base.Concern`),
+registered in one place (`concerns.registered`) and asked in one `for` at each hook; one box or several is the
+nodes interface (`nodes.interface.Nodes`).
 
 Between passes the loop sleeps (`wakeup.Wakeup.wait`) until something needs a pass: a signal, a
 heartbeat write (coalesced: one pass reads every new line of every rank), a control request, or the
@@ -33,13 +39,13 @@ escalating does it pass on a short period (FAST_PASS_S), and only where a heartb
 cannot wake it (no inotify, a control server without a descriptor) does it fall back to
 `watchdog.poll_interval_s`.
 
-Heartbeat lines (`_read_beats`), besides the deadlines (`Deadlines.observe`):
+Heartbeat lines (`_read_beats`), besides the deadlines (`Deadlines.observe`) and the concerns (`Concern.beat`):
     start       the rank's process and dump file are remembered (only announced processes ever get
                 SIGUSR1); the first start moves STARTING → RUNNING; a `resumed_from` other than the
                 checkpoint handed in HANGWATCH_RESUME_FROM is logged (a warning when the ledger holds it bad)
-    step        the metrics `status` shows; a new highest step clears the crash-loop count; the rank's step
-                time feeds the straggler watch; its loss confirms or spoils waiting checkpoints
-    phase       systemd's status line follows the phase; leaving `train` pauses the straggler clock
+    step        the metrics `status` shows; a new highest step clears the crash-loop count; its loss confirms
+                or spoils waiting checkpoints
+    phase       systemd's status line follows the phase
     checkpoint  recorded in the checkpoint ledger; state.json records the last good one at once
     warn        logged; a non-finite loss in it spoils waiting checkpoints, like a step's
     stop        its reason decides finished-or-not when the worker exits; once every rank said `stop`,
@@ -47,15 +53,10 @@ Heartbeat lines (`_read_beats`), besides the deadlines (`Deadlines.observe`):
 Each line counts from when it was written, not when it was read (reads are coalesced): its file's
 modification time when the supervisor runs on the real clock, its file system keeps local times and this
 pass saw no suspension; else the pass's `now`.  A step line costs a decode and a few dict updates.
-
-With `restart.prewarm` the loop also keeps the next attempt's standby (`processes.prewarm`): spawned
-where a restart becomes likely, released by `start_attempt` where a worker is spawned otherwise, and
-discarded by any outcome that is not a restart.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -69,56 +70,48 @@ from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_OK
 from hangwatch.common.inbox_layout import queue_status
-from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
+from hangwatch.supervisor.concerns import Concern, PassState, RunContext, registered
+from hangwatch.supervisor.concerns.oom_remediation import state_fields as healing_fields
 from hangwatch.supervisor.control.paths import socket_path_for
-from hangwatch.supervisor.episode.episode import (
+from hangwatch.supervisor.escalation.episode import (
     Episode,
-    Tools,
+    EscalationContext,
     crash_loop_incident,
     no_retry,
     spawn_failed_incident,
     teardown_crash_of,
 )
 from hangwatch.supervisor.incidents import IncidentStore, signal_name
-from hangwatch.supervisor.loop import commands
-from hangwatch.supervisor.loop import view as views
-from hangwatch.supervisor.loop.commands import DumpRequest
-from hangwatch.supervisor.loop.view import View
+from hangwatch.supervisor.loop import control_requests
+from hangwatch.supervisor.loop.control_requests import DumpRequest
 from hangwatch.supervisor.loop.wakeup import Wakeup
+from hangwatch.supervisor.nodes.interface import Nodes, SingleNode
 from hangwatch.supervisor.nodes.multi_node import MultiNode
 from hangwatch.supervisor.nodes.peers import SpawnHelper, spawn_helper
-from hangwatch.supervisor.nodes.seam import Nodes, SingleNode
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
 from hangwatch.supervisor.processes import attempt as attempts
-from hangwatch.supervisor.processes import leftovers, prewarm, process
+from hangwatch.supervisor.processes import leftovers, process
 from hangwatch.supervisor.processes import snapshot as snapshots
 from hangwatch.supervisor.processes.interpreter import instrument_note, note_for
-from hangwatch.supervisor.records import remediation, run_state
+from hangwatch.supervisor.processes.standby import SpawnStandby, spawn_standby
+from hangwatch.supervisor.read_model import view as views
+from hangwatch.supervisor.read_model.view import View
+from hangwatch.supervisor.records import run_state
 from hangwatch.supervisor.records.checkpoint_ledger import (
     BAD,
     PersistedLedger,
+    resolved_path,
     resume_choice,
     set_aside_bad,
 )
-from hangwatch.supervisor.records.checkpoint_ledger import (
-    resolve as resolve_path,
-)
-from hangwatch.supervisor.records.goodput import GOODPUT_NAME, Goodput, activity, read_goodput
-from hangwatch.supervisor.rules.outcome import Intent, Outcome, resolve
+from hangwatch.supervisor.rules.outcome import Intent, Outcome, next_outcome
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines, Expired, SuspensionDetector
-from hangwatch.supervisor.watch.resume_audit import (
-    AUDITS_NAME,
-    REBATCHED_RTOL,
-    ReplayAudit,
-    default_rtol,
-    earlier_beats,
-)
 
 log = structlog.get_logger("hangwatch")
 
@@ -132,9 +125,6 @@ CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most thi
 OUTPUT_READ_S = 1.0  # the worker's output is read at most this often (and always before a deadline is believed)
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
-TOKENS_FLOWING_S = 10.0  # a generate whose last token beat is at most this old (or half its budget) still produces
-ORDER_LEAD_S = 0.5  # a truncation's token limit lies this far ahead of the fastest rank (time for it to read the order)
-TRUNCATE_GRACE_MIN_S = 5.0  # the least time a truncated generate gets to stop before it is treated as stuck
 _UNASKED = object()
 
 
@@ -161,13 +151,13 @@ class Supervisor:
         policy: Optional[RestartPolicy] = None,
         file_times: Optional[bool] = None,
         peer_spawn: Optional[SpawnHelper] = None,
-        spawn_standby: prewarm.SpawnStandby = prewarm.spawn_standby,
+        spawn_standby: SpawnStandby = spawn_standby,
         listeners: tuple = (),
         probe: Callable[..., str] = instrument_note,
     ):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
-        how the peer-link helper of a multi-node run is started.
+        how the peer-link helper of a multi-node run is started.  `spawn_standby`: how a prewarmed standby is.
         `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side.
         `probe`: what instrumentation a `worker.command` gets, in words (`processes.interpreter.instrument_note`:
         asks the command's Python for its version)."""
@@ -196,13 +186,27 @@ class Supervisor:
         self.incidents = IncidentStore(self.run_dir, fs=self.fs, on_write_error=self.write_failed)
         self.suspension = SuspensionDetector(wd.poll_interval_s)
         self.gpu = snapshots.GpuCache(gpu)
-        self.tools = Tools(self.table, self.incidents, wd, snapshot, self.gpu, gpu_pids, cpu_sample_s, subreaper)
+        self.tools = EscalationContext(
+            self.table, self.incidents, wd, snapshot, self.gpu, gpu_pids, cpu_sample_s, subreaper
+        )
         self.ledger = PersistedLedger(self.run_dir, cfg.checkpoint.confirm_steps, fs=self.fs)  # announced checkpoints
-        self.facts = run_state.RunFacts(checkpoints=self.ledger.ledger)
-        self.prewarm = prewarm.Prewarm(cfg, self.config_path, self.table, fs=self.fs, spawn=spawn_standby)
-        self.remediation = remediation.OomRemediation(cfg, self.run_dir)
+        # What the concerns are handed; its `facts` is the run's record (replaced in `prepare` by the one read back).
+        self.context = RunContext(
+            cfg,
+            self.run_dir,
+            self.fs,
+            self.incidents,
+            self.deadlines,
+            run_state.RunRecord(checkpoints=self.ledger.ledger),
+            changed=self._stale,
+            write_failed=self.write_failed,
+            where=self._where,
+        )
+        self.concerns: list[Concern] = registered(
+            self.context, table=self.table, config_path=self.config_path, spawn_standby=spawn_standby
+        )
         # Several nodes: the peer link and this node's part in the run; one node: a null object.  The loop
-        # talks to either through the same seam and has no multi-node branch of its own.
+        # talks to either through the same interface and has no multi-node branch of its own.
         self.nodes: Nodes = (
             MultiNode(cfg, self.run_dir, spawn=peer_spawn or spawn_helper, poke=self.wakeup.poke)
             if cfg.worker.nnodes > 1
@@ -221,43 +225,31 @@ class Supervisor:
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
+        self.abort: Optional[str] = None  # end the run at once (a concern said so: a diverged resume, say)
+        self.holding = False  # a concern keeps the loop in KILLING after the tree's teardown (unkillable processes)
         self.started_at = 0.0
         self.no_progress_recorded = False
         self._read_all = True  # this pass read every heartbeat file (not only those the file events named)
         self._last_reap = float("-inf")
         self._control_fd_value: Any = _UNASKED
         self._ready_sent = False
-        self._last_state_write = self._last_status_note = self._last_goodput_write = float("-inf")
+        self._last_state_write = self._last_status_note = float("-inf")
         self._healing: Optional[dict] = None  # state.json's remediation/quarantine fields, as last read
         self._socket: Optional[str] = None  # where the control socket is (fixed for this supervisor's life)
         self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
         self.instrumentation = ""  # what instrumentation the worker gets, in words (the start line; `prepare`)
-        self.goodput = Goodput(clock())  # replaced in `prepare` by one that goes on from goodput.json
-        self.audit: Optional[ReplayAudit] = None  # the current attempt's resume audit, while it replays
-        self.audits: list[dict] = []  # resume-audit.json: one record per resumed attempt
-        self._failure_incident: Any = None  # the incident of the failure the next attempt recovers from
-        self.after_failure = False  # the current attempt follows a failure (its start-up is recovery)
-        self.stepped = False  # the current attempt has beaten a step
-        self.abort: Optional[str] = None  # end the run at once (a diverged resume under on_divergence: stop)
-        self.unkillable: Any = None  # the `unkillable` incident while the run waits for survivors of SIGKILL to go
-        self.truncation: Optional[dict] = None  # a runaway generate's truncation order, until it is settled
-        self._orders = 0  # truncation orders written by this supervisor
-        self._gen_tokens: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
-        self._settings: dict[
-            int, Any
-        ] = {}  # attempt → the OOM remediation's setting it started with (None: the config's)
         self._probe = probe
         self.handlers: dict[State, Callable[[float], None]] = {
-            State.STARTING: self.running,
-            State.RUNNING: self.running,
-            State.STOPPING: self.stopping,
-            State.STALLED: self.stalled,
-            State.DUMPING: self.dumping,
-            State.KILLING: self.killing,
-            State.BACKOFF: self.backoff,
-            State.PAUSED: self.paused,
+            State.STARTING: self.on_running,
+            State.RUNNING: self.on_running,
+            State.STOPPING: self.on_stopping,
+            State.STALLED: self.on_stalled,
+            State.DUMPING: self.on_dumping,
+            State.KILLING: self.on_killing,
+            State.BACKOFF: self.on_backoff,
+            State.PAUSED: self.on_paused,
         }
-        self.requests: dict[str, Callable[[dict, float], commands.Reply]] = {
+        self.requests: dict[str, Callable[[dict, float], control_requests.Reply]] = {
             "status": self._cmd_status,
             "restart": self._cmd_restart,
             "stop": self._cmd_stop,
@@ -266,6 +258,33 @@ class Supervisor:
             "dump": self._cmd_dump,
             "incidents": self._cmd_incidents,
         }
+
+    @property
+    def facts(self) -> run_state.RunRecord:
+        """The run's record (what the run has established: steps, checkpoints, incidents, restarts)."""
+        return self.context.facts
+
+    @facts.setter
+    def facts(self, value: run_state.RunRecord) -> None:
+        self.context.facts = value
+
+    def concern(self, name: str) -> Optional[Concern]:
+        """The registered concern of that name (None: not registered for this run)."""
+        return next((c for c in self.concerns if c.name == name), None)
+
+    def _stale(self) -> None:
+        self._view = None
+
+    def _where(self) -> PassState:
+        dl = self.deadlines
+        return PassState(
+            state=self.lifecycle.state,
+            intent=self.after_teardown,
+            attempt=self.current,
+            episode=self.episode,
+            expired=self.expired,
+            main=dl.ranks.get(dl.main_rank()) if self.current is not None else None,
+        )
 
     # ================================================================================ set-up and loop
 
@@ -282,7 +301,7 @@ class Supervisor:
             print(f"hangwatch: warning: {problem}", file=sys.stderr, flush=True)
             log.warning("checkpoint_ledger_unreadable", problem=problem)
         known = bool(self.ledger.ledger.entries)
-        self.facts = run_state.RunFacts.from_previous(previous, self.ledger.ledger)
+        self.facts = run_state.RunRecord.from_previous(previous, self.ledger.ledger)
         if self.ledger.ledger.entries and not known:  # seeded from an older supervisor's state.json
             self.ledger.save()
         problem = leftovers.clear(
@@ -298,9 +317,8 @@ class Supervisor:
         if problem:
             log.warning("calibration_ignored", problem=problem)
         self.attempt = next_attempt(self.run_dir) - 1
-        self.goodput = Goodput(now, previous=read_goodput(self.run_dir))
-        audits = run_state.read(self.run_dir / AUDITS_NAME)[0] or {}
-        self.audits = [a for a in audits.get("audits") or [] if isinstance(a, dict)]
+        for c in self.concerns:
+            c.prepare(now)
         try:
             self.fs.write_file(self.config_path, dump_config(self.cfg).encode())
         except OSError as exc:
@@ -351,7 +369,7 @@ class Supervisor:
             if self.ledger.dirty:
                 self.ledger.save()
             now = self.clock()
-            self._goodput_tick(now)
+            self._settle(now)
             self.write_state(now, force=True)
             self._tell_listeners(now)  # the final view: the last metrics snapshot, the last alerts
             self._teardown()
@@ -392,8 +410,8 @@ class Supervisor:
             return 0.0  # the first attempt is spawned in the next pass
         if st.escalating or st is State.STOPPING or self.dump_requests:
             due = self.episode.next_due_s(now, self.tools.cpu_sample_s) if self.episode is not None else None
-            if self.unkillable is not None and due is not None:
-                return due  # survivors of SIGKILL: looked at once a second, for as long as they stay
+            if self.holding and due is not None:
+                return due  # a held teardown (survivors of SIGKILL): looked at on the episode's own clock
             return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
         if self.current is not None and self.current.tail.backlog:
             return 0.0  # the last read stopped at its size bound with more lines waiting
@@ -408,7 +426,8 @@ class Supervisor:
                 waits.append(self.watchdog_cfg.poll_interval_s)  # no file events: read on a timer
         if self.control is not None and self._control_fd() is None:
             waits.append(self.watchdog_cfg.poll_interval_s)  # requests are only seen in passes
-        for due in (notifier_due(self.notifier, now), self.nodes.next_due_s(now)):
+        dues = [notifier_due(self.notifier, now), self.nodes.next_due_s(now)]
+        for due in dues + [c.next_due_s(now) for c in self.concerns]:
             if due is not None:
                 waits.append(due)
         return max(0.0, min(waits))
@@ -432,7 +451,9 @@ class Supervisor:
         return self.current is not None and not self.current.worker.exited
 
     def _teardown(self) -> None:
-        self.prewarm.close(self.clock())  # a standby nobody will release: killed and reaped
+        now = self.clock()
+        for c in self.concerns:
+            c.close(now)
         self.wakeup.close()
         self.nodes.close()
         self.save_calibration()
@@ -470,7 +491,7 @@ class Supervisor:
         self._read_output(now)
         if self.control is not None:
             try:
-                self.control.poll(lambda req: commands.dispatch(req, self.requests, now))
+                self.control.poll(lambda req: control_requests.dispatch(req, self.requests, now))
             except Exception:  # a broken control channel must not take the training run down with it
                 log.exception("control_poll_failed")
 
@@ -533,7 +554,6 @@ class Supervisor:
             left = before.phase if before is not None else None
             tr = self.deadlines.observe(rec, at)
             ev = rec["event"]
-            self._account_line(tr, rec, left, at, now)
             if ev == "start":
                 a = cur.announce(rec, self.table)
                 log.info(
@@ -572,12 +592,7 @@ class Supervisor:
             if ev == "step":
                 self.facts.last_step = rec
                 self.policy.observed_step(int(rec["step"]), now)
-                self._straggler(cur, tr.rank, int(rec["step"]), at, rec.get("step_time_s"))
-                if self.audit is not None and self.audit.open:
-                    self._audit_step(cur, tr.rank, int(rec["step"]), rec, now)
             elif ev == "phase":
-                if tr.phase != "train":
-                    cur.stragglers.left_train(tr.rank)
                 log.debug("phase", rank=tr.rank, phase=tr.phase, budget_s=tr.phase_budget, step=tr.step)
                 self.status_note(now, force=True)
             elif ev == "warn":
@@ -598,6 +613,8 @@ class Supervisor:
                     self.deadlines.arm_extra(
                         "exit", now, wd.exit_after_stop_s + wd.term_grace_s, "exit after stop line"
                     )
+            for c in self.concerns:
+                c.beat(cur, tr, rec, left, at, now)
         if cur.tail.torn != torn_before:
             self.facts.torn_lines += cur.tail.torn - torn_before
             log.warning(
@@ -609,32 +626,6 @@ class Supervisor:
         if state_changed:
             self.write_state(now, force=True)
         self.save_calibration(only_if_changed=True, now=now)
-
-    def _account_line(self, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
-        """What one heartbeat line means for the goodput ledger and a generate truncation under way: the main rank's
-        steps, phase changes, checkpoints, starts and stops prove progress; `generate` progress points give the
-        token rate a truncation's limit is set from; a rank's report of its truncation is kept for the incident."""
-        ev = rec["event"]
-        if ev == "step":
-            self.stepped = True
-        if tr.rank == self.deadlines.main_rank() and ev in ("start", "phase", "step", "checkpoint", "stop"):
-            # Placed at the line's own time (the writer's clock, the same machine's): a checkpoint or an eval shorter
-            # than a pass still shows, and the activity from then on follows the phase the line entered.
-            t = rec.get("t")
-            at_line = now
-            if isinstance(t, (int, float)) and not isinstance(t, bool):
-                at_line = min(max(float(t) - self.goodput.offset, self.goodput.last), now)
-            self.goodput.progress(at_line, int(rec["step"]) if ev == "step" else None)
-            self._goodput_tick(at_line)
-        if ev == "phase" and tr.phase == "generate":
-            self._gen_tokens[tr.rank] = []
-        elif ev == "progress" and tr.phase == "generate" and isinstance(rec.get("tokens"), int):
-            pts = self._gen_tokens.setdefault(tr.rank, [])
-            pts[:] = (pts + [(at, int(rec["tokens"]))])[-2:]
-        if ev == "progress" and isinstance(rec.get(TRUNCATED_FIELD), dict) and self.truncation is not None:
-            self.truncation["reports"][tr.rank] = rec[TRUNCATED_FIELD]
-        if left == "generate" and tr.phase != "generate" and self.truncation is not None:
-            self.truncation["left"].add(tr.rank)
 
     def _read_output(self, now: float, force: bool = False) -> None:
         """The current attempt's new output (at most every OUTPUT_READ_S unless `force`d: a chatty log is not read
@@ -649,9 +640,9 @@ class Supervisor:
             return
         self.deadlines.output_seen(cur.output.last_output_at, progressed)
         self._view = None
-        if progressed and not self.deadlines.started:
-            self.stepped = True
-            self.goodput.progress(now)  # a worker that does not beat: its progress lines are the proof
+        if progressed:
+            for c in self.concerns:
+                c.output_progress(cur, now)
         if progressed and self.lifecycle.state is State.STARTING and not self.deadlines.started:
             self.transition(State.RUNNING, f"progress in its output: {cur.output.last_progress_line[:80]!r}", now)
 
@@ -669,10 +660,10 @@ class Supervisor:
                     note="the start beat names no checkpoint; Heartbeat.start(resumed_from=...) lets it be checked",
                 )
             return
-        where = resolve_path(str(reported), cur.cwd)
-        if handed and where == resolve_path(handed, cur.cwd):
+        where = resolved_path(str(reported), cur.cwd)
+        if handed and where == resolved_path(handed, cur.cwd):
             return
-        known = next((e for e in self.ledger.ledger.entries.values() if resolve_path(e.path, cur.cwd) == where), None)
+        known = next((e for e in self.ledger.ledger.entries.values() if resolved_path(e.path, cur.cwd) == where), None)
         status = known.status if known else "unknown to the supervisor"
         (log.warning if status == BAD else log.info)(
             "resumed_from_differs",
@@ -682,16 +673,6 @@ class Supervisor:
             status=status,
             why=known.why if known else None,
         )
-
-    @staticmethod
-    def _straggler(cur: attempts.Attempt, rank: int, step: int, now: float, reported) -> None:
-        what, rec = cur.stragglers.step(rank, step, now, reported)
-        if what == "straggler":
-            log.warning("straggler", attempt=cur.number, **rec.as_dict())
-        elif what == "recovered":
-            log.info("straggler_recovered", attempt=cur.number, rank=rank, step=step, slow_since_step=rec.since_step)
-
-    # ---- control requests: each records an intent; the reconcile step acts on it in the same pass
 
     def _busy(self) -> Optional[str]:
         st = self.lifecycle.state
@@ -753,8 +734,8 @@ class Supervisor:
         self.write_state(now, force=True)
         return {"ok": True, "result": {"accepted": "resume"}}
 
-    def _cmd_dump(self, req: dict, now: float) -> commands.Reply:
-        grace_s = max(self.watchdog_cfg.dump_grace_s, commands.MIN_DUMP_GRACE_S)
+    def _cmd_dump(self, req: dict, now: float) -> control_requests.Reply:
+        grace_s = max(self.watchdog_cfg.dump_grace_s, control_requests.MIN_DUMP_GRACE_S)
         ep = self.episode
         if self.lifecycle.state in (State.STALLED, State.DUMPING) and ep is not None and ep.incident is not None:
             pending = DumpRequest(self.table, grace_s, episode=ep)
@@ -770,7 +751,7 @@ class Supervisor:
         return pending
 
     def _cmd_incidents(self, req: dict, now: float) -> dict:
-        return commands.incidents_reply(self.incidents, req.get("id"))
+        return control_requests.incidents_reply(self.incidents, req.get("id"))
 
     # ================================================================================ 2. deadlines
 
@@ -788,8 +769,12 @@ class Supervisor:
         if expired is not None and self.current.output is not None and self.current.output_read_at < now:
             self._read_output(now, force=True)  # output written since the last read must not look like silence
             expired = self.deadlines.check(now)
-        if expired is not None and self.nodes.excuses(expired, now, self.deadlines, self.current, self.table):
+        if expired is not None and self.nodes.absorbs_overdue(expired, now, self.deadlines, self.current, self.table):
             return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes`)
+        if expired is not None and not self.escalate_now:
+            for c in self.concerns:
+                if c.overdue(self.current, expired, now):
+                    return None  # handled in the worker's process (a runaway generate ended): no stall
         return expired
 
     # ================================================================================ 3. reconcile
@@ -797,7 +782,8 @@ class Supervisor:
     def _reconcile(self, now: float) -> None:
         """Run the current state's handler until the state settles (each handler moves at most one step),
         then the bookkeeping."""
-        self.prewarm.poll(now)
+        for c in self.concerns:
+            c.pass_begins(now)
         for _ in range(len(State)):
             st = self.lifecycle.state
             handler = self.handlers.get(st)  # final states have none
@@ -810,15 +796,18 @@ class Supervisor:
         self._record_no_progress(now)
         self._scan_tree(now)
         self.notify("watchdog", now)
-        self._goodput_tick(now)
+        self._settle(now)
         self.write_state(now)
         self._tell_listeners(now)
 
     # ---- per state
 
-    def running(self, now: float) -> None:  # STARTING, RUNNING
-        if self.truncation is not None:
-            self._truncation_settled(now)
+    def _settle(self, now: float) -> None:
+        where = self._where()
+        for c in self.concerns:
+            c.settled(where, now)
+
+    def on_running(self, now: float) -> None:  # STARTING, RUNNING
         changed, failed = self.nodes.while_running(now, self.incidents, self.facts, self.attempt)
         if changed:
             self.write_state(now, force=True)
@@ -826,28 +815,29 @@ class Supervisor:
             log.error("peer_failed", why=failed)
             self.after_teardown, self.fail_reason = Intent.PEER_FAILED, failed
         if self.current is None or self.awaiting_rendezvous:
-            out = resolve(self.after_teardown, None, during="the wait for the rendezvous", reason=self.fail_reason)
+            out = next_outcome(self.after_teardown, None, during="the wait for the rendezvous", reason=self.fail_reason)
             if out is not None and self.awaiting_rendezvous:
                 if out.state is not State.STARTING:
-                    self.apply(out, now)  # no worker to stop: a stop, a pause, a failed peer end the wait at once
+                    self.follow(out, now)  # no worker to stop: a stop, a pause, a failed peer end the wait at once
                     return
                 self.after_teardown = Intent.NONE  # a restart while waiting to start: it is starting
             self.start_attempt(now)
         elif not self._escalated(now) and self.after_teardown is not Intent.NONE:
             self.graceful_stop(now)
-        elif self.stepped and self.lifecycle.state is State.RUNNING and self.expired is None:
-            self.prewarm.keep(
-                self.current, now
-            )  # restart.prewarm: always — the next attempt's standby, ready before a failure
 
-    def stopping(self, now: float) -> None:
+    def on_stopping(self, now: float) -> None:
         if not self._escalated(now) and self.force:
             self.force = False
-            self.begin_kill(Episode(None, None, now, reason="forced stop"), now, send_term=False)
+            self._decided_end(Episode(None, None, now, reason="forced stop"), None, now, send_term=False)
 
     def _escalated(self, now: float) -> bool:
-        """A worker exit, `restart now`, a peer's restart or an overdue deadline starts an episode (True when one did)."""
+        """A worker exit, `restart now`, a peer's restart, a concern's reason to end the run or an overdue deadline
+        starts an episode (True when one did)."""
         cur = self.current
+        for c in self.concerns:  # each pass while a worker runs: a concern may end the run (a diverged resume)
+            why = c.while_running(cur, now)
+            if why and self.abort is None:
+                self.abort = why
         peer = self.nodes.peer_restart()
         if cur.worker.exited:
             self.worker_exited(now)
@@ -856,300 +846,44 @@ class Supervisor:
             # waited), kill, and join the new generation at once.
             gen, notice = peer
             if not cur.announced:  # still at the rendezvous: nothing ran, nothing to dump or report
-                why = f"peer node {notice.get('node')} restarted into generation {gen} before this attempt's ranks started"
+                node = notice.get("node")
+                why = f"peer node {node} restarted into generation {gen} before this attempt's ranks started"
                 log.info("rendezvous_moved", node=self.nodes.name, generation=gen, attempt=self.attempt, why=why)
-                self.begin_kill(
-                    Episode(None, None, now, reason=why, decision=Decision("restart", f"{why}; joining it")),
-                    now,
-                    why=why,
-                )
+                ep = Episode(None, None, now, reason=why)
+                self._decided_end(ep, Decision("restart", f"{why}; joining it"), now, why=why)
                 return True
-            self.goodput.detected(now)
-            self.after_failure = True
-            self.episode = Episode.peer(self.tools, cur, self.deadlines, self.facts, now, notice, gen)
+            self._open(Episode.peer(self.tools, cur, self.deadlines, self.facts, now, notice, gen), now)
             self.deadlines.disarm_extra("stop")
             self.transition(State.STALLED, self.episode.reason, now)
         elif self.abort is not None and not self.escalate_now:
             why = self.abort
-            self.begin_kill(
-                Episode(None, None, now, reason=why, decision=Decision("fail", why)),
-                now,
-                send_term=False,
-                why=f"ending the run: {why}",
-            )
+            ep = Episode(None, None, now, reason=why)
+            self._decided_end(ep, Decision("fail", why), now, send_term=False, why=f"ending the run: {why}")
         elif self.escalate_now or self.expired is not None:
             ex = None if self.escalate_now else self.expired
-            if ex is not None and self._truncate(cur, ex, now):
-                return False  # a runaway generate is ended in the worker's process: nothing to escalate
             self.escalate_now = False
-            self.goodput.detected(now)
-            self.after_failure = True
-            self.episode = Episode.stall(
-                self.tools, cur, self.deadlines, self.facts, now, ex.incident_kind if ex else "manual", ex
-            )
-            self._truncation_failed(now)
+            kind = ex.incident_kind if ex else "manual"
+            self._open(Episode.stall(self.tools, cur, self.deadlines, self.facts, now, kind, ex), now)
             self.deadlines.disarm_extra("stop")
             self.transition(State.STALLED, self.episode.reason, now)
-            self.prewarm.begin(cur, self.after_teardown, None, now, why=self.episode.kind or "stall")
         else:
             return False
         return True
 
-    # ---- a runaway generate, ended in the worker's process
+    def _open(self, ep: Episode, now: float) -> None:
+        """An episode begins: the concerns hear of it and add what they know to its incident."""
+        self.episode = ep
+        fields: dict = {}
+        for c in self.concerns:
+            fields.update(c.episode_opened(self.current, ep, self.after_teardown, now))
+        ep.amend(fields)
 
-    def _truncate(self, cur: attempts.Attempt, ex: Expired, now: float) -> bool:
-        """`watchdog.generate_overrun: truncate`: a `generate` phase past its budget while tokens still arrive is
-        ordered to end (`GENERATE_STOP_NAME` in the attempt's directory: every rank whose generate began before the
-        order stops at the same token, a little ahead of the fastest) and given a grace to do so; True when the
-        order was written.  A generate that produced no token lately, one already ordered, or an order that cannot
-        be written: False, escalated as any overdue phase."""
-        if self.watchdog_cfg.generate_overrun != "truncate" or ex.name != "phase" or ex.phase != "generate":
-            return False
-        tr = self.deadlines.ranks.get(ex.rank)
-        t = self.truncation
-        if tr is None or (t is not None and t["attempt"] == cur.number and tr.phase_since <= t["issued_at"]):
-            return False
-        age = ex.last_progress_age_s
-        if not ex.progress_lines or age is None or age > max(ex.budget_s / 2, TOKENS_FLOWING_S):
-            return False
-        ranks = [r for r in self.deadlines.ranks.values() if r.phase == "generate" and not r.stopped]
-        limit, interval = 1, 1.0
-        for r in ranks:
-            pts = self._gen_tokens.get(r.rank) or []
-            if not pts:
-                continue
-            at, tokens = pts[-1]
-            if len(pts) == 2 and at > pts[0][0]:
-                interval = max(interval, at - pts[0][0])
-                rate = (tokens - pts[0][1]) / (at - pts[0][0])
-            else:
-                rate = tokens / (at - r.phase_since) if at > r.phase_since else 0.0
-            limit = max(limit, tokens + int(math.ceil(max(rate, 0.0) * (now - at + ORDER_LEAD_S))) + 1)
-        self._orders += 1
-        order = {
-            "order": self._orders,
-            "tokens": limit,
-            "issued_unix": round(time.time(), 3),
-            "budget_s": round(ex.budget_s, 3),
-        }
-        try:
-            self.fs.write_json(cur.dir / GENERATE_STOP_NAME, order, durable=False)
-        except OSError as exc:
-            log.warning("generate_order_failed", error=str(exc), note="the runaway generate is escalated instead")
-            return False
-        grace = max(TRUNCATE_GRACE_MIN_S, 4 * interval)
-        self.deadlines.grant_grace(now, grace)
-        self.truncation = {
-            "attempt": cur.number,
-            "issued_at": now,
-            "order": order["order"],
-            "limit": limit,
-            "ranks": sorted(r.rank for r in ranks),
-            "reports": {},
-            "left": set(),
-            "grace_s": grace,
-            "budget_s": round(ex.budget_s, 3),
-            "elapsed_s": round(ex.elapsed_s, 3),
-            "rank": ex.rank,
-            "step": tr.step,
-            "budget_source": ex.source,
-        }
-        log.warning(
-            "generate_overrun",
-            attempt=cur.number,
-            rank=ex.rank,
-            budget_s=round(ex.budget_s, 3),
-            elapsed_s=round(ex.elapsed_s, 3),
-            limit=limit,
-            ranks=self.truncation["ranks"],
-            grace_s=round(grace, 3),
-            note="tokens still arrive: ending the generation in the worker's process",
-        )
-        return True
-
-    def _truncation_settled(self, now: float) -> None:
-        """Once every rank the order reached has left its generate: the `generate_truncated` incident (nothing is
-        restarted), or, when none of them reports a truncation (each generate ended by itself meanwhile), a note."""
-        t = self.truncation
-        if t is None or self.current is None or t["attempt"] != self.current.number:
-            self.truncation = None
-            return
-        for rank in t["ranks"]:
-            tr = self.deadlines.ranks.get(rank)
-            if tr is not None and not tr.stopped and rank not in t["left"] and tr.phase == "generate":
-                return
-        self.truncation = None
-        reports = t["reports"]
-        if not reports:
-            log.info("generate_ended_before_order", attempt=t["attempt"], ranks=t["ranks"])
-            return
-        first = reports[min(reports)]
-        tokens = {str(r): rep.get("tokens") for r, rep in sorted(reports.items())}
-        where = f"rank {t['rank']}" if len(self.deadlines.ranks) > 1 else "the worker"
-        stopped_at = sorted({v for v in tokens.values() if v is not None})
-        at = (
-            f"token {stopped_at[0]}"
-            if len(stopped_at) == 1
-            else "tokens " + ", ".join(f"{v} (rank {r})" for r, v in tokens.items())
-        )
-        summary = (
-            f"generate() on {where} ran past its {t['budget_s']:g} s budget while still producing tokens; ended at "
-            f"{at} in the worker's own process after {now - t['issued_at'] + t['elapsed_s']:.1f} s — nothing "
-            "restarted, training went on"
-        )
-        inc = self.incidents.create(
-            "generate_truncated",
-            attempt=t["attempt"],
-            phase="generate",
-            step=t["step"],
-            classification="runaway generate",
-            summary=summary,
-            status="final",
-            ranks=t["ranks"],
-            tokens=tokens,
-            limit=t["limit"],
-            order=t["order"],
-            prompt=first.get("prompt"),
-            prompt_ids=first.get("prompt_ids"),
-            prompt_tokens=first.get("prompt_tokens"),
-            output_tail=first.get("output_tail"),
-            budget_s=t["budget_s"],
-            budget_source=t["budget_source"],
-            elapsed_s=t["elapsed_s"],
-            reports={str(r): v for r, v in sorted(reports.items())},
-            last_good_checkpoint=self.facts.last_good_checkpoint,
-        )
-        self.facts.note_incident(inc)
-        self._view = None
-        log.warning(
-            "generate_truncated",
-            incident=inc.id,
-            attempt=t["attempt"],
-            step=t["step"],
-            tokens=tokens,
-            limit=t["limit"],
-            text=summary,
-        )
-
-    def _truncation_failed(self, now: float) -> None:
-        """A truncation was under way when the episode opened: the generate did not stop; the incident says so."""
-        t, self.truncation = self.truncation, None
-        ep = self.episode
-        if t is None or ep is None or ep.incident is None:
-            return
-        ep.incident.data["truncation_ordered"] = {
-            "limit": t["limit"],
-            "order": t["order"],
-            "ranks": t["ranks"],
-            "grace_s": round(t["grace_s"], 3),
-            "ordered_s_ago": round(now - t["issued_at"], 3),
-            "reports": {str(r): v for r, v in t["reports"].items()},
-            "note": f"the generate was ordered to stop at token {t['limit']} and did not within {t['grace_s']:.1f} s",
-        }
-        ep.incident.write()
-
-    # ---- the resume audit
-
-    def _audit_begin(self, cur: attempts.Attempt, resume: Optional[str], step: Optional[int]) -> None:
-        """A new attempt after an earlier one: audit its replay of the steps the earlier attempts beat after its
-        resume point (step 0 when it starts from scratch; none when the resume point's step is unknown)."""
-        self.audit = None
-        ra = self.watchdog_cfg.resume_audit
-        if not ra.enabled or cur.number <= 1 or (resume and step is None):
-            return
-        resumed = int(step or 0)
-        before = earlier_beats(self.run_dir, cur.number, resumed)
-        if not before:
-            return
-        inc = self._failure_incident
-        rtol, note = default_rtol(ra.rtol, self.cfg.worker.command is not None), ""
-        setting = self._settings.get(cur.number)
-        if (
-            setting != self._settings.get(cur.number - 1, setting) and rtol < REBATCHED_RTOL
-        ):  # the OOM remediation changed the micro-batch in between
-            rtol, note = REBATCHED_RTOL, "the micro-batch changed after an OOM: the same sums in another order"
-        self.audit = ReplayAudit(
-            cur.number, resumed, before, rtol, incident=inc.id if inc is not None else None, note=note
-        )
-        self.audits.append(self.audit.record())
-        self._save_audit()
-
-    def _audit_step(self, cur: attempts.Attempt, rank: int, step: int, rec: dict, now: float) -> None:
-        verdict = self.audit.observe(rank, step, rec)
-        if verdict is None:
-            return
-        self._save_audit()
-        if verdict != "diverged":
-            log.info("resume_verified", attempt=cur.number, text=self.audit.text, incident=self.audit.incident)
-            return
-        ra, a = self.watchdog_cfg.resume_audit, self.audit
-        stop = ra.on_divergence == "stop"
-        then = (
-            "the run ends here (watchdog.resume_audit.on_divergence: stop)"
-            if stop
-            else "training goes on (watchdog.resume_audit.on_divergence: warn)"
-        )
-        inc = self.incidents.create(
-            "resume_diverged",
-            attempt=cur.number,
-            phase="train",
-            step=step,
-            classification="resume diverged",
-            summary=f"{a.text}; {then}",
-            status="final",
-            resume_audit=a.record(),
-            on_divergence=ra.on_divergence,
-            resumed_from=cur.resume_from,
-            last_incident=self.facts.last_incident,
-            last_good_checkpoint=self.facts.last_good_checkpoint,
-        )
-        self.facts.note_incident(inc)
-        self._view = None
-        self.audits[-1]["diverged_incident"] = inc.id
-        self._save_audit()
-        d = a.difference or {}
-        log.error(
-            "resume_diverged",
-            incident=inc.id,
-            attempt=cur.number,
-            step=step,
-            figure=d.get("figure"),
-            now=d.get("now"),
-            before=d.get("before"),
-            text=a.text,
-            on_divergence=ra.on_divergence,
-        )
-        if stop and self.abort is None:
-            self.abort = f"resume diverged — {a.text}"
-
-    def _audit_end(self) -> None:
-        """The attempt ended: an audit still open says what it did compare."""
-        if self.audit is not None and self.audit.ended() is not None:
-            self._save_audit()
-        self.audit = None
-
-    def _save_audit(self) -> None:
-        a = self.audit
-        if a is None:
-            return
-        rec = a.record()
-        extra = {k: v for k, v in self.audits[-1].items() if k not in rec}
-        self.audits[-1] = {**rec, **extra}
-        try:
-            self.fs.write_json(self.run_dir / AUDITS_NAME, {"audits": self.audits})
-        except OSError as exc:
-            self.write_failed(exc, self.run_dir / AUDITS_NAME)
-        inc = self._failure_incident
-        if inc is not None and a.incident == inc.id:
-            inc.data["resume_audit"] = self.audits[-1]
-            inc.write()
-
-    def stalled(self, now: float) -> None:
+    def on_stalled(self, now: float) -> None:
         if self.episode.sample_then_dump(self.tools, self.current, now):
             pids = [t.ref.pid for t in self.episode.dumps.targets]
             self.transition(State.DUMPING, f"snapshot taken; dumps of {pids} under way (signalled at detection)", now)
 
-    def dumping(self, now: float) -> None:
+    def on_dumping(self, now: float) -> None:
         ep = self.episode
         if ep.dumps.advance(now):
             ep.collect_dumps(self.current, now)
@@ -1157,102 +891,35 @@ class Supervisor:
             self.nodes.stall_read(ep, self.current, now)
             self.begin_kill(ep, now)
 
-    def killing(self, now: float) -> None:
+    def on_killing(self, now: float) -> None:
         killer = self.episode.killer
         if self.force and killer.kill_at is None:
             self.force = False
             killer.kill_now(now)
         if not killer.advance(now):
             return
-        if killer.survivors and self.unkillable is None and self._survivors(killer, now):
-            return  # no new attempt on top of a process SIGKILL could not end (restart.on_unkillable: wait)
-        if self.unkillable is not None:
-            left = killer.survivors_left(now)
-            if left and self.after_teardown not in (Intent.EXIT, Intent.FAIL, Intent.PEER_FAILED):
-                return  # an operator's stop (or a failure that ends the run) does not wait for them
-            self._stop_waiting(killer, now, gone=not left)
+        # Every concern is asked (none may miss the tree's end); one that holds keeps the next attempt from starting
+        # on top of what is left (restart.on_unkillable: wait).
+        held = [c.hold_teardown(self.current, self.episode, self.after_teardown, now) for c in self.concerns]
+        if any(held):
+            if not self.holding:
+                self.holding = True
+                self.status_note(now, force=True)
+            return
+        self.holding = False
         self.finish_episode(now)
 
-    def _survivors(self, killer, now: float) -> bool:
-        """Processes of the tree outlived SIGKILL by `kill_wait_s`: an `unkillable` incident and its alert; then, by
-        `restart.on_unkillable`, the run waits for them to go (True: stay in KILLING) or ends failed (False: the
-        episode finishes with that decision)."""
-        ep, cur = self.episode, self.current
-        mode = self.cfg.restart.on_unkillable
-        pids = [s.get("pid") for s in killer.survivors]
-        states = ", ".join(
-            f"{s.get('pid')} ({s.get('state')}, waiting in {s.get('wchan') or 'an unknown kernel function'})"
-            for s in killer.survivors
-        )
-        then = (
-            "no new attempt starts until they are gone (restart.on_unkillable: wait)"
-            if mode == "wait"
-            else "the run ends failed (restart.on_unkillable: fail)"
-        )
-        summary = (
-            f"{len(pids)} process(es) of attempt {cur.number}'s tree outlived SIGKILL by "
-            f"{self.watchdog_cfg.kill_wait_s:g} s: {states} — uninterruptible sleep in the kernel (NFS, a GPU "
-            f"driver); a reboot or a GPU reset may be needed; {then}"
-        )
-        inc = self.incidents.create(
-            "unkillable",
-            attempt=cur.number,
-            phase=None,
-            step=self.facts.last_step.get("step"),
-            classification="unkillable process",
-            summary=summary,
-            status="waiting" if mode == "wait" else "final",
-            survivors=killer.survivors,
-            on_unkillable=mode,
-            failure=ep.incident.id if ep.incident is not None else None,
-            failure_kind=ep.kind,
-            kill_wait_s=self.watchdog_cfg.kill_wait_s,
-            last_good_checkpoint=self.facts.last_good_checkpoint,
-        )
-        self.facts.note_incident(inc)
-        self._view = None
-        log.error("unkillable", incident=inc.id, attempt=cur.number, pids=pids, on_unkillable=mode, text=summary)
-        if mode == "fail":
-            ep.decision = Decision(
-                "fail", f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)"
-            )
-            return False
-        self.unkillable = inc
-        self.status_note(now, force=True)
-        return True
-
-    def _stop_waiting(self, killer, now: float, gone: bool) -> None:
-        """The survivors are gone (the run goes on), or the run ends while they are still there."""
-        inc, self.unkillable = self.unkillable, None
-        waited = round(now - (killer.done_at or now), 3)
-        if gone:
-            inc.data.update(status="final", gone_after_s=waited)
-            log.info(
-                "unkillable_gone", incident=inc.id, waited_s=waited, note="the survivors are gone: the run goes on"
-            )
-        else:
-            still = [r.pid for r in killer.survivor_refs]
-            inc.data.update(status="final", still_there=still, waited_s=waited)
-            log.warning(
-                "unkillable_left",
-                incident=inc.id,
-                pids=still,
-                waited_s=waited,
-                note="the run ends with them still there",
-            )
-        inc.write()
-
-    def backoff(self, now: float) -> None:
-        out = resolve(self.after_teardown, None, during="backoff", reason=self.fail_reason)
+    def on_backoff(self, now: float) -> None:
+        out = next_outcome(self.after_teardown, None, during="backoff", reason=self.fail_reason)
         if out is not None:
-            self.apply(out, now)
+            self.follow(out, now)
         elif self.backoff_until is None or now >= self.backoff_until:
             self.start_attempt(now)
 
-    def paused(self, now: float) -> None:
-        out = resolve(self.after_teardown, None, during="paused", reason=self.fail_reason)
+    def on_paused(self, now: float) -> None:
+        out = next_outcome(self.after_teardown, None, during="paused", reason=self.fail_reason)
         if out is not None and out.state is not State.PAUSED:
-            self.apply(out, now)
+            self.follow(out, now)
 
     # ---- actions
 
@@ -1279,6 +946,7 @@ class Supervisor:
         if self.lifecycle.state is not State.STARTING:
             self.transition(State.STARTING, f"attempt {number}", now)
         self.episode, self.backoff_until, self.expired, self.escalate_now = None, None, None, False
+        self.abort, self.holding = None, False
         try:
             self.current = attempts.start(
                 self.cfg,
@@ -1288,22 +956,22 @@ class Supervisor:
                 now,
                 fs=self.fs,
                 resume_from=resume,
-                take_standby=self.prewarm.take,
+                take_standby=self._take_worker,
                 rdzv_id=self.nodes.rdzv_id(),
                 resume_step=resume_step,
             )
-            self.current.foreign |= self.prewarm.pids()  # discarded standbys not reaped yet are not its orphans
+            for c in self.concerns:
+                self.current.foreign |= c.own_pids()  # a concern's processes (standbys) are not the tree's orphans
             if self.nodes.helper_pid:
                 self.current.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
             self.current.oom_kills_at_start = self.tools.kernel.oom_kills()
-            self.stepped, self._gen_tokens, self.truncation = False, {}, None
-            self._settings[number] = remediation.file_summary(self.run_dir)  # the micro-batch this attempt runs with
-            self._audit_begin(self.current, resume, resume_step)
+            for c in self.concerns:
+                c.attempt_started(self.current, resume_step, now)
         except OSError as exc:
             self.current = None
             if disk_error(exc):  # the attempt's directory or log cannot be made: the disk, not the config
                 self.write_failed(exc, Path(exc.filename or attempt_dir(self.run_dir, number)))
-                self.finish(Outcome(State.FAILED, self.fail_reason, EXIT_IOERR), now)
+                self.follow(Outcome(State.FAILED, self.fail_reason, EXIT_IOERR), now)
                 return
             spawn_failed_incident(
                 self.incidents,
@@ -1313,7 +981,7 @@ class Supervisor:
                 exc,
                 self.facts,
             )
-            self.finish(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
+            self.follow(Outcome(State.FAILED, f"cannot start the worker: {exc}", EXIT_CONFIG), now)
             return
         self.deadlines.arm_startup(now)
         self.policy.attempt_started(now, last_good_step=self.facts.last_good_step)
@@ -1334,6 +1002,14 @@ class Supervisor:
         self._view = None
         self.write_state(now, force=True)  # state.json records the new tree
 
+    def _take_worker(self, number: int, adir: Path, resume_from: str, now: float):
+        """A worker a concern already loaded for this attempt (a prewarmed standby), or None: spawn one."""
+        for c in self.concerns:
+            w = c.take_worker(number, adir, resume_from, now)
+            if w is not None:
+                return w
+        return None
+
     def _await_rendezvous(self, why: str, now: float) -> None:
         if self.lifecycle.state is not State.STARTING:
             self.transition(State.STARTING, why, now)
@@ -1349,55 +1025,67 @@ class Supervisor:
         log.info(
             "graceful_stop", intent=self.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3)
         )
-        self.prewarm.begin(self.current, self.after_teardown, None, now, why=f"{self.after_teardown.value} requested")
+        for c in self.concerns:
+            c.stop_requested(self.current, self.after_teardown, now)
 
     def worker_exited(self, now: float) -> None:
         cur, w = self.current, self.current.worker
         if self.lifecycle.state is State.STOPPING:
-            self.goodput.progress(now)
-            self.after_failure = False
-            ep = Episode.exited(
-                self.tools,
-                cur,
-                self.deadlines,
-                self.facts,
-                now,
-                stopping=f"graceful stop ({self.after_teardown.value})",
-            )
+            stopping = f"graceful stop ({self.after_teardown.value})"
+            self._open(Episode.exited(self.tools, cur, self.deadlines, self.facts, now, stopping=stopping), now)
+            self.begin_kill(self.episode, now, why="worker exited; ending what is left of its tree")
+            return
+        stop_reason = cur.stop_reason(self.deadlines.main_rank())
+        code = w.exit_code if w.exit_signal is None else None
+        free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
+        # A signal after every rank said it had finished: a crash in the process's teardown, not a failed run
+        done = None if free is not None else teardown_crash_of(cur, self.deadlines.ranks)
+        if done is not None:
+            log.warning("worker_teardown_crash", attempt=cur.number, why=done)
+        # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
+        # root-cause report keep the run from restarting it for ever
+        decision = free or self.policy.on_exit(
+            now,
+            code,
+            stop_reason,
+            own_command=self.cfg.worker.command is not None,
+            no_retry=no_retry(cur) if done is None else None,
+            teardown=done,
+        )
+        if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
+            ep = Episode(None, None, now, reason=decision.reason)
         else:
-            stop_reason = cur.stop_reason(self.deadlines.main_rank())
-            code = w.exit_code if w.exit_signal is None else None
-            free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
-            # A signal after every rank said it had finished: a crash in the process's teardown, not a failed run
-            done = None if free is not None else teardown_crash_of(cur, self.deadlines.ranks)
-            if done is not None:
-                log.warning("worker_teardown_crash", attempt=cur.number, why=done)
-            # torchrun exits 1 for a rank's configuration, data or disk error: the ranks' last words and torchrun's
-            # root-cause report keep the run from restarting it for ever
-            decision = free or self.policy.on_exit(
-                now,
-                code,
-                stop_reason,
-                own_command=self.cfg.worker.command is not None,
-                no_retry=no_retry(cur) if done is None else None,
-                teardown=done,
-            )
-            if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
-                ep = Episode(None, None, now, decision=decision, reason=decision.reason)
-            else:
-                ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, decision=decision)
-            if ep.incident is not None:
-                self.nodes.exit_read(ep, decision, cur, now)
-                self.goodput.detected(now)
-                self.after_failure = True
-            else:
-                self.goodput.progress(now)
-                self.after_failure = False
-            remediation.on_episode(
-                self.remediation, ep, cur.number, self.run_dir
-            )  # an OOM: a smaller micro-batch, or failed
-            self.prewarm.begin(cur, self.after_teardown, ep.decision, now, why=ep.kind or "worker exited")
+            ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, decision=decision)
+        self.episode = ep
+        self._decide(ep, decision, now)  # an OOM's remedy replaces the policy's restart
+        if ep.incident is not None:
+            self.nodes.exit_read(ep, decision, cur, now)
+        self._open(ep, now)
         self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
+
+    def _decided_end(
+        self, ep: Episode, decision: Optional[Decision], now: float, send_term: bool = True, why: Optional[str] = None
+    ) -> None:
+        """An end the loop decides itself (a forced stop, a concern's reason to end the run, a peer's new generation
+        before this attempt's ranks started): no detection, no incident; the tree is killed."""
+        self.episode = ep
+        self._decide(ep, decision, now)
+        self.begin_kill(ep, now, send_term=send_term, why=why)
+
+    def _decide(self, ep: Episode, base: Optional[Decision], now: float, tree_gone: bool = False) -> None:
+        """The one writer of an episode's decision: `base` (the restart policy's on an exit, the loop's own), then
+        each concern's replacement (an OOM's remedy, a failure that cannot be survived); once the tree is gone and
+        nothing decided it — no request either — the nodes (a peer's doing), then the policy on a failure."""
+        decision = base
+        for c in self.concerns:
+            decision = c.decision(self.current, ep, decision, now) or decision
+        if decision is None and tree_gone and self.after_teardown is Intent.NONE:
+            if ep.kind:
+                decision = self.nodes.stall_cause(ep, now)  # several nodes: free when the culprit is elsewhere
+            if decision is None:
+                done = ep.work_done  # every rank had finished: the way out hung
+                decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
+        ep.decision = decision
 
     def begin_kill(self, ep: Episode, now: float, send_term: bool = True, why: Optional[str] = None) -> None:
         self.episode = ep
@@ -1414,15 +1102,11 @@ class Supervisor:
         if cur.output is not None:
             cur.output.close()
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
-        self._audit_end()
-        self._failure_incident = ep.incident  # the failure the next attempt recovers from (None: a clean end)
+        for c in self.concerns:
+            c.attempt_ended(cur, ep, now)
         self.save_calibration()
-        if ep.decision is None and self.after_teardown is Intent.NONE and ep.kind:
-            self.nodes.stall_cause(ep, now)  # several nodes: free when the evidence puts the culprit elsewhere
-        if ep.decision is None and self.after_teardown is Intent.NONE:
-            done = ep.work_done  # every rank had finished: the way out hung
-            ep.decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
-        out = resolve(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
+        self._decide(ep, ep.decision, now, tree_gone=True)
+        out = next_outcome(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
         ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())
         log.info(
             "tree_gone",
@@ -1434,11 +1118,12 @@ class Supervisor:
         self.episode = None
         if out.state is State.FAILED and ep.decision is not None and ep.decision.crash_loop:
             crash_loop_incident(self.incidents, self.attempt, ep.decision, self.policy, self.cfg.restart, self.facts)
-        self.apply(out, now)
+        self.follow(out, now)
 
-    def apply(self, out: Outcome, now: float) -> None:
-        if out.state not in (State.STARTING, State.BACKOFF):
-            self.prewarm.discard(now, f"no restart: {out.state.value} ({out.why})")
+    def follow(self, out: Outcome, now: float) -> None:
+        """Go where the outcome says: a new attempt now or after a backoff, paused, or a final state."""
+        for c in self.concerns:
+            c.outcome(out, now)
         if out.state is State.STARTING:
             self.after_teardown = Intent.NONE
             self.start_attempt(now)
@@ -1452,7 +1137,6 @@ class Supervisor:
             self.finish(out, now)
 
     def finish(self, out: Outcome, now: float) -> None:
-        self.prewarm.discard(now, f"the run ends {out.state.value}")
         self.exit_code = out.exit_code
         if out.state is not State.FAILED:
             self.notify("stopping")
@@ -1491,9 +1175,12 @@ class Supervisor:
         watching = st.watched and self.worker_alive()
         last = dict(facts.last_step)
         if self._healing is None:
-            self._healing = remediation.state_fields(self.run_dir)
+            self._healing = healing_fields(self.run_dir)
         if self._socket is None:
             self._socket = str(getattr(self.control, "path", None) or socket_path_for(self.cfg, self.run_dir))
+        extra: dict = {}
+        for c in self.concerns:  # the goodput ledger, the standby
+            extra.update(c.readers(now))
         readers = views.Readers(
             ranks=lambda: tuple(t for _, t in sorted(dl.ranks.items())) if cur else (),
             deadlines=lambda: tuple(dl.active(now)) if watching else (),
@@ -1504,8 +1191,7 @@ class Supervisor:
             gpu=lambda: self.gpu.summary(now),
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
             output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
-            goodput=self.goodput.snapshot,
-            standby=lambda: self.prewarm.describe(now),
+            **extra,
         )
         v = View(
             now=now,
@@ -1563,22 +1249,6 @@ class Supervisor:
             self._view = None
             self.write_state(now, force=True)
 
-    def _goodput_tick(self, now: float) -> None:
-        """The goodput ledger learns what the time from `now` on is (the state settled in this pass)."""
-        ep = self.episode
-        tr = self.deadlines.ranks.get(self.deadlines.main_rank()) if self.current is not None else None
-        self.goodput.tick(
-            now,
-            activity(
-                self.lifecycle.state.value,
-                phase=tr.phase if tr is not None else None,
-                stepped=self.stepped,
-                after_failure=self.after_failure,
-                failing=ep is None or ep.incident is not None,
-                tree_gone=ep is not None and ep.killer is not None and ep.killer.gone_at is not None,
-            ),
-        )
-
     def status_note(self, now: float, force: bool = False) -> None:
         """systemd's STATUS= line (at most every STATUS_NOTE_S unless forced)."""
         if force or now - self._last_status_note >= STATUS_NOTE_S:
@@ -1626,7 +1296,7 @@ class Supervisor:
         if (
             force or self.lifecycle.state.final or self._healing is None
         ):  # self-healing's record: read when it can change
-            self._healing = remediation.state_fields(self.run_dir)
+            self._healing = healing_fields(self.run_dir)
             self._view = None
         data = views.state_record(self.view(now), self.table.ref_of(os.getpid()), why=self.lifecycle.reason or None)
         self.nodes.offer(self.facts.last_good_checkpoint, self.facts.last_good_step)  # for the peers' resume choice
@@ -1634,14 +1304,6 @@ class Supervisor:
             run_state.write(self.state_path, data, fs=self.fs)
         except OSError as exc:
             self.write_failed(exc, self.state_path)
-        if now - self._last_goodput_write >= STATE_WRITE_S or self.lifecycle.state.final:
-            self._last_goodput_write = now
-            try:  # a record for `report` and the end summary; status reads the ledger itself
-                self.fs.write_json(
-                    self.run_dir / GOODPUT_NAME, self.goodput.record(), durable=self.lifecycle.state.final
-                )
-            except OSError as exc:
-                self.write_failed(exc, self.run_dir / GOODPUT_NAME)
 
 
 def notifier_due(notifier: Any, now: float) -> Optional[float]:

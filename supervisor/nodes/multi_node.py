@@ -27,7 +27,7 @@ on its own budget, and its record saying `failed` ends the others `failed` too.
 
 Pure decisions (`peer_cause`, `missing_words`, `present_nodes`, at the end of this module) are functions of what
 the link saw; `MultiNode` keeps the little state there is (the attempt's generation, the rendezvous wait) and every
-method takes `now`.  The loop sees it only through the `nodes.seam.Nodes` interface.
+method takes `now`.  The loop sees it only through the `nodes.interface.Nodes` interface.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import structlog
 
 from hangwatch.common.config import Config
 from hangwatch.common.exitcodes import NO_RESTART_CODES
+from hangwatch.supervisor.nodes.interface import Nodes
 from hangwatch.supervisor.nodes.node_incident import (
     amend_exit,
     amend_late,
@@ -57,7 +58,6 @@ from hangwatch.supervisor.nodes.peers import (
     helper_argv,
     spawn_helper,
 )
-from hangwatch.supervisor.nodes.seam import Nodes
 from hangwatch.supervisor.processes.attempt import Attempt, rdzv_id_for
 from hangwatch.supervisor.processes.process import ProcessTable
 from hangwatch.supervisor.rules.policy import FINISH_REASONS, Decision
@@ -68,8 +68,9 @@ BUMP_RETRY_S = 5.0  # a bump unanswered this long (the store went away meanwhile
 FAILED_RETRY_S = 0.5  # an order the helper could not carry out (no store yet) is sent again after this long
 LATE_NOTICE_S = 30.0  # a victims' incident waits this long for the culprit node's notice
 PEER_GRACE_S = 3.0  # a victims-only node waits this long for the culprit node's bump before it bumps itself
-# torchrun's agent, its ranks done, waits for every node's agent at its exit barrier this long (torch.distributed.elastic's
-# SimpleElasticAgent(exit_barrier_timeout=300); torchrun has no option for it), then exits all the same.
+# torchrun's agent, its ranks done, waits for every node's agent at its exit barrier this long
+# (torch.distributed.elastic's SimpleElasticAgent(exit_barrier_timeout=300); torchrun has no option for it),
+# then exits all the same.
 EXIT_BARRIER_S = 300.0
 EXIT_BARRIER_MARGIN_S = 30.0  # the agent's own shutdown after the barrier
 
@@ -237,7 +238,7 @@ class MultiNode(Nodes):
                 note = f"torchrun restarted rank {rank} within attempt {attempt} (round {count + 1}); not a fault"
         return note
 
-    def excuses(self, expired, now: float, deadlines, attempt, table) -> bool:
+    def absorbs_overdue(self, expired, now: float, deadlines, attempt, table) -> bool:
         """Whether a deadline that fired is not a stall on a multi-node run (True: `deadlines` were re-armed):
         * torchrun (`worker.max_restarts`) ended the rank and starts a new rendezvous round by itself: like a new
           start, the startup deadline from when every node is back, the lost-peer report before;
@@ -341,7 +342,8 @@ class MultiNode(Nodes):
         self.victims_since = now
 
     def late_notice(self, now: float) -> Optional[tuple]:
-        """(incident, notice) once a peer's notice of a generation after the victims' attempt arrived; None meanwhile."""
+        """(incident, notice) once a peer's notice of a generation after the victims' attempt arrived; None
+        meanwhile."""
         if self.awaiting_notice is None:
             return None
         inc, gen, since = self.awaiting_notice
@@ -432,7 +434,7 @@ class MultiNode(Nodes):
     def while_running(self, now: float, incidents, facts, attempt: int) -> tuple[bool, Optional[str]]:
         late = self.late_notice(now)
         if late is not None:
-            amend_late(*late)
+            amend_late(incidents, *late)
         changed = False
         words = self.overdue_wait(now)
         if words:
@@ -491,7 +493,7 @@ class MultiNode(Nodes):
                 step=ep.incident.data.get("step") if ep.incident else None,
             )
 
-    def stall_cause(self, ep, now: float) -> None:
+    def stall_cause(self, ep, now: float) -> Optional[Decision]:
         """A stall's end: free when the evidence puts the culprit elsewhere (`peer_cause`)."""
         notice = ep.peer_notice or self.newer_notice()
         cause = peer_cause(ep.own_culprit, notice, self.bump_won(), self.store_lost())
@@ -507,12 +509,14 @@ class MultiNode(Nodes):
             # deadline fired first (they tie).
             inc.rekind("peer_restart")
             ep.kind = "peer_restart"
+        decision = None
         if cause is not None:
-            ep.decision = Decision(
+            decision = Decision(
                 "restart", f"{cause}; not a failure of node {self.name} (its restart budget is untouched)"
             )
         if inc is not None and notice is None and ep.own_culprit is False:
             self.await_notice(inc, now)  # the culprit's node may say why a moment later: the incident is amended then
+        return decision
 
     def status(self) -> dict:
         v = self.link.view

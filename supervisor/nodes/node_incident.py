@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Optional
 
 import structlog
 
-from hangwatch.supervisor.episode import rank_evidence
-from hangwatch.supervisor.episode.episode import own_failure, rank_last_words
+from hangwatch.supervisor.escalation import rank_evidence
+from hangwatch.supervisor.escalation.episode import own_failure, rank_last_words
 from hangwatch.supervisor.incidents.verdict import CULPRIT, decide, read_rank
 
 if TYPE_CHECKING:
-    from hangwatch.supervisor.episode.episode import Episode
+    from hangwatch.supervisor.escalation.episode import Episode
     from hangwatch.supervisor.processes.attempt import Attempt
 
 log = structlog.get_logger("hangwatch")
@@ -98,8 +98,7 @@ def amend_stall(ep: "Episode", attempt: "Attempt", node: str, notice: Optional[d
         summary = f"{inc.data.get('summary')}; {words}"
     if notice is not None:
         fields["peer_notice"] = notice
-    inc.data.update(fields, summary=summary)
-    inc.write()
+    ep.amend({**fields, "summary": summary})
 
 
 def exit_own_culprit(attempt: "Attempt") -> Optional[bool]:
@@ -123,18 +122,16 @@ def amend_exit(ep: "Episode", node: str, own: Optional[bool], notice: Optional[d
             summary = f"{peer_words(notice)}; local ranks: {summary}"
     elif cause and not own:
         summary = f"{cause}; {summary}"
-    inc.data.update(fields, summary=summary)
-    inc.write()
+    ep.amend({**fields, "summary": summary})
 
 
-def amend_late(inc, notice: dict) -> None:
+def amend_late(store, inc, notice: dict) -> None:
     """A victims' incident, written before the peer said why it restarted: now it says, and is the peer's restart."""
     if "peer_notice" in inc.data:
         return
-    inc.data.update(peer_notice=notice, summary=f"{peer_words(notice)}; {inc.data.get('summary')}")
     if inc.kind != "peer_restart":
         inc.rekind("peer_restart")
-    inc.write()
+    store.amend(inc, peer_notice=notice, summary=f"{peer_words(notice)}; {inc.data.get('summary')}")
     log.info(
         "incident_amended", incident=inc.id, peer=notice.get("node"), why="the peer's notice came after the incident"
     )

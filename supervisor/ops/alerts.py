@@ -26,10 +26,10 @@ does the slow part on its own thread.
 Three events stand apart from the incidents' storm control.  `resume_diverged` is sent at once, always: it
 happens at most once per resumed attempt, and held or summarised it would let a run spend its GPU time on
 training that is no longer the run it replaced.  `unkillable` too: a person has to act (nothing hangwatch
-can do ends the process), and it happens at most once per failure.  `generate_truncated` is a warning with a throttle of its
-own: the first of the run is sent; a model that lost its EOS truncates at every eval, so the later ones are
-held and go out with the next alert, or as one summary at most every `min_interval_s` — never delaying,
-and never delayed by, an incident alert.
+can do ends the process), and it happens at most once per failure.  `generate_truncated` is a warning
+with a throttle of its own: the first of the run is sent; a model that lost its EOS truncates at every
+eval, so the later ones are held and go out with the next alert, or as one summary at most every
+`min_interval_s` — never delaying, and never delayed by, an incident alert.
 """
 
 from __future__ import annotations

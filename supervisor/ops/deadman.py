@@ -82,7 +82,8 @@ class DeadMan:
 
 
 class Pinger:
-    """The outbox's deliverer: one HTTP GET with a timeout; a failure is logged (once per failing streak) and counted."""
+    """The outbox's deliverer: one HTTP GET with a timeout; a failure is logged (once per failing streak)
+    and counted."""
 
     name = "deadman"
 

@@ -1,7 +1,8 @@
 """Prometheus metrics: `/metrics` on `metrics.listen` and/or a textfile for node_exporter (`metrics.textfile`).
 
-The loop's read model becomes a `Snapshot` (`take(view)`, at most once a second, on the loop thread) and swaps it in whole; the scrape thread (prometheus-client's HTTP server) and the
-textfile thread only read the latest one, so a scrape never races the loop and never costs it a pass.
+The loop's read model becomes a `Snapshot` (`take(view)`, at most once a second, on the loop thread) and
+swaps it in whole; the scrape thread (prometheus-client's HTTP server) and the textfile thread only read
+the latest one, so a scrape never races the loop and never costs it a pass.
 `hangwatch_snapshot_timestamp_seconds` says when the loop last took one: a wedged loop shows as a stale
 timestamp even while the HTTP thread still answers (configs/prometheus/hangwatch-rules.yml alerts on it).
 
@@ -32,7 +33,7 @@ from hangwatch.supervisor.ops.notify import Stats
 from hangwatch.supervisor.rules.states import State
 
 if TYPE_CHECKING:
-    from hangwatch.supervisor.loop.view import View
+    from hangwatch.supervisor.read_model.view import View
 
 log = structlog.get_logger("hangwatch")
 

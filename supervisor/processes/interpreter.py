@@ -24,7 +24,7 @@ from hangwatch.supervisor.processes.attempt import BARE_PYTHONS
 PROBE_TIMEOUT_S = 10.0
 
 
-def resolve(program: str, cwd: Optional[str], env: Mapping[str, str]) -> Optional[Path]:
+def executable_path(program: str, cwd: Optional[str], env: Mapping[str, str]) -> Optional[Path]:
     """The file `program` names as the worker would run it (PATH of its environment; relative to its cwd)."""
     if program in BARE_PYTHONS:
         return Path(sys.executable)
@@ -55,7 +55,7 @@ def python_of(argv: list[str], cwd: Optional[str], env: Mapping[str, str]) -> Op
     script, a binary)."""
     if not argv:
         return None
-    first = resolve(argv[0], cwd, env)
+    first = executable_path(argv[0], cwd, env)
     if Path(argv[0]).name.startswith("python"):
         return str(first) if first else argv[0]
     if first is None or not first.is_file():
@@ -63,7 +63,7 @@ def python_of(argv: list[str], cwd: Optional[str], env: Mapping[str, str]) -> Op
     inner = shebang_python(first)
     if inner is None:
         return None
-    found = resolve(inner, cwd, env)
+    found = executable_path(inner, cwd, env)
     return str(found) if found else inner
 
 

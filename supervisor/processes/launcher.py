@@ -8,7 +8,8 @@ Every node's attempt is `python -m torch.distributed.run` with the c10d rendezvo
 * `is_host=false`: the store at the endpoint is the one hangwatch's peer link hosts (`supervisor.peers`), which
   outlives torchrun's restarts; a torchrun that hosted it would take it down with it.
 * `join_timeout`: torchrun waits at the rendezvous as long as hangwatch does; how long is too long is
-  `worker.rdzv_timeout_s`, judged by the supervisor (`nodes.multi_node.MultiNode.overdue_wait`), which says who is missing.
+  `worker.rdzv_timeout_s`, judged by the supervisor (`nodes.multi_node.MultiNode.overdue_wait`), which says
+  who is missing.
 * the generation in the id makes every coordinated restart a fresh rendezvous: a torchrun that ends with a
   failure closes its rendezvous for good (its `shutdown()`), so the same id could never be joined again.
 

@@ -33,7 +33,7 @@ The last good checkpoint (`last_good`) is the good one with the highest step, th
 announced; `state.json` and `status` show it as recorded.  The resume point (`resume_point`) is the
 same, but skips ones that no longer exist on disk (a script's own retention deleted them).  Paths
 are recorded as announced; a relative one is the worker's (relative to `worker.cwd`), so existence is
-checked, and the path handed over made absolute, against that directory (`resolve`).  The newest
+checked, and the path handed over made absolute, against that directory (`resolved_path`).  The newest
 MAX_KEPT settled records are kept (with every pending one and the last good one, however old).
 
 `PersistedLedger` wraps the record with its file: loaded when the supervisor starts (so a
@@ -88,7 +88,7 @@ def loss_of(rec: dict) -> Optional[float]:
 class Entry:
     """One announced checkpoint and what became of it."""
 
-    path: str  # as the worker announced it (relative paths are the worker's, see `resolve`)
+    path: str  # as the worker announced it (relative paths are the worker's, see `resolved_path`)
     step: Optional[int]
     status: str
     attempt: int
@@ -323,7 +323,7 @@ def _num(x: float) -> str:
     return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf") if math.isinf(x) else f"{x:g}"
 
 
-def resolve(path: str, cwd: Optional[str]) -> str:
+def resolved_path(path: str, cwd: Optional[str]) -> str:
     """An announced path as an absolute one: relative paths are the worker's, relative to its cwd."""
     return os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(path)))
 
@@ -423,13 +423,13 @@ def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> t
     """What the attempt about to start resumes from (HANGWATCH_RESUME_FROM): (the newest good checkpoint still on
     disk as an absolute path — relative ones are the worker's, its cwd —, its step); ("", None) for none.  Good ones
     that were deleted since are skipped, and said so."""
-    chosen, skipped = book.resume_point(lambda e: os.path.exists(resolve(e.path, cwd)))
+    chosen, skipped = book.resume_point(lambda e: os.path.exists(resolved_path(e.path, cwd)))
     for e in skipped:
         log.warning(
             "good_checkpoint_missing",
             path=e.path,
             step=e.step,
-            resolved=resolve(e.path, cwd),
+            resolved=resolved_path(e.path, cwd),
             note="no longer on disk: skipped",
         )
     if chosen is None:
@@ -441,7 +441,7 @@ def resume_choice(book: CheckpointLedger, cwd: Optional[str], attempt: int) -> t
             note="no good checkpoint on disk: HANGWATCH_RESUME_FROM is empty",
         )
         return "", None
-    path = resolve(chosen.path, cwd)
+    path = resolved_path(chosen.path, cwd)
     log.info("resume_from", attempt=attempt, path=path, step=chosen.step, why=chosen.why)
     return path, chosen.step
 
@@ -461,7 +461,7 @@ def set_aside_bad(
     for e in book.entries.values():
         if e.status != BAD or e.set_aside:
             continue
-        src = resolve(e.path, cwd)
+        src = resolved_path(e.path, cwd)
         if not os.path.lexists(src):
             continue
         dst, n = src.rstrip(os.sep) + ASIDE_SUFFIX, 1

@@ -8,7 +8,7 @@ It records enough for the next supervisor to find what this one leaves behind if
 its own pid and start time, the worker's pid, process group, session and start time, the pids
 each rank announced and the descendants seen, each with its start time (see `leftovers`).
 `hangwatch status` without a socket and `hangwatch report` read it too.  The loop fills it from its
-read model (`loop.view.state_record`).
+read model (`read_model.view.state_record`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hangwatch.supervisor.records.checkpoint_ledger import CheckpointLedger
 FORMAT_VERSION = 1
 
 
-class RunFacts:
+class RunRecord:
     """What the run has established so far, kept across attempts (and, via state.json and the checkpoint
     ledger, across supervisors).  `last_good_checkpoint`/`last_good_step` are the ledger's answer
     (`checkpoint_ledger`); state.json keeps showing them for `status` and `report`."""
@@ -66,7 +66,7 @@ class RunFacts:
         return e.step if e else None
 
     @classmethod
-    def from_previous(cls, data: Optional[dict], checkpoints: Optional[CheckpointLedger] = None) -> "RunFacts":
+    def from_previous(cls, data: Optional[dict], checkpoints: Optional[CheckpointLedger] = None) -> "RunRecord":
         data = data or {}
         return cls(
             restarts=int(data.get("restarts") or 0),

@@ -1,7 +1,12 @@
 """The supervisor's rules: pure decisions and their vocabulary, table-tested, with no I/O.
 
 Owns: the lifecycle states (an Enum whose members know whether they are watched, escalating or final)
-and the only transitions allowed between them; what follows a worker's end (`outcome.resolve`: an
+and the only transitions allowed between them; what follows a worker's end (`outcome.next_outcome`: an
 operator's intent against the restart policy's decision); the restart policy (backoff, crash loop,
-no progress); a rank's do-not-restart error under torchrun (`no_retry`).  May import: `hangwatch.common` only — every other part of the supervisor may import it.
+no progress); a rank's do-not-restart error under torchrun (`no_retry`); a crash in teardown (`teardown`).
+
+May import (`MAY_IMPORT`): `hangwatch.common` only — every other part of the supervisor may import it.
 """
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ()

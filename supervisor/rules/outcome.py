@@ -54,7 +54,7 @@ REQUESTED = {
 }
 
 
-def resolve(
+def next_outcome(
     intent: Intent,
     decision: Optional[Decision],
     exit_code: Optional[int] = None,

@@ -396,7 +396,8 @@ BAD = [
     ),
     (
         "worker:\n  command: [python, x.py]\nwatchdog:\n  startup_timeout_s: soon\n",
-        "{p}:4: watchdog.startup_timeout_s: Input should be a valid number, unable to parse string as a number, got 'soon'",
+        "{p}:4: watchdog.startup_timeout_s: Input should be a valid number, unable to parse string as a number, got "
+        "'soon'",
     ),
     (
         "worker:\n  command: [python, x.py]\nrestart:\n  max_restarts: -1\n",
@@ -454,7 +455,6 @@ def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_pat
     inc = IncidentStore(tmp_path).create(
         "stall", attempt=1, phase="generate", step=40, summary="phase deadline 10.0s exceeded in phase 'generate'"
     )
-    inc.write()
     (tmp_path / "final").mkdir()
     statefile.write(tmp_path / "state.json", {"state": "finished", "attempt": 2})
     r = CliRunner().invoke(main, ["incidents", "--run-dir", str(tmp_path), "--json"])
@@ -489,7 +489,8 @@ def heavy_imports_of(*argv) -> tuple[object, list[str], str]:
         "from hangwatch.supervisor.cli.main import main\n"
         "try:\n    main(sys.argv[1:], prog_name='hangwatch')\nexcept SystemExit as exc:\n    rc = exc.code\n"
         f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
-        "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or m.startswith('hangwatch.daemon'))\n"
+        "heavy += sorted(m for m in sys.modules if m == 'hangwatch.common.config' or "
+        "m.startswith('hangwatch.daemon'))\n"
         "print(json.dumps([rc, heavy]), file=sys.stderr)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("HANGWATCH_")}

@@ -102,7 +102,8 @@ def test_install_refuses_without_an_executable(tmp_path):
     assert r.returncode == 1
     assert (
         r.stderr.strip()
-        == f"install-service: no hangwatch executable at {tmp_path / 'nothing'}; run scripts/setup.sh first or pass --bin PATH"
+        == f"install-service: no hangwatch executable at {tmp_path / 'nothing'}; run scripts/setup.sh first or pass "
+        "--bin PATH"
     )
     r = install("--frobnicate")
     assert r.returncode == 64 and "unknown argument: --frobnicate" in r.stderr

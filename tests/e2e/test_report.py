@@ -5,8 +5,9 @@ tokens/s, step time, a good checkpoint every 10 steps, eval generations into evo
 from HANGWATCH_RESUME_FROM; attempt 1 hangs in C at step 23 (a stall), attempt 2 crashes at step 41, attempt
 3 finishes.  The page must open without a network (no external script), and Chromium must draw the four
 charts with both incidents marked and the goodput section (its timeline, a row for every category); the
-resume audit of attempt 2 (it replayed steps 21–22) is listed; its screenshot is kept (HANGWATCH_SAVE_SCREENSHOT=1 copies it to
-docs/report-screenshot.png, the README's picture).  Skips where no Chromium is installed.
+resume audit of attempt 2 (it replayed steps 21–22) is listed; its screenshot is kept
+(HANGWATCH_SAVE_SCREENSHOT=1 copies it to docs/report-screenshot.png, the README's picture).  Skips where no
+Chromium is installed.
 """
 
 from __future__ import annotations

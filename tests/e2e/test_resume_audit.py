@@ -28,6 +28,7 @@ import pytest
 from fixtures.fakes.user_shell import incidents, run_hangwatch, worker_logs
 
 from hangwatch.common.protocol import decode_line
+from hangwatch.supervisor.incidents import IncidentStore
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "fixtures" / "user_scripts" / "resume_audit_loop.py"
@@ -200,6 +201,8 @@ def assert_diverged_at_the_first_replayed_step(
 
     crash_dir, crash = crash_incident(run_dir)
     assert names_incident(audit["incident"], crash_dir, crash), (audit["incident"], crash_dir.name)
+    assert "resume_audit" not in crash  # the audit is linked to the failure's incident, not written into it …
+    crash = IncidentStore(run_dir).get(crash["id"])  # … and joined when it is read
     assert crash["resume_audit"]["verdict"] == "diverged", crash.get("resume_audit")
     assert crash["resume_audit"]["difference"] == diff, crash.get("resume_audit")
 
@@ -237,11 +240,13 @@ def test_a_resume_that_restores_everything_is_verified_over_the_replayed_steps(t
     assert re.search(rf"steps {REPLAYED[0]}\s*[–-]\s*{REPLAYED[1]}\b", text), text
     assert "loss" in text and "lr" in text, text
 
-    # No divergence anywhere; the crash incident carries the audit of the restart it caused.
+    # No divergence anywhere; the crash incident, read with its findings, has the audit of the restart it caused.
     assert not diverged_incidents(run_dir), [(d.name, inc.get("summary")) for d, inc in incidents(run_dir)]
     assert not log_events(run_dir, "resume_diverged")
     crash_dir, crash = crash_incident(run_dir)
     assert names_incident(audit["incident"], crash_dir, crash), (audit["incident"], crash_dir.name)
+    assert "resume_audit" not in crash
+    crash = IncidentStore(run_dir).get(crash["id"])
     assert crash["resume_audit"]["verdict"] == "verified", crash.get("resume_audit")
     assert crash["resume_audit"]["replayed"] == REPLAYED, crash.get("resume_audit")
 

@@ -1,4 +1,5 @@
-"""Alerts, the dead-man's ping and /metrics on a real `hangwatch run` (stdlib heartbeat workers, real HTTP on 127.0.0.1).
+"""Alerts, the dead-man's ping and /metrics on a real `hangwatch run` (stdlib heartbeat workers, real HTTP on
+127.0.0.1).
 
 * the incident alert reaches apprise's JSON webhook within 2 s of the incident being handled, with run,
   kind, culprit, frame, step, what hangwatch did, how long it took and where the incident is; the

@@ -5,11 +5,11 @@ Four files are published one after another while the worker runs; none fills a w
 steps, and nothing comes after the last one.  The kills land: around the first flush (the quiet
 wait, the partial step, its checkpoint, the ledger commit, the settling eval); at a random step
 while a file trains; in the work of a later flush (just after the worker decided it); and at a
-random moment of the quiet that follows the last file.  Throughout: no restart goes back further than the newest checkpoint the killed worker had
-announced (so never to step 0 once one existed), the ledger never holds an example twice, and after
-the last file `processing/` is empty within `data.flush_after_s` + one step of its arrival.  At the
-end every example is in the ledger exactly once, every file in done/, and the newest checkpoint was
-confirmed good on its held-out loss.
+random moment of the quiet that follows the last file.  Throughout: no restart goes back further
+than the newest checkpoint the killed worker had announced (so never to step 0 once one existed),
+the ledger never holds an example twice, and after the last file `processing/` is empty within
+`data.flush_after_s` + one step of its arrival.  At the end every example is in the ledger exactly
+once, every file in done/, and the newest checkpoint was confirmed good on its held-out loss.
 
 The kill moments come from a seed printed at the start; HANGWATCH_TEST_SEED=N replays it."""
 
@@ -65,7 +65,10 @@ class Worker:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         last = self.beats()[-1]
-        return f"attempt {self.attempt} killed in phase {last['phase']} at step {last['step']} (last beat: {last['event']})"
+        return (
+            f"attempt {self.attempt} killed in phase {last['phase']} at step {last['step']} "
+            f"(last beat: {last['event']})"
+        )
 
 
 def sleep_until(t: float) -> None:

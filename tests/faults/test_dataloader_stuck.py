@@ -82,7 +82,10 @@ def test_the_incident_names_the_stuck_dataloader_worker_and_its_frame(tmp_path, 
     stalls = [i for i in incidents(run_dir) if i["kind"] == "stall"]
     assert len(stalls) == 1, [(i["kind"], i.get("summary")) for i in incidents(run_dir)]
     inc = stalls[0]
-    where = f"incident {inc['id']}: {inc['summary']} / {inc.get('dataloader_verdict')} / {inc.get('dataloader_workers_dumped')}"
+    where = (
+        f"incident {inc['id']}: {inc['summary']} / {inc.get('dataloader_verdict')} / "
+        f"{inc.get('dataloader_workers_dumped')}"
+    )
     assert inc["landmark"]["kind"] == "dataloader" and inc["caller_frame"]["function"] == "main", where
     assert inc["summary"].startswith("in DataLoader.__next__(), called from main (dataloader_stuck.py:"), where
     assert inc["stuck_worker_pid"] == truth, where

@@ -31,7 +31,7 @@ from fixtures.fakes.sup_harness import (
 )
 from fixtures.fakes.watchdog_settings import FAST_WATCHDOG
 
-from hangwatch.supervisor.episode.dump_collector import find_py_spy
+from hangwatch.supervisor.escalation.dump_collector import find_py_spy
 
 FIXTURE = ROOT / "tests" / "fixtures" / "workers" / "ddp_spin.py"
 STALLS = 10

@@ -12,6 +12,8 @@ import pytest
 from fixtures.fakes.sup_harness import start_supervisor, wait_for
 from fixtures.fakes.workers import make_config, read_beats
 
+from hangwatch.supervisor.incidents import IncidentStore
+
 pytestmark = pytest.mark.slow
 
 
@@ -50,7 +52,9 @@ def test_a_sigkilled_worker_resumes_verified_bitwise(tmp_path):
         assert a["replayed"][0] == resumed + 1 and a["compared"] == a["replayed"]
         assert set(a["figures"]) >= {"loss", "lr", "grad_norm"}
         assert a["text"].startswith(f"resume verified: steps {resumed + 1}–") and "bitwise equal" in a["text"]
-        inc = json.loads(next((run_dir / "incidents").glob(f"{a['incident']}-*/incident.json")).read_text())
+        on_disk = json.loads(next((run_dir / "incidents").glob(f"{a['incident']}-*/incident.json")).read_text())
+        assert "resume_audit" not in on_disk  # a later finding is linked, never written into the old incident
+        inc = IncidentStore(run_dir).get(a["incident"])  # …and joined on read
         assert inc["kind"] == "signal" and inc["resume_audit"]["verdict"] == "verified"
     assert "resume verified" in out
     kinds = sorted(d.name.split("-", 1)[1] for d in (run_dir / "incidents").iterdir())

@@ -3,7 +3,7 @@
 * an out-of-memory failure at micro-batch 4 restarts from the last good checkpoint at micro-batch 2 with the
   accumulation doubled — recorded in the incident, remediation.json and the next attempt's start beat — and the
   run finishes (the same examples per optimizer step as an uninterrupted micro-batch-2 run is shown in
-  tests/unit/test_remediation_worker.py, in process);
+  tests/unit/daemon/trainer/test_remediation.py, in process);
 * a poisoned example makes one step's loss non-finite: one rollback, exactly that example quarantined (the `nan`
   incident and quarantine.jsonl say so), and the run finishes with no further rollback, never training it again.
 """

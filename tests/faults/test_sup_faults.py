@@ -163,7 +163,7 @@ def test_crash_loop_fails_the_run_with_a_final_incident(tmp_path):
 
 def test_missing_worker_command_is_a_config_error(tmp_path):
     """Refused before anything is spawned (the spawn-failure incident, for a program that vanished after the
-    check, is the fake-driven `the worker cannot be spawned` case in tests/unit/test_runner_fake.py)."""
+    check, is the fake-driven `the worker cannot be spawned` case in tests/unit/supervisor/loop/test_lifecycle.py)."""
     cfg_path, run_dir = write_config(tmp_path, "ok", worker={"command": [str(tmp_path / "no-such-program")]})
     rc, out = run_supervisor(cfg_path)
     assert rc == 78, out[-3000:]

@@ -1,6 +1,6 @@
 """`hangwatch report`: a run on one self-contained HTML page that opens without a network.
 
-    data.py     what the run dir holds, read into plain records: the step beats of every attempt (main rank),
+    run_records.py  what the run dir holds, read into plain records: the step beats of every attempt (main rank),
                 the incidents (with steps lost and time to recover), eval generations, the final state
     page.py     the page: loss, lr, step time and tokens/s over steps (plotly, its JavaScript inlined) with attempt
                 boundaries and incidents marked; the incidents table; the generations per prompt over steps
@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 # Loaded on first use: `hangwatch --help` and every other command import the click command only.
-_NAMES = {"RunData": "data", "read_run": "data", "render": "page", "write_report": "page"}
+_NAMES = {"RunData": "run_records", "read_run": "run_records", "render": "page", "write_report": "page"}
 
 __all__ = list(_NAMES)
 

@@ -1,4 +1,5 @@
-"""`python -m hangwatch.supervisor.cli.report [--run-dir D] [--out FILE.html] [--open]`: the same as `hangwatch report`."""
+"""`python -m hangwatch.supervisor.cli.report [--run-dir D] [--out FILE.html] [--open]`: the same as
+`hangwatch report`."""
 
 from hangwatch.supervisor.cli.report.command import report
 

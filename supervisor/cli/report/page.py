@@ -17,14 +17,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from hangwatch.supervisor.cli.report.data import RunData, read_run
+from hangwatch.supervisor.cli.report.run_records import RunData, read_run
 from hangwatch.supervisor.records.goodput import CATEGORIES, LABELS, LOST, goodput_line, short
 
 CHARTS = (("loss", "loss"), ("lr", "learning rate"), ("step_s", "step time (s)"), ("tokens_per_s", "tokens/s"))
 MAX_POINTS = 5000  # per attempt and chart: a week-long run stays a page a phone can draw
 COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1100px;padding:12px;color:#222}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;
+  margin:0 auto;max-width:1100px;padding:12px;color:#222}
 h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.15em;margin:1.2em 0 .4em}
 .facts{display:flex;flex-wrap:wrap;gap:6px 18px;font-size:.95em;color:#444}
 .facts b{color:#222} .state-failed{color:#c0392b} .state-finished{color:#1e8449}
@@ -249,7 +250,8 @@ def timeline_figure(goodput: dict):
                 name=label,
                 marker={"color": CATEGORY_COLORS.get(cat, "#999999")},
                 customdata=[[_clock(a)[11:19], _clock(b)[11:19], short(b - a)] for a, b in mine],
-                hovertemplate=f"{html.escape(label)}<br>%{{customdata[0]}} → %{{customdata[1]}} (%{{customdata[2]}})<extra></extra>",
+                hovertemplate=f"{html.escape(label)}<br>%{{customdata[0]}} → %{{customdata[1]}}"
+                f" (%{{customdata[2]}})<extra></extra>",
             )
         )
     fig.update_layout(
@@ -306,7 +308,10 @@ def goodput_section(run: RunData, plot) -> str:
     line = g.get("line") if isinstance(g.get("line"), str) and g.get("line") else goodput_line(g)
     fig = timeline_figure(g)
     chart = plot(fig) if fig is not None else '<p class="muted">No timeline in goodput.json.</p>'
-    return f'<section id="goodput"><p class="goodput-line"><b>{html.escape(line)}</b></p>{chart}{goodput_table(g)}</section>'
+    return (
+        f'<section id="goodput"><p class="goodput-line"><b>{html.escape(line)}</b></p>'
+        f"{chart}{goodput_table(g)}</section>"
+    )
 
 
 def _steps(span) -> str:

@@ -1,0 +1,51 @@
+"""What the loop watches for besides the deadlines, one object each behind one interface (`base.Concern`):
+a runaway generate ended in the process, the resume audit, OOM recovery, the wait for processes SIGKILL cannot
+end, the goodput ledger, the prewarmed standby, stragglers.  `registered` is the one place that says which run has
+which: a concern switched off in the config is not in the list.
+
+May import: `processes`, `watch`, `incidents`, `records`, `rules` and `hangwatch.common`; never `loop`, `escalation`
+(its types only, for annotations) or `nodes`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hangwatch.supervisor.concerns.base import Concern, PassState, RunContext
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.processes.process import ProcessTable
+    from hangwatch.supervisor.processes.standby import SpawnStandby
+
+__all__ = ["Concern", "PassState", "RunContext", "registered"]
+
+
+def registered(
+    run: RunContext, *, table: "ProcessTable", config_path: Path, spawn_standby: "SpawnStandby"
+) -> list[Concern]:
+    """The concerns of this run, in the order the loop asks them (a later one's decision wins over an earlier's)."""
+    from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
+    from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
+    from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+    from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
+    from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
+    from hangwatch.supervisor.concerns.straggler_report import StragglerReport
+    from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
+
+    cfg = run.cfg
+    concerns: list[Concern] = [GoodputAccounting(run), StragglerReport(run)]
+    if cfg.watchdog.generate_overrun == "truncate":
+        concerns.append(GenerateOverrun(run))
+    if cfg.watchdog.resume_audit.enabled:
+        concerns.append(ResumeAudit(run))
+    if cfg.worker.command is None and cfg.restart.oom_remediation:
+        concerns.append(OomRecovery(run))
+    if cfg.restart.prewarm:
+        concerns.append(PrewarmedStandby(run, table=table, config_path=config_path, spawn=spawn_standby))
+    concerns.append(UnkillableWait(run))  # last: its failure overrides any other concern's decision
+    return concerns
+
+
+# The sibling packages and modules this package may import (its rule, checked by the import-rule test).
+MAY_IMPORT = ("escalation", "incidents", "processes", "records", "rules", "watch")

@@ -1,0 +1,126 @@
+"""`concerns.registered`: which concerns a run has for its config, in the order the loop asks them — a concern
+switched off is absent, not an `if` in the pass; the unkillable wait is always last (its failure overrides any
+other concern's decision); every concern shares the one RunContext."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fixtures.fakes.fake_supervisor import FakeProcessTable
+from fixtures.fakes.standby import FakeStandbySpawn
+
+from hangwatch.common.config import Config
+from hangwatch.common.durable import FsOps
+from hangwatch.supervisor.concerns import Concern, RunContext, registered
+from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
+from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
+from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
+from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
+from hangwatch.supervisor.concerns.straggler_report import StragglerReport
+from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
+from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.records.run_state import RunRecord
+from hangwatch.supervisor.watch.calibration import Calibration
+from hangwatch.supervisor.watch.deadlines import Deadlines
+
+COMMAND = {"command": ["python", "train.py"]}
+
+
+def concerns_for(tmp_path: Path, **sections) -> list[Concern]:
+    cfg = Config.model_validate({"run_dir": str(tmp_path / "run"), "data": {"train": "train.jsonl"}, **sections})
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunContext(
+        cfg, run_dir, FsOps(), IncidentStore(run_dir), Deadlines(cfg.watchdog, Calibration(cfg.watchdog)), RunRecord()
+    )
+    table = FakeProcessTable()
+    got = registered(run, table=table, config_path=run_dir / "config.yaml", spawn_standby=FakeStandbySpawn(table))
+    assert all(c.run is run for c in got)  # one context, shared
+    return got
+
+
+def names(tmp_path: Path, **sections) -> list[str]:
+    return [c.name for c in concerns_for(tmp_path, **sections)]
+
+
+def test_the_defaults_for_the_built_in_worker(tmp_path):
+    got = concerns_for(tmp_path)
+    assert [type(c) for c in got] == [
+        GoodputAccounting,
+        StragglerReport,
+        GenerateOverrun,
+        ResumeAudit,
+        OomRecovery,
+        UnkillableWait,
+    ]
+    assert [c.name for c in got] == [
+        "goodput",
+        "straggler_report",
+        "generate_overrun",
+        "resume_audit",
+        "oom_recovery",
+        "unkillable_wait",
+    ]
+
+
+@pytest.mark.parametrize(
+    "sections, present, absent",
+    [
+        ({"watchdog": {"generate_overrun": "truncate"}}, {"generate_overrun"}, set()),
+        ({"watchdog": {"generate_overrun": "restart"}}, set(), {"generate_overrun"}),
+        ({"watchdog": {"resume_audit": {"enabled": True}}}, {"resume_audit"}, set()),
+        ({"watchdog": {"resume_audit": {"enabled": False}}}, set(), {"resume_audit"}),
+        ({"restart": {"oom_remediation": True}}, {"oom_recovery"}, set()),
+        ({"restart": {"oom_remediation": False}}, set(), {"oom_recovery"}),
+        ({"worker": COMMAND, "restart": {"oom_remediation": True}}, set(), {"oom_recovery"}),
+        ({"restart": {"prewarm": False}}, set(), {"prewarmed_standby"}),
+        ({"restart": {"prewarm": True}}, {"prewarmed_standby"}, set()),
+        ({"restart": {"prewarm": "always"}}, {"prewarmed_standby"}, set()),
+    ],
+)
+def test_each_switch_adds_or_leaves_out_its_concern_only(tmp_path, sections, present, absent):
+    got = names(tmp_path, **sections)
+    assert present <= set(got) and not (absent & set(got))
+    # the rest is as by default
+    default = set(names(tmp_path / "default"))
+    assert set(got) - present == default - absent - present
+    assert got[:2] == ["goodput", "straggler_report"] and got[-1] == "unkillable_wait"
+
+
+def test_everything_off_leaves_the_three_that_every_run_has(tmp_path):
+    got = names(
+        tmp_path,
+        watchdog={"generate_overrun": "restart", "resume_audit": {"enabled": False}},
+        restart={"oom_remediation": False},
+        worker=COMMAND,
+    )
+    assert got == ["goodput", "straggler_report", "unkillable_wait"]
+
+
+def test_everything_on_in_the_loops_order_with_the_standby_before_the_unkillable_wait(tmp_path):
+    got = concerns_for(tmp_path, restart={"prewarm": "always"})
+    assert [c.name for c in got] == [
+        "goodput",
+        "straggler_report",
+        "generate_overrun",
+        "resume_audit",
+        "oom_recovery",
+        "prewarmed_standby",
+        "unkillable_wait",
+    ]
+    standby = got[-2]
+    assert isinstance(standby, PrewarmedStandby) and standby.keeper.why_not is None and standby.keeper.always
+
+
+def test_a_prewarm_the_run_cannot_have_is_registered_and_says_why_it_keeps_none(tmp_path):
+    got = concerns_for(tmp_path, restart={"prewarm": True}, worker=COMMAND)
+    (standby,) = [c for c in got if isinstance(c, PrewarmedStandby)]
+    assert "worker.command is set" in standby.keeper.why_not
+    assert [c.name for c in got][-2:] == ["prewarmed_standby", "unkillable_wait"]
+
+
+def test_each_run_gets_its_own_instances(tmp_path):
+    a, b = concerns_for(tmp_path / "a"), concerns_for(tmp_path / "b")
+    assert all(x is not y for x, y in zip(a, b))
