@@ -1056,7 +1056,6 @@ class Supervisor:
             ep = Episode(None, None, now, reason=decision.reason)
         else:
             ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, decision=decision)
-        self.episode = ep
         self._decide(ep, decision, now)  # an OOM's remedy replaces the policy's restart
         if ep.incident is not None:
             self.nodes.exit_read(ep, decision, cur, now)
@@ -1067,8 +1066,8 @@ class Supervisor:
         self, ep: Episode, decision: Optional[Decision], now: float, send_term: bool = True, why: Optional[str] = None
     ) -> None:
         """An end the loop decides itself (a forced stop, a concern's reason to end the run, a peer's new generation
-        before this attempt's ranks started): no detection, no incident; the tree is killed."""
-        self.episode = ep
+        before this attempt's ranks started): no detection, no incident; the tree is killed (`begin_kill` makes it
+        the current episode)."""
         self._decide(ep, decision, now)
         self.begin_kill(ep, now, send_term=send_term, why=why)
 
