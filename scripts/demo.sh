@@ -6,4 +6,11 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 config=${1:-configs/demo.yaml}
 shift || true
+# The demo is for watching: a finished demo in runs/demo is set aside so that it runs again (`hangwatch run` itself
+# starts nothing for a run that finished, and exits 79).
+if [ "$config" = configs/demo.yaml ] && .venv/bin/python -c \
+    "import json, sys; sys.exit(json.load(open('runs/demo/state.json')).get('state') != 'finished')" 2>/dev/null; then
+  echo "demo: runs/demo holds the last demo, finished; starting afresh" >&2
+  rm -rf runs/demo
+fi
 exec .venv/bin/hangwatch run "$config" "$@"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import structlog
 
@@ -28,6 +28,7 @@ from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, Comm
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
+from hangwatch.supervisor.ops.output_echo import OutputEcho
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.rules.policy import ProgressPolicy
@@ -50,6 +51,7 @@ def run(
     notifier: Any = None,
     configure_logging: bool = True,
     ops: Optional["Ops"] = None,
+    echo: Optional[BinaryIO] = None,
     **seams,
 ) -> int:
     """Supervise `cfg` until done; return the exit code.
@@ -57,6 +59,7 @@ def run(
     Exit codes: 0 finished or stopped; the worker's 65/78 when it reported a do-not-restart error;
     1 for a crash loop, no progress or another failure (also when the control socket or the metrics
     port cannot be opened); 73 when another supervisor holds the run dir (then nothing in it was touched).
+    `echo`: where the worker's output is shown as it is written (`hangwatch run` in the foreground: its stdout).
     """
     # The run-dir lock comes first: a second supervisor must not write one byte (log, socket-path
     # record, state.json) into a run dir another one is supervising.
@@ -87,10 +90,14 @@ def run(
         systemd = notifier if notifier is not None else Notifier.from_env()
         # The no-progress stop rides on the restart policy; the loop hands it each attempt's last good step.
         seams.setdefault("policy", ProgressPolicy(cfg.restart, no_progress_limit(cfg)))
-        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=(ops,), **seams)
+        shown = OutputEcho(echo) if echo is not None else None
+        listeners = (ops,) if shown is None else (ops, shown)
+        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=listeners, **seams)
         try:
             return sup.run()
         finally:
+            if shown is not None:
+                shown.close()  # the last of the worker's output before the run's summary
             ops.close()
 
 

@@ -264,6 +264,18 @@ class WatchdogCfg(Section):
         gt=0,
         description="Budget of phases not named above (null: none; `train` is governed by the step deadline).",
     )
+    phase_learn: bool = Field(
+        True,
+        description="A phase whose budget is a default (the defaults of `phase_budgets_s`, or "
+        "`default_phase_budget_s`) learns its budget from the run: once it completed `phase_learn_after` times, "
+        "its budget is `phase_learn_factor` × the longest it took, at least `phase_learn_floor_s`. A budget you set "
+        "(in `phase_budgets_s`, other than the default, or `budget_s` on the phase line) is kept as it is.",
+    )
+    phase_learn_after: int = Field(3, ge=1, description="Completed phases of a name before its budget is learned.")
+    phase_learn_factor: float = Field(
+        5.0, ge=1.0, description="Learned phase budget = factor × the longest time that phase took."
+    )
+    phase_learn_floor_s: float = Field(10.0, gt=0, description="Lower bound of a learned phase budget.")
     dump_grace_s: float = Field(5, ge=0, description="Most time to wait for stack dumps to stop growing.")
     term_grace_s: float = Field(
         10,

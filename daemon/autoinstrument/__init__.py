@@ -42,6 +42,7 @@ from hangwatch.daemon.autoinstrument.context import Context
 from hangwatch.daemon.autoinstrument.exits import ExitLine
 from hangwatch.daemon.autoinstrument.frameworks import Frameworks
 from hangwatch.daemon.autoinstrument.imports import PostImportHooks
+from hangwatch.daemon.autoinstrument.loads import Loads
 from hangwatch.daemon.autoinstrument.phases import EvalPhase, GeneratePhase
 from hangwatch.daemon.autoinstrument.saves import Saves
 from hangwatch.daemon.autoinstrument.steps import StepCounter
@@ -146,6 +147,11 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
         ctx.failed(ctx.hook("patching " + name), exc)
 
     steps = StepCounter(ctx)
+    steps.loads = loads = Loads(ctx)
+    try:
+        loads.install_open()
+    except Exception as exc:
+        ctx.failed(loads.hook, exc)
 
     def hold_claim() -> None:  # this process trains: the Python processes it starts from now on work for it
         process_roles.claim(env, rank, os.getpid(), directory, held=True)
@@ -164,7 +170,10 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
         ("torch.cuda.amp.grad_scaler", steps.patch_grad_scaler),  # torch < 2.3: its own GradScaler
         ("torch.nn.modules.module", evals.patch),
         ("torch.serialization", saves.patch_torch_save),
+        ("torch.serialization", loads.patch_torch_load),
         ("safetensors.torch", saves.patch_safetensors),
+        ("safetensors.torch", loads.patch_safetensors),
+        ("safetensors", loads.patch_safe_open),
         ("transformers.modeling_utils", saves.patch_modeling_utils),
         ("transformers.generation.utils", generate.patch),
         ("transformers.trainer", frameworks.patch_hf_trainer),

@@ -147,6 +147,7 @@ class StepCounter:
         self._last_t: Optional[float] = None
         self._last_phase_changes = -1
         self.handle = None
+        self.loads = None  # `loads.Loads`: did the script read the checkpoint it was handed before this first step?
 
     @property
     def step(self) -> int:
@@ -245,6 +246,8 @@ class StepCounter:
             tell()
         ctx, hb = self.ctx, self.ctx.hb
         quiet = ctx.steps_elsewhere() or not ctx.usable()
+        if self.count == 1 and self.loads is not None and self.loads.first_step() and not quiet:
+            self._not_resumed()
         loss = None
         if self.loss_hook.on:
             try:
@@ -271,6 +274,25 @@ class StepCounter:
         self._last_phase_changes = hb.phase_changes
         if loss is not None and not math.isfinite(loss):
             hb.warn("non-finite loss (%s) at step %d" % (loss, step), loss=loss)
+
+    def _not_resumed(self) -> None:
+        """The script's first step came without a read of the checkpoint it was handed: it started again from
+        scratch, so its steps are its own — counted from 0, not from the checkpoint's step — and the supervisor
+        hears why (one `warn` with `resume_ignored`)."""
+        ctx = self.ctx
+        handed = ctx.resume_step
+        ctx.resume_step = 0
+        ctx.hb.warn(
+            (
+                "the script did not resume from the checkpoint it was given (%s, step %d): nothing of it was read "
+                "before its first optimizer step, so it started again from its step 1; set worker.resume_args, or "
+                "read HANGWATCH_RESUME_FROM in the script"
+            )
+            % (ctx.resume_from, handed),
+            resume_ignored=True,
+            resume_from=ctx.resume_from,
+            resume_step=handed,
+        )
 
     def _changed(self) -> None:
         for tell in self.on_primary:

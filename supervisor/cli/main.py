@@ -27,14 +27,13 @@ builds its config reference only when it is shown.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_ALREADY_FINISHED, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hangwatch.common.rundir import CONFIG_NAME
 from hangwatch.supervisor.cli import remote as cli_client
 from hangwatch.supervisor.cli.client import ClientError
@@ -155,8 +154,14 @@ class _RunCommand(click.Command):
 @click.option(
     "--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt."
 )
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="Do not show the worker's output here (it is in <run dir>/attempts/NNNN/worker.log either way).",
+)
 @click.pass_context
-def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_doctor: bool) -> None:
+def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_doctor: bool, quiet: bool) -> None:
     """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
 
     \b
@@ -170,17 +175,21 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
 
     Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
     The config is checked as by `validate-config` first (files, model, command): nothing starts for a
-    bad one.  A run dir whose run already finished is left alone: exit 0 with how to start afresh.
+    bad one.  A run dir whose same run (command, arguments, config) already finished is left alone: exit 79
+    with how to start afresh; another run goes to a run dir of its own (<dir>-2, <dir>-3, …, said on stderr).
     The built-in worker's cheap preflight checks run next (`hangwatch doctor CONFIG --cheap`: data, tokenizer,
     chat template, labels, LR and schedule, disk, py-spy; no model load): their warnings are shown, and a
     FAIL stops the run with exit 78 before anything starts; --no-doctor skips them.
-    Under systemd (Type=notify) it reports READY, STATUS and WATCHDOG pings.
+    The worker's output (stdout and stderr) is shown on stdout as it is written, a line before each new
+    attempt's, and kept in <run dir>/attempts/NNNN/worker.log; --quiet shows nothing of it here.  Under systemd
+    (Type=notify) it reports READY, STATUS and WATCHDOG pings, and the output stays in worker.log.
     """
     from hangwatch.supervisor.ops import lean_imports, logsetup
 
     logsetup.import_structlog()  # first: what is imported below finds it without what a supervisor never uses
     lean_imports.import_without("hangwatch.common.config", defer=("secrets",))  # pydantic without OpenSSL
-    from hangwatch.supervisor.cli.summary import finished_hint, slurm_text
+    from hangwatch.supervisor.cli import rerun
+    from hangwatch.supervisor.cli.summary import slurm_text
 
     command = ctx.meta.get("worker_command")
     if command is not None and not command:
@@ -195,11 +204,15 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
     taken = slurm_text(cfg)
     if taken:  # the job's output says what each node took from Slurm (config.yaml in its run dir holds the values)
         click.echo(f"hangwatch: {taken}", err=True)
-    again = " ".join(x for x in (config, "-- " + shlex.join(command) if command else None) if x)
-    hint = finished_hint(cfg, again)
-    if hint is not None:
-        say_finished(hint)
-        sys.exit(EXIT_OK)
+    again = [x for x in (config,) if x] + (["--", *command] if command else [])
+    where = rerun.plan(cfg.model_dump(mode="json"), cfg.run_dir, again, continuous=bool(cfg.data.inbox))
+    if where.finished:  # this very run finished already: nothing starts, and the exit status says so
+        say_finished(where.lines)
+        sys.exit(EXIT_ALREADY_FINISHED)
+    for line in where.lines:
+        click.echo(line, err=True)
+    if where.run_dir != cfg.run_dir:  # another run than the one there: a run dir of its own
+        cfg = check_or_exit(config, where.run_dir, command)
     if command is not None:
         from hangwatch.supervisor.cli.summary import command_preamble
 
@@ -211,13 +224,27 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
     finally:
         if doctor is not None:
             end_preflight(doctor, config)
-    code = app.run(cfg)
+    code = app.run(cfg, echo=None if quiet or under_systemd() else sys.stdout.buffer)
     # 73: another supervisor holds the run dir, nothing ran: no summary of someone else's run.  A 78 here is a
     # worker's (a rank's) configuration error: the summary says which.
     if code != EX_CANTCREAT:
         for line in run_summary(cfg.run_dir, code):
             click.echo(line, err=True)
     sys.exit(code)
+
+
+def under_systemd() -> bool:
+    """Our stdout is systemd's journal (`JOURNAL_STREAM` names its device and inode): the journal keeps the
+    supervisor's lines as always, and the worker's output stays in worker.log rather than doubling the journal."""
+    import os
+
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in stream.split(":"))
+        st = os.fstat(sys.stdout.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def doctor_argv(config: str, run_dir: Optional[str], *flags: str) -> list[str]:

@@ -2,7 +2,8 @@
 
     status [--json] [--watch]   top   restart [--now]   stop   pause   resume   dump   incidents [ID]   logs [-f]
 
-Each finds the daemon by --run-dir DIR ($HANGWATCH_RUN_DIR) or --socket PATH ($HANGWATCH_SOCKET).
+Each finds the daemon by --run-dir DIR ($HANGWATCH_RUN_DIR) or --socket PATH ($HANGWATCH_SOCKET); told
+neither, by the runs under ./runs/ (`find_run`: the only one running, else the most recent, saying which).
 `cli.py` registers them on the `hangwatch` group; a `ClientError` raised here becomes one line on
 stderr and its exit code there.  Importing this module loads click and the socket client only: what
 shows an answer (render.py, rich) is imported while the request is in flight, and `--json` never
@@ -11,6 +12,7 @@ needs it.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -29,7 +31,35 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def which_run() -> str:
+    """The run a command means when it is not told: `find_run`'s choice (said on stderr unless it is the only one
+    running), or a usage error that says what to pass."""
+    from hangwatch.supervisor.cli.find_run import NoRunFound, find_run
+
+    try:
+        run_dir, words = find_run()
+    except NoRunFound as exc:
+        err = ClientError(str(exc))
+        err.exit_code = exc.exit_code
+        raise err from None
+    if "that is running" not in words:
+        click.echo(f"hangwatch: {words}", err=True)
+    return str(run_dir)
+
+
 def daemon_options(f):
+    """--run-dir, --socket and --timeout; a command told neither of the first two (nor a --config that names the
+    run, as `submit` takes) gets `which_run`'s."""
+
+    command = f
+
+    @functools.wraps(command)
+    def resolved(*args, run_dir=None, socket_path=None, **kwargs):
+        if not run_dir and not socket_path and not kwargs.get("config_path"):
+            run_dir = which_run()
+        return command(*args, run_dir=run_dir, socket_path=socket_path, **kwargs)
+
+    f = resolved
     f = click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for an answer.")(f)
     f = click.option(
         "--socket",
@@ -82,9 +112,10 @@ def _load_renderer() -> None:
 def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> None:
     """Where the run is: state, attempt, pids, phase, step, loss, checkpoint, incidents, GPUs.
 
-    With --run-dir and no supervisor answering, what state.json last recorded is printed (--json: with
-    `"source": "state.json"` and `supervisor_gone`), saying when the supervisor that wrote it is gone;
-    the exit is still 69, no supervisor reachable."""
+    With no supervisor answering, what state.json last recorded is printed (--json: with `"source":
+    "state.json"` and `supervisor_gone`), saying when the supervisor that wrote it is gone: a run that ended
+    (finished, failed, stopped) exits 0 with its final state; one whose supervisor is gone before its end exits
+    69, no supervisor reachable."""
     client = client_for(run_dir, socket_path, timeout)
     if watch:
         _live(client, interval, count, as_json)
@@ -95,21 +126,25 @@ def status(run_dir, socket_path, timeout, as_json, watch, interval, count) -> No
             return
         st = client.call("status", meanwhile=_load_renderer)  # rich loads while the supervisor answers
     except DaemonUnavailable:
-        if run_dir:
-            _recorded(Path(run_dir), as_json)
+        if run_dir and _recorded(Path(run_dir), as_json):
+            return  # the run is over: its final state is the answer
         raise
     from hangwatch.supervisor.cli.render import status_view
 
     _console().print(status_view(st))
 
 
-def _recorded(run_dir: Path, as_json: bool) -> None:
-    """state.json's record on stdout, when there is one (the caller still fails: nobody answered)."""
+def _recorded(run_dir: Path, as_json: bool) -> bool:
+    """state.json's record on stdout, when there is one; True when it is a run's final state (finished, failed,
+    stopped: the answer), False when it is not (the caller fails: nobody answered for a run that is not over)."""
+    from hangwatch.supervisor.cli.find_run import FINAL_STATES
     from hangwatch.supervisor.cli.recorded import recorded, recorded_text
 
     rec = recorded(run_dir)
-    if rec is not None:
-        click.echo(json.dumps(rec, default=str) if as_json else recorded_text(rec))
+    if rec is None:
+        return False
+    click.echo(json.dumps(rec, default=str) if as_json else recorded_text(rec))
+    return rec.get("state") in FINAL_STATES
 
 
 @click.command(short_help="Live view of the run.")

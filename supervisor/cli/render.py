@@ -142,6 +142,9 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
         grid.add_row("ranks", ranks_text(ranks))
     elif deadlines:
         grid.add_row("deadlines", deadline_text(deadlines))
+    budgets = st.get("phase_budgets")
+    if isinstance(budgets, dict) and budgets:
+        grid.add_row("budgets", Text(budgets_text(budgets)))
     good = st.get("last_good_checkpoint")
     grid.add_row("checkpoint", f"{good} (last good)" if good else "no good checkpoint yet")
     grid.add_row("restarts", number(st.get("restarts")))
@@ -262,6 +265,15 @@ def ranks_text(ranks: list[dict]) -> Text:
                 style="yellow",
             )
     return out
+
+
+def budgets_text(budgets: dict) -> str:
+    """ "generate 6s (learned: 5 × longest 1.2s)   eval 15m (default)": each phase's budget and where it came from."""
+    parts = []
+    for name, b in budgets.items():
+        if isinstance(b, dict):
+            parts.append(f"{name} {duration(b.get('budget_s'))} ({b.get('source')})")
+    return "   ".join(parts)
 
 
 def deadline_text(deadlines: Iterable[dict]) -> Text:

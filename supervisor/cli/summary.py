@@ -7,7 +7,6 @@ Pure functions of a config or a run dir on disk (no daemon, no terminal styling)
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -79,33 +78,6 @@ def checkpoint_lines(run_dir: Path) -> list[str]:
     for e in [e for e in entries if e.get("status") == BAD][-SHOWN_BAD:]:
         out.append(f"  checkpoint {e.get('path')} (step {e.get('step')}) is not good: {e.get('why')}")
     return out
-
-
-def finished_hint(cfg: Config, config_arg: str) -> Optional[list[str]]:
-    """What `hangwatch run` says instead of starting anything when the run dir's run already finished
-    (state.json); None when there is work to do.  A finished run has reached train.max_steps, and its
-    checkpoints cannot be resumed with other training settings, so a new worker could only find the
-    end again.  Continuous mode is the exception: new files in the inbox are new work."""
-    if cfg.data.inbox:
-        return None
-    state = read_json(Path(cfg.run_dir) / STATE_NAME) or {}
-    if state.get("state") != "finished":
-        return None  # failed, stopped, paused, interrupted: run resumes as always
-    shown = _shown(cfg.run_dir)
-    step = state.get("last_good_step")
-    wall = state.get("updated_wall")
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(wall)) if isinstance(wall, (int, float)) else None
-    facts = ", ".join(x for x in (f"at step {step}" if step is not None else None, when) if x)
-    lines = [
-        f"hangwatch: {shown} already finished"
-        + (f" ({facts})" if facts else "")
-        + " according to its state.json: nothing to do, no worker started."
-    ]
-    final = Path(cfg.run_dir) / "final"
-    if final.is_dir():
-        lines.append(f"  its final adapter: {final}")
-    lines.append(f"  to start fresh: rm -r {shown}   or   hangwatch run {config_arg} --run-dir NEW_DIR")
-    return lines
 
 
 def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """What the loop watches for besides the deadlines, one object each behind one interface (`base.Concern`):
-a runaway generate ended in the process, the resume audit, OOM recovery, the wait for processes SIGKILL cannot
-end, the goodput ledger, the prewarmed standby, stragglers.  `registered` is the one place that says which run has
-which: a concern switched off in the config is not in the list.
+a runaway generate ended in the process, whether your script resumed, the resume audit, OOM recovery, the same
+failure twice, the wait for processes SIGKILL cannot end, the goodput ledger, the prewarmed standby, stragglers.
+`registered` is the one place that says which run has which: a concern switched off in the config is not in the list.
 
 May import: `processes`, `watch`, `incidents`, `records`, `rules` and `hangwatch.common`; never `loop`, `escalation`
 (its types only, for annotations) or `nodes`.
@@ -29,7 +29,9 @@ def registered(
     from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
     from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
     from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
+    from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
     from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
+    from hangwatch.supervisor.concerns.resume_check import ResumeCheck
     from hangwatch.supervisor.concerns.straggler_report import StragglerReport
     from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
 
@@ -37,10 +39,13 @@ def registered(
     concerns: list[Concern] = [GoodputAccounting(run), StragglerReport(run)]
     if cfg.watchdog.generate_overrun == "truncate":
         concerns.append(GenerateOverrun(run))
+    if cfg.worker.command is not None:
+        concerns.append(ResumeCheck(run))
     if cfg.watchdog.resume_audit.enabled:
         concerns.append(ResumeAudit(run))
     if cfg.worker.command is None and cfg.restart.oom_remediation:
         concerns.append(OomRecovery(run))
+    concerns.append(RepeatedFailure(run))  # after the OOM remediation: its restart with another setting is no repeat
     if cfg.restart.prewarm:
         concerns.append(PrewarmedStandby(run, table=table, config_path=config_path, spawn=spawn_standby))
     concerns.append(UnkillableWait(run))  # last: its failure overrides any other concern's decision

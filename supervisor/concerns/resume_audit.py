@@ -67,6 +67,13 @@ class ResumeAudit(Concern):
 
     def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
         a = self.audit
+        if a is not None and a.open and rec["event"] == "warn" and rec.get("resume_ignored"):
+            a.not_resumed(
+                "resume not audited: the script did not resume from the checkpoint it was given — it started again "
+                "from its step 1 (the `resume_ignored` incident)"
+            )
+            self._save()
+            return
         if rec["event"] != "step" or a is None or not a.open:
             return
         step = int(rec["step"])

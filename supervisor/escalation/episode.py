@@ -57,6 +57,7 @@ from hangwatch.supervisor.incidents import (
     frame_str,
     main_stack,
     signal_name,
+    sleeping,
     stuck_frame,
 )
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
@@ -317,10 +318,15 @@ class Episode:
                 or [p for p in self.procs if p["pid"] == dump_pid]
                 or [p for p in self.procs if p["pid"] == attempt.worker.pid]
             )
-            classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame)
+            line = None
+            if stack and isinstance(stack[0].get("line"), int):
+                line = rank_evidence.source_line(stack[0]["file"], stack[0]["line"], attempt.cwd)
+            native = py_spy_main_thread(spy.get(rank, ""))[1] if rank is not None else []
+            asleep = sleeping(line, native)
+            classification = classify_stall(self.kind, inc.data.get("deadline"), own, frame, asleep)
             # The call it hung in first; without a landmark, what fired and what the process does lead.  The
             # reading names the innermost frame: the classification joins it without its own "at <frame>".
-            condition = classify_stall(self.kind, inc.data.get("deadline"), own, None)
+            condition = classify_stall(self.kind, inc.data.get("deadline"), own, None, asleep)
             summary = (
                 f"{reading.summary()}; {self.reason}; {condition}"
                 if reading.landmark

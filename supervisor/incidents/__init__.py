@@ -12,7 +12,13 @@ Kinds: stall, livelock, startup_timeout, manual, crash, oom, nan, signal, config
 crash_loop.
 """
 
-from hangwatch.supervisor.incidents.classify import classify_exit, classify_stall, last_exception_line, signal_name
+from hangwatch.supervisor.incidents.classify import (
+    classify_exit,
+    classify_stall,
+    last_exception_line,
+    signal_name,
+    sleeping,
+)
 from hangwatch.supervisor.incidents.dumps import (
     ThreadStack,
     fatal_error,
@@ -31,6 +37,7 @@ __all__ = [
     "ThreadStack",
     "classify_exit",
     "classify_stall",
+    "sleeping",
     "fatal_error",
     "frame_str",
     "last_exception_line",

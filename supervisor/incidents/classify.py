@@ -7,6 +7,7 @@ The words are the incident's `classification`, e.g. "busy loop in Python (CPU 10
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 from typing import Optional
 
@@ -43,11 +44,28 @@ def process_condition(procs: list[dict]) -> tuple[str, str]:
     return "partly", f"partly busy (CPU {cpu:.0f}%)"
 
 
-def classify_stall(kind: str, deadline: Optional[dict], procs: list[dict], frame: Optional[dict]) -> str:
-    """What the evidence shows about a stalled worker: CPU and state of its announced processes."""
+SLEEP_CALL = re.compile(r"\bsleep\s*\(")  # time.sleep(…), sleep(…): a C call with no frame of its own
+SLEEP_NATIVE = re.compile(r"\b(pysleep|time_sleep|clock_nanosleep|nanosleep)\b")  # py-spy's native frames of it
+
+
+def sleeping(source_line: Optional[str], native: list[str] = ()) -> bool:
+    """The innermost frame sleeps: its line calls `sleep(` (faulthandler shows no frame for a C call), or py-spy's
+    native frames of the main thread are in time.sleep's."""
+    return bool(source_line and SLEEP_CALL.search(source_line)) or any(SLEEP_NATIVE.search(f) for f in native)
+
+
+def classify_stall(
+    kind: str, deadline: Optional[dict], procs: list[dict], frame: Optional[dict], asleep: bool = False
+) -> str:
+    """What the evidence shows about a stalled worker: CPU and state of its announced processes.  `asleep`: its
+    innermost frame calls `time.sleep` — an idle process there is a Python loop that polls (and never moves on),
+    not a call blocked in C."""
     condition, text = process_condition(procs)
     if condition == "gone":
         return text
+    if condition == "blocked" and asleep:
+        cpu = max(p.get("cpu_percent", 0.0) for p in procs)
+        text = f"waiting in Python: a loop sleeping in time.sleep() (CPU {cpu:.0f}%)"
     if frame:
         text += f" at {frame_str(frame)}"
     if kind == "livelock" and deadline:
@@ -134,14 +152,23 @@ def classify_exit(
     return "crash", f"exited with code {code} without last words"
 
 
+# A launcher's own error about a child that failed (accelerate launch's subprocess.CalledProcessError, torchrun's
+# ChildFailedError): the child's exception, printed before it, is the cause.
+WRAPPER_ERRORS = re.compile(r"^(\w+\.)*(CalledProcessError|ChildFailedError)\b")
+
+
 def last_exception_line(lines: list[str]) -> Optional[str]:
-    """The `Type: message` line closing the last traceback in `lines`."""
-    idx = max((i for i, l in enumerate(lines) if l.startswith("Traceback (most recent call last):")), default=None)
-    if idx is None:
+    """The `Type: message` line closing the last traceback in `lines` — the last that is not a launcher's error
+    about its child (`WRAPPER_ERRORS`) when there is one: the child's own exception is the cause."""
+    closing = []
+    for idx in (i for i, l in enumerate(lines) if l.startswith("Traceback (most recent call last):")):
+        for line in lines[idx + 1 :]:
+            if line and not line.startswith((" ", "\t", "Traceback")):
+                if line.startswith(("During handling", "The above exception")):
+                    continue
+                closing.append(line.strip())
+                break
+    if not closing:
         return None
-    for line in lines[idx + 1 :]:
-        if line and not line.startswith((" ", "\t", "Traceback")):
-            if line.startswith(("During handling", "The above exception")):
-                continue
-            return line.strip()
-    return None
+    own = [c for c in closing if not WRAPPER_ERRORS.match(c)]
+    return own[-1] if own else closing[-1]

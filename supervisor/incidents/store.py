@@ -27,6 +27,7 @@ from hangwatch.common.rundir import INCIDENTS, read_json
 WriteError = Callable[[OSError, Path], None]
 
 KINDS = (
+    "resume_ignored",
     "stall",
     "livelock",
     "startup_timeout",

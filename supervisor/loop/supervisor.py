@@ -556,15 +556,19 @@ class Supervisor:
             ev = rec["event"]
             if ev == "start":
                 a = cur.announce(rec, self.table)
-                log.info(
-                    "worker_started",
-                    attempt=cur.number,
-                    rank=a.rank,
-                    pid=rec.get("pid"),
-                    resumed_from=rec.get("resumed_from"),
-                    skipped_checkpoints=rec.get("skipped_checkpoints") or None,
-                    startup_s=round(at - cur.worker.started_at, 3),
-                )
+                if (a.rank, rec.get("pid")) not in cur.started:
+                    cur.started.add((a.rank, rec.get("pid")))
+                    log.info(
+                        "worker_started",
+                        attempt=cur.number,
+                        rank=a.rank,
+                        pid=rec.get("pid"),
+                        resumed_from=rec.get("resumed_from"),
+                        skipped_checkpoints=rec.get("skipped_checkpoints") or None,
+                        startup_s=round(at - cur.worker.started_at, 3),
+                    )
+                elif rec.get("resumed_from"):
+                    log.info("worker_resumed_from", attempt=cur.number, rank=a.rank, resumed_from=rec["resumed_from"])
                 note = self.nodes.rank_started(rec, now, cur.number)
                 if note:
                     log.info("torchrun_round", attempt=cur.number, rank=a.rank, pid=rec.get("pid"), note=note)
@@ -1099,6 +1103,7 @@ class Supervisor:
         ep, cur = self.episode, self.current
         cur.tail.finish()
         if cur.output is not None:
+            self._read_output(now, force=True)  # its last words: where its own output says it ended
             cur.output.close()
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
         for c in self.concerns:
@@ -1190,6 +1195,7 @@ class Supervisor:
             gpu=lambda: self.gpu.summary(now),
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
             output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
+            budgets=dl.phase_budgets,
             **extra,
         )
         v = View(

@@ -119,6 +119,8 @@ class Attempt:
     cwd: Optional[str] = None  # the worker's working directory (its relative source paths)
     resume_from: str = ""  # the checkpoint handed in HANGWATCH_RESUME_FROM ("" for none)
     resume_checked: bool = False  # its `start` beat's `resumed_from` was compared with it
+    started: set = field(default_factory=set)  # (rank, pid) whose start was logged: a process that starts twice
+    # (the automatic instrumentation's start, then the script's own callback's) is one worker started
     prewarmed: bool = False  # its worker was a standby, released (restart.prewarm), not spawned cold
     foreign: set[int] = field(default_factory=set)  # our children that are not this attempt's (a standby for the next)
     started_wall: float = field(

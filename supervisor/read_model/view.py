@@ -39,6 +39,7 @@ class Readers:
     output: Callable[[], Optional[dict]] = lambda: None  # the worker's output as evidence (`output_tail.evidence`)
     goodput: Callable[[], Optional[dict]] = lambda: None  # the goodput ledger's snapshot (`records.goodput`)
     standby: Callable[[], Optional[dict]] = lambda: None  # restart.prewarm's standby (`processes.standby.describe`)
+    budgets: Callable[[], dict] = dict  # every timed phase's budget and where it came from (`Deadlines.phase_budgets`)
 
 
 class _Read:
@@ -94,6 +95,7 @@ class View:
     output = _Read()
     goodput = _Read()
     standby = _Read()
+    budgets = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -144,6 +146,7 @@ def status_reply(v: View) -> dict:
             "source": v.step_budget[1],
             "samples": v.calibration_samples,
         },
+        "phase_budgets": v.budgets,  # phase → {budget_s, source: config, learned: …, default, line}
         "queue": v.queue,
         "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
         "goodput": v.goodput,  # where the run's time went, by category (`records.goodput`)
@@ -211,6 +214,10 @@ def state_record(
         why=why,
     )
     data.update(v.healing)
+    # The last step any beat reported — where the run ended, once it ended; a worker that does not beat: the step its
+    # own output last said
+    step = v.last_step.get("step")
+    data["step"] = step if step is not None else (v.output or {}).get("step")
     if v.nodes is not None:
         data["nodes"] = v.nodes
     return data

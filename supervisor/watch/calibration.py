@@ -3,7 +3,8 @@
 The step deadline starts generous (`first_steps_timeout_s`: compile, warm-up) and, once
 `calibrate_after` step intervals have been seen, becomes `calibration_factor × p99` clamped to
 `[step_timeout_min_s, step_timeout_max_s]`.  Phases without a configured budget are calibrated the
-same way once a few of them have completed.  The samples live in `<run_dir>/calibration.json`, so
+by what they took once a few of them have completed (`phase_budget`: a multiple of the longest).  The samples
+live in `<run_dir>/calibration.json`, so
 the next attempt — or the next supervisor — starts calibrated instead of generous again.
 """
 
@@ -24,7 +25,6 @@ from hangwatch.common.durable import FsOps
 log = structlog.get_logger("hangwatch")
 
 MAX_SAMPLES = 1000  # recent behaviour matters; an old warm-up should age out
-PHASE_MIN_SAMPLES = 3  # phases (eval, generate) are rare: fewer samples than steps before trusting them
 FORMAT_VERSION = 1
 
 
@@ -74,10 +74,16 @@ class Calibration:
         return self._clamped(self.step_samples) if self.ready else None
 
     def phase_budget(self, name: str) -> Optional[float]:
+        """The learned budget of phase `name`: `phase_learn_factor` × the longest it took, at least
+        `phase_learn_floor_s`; None while it completed fewer than `phase_learn_after` times."""
         samples = self.phase_samples.get(name)
-        if not samples or len(samples) < PHASE_MIN_SAMPLES:
+        if not samples or len(samples) < self.wd.phase_learn_after:
             return None
-        return self._clamped(samples)
+        return max(self.wd.phase_learn_factor * max(samples), self.wd.phase_learn_floor_s)
+
+    def phase_longest(self, name: str) -> Optional[float]:
+        samples = self.phase_samples.get(name)
+        return max(samples) if samples else None
 
     # ---- persistence ----------------------------------------------------------------------
 

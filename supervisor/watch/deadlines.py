@@ -4,8 +4,10 @@ Nothing here reads a clock: every call takes `now`, the supervisor's monotonic t
 read the line or checks.  The writer's own `t` is only recorded, never trusted for deadlines.
 
 * **startup** — spawn → the first `start` line (from any rank).
-* **phase** — time in the current phase of a rank; budget from the line's `budget_s`, else the
-  configured budget for that phase name, else the calibrated one, else `default_phase_budget_s`.
+* **phase** — time in the current phase of a rank; budget from the line's `budget_s`, else a budget the
+  config sets for that phase name, else the one learned from the run (a multiple of the longest that phase
+  took, once it completed a few times: `watchdog.phase_learn`), else the default (`phase_budgets_s`' own
+  defaults, `default_phase_budget_s`).
   `train` has none unless one is given: it is governed by the step deadline.
 * **step** — while in `train`: time since the later of the last `step` and entering `train`;
   `step_timeout_s` when fixed, else the calibrated budget, else `first_steps_timeout_s`.
@@ -47,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hangwatch.common.config import WatchdogCfg
+from hangwatch.common.config.schema import DEFAULT_PHASE_BUDGETS_S
 from hangwatch.supervisor.watch.calibration import Calibration
 
 UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
@@ -187,20 +190,38 @@ class Deadlines:
         self.extra.pop(name, None)
 
     def phase_budget(self, name: str, line_budget=None) -> tuple[Optional[float], str]:
+        """A phase's budget and where it came from: the line's `budget_s`; a budget the config sets (other than
+        the default); none for untimed phases, the startup timeout for `load`; the one learned from the run
+        (`watchdog.phase_learn`); the default (`phase_budgets_s`' own, else `default_phase_budget_s`)."""
         if isinstance(line_budget, (int, float)) and not isinstance(line_budget, bool) and line_budget > 0:
             return float(line_budget), "line"
-        if name in self.wd.phase_budgets_s:
-            return float(self.wd.phase_budgets_s[name]), "config"
+        configured = self.wd.phase_budgets_s.get(name)
+        if configured is not None and configured != DEFAULT_PHASE_BUDGETS_S.get(name):
+            return float(configured), "config"
         if name in UNTIMED_PHASES:
             return None, "none"
         if name in QUIET_PHASES:
             return float(self.wd.startup_timeout_s), "startup"
-        calibrated = self.calibration.phase_budget(name)
-        if calibrated is not None:
-            return calibrated, "calibrated"
+        learned = self.calibration.phase_budget(name) if self.wd.phase_learn else None
+        if learned is not None:
+            longest = self.calibration.phase_longest(name)
+            return learned, f"learned: {self.wd.phase_learn_factor:g} × longest {longest:.3g}s"
+        if configured is not None:
+            return float(configured), "default"
         if self.wd.default_phase_budget_s is not None:
             return float(self.wd.default_phase_budget_s), "default"
         return None, "none"
+
+    def phase_budgets(self) -> dict[str, dict]:
+        """Every timed phase the run knows of — configured, or seen completing — with its budget and where it came
+        from (status shows them: a default until the run taught it another)."""
+        names = set(self.wd.phase_budgets_s) | set(self.calibration.phase_samples)
+        out = {}
+        for name in sorted(names - UNTIMED_PHASES):
+            budget, source = self.phase_budget(name)
+            if budget is not None:
+                out[name] = {"budget_s": round(budget, 3), "source": source}
+        return out
 
     def step_budget(self) -> tuple[float, str]:
         if self.wd.step_timeout_s is not None:

@@ -26,6 +26,7 @@ from typing import Optional
 READ_CHUNK = 1 << 20  # most bytes read per call
 PARTIAL_MAX = 64 * 1024  # an unterminated line is kept up to this long (then cut: a binary spew has no lines)
 LINE_SHOWN = 300  # characters of a line kept for status and incidents
+PROGRESS_BAR = re.compile(r"\d+/\d+\s*\[\d+:\d+|\d+%\|")  # tqdm's `12/100 [00:03<…` or `12%|██`
 _ENDS = re.compile(rb"[\r\n]")
 
 
@@ -96,8 +97,10 @@ class OutputTail:
             self.last_progress_at = when
             self.last_progress_line = self.last_line
             step = m.groupdict().get("step")
-            if step is not None and step.isdigit():
-                self.step = max(self.step or 0, int(step))
+            if step is not None and step.isdigit() and not PROGRESS_BAR.search(line):
+                # The script's own words ("step 30 loss …"), never a progress bar's: a bar's counter and description
+                # count micro-batches, eval batches or epochs as often as optimizer steps.
+                self.step = int(step)
         return progressed
 
     def _stat(self) -> Optional[os.stat_result]:

@@ -232,6 +232,12 @@ class ReplayAudit:
             return self.verdict
         return None
 
+    def not_resumed(self, text: str) -> None:
+        """The attempt did not resume from its checkpoint (the script started again from scratch): nothing to audit;
+        `text` says why (the verdict `not_resumed` blames no figure)."""
+        if self.open:
+            self.verdict, self.text = "not_resumed", text
+
     def ended(self) -> Optional[str]:
         """The attempt ended while the audit was open: what it did compare (None when it had nothing to)."""
         if not self.open:

@@ -29,12 +29,12 @@ def hangwatch_argv() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor.cli.main"]
 
 
-def hangwatch(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
+def hangwatch(*args, timeout=60, cwd=REPO, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HANGWATCH_RUN_DIR", None)
     env.pop("HANGWATCH_SOCKET", None)
     return subprocess.run(
-        [*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, **kw
+        [*hangwatch_argv(), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, **kw
     )
 
 
@@ -287,12 +287,12 @@ def test_no_daemon_is_one_line_and_exit_69(tmp_path):
     assert (r.returncode, r.stderr) == (69, f"hangwatch: no run directory at {tmp_path / 'missing'}\n")
 
 
-def test_no_daemon_given_is_a_usage_error():
-    r = hangwatch("status")
+def test_no_daemon_given_and_no_run_here_is_a_usage_error(tmp_path):
+    r = hangwatch("status", cwd=tmp_path)
     assert r.returncode == 64
-    assert (
-        r.stderr
-        == "hangwatch: say which daemon: --run-dir DIR or --socket PATH (or set HANGWATCH_RUN_DIR / HANGWATCH_SOCKET)\n"
+    assert r.stderr == (
+        f"hangwatch: no run under ./runs/ here ({tmp_path}): say which with --run-dir DIR (or --socket PATH, or set "
+        "HANGWATCH_RUN_DIR)\n"
     )
 
 

@@ -312,11 +312,9 @@ def test_operating_a_run_through_the_cli(tmp_path):
         assert run.wait_exit(60) == 0
         assert not (run_dir / "hangwatch.sock").exists()
         assert notify.saw("STOPPING=1")
-        gone = hw("status", "--run-dir", run_dir)
-        assert (gone.returncode, gone.stderr) == (
-            69,
-            f"hangwatch: no hangwatch running at {run_dir / 'hangwatch.sock'} (no such socket)\n",
-        )
+        gone = hw("status", "--run-dir", run_dir)  # no supervisor: what it recorded, which says how the run ended
+        assert gone.returncode == 0, gone.stderr
+        assert "stopped" in gone.stdout and "recorded" in (gone.stdout + gone.stderr)
         assert json.loads((run_dir / "fake-checkpoint.json").read_text())["step"] == ledger(run_dir)[-1][1]
     finally:
         if follower is not None:

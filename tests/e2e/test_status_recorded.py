@@ -97,7 +97,7 @@ def test_a_run_that_ended_shows_its_end_and_why(tmp_path):
         why="no space left on device at /runs/x/checkpoints during running",
     )
     r = status(tmp_path / "run")
-    assert r.returncode == 69
+    assert r.returncode == 0, r.stderr  # a run that ended: its final state is the answer, not "nobody answered"
     assert (
         r.stdout.splitlines()[0].endswith(": no space left on device at /runs/x/checkpoints during running — exit 74")
         and "gone" not in r.stdout

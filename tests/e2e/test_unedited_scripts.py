@@ -318,6 +318,34 @@ def test_plain_loop_spin_is_caught_by_the_step_deadline_and_resumes_bitwise_thro
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
 
+def test_a_plain_loop_that_ignores_the_resume_point_is_labelled_with_its_own_steps_and_told_so(tmp_path):
+    """No `worker.resume_args`: attempt 2 is handed step-4.pt (HANGWATCH_RESUME_FROM) and reads none of it, so it
+    trains from its step 1 again.  Its beats and checkpoints carry its own steps (not 4 + n), the goodput ledger
+    counts what it does again as redone, the resume audit blames no figure, and an incident says what to change."""
+    script = SCRIPTS / "plain_loop.py"
+    cfg = config(watchdog={"step_timeout_s": 5}, checkpoint={"confirm_steps": 1})
+    cmd = ["python", str(script), "--steps", "10", "--save-every", "4", "--ckpt-dir", "ckpts", "--out", "final.pt"]
+    r, run_dir = run_hangwatch(tmp_path, cfg, [*cmd, "--spin-once", "spin.marker", "--spin-at", "6"])
+    assert_finished(r, run_dir)
+
+    assert resume_choice(run_dir, 2)["step"] == 4  # it was handed step-4.pt …
+    assert step_beats(run_dir, 2) == list(range(1, 11)), step_beats(run_dir, 2)  # … and its steps are its own
+    found = {inc["kind"]: inc for _, inc in incidents(run_dir)}
+    assert set(found) == {"stall", "resume_ignored"}, [(k, i.get("summary")) for k, i in found.items()]
+    ignored = found["resume_ignored"]
+    assert ignored["attempt"] == 2 and ignored["resume_step"] == 4, ignored
+    assert "did not resume from the checkpoint it was given" in ignored["summary"], ignored["summary"]
+    assert "worker.resume_args" in ignored["summary"] and "HANGWATCH_RESUME_FROM" in ignored["summary"]
+    # each checkpoint is on record at the step in its own name
+    ledger = json.loads((run_dir / "checkpoints.json").read_text())["checkpoints"]
+    named = {Path(e["path"]).name: e["step"] for e in ledger}
+    assert named == {"step-4.pt": 4, "step-8.pt": 8, "final.pt": 10}, named  # step-8.pt: not 4 + 8
+    audits = json.loads((run_dir / "resume-audit.json").read_text())["audits"]
+    assert [a["verdict"] for a in audits] == ["not_resumed"], audits
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    assert goodput["categories"]["redone"] > 0, goodput["categories"]
+
+
 # ---- Lightning: validation_step waits for ever --------------------------------------------------------------------
 
 

@@ -99,15 +99,18 @@ def test_a_finished_run_is_not_run_again_and_says_how_to_start_fresh(tmp_path):
     assert state(run_dir)["state"] == "finished"
     before = (len(attempts(run_dir)), (run_dir / "state.json").read_bytes())
     again = hangwatch("run", cfg, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert again.stderr.splitlines()[0].startswith("hangwatch: run already finished")
-    assert "nothing to do, no worker started" in again.stderr
-    assert again.stderr.splitlines()[-1] == f"  to start fresh: rm -r run   or   hangwatch run {cfg} --run-dir NEW_DIR"
+    assert again.returncode == 79, again.stderr  # a scheduler must not take it for a run that trained
+    first_line = again.stderr.splitlines()[0]
+    assert first_line.startswith("hangwatch: run already finished (at step ") and "nothing started (exit 79)" in (
+        first_line
+    )
+    hint = next(line for line in again.stderr.splitlines() if "to run it again from the start:" in line)
+    assert hint.endswith(f"hangwatch run --run-dir run-new {cfg}"), hint
     assert (len(attempts(run_dir)), (run_dir / "state.json").read_bytes()) == before  # nothing ran, nothing changed
-    # the way out it names works
-    fresh = hangwatch("run", cfg, "--run-dir", tmp_path / "fresh")
+    # the way out it names works, as printed
+    fresh = hangwatch(*hint.split("hangwatch ", 1)[1].split(), cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert state(tmp_path / "fresh")["state"] == "finished" and len(attempts(tmp_path / "fresh")) == 1
+    assert state(tmp_path / "run-new")["state"] == "finished" and len(attempts(tmp_path / "run-new")) == 1
 
 
 def test_a_stopped_or_failed_run_resumes_as_before(tmp_path):
@@ -125,16 +128,17 @@ def test_a_stopped_or_failed_run_resumes_as_before(tmp_path):
 def test_a_finished_continuous_run_takes_new_inbox_files(tmp_path):
     """In continuous mode a finished run can have new work (files in the inbox): no hint, it runs."""
     from hangwatch.common.config import load_config
-    from hangwatch.supervisor.cli.summary import finished_hint
+    from hangwatch.supervisor.cli import rerun
 
     cfg_path = make_config(tmp_path, data={"train": None, "inbox": True})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "state.json").write_text(json.dumps({"state": "finished", "last_good_step": 7}))
-    assert finished_hint(load_config(cfg_path), str(cfg_path)) is None
+    inbox = load_config(cfg_path)
+    assert not rerun.plan(inbox.model_dump(mode="json"), inbox.run_dir, [str(cfg_path)], continuous=True).finished
     plain = load_config(make_config(tmp_path, "plain.yaml"))
-    hint = finished_hint(plain, "plain.yaml")
-    assert hint is not None and f"{run_dir} already finished (at step 7)" in hint[0]
+    where = rerun.plan(plain.model_dump(mode="json"), plain.run_dir, ["plain.yaml"])
+    assert where.finished and f"{run_dir} already finished (at step 7)" in where.lines[0]
 
 
 # ---- the built-in worker's ranks against the GPUs it will see (NVML faked by a `pynvml` first on PYTHONPATH) -------

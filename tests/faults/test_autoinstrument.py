@@ -258,24 +258,37 @@ def test_a_wrappers_training_child_takes_the_rank_over_and_a_child_started_after
     assert result["eval_pid"] not in {b["pid"] for b in lines}  # the evaluation child wrote nothing
 
 
-def test_the_step_count_goes_on_from_the_checkpoint_resumed(tmp_path):
+@pytest.mark.parametrize("loads", [True, False], ids=["reads-the-checkpoint", "reads-nothing"])
+def test_the_step_count_goes_on_from_the_checkpoint_resumed_only_when_the_script_read_it(tmp_path, loads):
+    import torch
+
+    ck = tmp_path / "ck" / "step-00000040"
+    ck.mkdir(parents=True)
+    torch.save({"step": 40}, ck / "state.pt")
     body = """
-        import torch
+        import os, torch
         model = torch.nn.Linear(3, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if {loads}:
+            torch.load(os.path.join(os.environ["HANGWATCH_RESUME_FROM"], "state.pt"))
         for _ in range(3):
             opt.zero_grad()
             model(torch.ones(2, 3)).sum().backward()
             opt.step()
-    """
+    """.format(loads=loads)
     run(
         [PY, script(tmp_path, "t.py", body)],
-        auto_env(tmp_path, attempt=2, resume_from="/ck/step-40", resume_step=40),
+        auto_env(tmp_path, attempt=2, resume_from=str(ck), resume_step=40),
         tmp_path,
     )
     lines = beats(tmp_path, attempt=2)
     assert of(lines, "start")[0]["step"] == 40
-    assert [b["step"] for b in of(lines, "step")] == [41, 42, 43]
+    if loads:
+        assert [b["step"] for b in of(lines, "step")] == [41, 42, 43]
+        assert not [b for b in of(lines, "warn") if "resume_ignored" in b]
+    else:  # handed step 40 but read none of it: its own steps 1, 2, 3, and one warning that says so
+        assert [b["step"] for b in of(lines, "step")] == [1, 2, 3]
+        assert len([b for b in of(lines, "warn") if "resume_ignored" in b]) == 1
 
 
 # ---- HF Trainer ----------------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ def fill(path: Path) -> None:
 
 
 def hangwatch_run(cfg: Path) -> subprocess.Popen:
+    """`hangwatch run --quiet CFG`: the supervisor's own lines only (the worker's output stays in worker.log)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "hangwatch.supervisor", "run", str(cfg)],
+        [sys.executable, "-m", "hangwatch.supervisor", "run", "--quiet", str(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -148,6 +148,23 @@ def test_do_not_restart_codes_fail_the_run(tmp_path, code, kind):
     assert not wait_no_strays(str(run_dir))
 
 
+def test_the_same_failure_twice_ends_the_run_at_the_second(tmp_path):
+    """A deterministic error — the same exception at the same step, attempt after attempt — is not retried until the
+    crash-loop budget runs out: the second identical failure ends the run, its incident saying what repeated."""
+    cfg_path, run_dir = write_config(
+        tmp_path, "crash", "--bad-attempts", "99", "--same-crash", restart={"max_restarts": 5}
+    )
+    rc, out = run_supervisor(cfg_path)
+    assert rc == 1, out[-3000:]
+    assert state(run_dir)["state"] == "failed" and len(attempts(run_dir)) == 2
+    first, second = incidents(run_dir)
+    assert first["kind"] == second["kind"] == "crash" and first["decision"]["action"] == "restart"
+    reason = second["decision"]["reason"]
+    assert second["decision"]["action"] == "fail" and "the same failure twice in a row after step 2" in reason, reason
+    assert "RuntimeError: injected crash at step 3" in reason and second["repeated"] == first["id"]
+    assert not wait_no_strays(str(run_dir))
+
+
 def test_crash_loop_fails_the_run_with_a_final_incident(tmp_path):
     cfg_path, run_dir = write_config(tmp_path, "crash", "--bad-attempts", "99", restart={"max_restarts": 2})
     rc, out = run_supervisor(cfg_path)

@@ -43,7 +43,7 @@ CHAIN = [
     ),
     ({"kind": "block_c", "at_step": 5, "spawn_child": True}, "stall", "step", "blocked in C", "_wait_for_batch"),
     ({"kind": "livelock", "at_step": 7}, "livelock", "step", "livelock", "_retry_forever"),
-    ({"kind": "hang_generate", "at_step": 8}, "stall", "phase", "blocked in C", "__call__"),
+    ({"kind": "hang_generate", "at_step": 8}, "stall", "phase", "a loop sleeping in time.sleep()", "__call__"),
     ({"kind": "crash", "at_step": 11}, "crash", None, "RuntimeError: injected fault: crash at step 11", None),
     ({"kind": "segfault", "at_step": 13}, "signal", None, "killed by SIGSEGV", None),
     ({"kind": "oom", "at_step": 15}, "oom", None, "out of memory", None),

@@ -21,8 +21,9 @@ from hangwatch.common.rundir import ATTEMPTS, STATE_NAME
 @click.option(
     "--run-dir",
     envvar="HANGWATCH_RUN_DIR",
-    default=".",
-    show_default="current directory, or $HANGWATCH_RUN_DIR",
+    default=None,
+    show_default="$HANGWATCH_RUN_DIR; else the current directory when it is a run, else the only run under ./runs/ "
+    "that is running, else the most recent one",
     type=click.Path(file_okay=False),
     help="The run directory to report on.",
 )
@@ -33,10 +34,17 @@ from hangwatch.common.rundir import ATTEMPTS, STATE_NAME
     help="Where to write the page (default: <run dir>/report.html).",
 )
 @click.option("--open", "open_", is_flag=True, help="Open the page in the default browser once written.")
-def report(run_dir: str, out: Optional[str], open_: bool) -> None:
+def report(run_dir: Optional[str], out: Optional[str], open_: bool) -> None:
     """The run on one self-contained HTML page (opens without a network, readable on a phone): loss, lr, step
     time and tokens/s over steps with attempt boundaries and incidents marked; the incidents (kind, culprit,
     frame, detection, steps lost, time to recover); eval generations over steps."""
+    if run_dir is None:
+        if Path(STATE_NAME).exists() or Path(ATTEMPTS).is_dir():
+            run_dir = "."
+        else:
+            from hangwatch.supervisor.cli.remote import which_run
+
+            run_dir = which_run()
     base = Path(run_dir)
     if not (base / STATE_NAME).exists() and not (base / ATTEMPTS).is_dir():
         click.echo(f"hangwatch: no run in {base} (no {STATE_NAME}, no {ATTEMPTS}/): pass --run-dir", err=True)

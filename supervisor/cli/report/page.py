@@ -1,12 +1,15 @@
 """The report page: one HTML file with plotly's JavaScript inlined, so it opens anywhere without a network.
 
-Four charts share the step axis — loss, learning rate, step time, tokens/s — one trace per attempt (a resumed
+Up to four charts share the step axis — loss, learning rate, step time, tokens/s, each only when the beats carry
+that figure, each y axis from its own data (a constant learning rate is a flat line at its value) — one trace per
+attempt (a resumed
 attempt replays the steps after its checkpoint, so the replay shows as its own line), a dotted line where
 each attempt after the first began, and a red line with the incident's number and kind where each incident
 hit.  Below: where the run's wall time went (the goodput ledger: a strip over wall-clock time, one colour per
 category, and a table of the categories), the incidents table, the resume audits (was each resumed attempt the
 same training?) and, per eval prompt, its outputs over the steps.  The layout is one column that narrows to a
-phone's width (the tables scroll sideways there).  Plotly's JavaScript is inlined once, with the first chart.
+phone's width (the tables scroll sideways there).  Plotly's JavaScript is inlined once, in the page's head: its basic
+bundle (scatter and bar, ~1.2 MB, `plotly-basic.min.js` beside this module), not the whole library (4.6 MB).
 """
 
 from __future__ import annotations
@@ -67,23 +70,49 @@ def _thin(points: list[dict]) -> list[dict]:
     return points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
 
 
+PLOTLY_JS = Path(__file__).with_name("plotly-basic.min.js")
+
+
+def y_range(values: list[float]) -> Optional[list[float]]:
+    """A y axis for `values` from the data: a flat series gets a band around its value (plotly's own pick for one
+    is ±1 around it — a learning rate of 0.001 drawn on −1…1); None: let plotly choose."""
+    finite = [v for v in values if isinstance(v, (int, float)) and v == v and abs(v) != float("inf")]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    if hi > lo:
+        return None
+    pad = abs(lo) * 0.1 or 0.5
+    return [lo - pad, hi + pad]
+
+
+def charts_of(run: RunData) -> list[tuple[str, str]]:
+    """The charts the beats have data for (a script that reports no tokens/s gets no empty tokens/s chart)."""
+    return [(key, title) for key, title in CHARTS if any(s.get(key) is not None for s in run.steps)]
+
+
 def figure(run: RunData):
-    """The plotly figure: the four charts over steps, attempts and incidents marked."""
+    """The plotly figure: a chart per figure the beats carry, over steps, attempts and incidents marked."""
     import plotly.graph_objects as go  # noqa: PLC0415 (only when a report is made)
     from plotly.subplots import make_subplots  # noqa: PLC0415
 
+    charts = charts_of(run)
     fig = make_subplots(
-        rows=len(CHARTS),
+        rows=len(charts),
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.04,
-        subplot_titles=[title for _, title in CHARTS],
+        subplot_titles=[title for _, title in charts],
     )
+    for row, (key, _) in enumerate(charts, start=1):
+        band = y_range([s[key] for s in run.steps if s.get(key) is not None])
+        if band is not None:
+            fig.update_yaxes(range=band, row=row, col=1)
     attempts = sorted({s["attempt"] for s in run.steps})
     for i, number in enumerate(attempts):
         pts = _thin([s for s in run.steps if s["attempt"] == number])
         color = COLORS[i % len(COLORS)]
-        for row, (key, title) in enumerate(CHARTS, start=1):
+        for row, (key, title) in enumerate(charts, start=1):
             xs = [p["step"] for p in pts if p[key] is not None]
             ys = [p[key] for p in pts if p[key] is not None]
             fig.add_trace(
@@ -119,13 +148,13 @@ def figure(run: RunData):
             )
     fig.update_layout(
         autosize=True,
-        height=230 * len(CHARTS) + 60,
+        height=230 * len(charts) + 60,
         margin={"l": 50, "r": 10, "t": 40, "b": 40},
         legend={"orientation": "h", "y": -0.06},
         hovermode="x unified",
         template="plotly_white",
     )
-    fig.update_xaxes(title_text="step", row=len(CHARTS), col=1)
+    fig.update_xaxes(title_text="step", row=len(charts), col=1)
     return fig
 
 
@@ -281,20 +310,18 @@ def goodput_table(goodput: dict) -> str:
         rows.append(
             f'<tr class="{cls}" data-category="{html.escape(cat)}"><td>{swatch}<code>{html.escape(cat)}</code></td>'
             + _td(LABELS.get(cat, ""))
-            + _td(f"{sec:.1f}", "num")
-            + _td(short(sec), "num")
+            + f'<td class="num" title="{sec:.1f} s">{html.escape(short(sec))}</td>'
             + _td(share, "num")
             + "</tr>"
         )
     rows.append(
         '<tr class="total"><td>wall time</td><td></td>'
-        + _td(f"{wall:.1f}", "num")
-        + _td(short(wall), "num")
+        + f'<td class="num" title="{wall:.1f} s">{html.escape(short(wall))}</td>'
         + _td("100 %" if wall else "—", "num")
         + "</tr>"
     )
     return (
-        '<div class="scroll"><table class="goodput"><tr><th>category</th><th>what</th><th>seconds</th><th></th>'
+        '<div class="scroll"><table class="goodput"><tr><th>category</th><th>what</th><th>time</th>'
         "<th>share</th></tr>" + "".join(rows) + "</table></div>"
     )
 
@@ -364,18 +391,17 @@ def render(run: RunData) -> str:
     """The whole page as one string."""
     import plotly.io as pio  # noqa: PLC0415
 
-    inlined = []
+    drawn = []
 
     def plot(fig) -> str:
-        out = pio.to_html(
+        drawn.append(True)
+        return pio.to_html(
             fig,
-            include_plotlyjs=not inlined,
+            include_plotlyjs=False,
             full_html=False,
             default_width="100%",
             config={"responsive": True, "displaylogo": False},
         )
-        inlined.append(True)
-        return out
 
     st = run.state
     state = str(st.get("state") or "unknown")
@@ -398,10 +424,11 @@ def render(run: RunData) -> str:
     chart = plot(figure(run)) if run.steps else '<p class="muted">No step beats yet.</p>'
     where = goodput_section(run, plot)
     made = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    script = f'<script type="text/javascript">{PLOTLY_JS.read_text(encoding="utf-8")}</script>' if drawn else ""
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>hangwatch report: {html.escape(run.name)}</title><style>{CSS}</style></head><body>"
+        f"<title>hangwatch report: {html.escape(run.name)}</title><style>{CSS}</style>{script}</head><body>"
         f'<h1>hangwatch report: {html.escape(run.name)}</h1><div class="facts">{facts_html}</div>'
         f"<h2>Training</h2>{chart}<h2>Where the time went</h2>{where}"
         f"<h2>Incidents</h2>{incidents_table(run)}<h2>Resume audits</h2>{audits_table(run)}"

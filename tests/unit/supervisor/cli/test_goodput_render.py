@@ -177,10 +177,11 @@ def test_the_report_says_where_the_time_went(tmp_path):
     rows = re.findall(r'<tr class="(\w*)" data-category="(\w+)">(.*?)</tr>', where)
     assert [r[1] for r in rows] == list(CATEGORIES)
     by_cat = {cat: (cls, cells) for cls, cat, cells in rows}
-    assert LABELS["training"] in by_cat["training"][1] and ">5400.0<" in by_cat["training"][1]
+    assert LABELS["training"] in by_cat["training"][1] and 'title="5400.0 s">1.5 h<' in by_cat["training"][1]
     assert ">93.1 %<" in by_cat["training"][1] and by_cat["training"][0] == ""
     assert by_cat["detection"][0] == "lost" and by_cat["paused"][0] == "zero"
-    assert '<tr class="total"><td>wall time</td><td></td><td class="num">5800.0</td>' in where
+    assert '<tr class="total"><td>wall time</td><td></td><td class="num" title="5800.0 s">' in where
+    assert where.count("<th>") == 4  # category, what, time, share: one column of time
     # the timeline: one horizontal bar trace per category present, named by its label, drawn over wall-clock time
     names = re.findall(r'"name":"([^"]+)","orientation":"h"', where)
     assert sorted(names) == sorted(LABELS[c] for c in {s[2] for s in SEGMENTS})
@@ -189,7 +190,7 @@ def test_the_report_says_where_the_time_went(tmp_path):
 
 
 @pytest.mark.parametrize("stepped", [False, True])
-def test_plotly_is_inlined_once_with_the_first_chart(tmp_path, stepped):
+def test_plotlys_basic_bundle_is_inlined_once_before_the_charts(tmp_path, stepped):
     run = run_dir_with(tmp_path, snapshot(segments=SEGMENTS))
     if stepped:
         (run / "attempts" / "0001" / "heartbeat-rank0.jsonl").write_text(
@@ -197,10 +198,31 @@ def test_plotly_is_inlined_once_with_the_first_chart(tmp_path, stepped):
         )
     page = render(read_run(run))
     assert ("No step beats yet." in page) is not stepped
-    assert not re.search(r"<script[^>]+src=", page)
-    assert page.count("window.PlotlyConfig") == 1  # once, before the first chart that needs it
-    assert page.index("window.PlotlyConfig") < page.index("Plotly.newPlot")
+    assert not re.search(r"<script[^>]+src=", page)  # opens without a network
+    assert page.count("plotly.js (basic - minified)") == 1  # the bundle of the traces it draws, once
+    assert page.index("plotly.js (basic - minified)") < page.index("Plotly.newPlot")
     assert page.count("Plotly.newPlot") == (2 if stepped else 1)
+    assert len(page.encode()) < 2_000_000  # not the whole library (4.6 MB)
+
+
+def steps_file(run, rows):
+    (run / "attempts" / "0001" / "heartbeat-rank0.jsonl").write_text(
+        "".join(
+            json.dumps({"v": 1, "event": "step", "t": T0 + i, "rank": 0, "attempt": 1, "step": i + 1, **row}) + "\n"
+            for i, row in enumerate(rows)
+        )
+    )
+
+
+def test_a_chart_only_for_what_the_beats_carry_and_a_flat_lr_at_its_value(tmp_path):
+    run = run_dir_with(tmp_path, snapshot(segments=SEGMENTS))
+    steps_file(run, [{"loss": 2.0 - i / 10, "lr": 0.001, "step_time_s": 0.5} for i in range(5)])
+    page = render(read_run(run))
+    training = section(page, "Training")
+    titles = re.findall(r'"text":"(loss|learning rate|step time \(s\)|tokens/s)"', training)
+    assert titles == ["loss", "learning rate", "step time (s)"]  # no tokens/s: no beat carried it
+    ranges = re.findall(r'"range":\[([^\]]+)\]', training)
+    assert ["0.0009,0.0011"] == [r for r in ranges if r.startswith("0.0009")], ranges  # not −1…1
 
 
 def test_the_report_lists_the_resume_audits(tmp_path):

@@ -17,6 +17,7 @@ from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
 from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
 from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
 from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
+from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
 from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
 from hangwatch.supervisor.concerns.straggler_report import StragglerReport
 from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
@@ -53,6 +54,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         GenerateOverrun,
         ResumeAudit,
         OomRecovery,
+        RepeatedFailure,
         UnkillableWait,
     ]
     assert [c.name for c in got] == [
@@ -61,6 +63,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         "generate_overrun",
         "resume_audit",
         "oom_recovery",
+        "repeated_failure",
         "unkillable_wait",
     ]
 
@@ -74,7 +77,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         ({"watchdog": {"resume_audit": {"enabled": False}}}, set(), {"resume_audit"}),
         ({"restart": {"oom_remediation": True}}, {"oom_recovery"}, set()),
         ({"restart": {"oom_remediation": False}}, set(), {"oom_recovery"}),
-        ({"worker": COMMAND, "restart": {"oom_remediation": True}}, set(), {"oom_recovery"}),
+        ({"worker": COMMAND, "restart": {"oom_remediation": True}}, {"resume_check"}, {"oom_recovery"}),
         ({"restart": {"prewarm": False}}, set(), {"prewarmed_standby"}),
         ({"restart": {"prewarm": True}}, {"prewarmed_standby"}, set()),
         ({"restart": {"prewarm": "always"}}, {"prewarmed_standby"}, set()),
@@ -89,14 +92,15 @@ def test_each_switch_adds_or_leaves_out_its_concern_only(tmp_path, sections, pre
     assert got[:2] == ["goodput", "straggler_report"] and got[-1] == "unkillable_wait"
 
 
-def test_everything_off_leaves_the_three_that_every_run_has(tmp_path):
+def test_everything_off_leaves_the_ones_that_every_run_has(tmp_path):
     got = names(
         tmp_path,
         watchdog={"generate_overrun": "restart", "resume_audit": {"enabled": False}},
         restart={"oom_remediation": False},
         worker=COMMAND,
     )
-    assert got == ["goodput", "straggler_report", "unkillable_wait"]
+    # resume_check: a command of your own
+    assert got == ["goodput", "straggler_report", "resume_check", "repeated_failure", "unkillable_wait"]
 
 
 def test_everything_on_in_the_loops_order_with_the_standby_before_the_unkillable_wait(tmp_path):
@@ -107,6 +111,7 @@ def test_everything_on_in_the_loops_order_with_the_standby_before_the_unkillable
         "generate_overrun",
         "resume_audit",
         "oom_recovery",
+        "repeated_failure",
         "prewarmed_standby",
         "unkillable_wait",
     ]

@@ -111,6 +111,24 @@ def test_stall_classification_from_cpu_and_state(procs, needle):
 
 
 @pytest.mark.parametrize(
+    "line, native, procs, expect",
+    [
+        ("        time.sleep(0.5)", [], [{"state": "S", "cpu_percent": 0.2}], "waiting in Python: a loop sleeping"),
+        ("    sleep(poll_s)  # wait for the file", [], [{"state": "S", "cpu_percent": 0.0}], "waiting in Python"),
+        ("x = q.get()", ["clock_nanosleep (libc.so.6)", "pysleep (time.c)"], [{"state": "S"}], "waiting in Python"),
+        ("x = q.get()", ["futex_wait (libc.so.6)"], [{"state": "S", "cpu_percent": 0.0}], "blocked in C"),
+        ("        time.sleep(0.5)", [], [{"state": "R", "cpu_percent": 99.0}], "busy loop in Python"),  # CPU wins
+        ("        time.sleep(0.5)", [], [{"state": "D", "cpu_percent": 0.0}], "uninterruptible I/O"),
+    ],
+)
+def test_a_loop_polling_with_time_sleep_is_a_python_wait_not_a_call_blocked_in_c(line, native, procs, expect):
+    from hangwatch.supervisor.incidents import sleeping
+
+    procs = [{"cpu_percent": 0.0, **p} for p in procs]
+    assert classify_stall("stall", None, procs, None, sleeping(line, native)).startswith(expect)
+
+
+@pytest.mark.parametrize(
     "code, sig, last_words, log, kind, needle",
     [
         (
@@ -412,3 +430,34 @@ Current thread 0x1 (most recent call first):
         "innermost _engine_run_backward"
     )
     assert inc["caller_frame"]["line"] == 40 and inc["stuck_frame"]["function"] == "_engine_run_backward"
+
+
+@pytest.mark.parametrize(
+    "log, expect",
+    [
+        (  # accelerate launch: the child's traceback, then the launcher's CalledProcessError about it
+            'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+            "ValueError: lr must be positive, got -0.1\nTraceback (most recent call last):\n"
+            '  File "/venv/bin/accelerate", line 8, in <module>\nsubprocess.CalledProcessError: Command '
+            "'['python', 'train.py']' returned non-zero exit status 1.\n",
+            "ValueError: lr must be positive, got -0.1",
+        ),
+        (  # torchrun's ChildFailedError after the rank's own
+            "Traceback (most recent call last):\nKeyError: 'labels'\nTraceback (most recent call last):\n"
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+            "KeyError: 'labels'",
+        ),
+        (  # only the wrapper's: it is all there is
+            "Traceback (most recent call last):\nsubprocess.CalledProcessError: Command 'x' returned 2.\n",
+            "subprocess.CalledProcessError: Command 'x' returned 2.",
+        ),
+        (
+            "Traceback (most recent call last):\nRuntimeError: a\nTraceback (most recent call last):\nOSError: b\n",
+            "OSError: b",
+        ),
+    ],
+)
+def test_the_childs_own_exception_is_the_cause_not_the_launchers_wrapper(log, expect):
+    from hangwatch.supervisor.incidents import last_exception_line
+
+    assert last_exception_line(log.splitlines()) == expect

@@ -201,14 +201,42 @@ def test_unreadable_calibration_is_reported_not_fatal(tmp_path):
     assert cal.step_budget() is None and "steps.samples_s" in problem and str(p) in problem
 
 
-def test_calibrated_phase_budget_after_a_few_phases():
+def test_a_phase_learns_its_budget_after_a_few_completions():
     d = started(make(calibrate_after=5))
     t = 2.0
-    for _ in range(3):
+    for i in range(3):
+        assert d.phase_budget("mine") == (None, "none"), i  # no default for it: nothing until learned
         d.observe(line("phase", phase="mine"), t)
         d.observe(line("phase", phase="train"), t + 2.0)
         t += 3.0
-    assert d.phase_budget("mine") == (8.0, "calibrated")
+    assert d.phase_budget("mine") == (10.0, "learned: 5 × longest 2s")  # 5 × the longest (and the floor)
+
+
+@pytest.mark.parametrize(
+    "settings, took, expect",
+    [
+        ({}, [2.0, 2.4, 1.8], (12.0, "learned: 5 × longest 2.4s")),  # the default 300 s gives way to the run's
+        ({}, [0.2, 0.3, 0.1], (10.0, "learned: 5 × longest 0.3s")),  # never below the floor
+        ({"phase_learn_floor_s": 2.0, "phase_learn_factor": 3.0}, [1.0, 1.0, 1.0], (3.0, "learned: 3 × longest 1s")),
+        ({}, [1.0, 1.2], (300.0, "default")),  # fewer than phase_learn_after completions: the default still
+        ({"phase_budgets_s": {"generate": 60}}, [1.0, 1.2, 0.9], (60.0, "config")),  # yours is kept
+        ({"phase_learn": False}, [1.0, 1.2, 0.9], (300.0, "default")),
+        ({"phase_learn_after": 1}, [40.0], (200.0, "learned: 5 × longest 40s")),  # above the default, too
+    ],
+)
+def test_a_default_phase_budget_gives_way_to_the_one_learned_from_the_run(settings, took, expect):
+    d = started(make(silence_timeout_s=10_000, **settings))
+    t = 2.0
+    for seconds in took:
+        d.observe(line("phase", phase="generate"), t)
+        d.observe(line("phase", phase="train"), t + seconds)
+        t += seconds + 1.0
+    budget, source = d.phase_budget("generate")
+    assert (budget, source) == (pytest.approx(expect[0]), expect[1])
+    d.observe(line("phase", phase="generate"), t)  # the next generate runs under it
+    assert d.check(t + budget - 0.01) is None
+    fired = d.check(t + budget + 0.01)
+    assert fired.name == "phase" and fired.source == source
 
 
 def test_suspension_gap_extends_every_deadline():

@@ -1,0 +1,73 @@
+"""The same failure twice in a row ends the run (`concerns.repeated_failure`), driven alone: real incidents in a real
+store, the decisions the restart policy would hand it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hangwatch.supervisor.concerns import RunContext
+from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure, signature
+from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.rules.policy import Decision
+
+RESTART = Decision("restart", "worker exited with code 1")
+
+
+def failure(store, kind, classification, step, attempt):
+    inc = store.create(kind, attempt=attempt, step=step, classification=classification)
+    return SimpleNamespace(kind=kind, incident=inc), SimpleNamespace(number=attempt)
+
+
+@pytest.mark.parametrize(
+    "kind, classification, same",
+    [
+        ("crash", "crash with FileNotFoundError: [Errno 2] No such file: 'data/trian.jsonl'", True),
+        ("crash", "crash with ValueError: bad lr (from the worker log)", True),
+        ("oom", "out of memory: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
+        ("crash", "exited with code 3 without last words", False),  # no exception to compare
+        ("signal", "killed by SIGSEGV (signal 11)", False),
+        ("stall", "busy loop in Python (CPU 100%)", False),
+    ],
+)
+def test_only_an_exception_is_a_failure_that_can_repeat(kind, classification, same):
+    assert (signature(kind, {"classification": classification, "step": 3}) is not None) is same
+
+
+def test_the_second_identical_failure_fails_the_run_once(tmp_path):
+    store = IncidentStore(tmp_path)
+    concern = RepeatedFailure(RunContext(None, tmp_path, None, store, None, None))
+    words = "crash with FileNotFoundError: [Errno 2] No such file or directory: 'data/trian.jsonl'"
+    ep1, a1 = failure(store, "crash", words, None, 1)
+    assert concern.decision(a1, ep1, RESTART, 0.0) is None  # the first: the policy's restart stands
+    ep2, a2 = failure(store, "crash", words, None, 2)
+    decided = concern.decision(a2, ep2, RESTART, 1.0)
+    assert decided.action == "fail" and "the same failure twice in a row before the first step" in decided.reason
+    assert (
+        "data/trian.jsonl" in decided.reason and f"incidents {ep1.incident.id} and {ep2.incident.id}" in decided.reason
+    )
+    assert store.get(ep2.incident.id)["repeated"] == ep1.incident.id  # said in the incident too
+    assert concern.decision(a2, ep2, decided, 2.0) is None  # asked again at the tree's end: nothing more
+
+
+@pytest.mark.parametrize(
+    "second, decision, repeats",
+    [
+        (("crash", "crash with ValueError: x", 7), RESTART, False),  # another step: it got further
+        (("crash", "crash with ValueError: y", 5), RESTART, False),  # another error
+        (("crash", "crash with ValueError: x", 5), Decision("fail", "crash loop", crash_loop=True), False),
+        (("oom", "out of memory: CUDA", 5), Decision("restart", "oom; micro-batch 2", rollback=True), False),
+        (("crash", "crash with ValueError: x", 5), RESTART, True),
+    ],
+)
+def test_what_is_not_a_repetition(tmp_path, second, decision, repeats):
+    store = IncidentStore(tmp_path)
+    concern = RepeatedFailure(RunContext(None, tmp_path, None, store, None, None))
+    first_kind = second[0] if second[0] == "oom" else "crash"
+    first_words = "out of memory: CUDA" if first_kind == "oom" else "crash with ValueError: x"
+    ep1, a1 = failure(store, first_kind, first_words, 5, 1)
+    concern.decision(a1, ep1, RESTART, 0.0)
+    ep2, a2 = failure(store, *second, 2)
+    decided = concern.decision(a2, ep2, decision, 1.0)
+    assert (decided is not None and decided.action == "fail") is repeats
