@@ -3,13 +3,12 @@
 `hangwatch run` puts a run in `./runs/<name>` unless told otherwise, so that is where a client looks: the run
 directories under `./runs/` (each holds a `state.json`).  The only one whose supervisor is alive is the one meant;
 with none alive, the most recently updated one (the command says which it took); with several alive, the client
-must say which — the error lists them.  Standard library and the state file only: `hangwatch status` stays light.
+must say which — the error lists them.  A supervisor is alive as `status` judges a recorded one
+(`recorded.supervisor_gone`: its pid and start time).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,31 +34,11 @@ class Candidate:
     alive: bool  # its supervisor still runs
 
 
-def _pid_alive(rec: dict) -> bool:
-    """The supervisor that wrote `rec` still runs: its pid exists with the start time it recorded."""
-    sup = rec.get("supervisor") if isinstance(rec.get("supervisor"), dict) else {}
-    pid = sup.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process with that pid: compare the start time below
-    started = sup.get("create_time")
-    if not isinstance(started, (int, float)):
-        return True
-    try:
-        import psutil
-
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
-    except Exception:  # gone meanwhile, or not ours to read
-        return False
-
-
 def candidates(base: Path = RUNS) -> list[Candidate]:
     """Every run directory directly under `base` that holds a readable state.json."""
+    from hangwatch.supervisor.cli.recorded import supervisor_gone
+    from hangwatch.supervisor.records import run_state
+
     out = []
     try:
         entries = sorted(p for p in base.iterdir() if p.is_dir())
@@ -67,17 +46,17 @@ def candidates(base: Path = RUNS) -> list[Candidate]:
         return []
     for d in entries:
         path = d / STATE_NAME
+        rec, _ = run_state.read(path)
         try:
-            rec = json.loads(path.read_text())
             mtime = path.stat().st_mtime
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if not isinstance(rec, dict):
+        if rec is None:
             continue
         state = rec.get("state") if isinstance(rec.get("state"), str) else None
         wall = rec.get("updated_wall")
         updated = float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else mtime
-        alive = state not in FINAL_STATES and _pid_alive(rec)
+        alive = state not in FINAL_STATES and supervisor_gone(rec) is False
         out.append(Candidate(d, state, updated, alive))
     return out
 

@@ -71,13 +71,11 @@ def _state(run_dir: Path) -> Optional[str]:
     return rec.get("state") if isinstance(rec, dict) else None
 
 
-def _words(keys: list[str], effective: dict) -> str:
+def _words(keys: list[str]) -> str:
     if any(k.startswith("worker.command") for k in keys):
         return "another command or other arguments"
-    shown = ", ".join(keys[:SHOWN_DIFFERENCES]) + (
-        f" and {len(keys) - SHOWN_DIFFERENCES} more" if len(keys) > 3 else ""
-    )
-    return f"another config ({shown})"
+    more = len(keys) - SHOWN_DIFFERENCES
+    return f"another config ({', '.join(keys[:SHOWN_DIFFERENCES])}{f' and {more} more' if more > 0 else ''})"
 
 
 def plan(effective: dict, run_dir: str, again: list[str], continuous: bool = False) -> Plan:
@@ -90,7 +88,7 @@ def plan(effective: dict, run_dir: str, again: list[str], continuous: bool = Fal
     diff = differences(effective, base)
     if not diff:  # the same run (or one that recorded no config: treated as this one, as before)
         return Plan(run_dir, finished_lines(base, again), finished=True)
-    why = _words(diff, effective)
+    why = _words(diff)
     n = 2
     while True:
         candidate = base.with_name(f"{base.name}-{n}")

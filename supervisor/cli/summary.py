@@ -6,12 +6,12 @@ Pure functions of a config or a run dir on disk (no daemon, no terminal styling)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.config import Config
 from hangwatch.common.rundir import STATE_NAME, read_json
+from hangwatch.supervisor.cli.rerun import shown
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
@@ -91,12 +91,12 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
     from hangwatch.common.rundir import CONFIG_NAME
     from hangwatch.supervisor.processes.interpreter import note_for
 
-    shown = _shown(cfg.run_dir)
+    where = shown(cfg.run_dir)
     own = cfg.model_dump(mode="json", exclude_defaults=True)
     lines = [
-        f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {shown}",
+        f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {where}",
         f"hangwatch: instrumentation: {note_for(cfg)}",
-        f"hangwatch: effective config (every other setting at its default; all of them in {shown}/{CONFIG_NAME}):",
+        f"hangwatch: effective config (every other setting at its default; all of them in {where}/{CONFIG_NAME}):",
     ]
     lines += ["    " + line for line in yaml.safe_dump(own, sort_keys=False).splitlines()]
     if slurm_text(cfg):  # a kept copy would pin this job's node list, ids and this node's run dir on the next job
@@ -107,12 +107,12 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
         )
     if config_arg is None:
         lines.append(
-            f"hangwatch: to keep it: cp {shown}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml"
+            f"hangwatch: to keep it: cp {where}/{CONFIG_NAME} hangwatch.yaml  — next time: hangwatch run hangwatch.yaml"
         )
     else:
         lines.append(
-            f"hangwatch: {config_arg} with this command is {shown}/{CONFIG_NAME}  — next time: "
-            f"hangwatch run {shown}/{CONFIG_NAME}"
+            f"hangwatch: {config_arg} with this command is {where}/{CONFIG_NAME}  — next time: "
+            f"hangwatch run {where}/{CONFIG_NAME}"
         )
     return lines
 
@@ -135,12 +135,6 @@ def checkpoint_text(cfg: Config) -> str:
         f"the worker's own (Heartbeat.checkpoint), good after {c.confirm_steps} later steps with a finite loss; "
         "every attempt gets the last good one in HANGWATCH_RESUME_FROM"
     )
-
-
-def _shown(path: str) -> str:
-    """A path as a person would type it here: relative when below the working directory."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def config_summary(cfg: Config) -> list[tuple[str, str]]:
