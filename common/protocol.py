@@ -35,6 +35,18 @@ ENV_RESUME_FROM = "HANGWATCH_RESUME_FROM"
 GENERATE_STOP_NAME = "generate-stop.json"
 TRUNCATED_FIELD = "generate_truncated"
 
+# The supervisor's order to abandon a stuck step (`restart.in_process`, the built-in worker on one process), in the
+# attempt's directory, written once the stall's stack dumps are in:
+#   {"order": N, "issued_unix": T, "step": S}
+# The worker raises an exception in its training thread at that thread's next bytecode, puts back the last good
+# checkpoint's state (held in memory) and goes on; it answers with a `warn` line carrying RECOVERED_FIELD
+# ({"kind": "stall", "order": N, ...}), or ABANDON_REFUSED_FIELD ({"order": N, "why": ...}) when it cannot (not in
+# its training loop).  A thread blocked in C, in a CUDA kernel or a collective never runs that bytecode: no answer,
+# and the supervisor kills the tree after `watchdog.abandon_grace_s`.
+ABANDON_NAME = "abandon-step.json"
+RECOVERED_FIELD = "recovered"
+ABANDON_REFUSED_FIELD = "abandon_refused"
+
 # The `stop` reason an automatically instrumented rank gives as its interpreter exits (its last Python act):
 #   {"event": "stop", "reason": "exit", "code": N[, "exception": "TypeName"]}
 # A rank that said it with code 0 had finished its work: a signal that ends the process after it (a crash in

@@ -25,6 +25,10 @@ EXIT_NAME = "exit.json"
 # A standby's word that its preload is over (`restart.prewarm`): {pid, attempt, preload_s, error}, written by the
 # standby (daemon.prewarm), read for `status` and removed with the standby by the supervisor (processes.prewarm).
 STANDBY_READY_NAME = "standby.json"
+# The batch an unedited HF / TRL / Lightning script trains with after out-of-memory failures: written by the
+# supervisor (supervisor.concerns.framework_oom), read and applied by the instrumentation
+# (daemon.autoinstrument.oom_batch)
+FRAMEWORK_REMEDIATION_NAME = "framework-remediation.json"
 SOCKET_PATH_FILE = "socket-path"  # in the run dir, when the socket lives elsewhere
 ATTEMPTS = "attempts"
 CHECKPOINTS = "checkpoints"
@@ -65,6 +69,12 @@ def rank_exit_name(rank: int = 0) -> str:
 
 def rank_exit_path(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Path:
     return attempt_dir(run_dir, attempt) / rank_exit_name(rank)
+
+
+def framework_setting_name(rank: int = 0) -> str:
+    """What rank `rank`'s framework Trainer trained with in an attempt (`attempts/NNNN/framework-rank<R>.json`): the
+    per-device batch and accumulation it asked for, what it ran with, whether hangwatch could change them."""
+    return f"framework-rank{rank}.json"
 
 
 def standby_ready_path(run_dir: os.PathLike | str) -> Path:

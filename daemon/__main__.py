@@ -205,8 +205,21 @@ def run(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     prepare_torch(cfg)
     preloaded = pre is not None and pre.bundle is not None
-    bundle = prepare_for_training(pre.on_device(cfg), cfg) if preloaded else load_model(cfg)
+    try:
+        if plan.memory_probe is not None:
+            plan.memory_probe.load()  # the memory_limit fault's device: the weights may not fit on it
+        bundle = prepare_for_training(pre.on_device(cfg), cfg) if preloaded else load_model(cfg)
+    except torch.OutOfMemoryError as exc:  # the same model onto the same device: no restart would do better
+        from hangwatch.daemon.doctor.memory_estimate import loading_words
+        from hangwatch.daemon.worker_errors import DoesNotFit
+
+        raise DoesNotFit(exc, loading_words(cfg, cfg.model.device != "cpu" and torch.cuda.is_available())) from exc
     source, eval_examples = load_data(cfg, bundle.tokenizer, hb, stop, pre.files if preloaded else None)
+    watch = None
+    if cfg.restart.in_process and world.size == 1 and not cfg.data.inbox:
+        from hangwatch.daemon.trainer.recovery import AbandonWatch
+
+        watch = AbandonWatch(hb.path.parent, hb).start()
     try:
         trainer = Trainer(
             cfg,
@@ -220,6 +233,8 @@ def run(
             attempt=hb.attempt,
             world=world,
             configured=configured,
+            in_process=cfg.restart.in_process,
+            watch=watch,
         )
         if remedy is not None:
             trainer.log(remediation.words(remedy))
@@ -237,12 +252,37 @@ def run(
             trainer.seed_fresh()
         for s in choice.skipped:
             trainer.log(f"skipped checkpoint {s['path']}: {s['reason']}")
+        if remedy is not None and remedy.get("probe") and not cfg.data.inbox:
+            _probe(trainer, hb)
         reason = trainer.run()
         world.close()
         return reason
     finally:
+        if watch is not None:
+            watch.close()
         if isinstance(source, ContinuousDataSource):
             source.close()  # the inbox's watcher thread
+
+
+def _probe(trainer, hb) -> None:
+    """After an out-of-memory restart: the micro-batch measured before training (`Trainer.probe_micro_batch`), said in
+    a `warn` line the supervisor records in remediation.json."""
+    result = trainer.probe_micro_batch()
+    if not trainer.world.is_main:
+        return
+    picked = result.get("picked")
+    if picked is None:
+        text = f"micro-batch not measured ({result.get('why')}): training at {result['micro_batch_size']}"
+    elif picked == result["micro_batch_size"]:
+        text = f"micro-batch {picked} measured to fit ({result.get('per_example_mb')} MiB per example)"
+    else:
+        text = (
+            f"micro-batch {result['micro_batch_size']} → {picked} from a probe step: "
+            f"{result.get('per_example_mb')} MiB per example above {result.get('weights_mb')} MiB, "
+            f"{result.get('capacity_mb')} MiB capacity"
+        )
+    hb.warn(f"OOM remediation: {text}", remediation_probe=result)
+    trainer.log(f"OOM remediation: {text}")
 
 
 def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> int:

@@ -225,6 +225,19 @@ class ShuffledEpochs:
                 "(quarantine.jsonl in the run dir): nothing is left to train on"
             )
 
+    def quarantine(self, ids) -> None:
+        """Examples quarantined since this source was built (a rollback in the process): passed over from now on,
+        as a source built afresh with them would."""
+        skip = frozenset(ids) & {e.id for e in self.examples}
+        if skip and all(e.id in skip for e in self.examples):
+            from hangwatch.daemon.worker_errors import DataError
+
+            raise DataError(
+                f"every training example ({len(self.examples)}) is quarantined after non-finite losses "
+                "(quarantine.jsonl in the run dir): nothing is left to train on"
+            )
+        self.skip = skip
+
     def order(self, epoch: int) -> list[int]:
         import numpy as np
 

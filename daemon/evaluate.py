@@ -35,6 +35,7 @@ from hangwatch.daemon.data import Example, collate, prompt_ids_for
 from hangwatch.daemon.distributed import World
 from hangwatch.daemon.integrations.generation import StopOrder, truncation_report
 from hangwatch.daemon.trainer.ranks import eval_shard
+from hangwatch.daemon.trainer.recovery import is_oom, release_memory
 
 EVOLUTION = "evolution.jsonl"
 
@@ -45,22 +46,39 @@ def eval_loss(
     batch_size: int,
     on_batch: Optional[Callable[[], None]] = None,
     world: Optional[World] = None,
+    on_oom: Optional[Callable[[int, int, str], None]] = None,
 ) -> Optional[float]:
     """Mean cross-entropy per completion token over `examples` (None without examples); in a
-    multi-rank run each rank scores its share and the sums are added across ranks."""
+    multi-rank run each rank scores its share and the sums are added across ranks.
+
+    `on_oom(size, smaller, message)` (`restart.in_process`): a batch that runs out of memory is scored again in halves
+    (down to one example; then the error goes on), each told to it; the sums, hence the loss, are the same."""
     if not examples:
         return None
     world = world or World()
     mine = eval_shard(examples, world.rank, world.size)
     total, count = 0.0, 0
     pad = bundle.tokenizer.pad_token_id
-    for i in range(0, len(mine), batch_size):
+    i = 0
+    while i < len(mine):
         chunk = mine[i : i + batch_size]
-        batch = collate(chunk, pad)
         n = sum(e.n_label_tokens for e in chunk)
-        _, ce_sum, _ = bundle.compute_loss(batch, n)
+        message = None
+        try:
+            _, ce_sum, _ = bundle.compute_loss(collate(chunk, pad), n)
+        except BaseException as exc:
+            if on_oom is None or batch_size <= 1 or not is_oom(exc):
+                raise
+            message = str(exc)
+        if message is not None:  # out of the handler: the failed batch's tensors are gone
+            smaller = batch_size // 2
+            release_memory(bundle.device)
+            on_oom(batch_size, smaller, message)
+            batch_size = smaller
+            continue
         total += ce_sum
         count += n
+        i += len(chunk)
         if on_batch is not None:
             on_batch()
     total, count = world.sum([total, count])
@@ -204,8 +222,11 @@ def run_eval(
     processors=(),
     should_stop: Callable[[], bool] = lambda: False,
     world: Optional[World] = None,
+    on_oom: Optional[Callable[[int, int, str], None]] = None,
 ) -> dict:
-    """One evaluation at `step`: loss, generations (rank 0), evolution.jsonl; returns a summary."""
+    """One evaluation at `step`: loss, generations (rank 0), evolution.jsonl; returns a summary.  `on_oom`
+    (`restart.in_process`): an eval batch out of memory is halved (`eval_loss`); a prompt whose generate() runs out of
+    memory (one prompt is one batch: nothing to halve) is recorded with the error and the next one goes on."""
     budgets = cfg.watchdog.phase_budgets_s
     world = world or World()
 
@@ -219,9 +240,31 @@ def run_eval(
                     break
                 prompt = item if isinstance(item, str) else item.prompt
                 reference = None if isinstance(item, str) else item.reference
-                gen = generate_prompt(
-                    bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop, order=order
-                )
+                message = None
+                try:
+                    gen = generate_prompt(
+                        bundle, prompt, cfg.eval, hb, extra_processors=processors, should_stop=should_stop, order=order
+                    )
+                except BaseException as exc:
+                    if on_oom is None or not is_oom(exc):
+                        raise
+                    message = str(exc)
+                if message is not None:  # out of the handler: what the failed generate() held is gone
+                    release_memory(bundle.device)
+                    on_oom(1, 0, message)
+                    records.append(
+                        {
+                            "step": step,
+                            "prompt": prompt,
+                            "reference": reference,
+                            "output": None,
+                            "error": f"out of memory: {message[:500]}",
+                            "loss": loss,
+                            "attempt": attempt,
+                            "t": time.time(),
+                        }
+                    )
+                    continue
                 record = {
                     "step": step,
                     "prompt": prompt,
@@ -251,6 +294,7 @@ def run_eval(
             cfg.train.micro_batch_size,
             on_batch=lambda: hb.progress(note="eval loss"),
             world=world,
+            on_oom=on_oom,
         )
         records = world.on_main(hb, "generate", generate_all) or []
     if records:

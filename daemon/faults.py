@@ -28,7 +28,7 @@ one `faults-fired.json` (updated under a lock, as several ranks may record at on
 beside their shared checkpoints (`checkpoint.dir`): `rank` is the global rank, whichever node hosts it.
 
 What each kind does is written so that the evidence looks like the real thing: a pure-Python loop
-inside the model's forward (`busy_loop`), a read on a pipe nobody writes (`block_c`), a loop that
+inside the model's forward (`busy_loop`), a native wait no signal ends (`block_c`), a loop that
 keeps beating `progress` (`livelock`), a wait inside a generate() logits processor (`hang_generate`: generate
 stuck, no tokens), a generate() that never ends while tokens keep coming (`runaway_generate`: a logits
 processor that takes EOS away, and that eval's `max_new_tokens` raised to RUNAWAY_MAX_NEW_TOKENS, which
@@ -137,9 +137,17 @@ def _busy_forward_hook(module, args):
     _select_ranges(itertools.cycle([(7, 3)]))
 
 
-def _wait_for_batch(fd: int) -> bytes:
-    """A data loader reading from a worker pipe whose writer never writes: blocked in read(2)."""
-    return os.read(fd, 1)
+def _wait_for_batch() -> None:
+    """Blocked in native code that no signal ends, as a collective waiting for a rank that never comes or a native
+    loader waiting for its producer: pthread_mutex_lock(3) on a mutex this thread already holds (ctypes releases the
+    GIL, so the process's other threads — its heartbeat's, faulthandler's — go on; a signal's Python handler never
+    runs, for the thread never returns to Python)."""
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(
+        64
+    )  # all zeros: PTHREAD_MUTEX_INITIALIZER (glibc), a default, non-recursive one
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
 
 
 def _retry_forever(hb, step: int) -> None:
@@ -248,7 +256,6 @@ class FaultPlan:
                 self.entries.append((f, _key(f, seen[base])))
         self._fired_this_attempt: set[str] = set()
         self.nan_remaining = 0
-        self._pipes: list = []  # keeps block_c's writer open so its read never sees EOF
         self.children: list[int] = []
 
     # ---- bookkeeping
@@ -348,6 +355,12 @@ class FaultPlan:
             print(f"fault: injecting poison at step {step} (examples {', '.join(named)})", flush=True)
         return hits
 
+    def rolled_back(self) -> None:
+        """The trainer put the last good state back in its process (`restart.in_process`): a `nan` fault's remaining
+        steps go with the state they poisoned, as they go with the process on a restart (a new attempt's plan starts
+        with none)."""
+        self.nan_remaining = 0
+
     def take_nan(self) -> bool:
         """Whether this step's loss is to be made non-finite (consumes one of the nan fault's steps)."""
         if self.nan_remaining > 0:
@@ -358,12 +371,18 @@ class FaultPlan:
     def _fire(self, fault, step: int, bundle) -> None:
         kind = fault.kind
         if kind == "busy_loop":
+            # One forward spins (until the process is killed, or the step abandoned in it): the next forward of the
+            # same process is as a new process's would be.
             attention = _first_attention(bundle.model)
-            attention.register_forward_pre_hook(_busy_forward_hook)
+            handle = None
+
+            def spin_once(module, args):
+                handle.remove()
+                _busy_forward_hook(module, args)
+
+            handle = attention.register_forward_pre_hook(spin_once)
         elif kind == "block_c":
-            r, w = os.pipe()
-            self._pipes.append((r, w))
-            _wait_for_batch(r)
+            _wait_for_batch()
         elif kind == "livelock":
             _retry_forever(self.hb, step)
         elif kind == "crash":
@@ -430,11 +449,18 @@ def oom_message(
     )
 
 
+ALLOCATIONS_PER_STEP = 8  # a training step's activations, allocated layer after layer
+
+
 class FakeAllocator:
     """The `memory_limit` fault: a device capped at `capacity_mb` on which the model takes `weights_mb` and a training
-    forward `per_example_mb` for each example of its batch, all of it in one allocation.  It is the trainer's memory
-    probe (`figures`, as `daemon.trainer.memory.CudaProbe`), and a forward pre-hook on the model (`attach`, from
-    `at_step` on) that raises torch's OutOfMemoryError, in torch's words, for a batch that does not fit."""
+    step `per_example_mb` for each example of its micro-batch.  It imitates what torch.cuda measures of a real step:
+    the step's memory is allocated in ALLOCATIONS_PER_STEP pieces, one after the other (activations, layer by layer),
+    and the out-of-memory error is raised at the first piece that does not fit — so what the message says was
+    allocated then, plus what was being asked for, is *less* than the step's need, as on a real device; a step that
+    fits leaves its full need as the peak (`max_memory_allocated`).  It is the trainer's memory probe (`figures`, as
+    `daemon.trainer.memory_evidence.CudaProbe`), and a forward pre-hook on the model (`attach`, from `at_step` on)
+    that raises torch's OutOfMemoryError, in torch's words, for a micro-batch that does not fit."""
 
     def __init__(self, fault, hb):
         self.weights_mb = float(fault.weights_mb)
@@ -444,6 +470,7 @@ class FakeAllocator:
         self.at_step = fault.at_step or 0
         self.hb = hb
         self.peak_mb = self.weights_mb
+        self.step_mb = 0.0  # what the step under way holds now (freed when it fails or ends)
         self._hooked = False
         self._announced = False
 
@@ -458,6 +485,25 @@ class FakeAllocator:
             "reserved_mb": self.weights_mb,
             "free_mb": self.total_mb - in_use,
         }
+
+    def load(self) -> None:
+        """The model's weights onto the device, layer by layer: torch's OutOfMemoryError at the first piece that does
+        not fit when the weights alone are over the cap."""
+        self.peak_mb = 0.0
+        piece, held = self.weights_mb / ALLOCATIONS_PER_STEP, 0.0
+        for _ in range(ALLOCATIONS_PER_STEP):
+            if held + piece > self.capacity_mb:
+                weights, self.weights_mb = self.weights_mb, 0.0  # what is allocated at the failure: the pieces so far
+                try:
+                    self._out_of_memory(piece, held, self.weights_mb)
+                finally:
+                    self.weights_mb = weights
+            held += piece
+        self.peak_mb = self.weights_mb
+
+    def reset_peak(self) -> None:
+        """torch.cuda.reset_peak_memory_stats: the peak from now on."""
+        self.peak_mb = self.weights_mb
 
     def attach(self, step: int, bundle) -> None:
         if self._hooked or step < self.at_step:
@@ -474,21 +520,28 @@ class FakeAllocator:
         return None
 
     def allocate(self, mb: float) -> None:
-        """One allocation of `mb` on top of the weights: the peak it makes, or torch's OutOfMemoryError."""
-        need = self.weights_mb + mb
-        if need <= self.capacity_mb:
-            self.peak_mb = max(self.peak_mb, need)
-            return
+        """A step needing `mb` on top of the weights, allocated in ALLOCATIONS_PER_STEP pieces: the peak it makes, or
+        torch's OutOfMemoryError at the first piece that does not fit (what was allocated then is freed)."""
+        piece = mb / ALLOCATIONS_PER_STEP
+        held = 0.0
+        for _ in range(ALLOCATIONS_PER_STEP):
+            if self.weights_mb + held + piece > self.capacity_mb:
+                self._out_of_memory(piece, held, mb)
+            held += piece
+            self.peak_mb = max(self.peak_mb, self.weights_mb + held)
+
+    def _out_of_memory(self, piece: float, held: float, mb: float) -> None:
         import torch
 
         f = self.figures(None)
+        allocated = f["allocated_mb"] + held
         message = oom_message(
-            tried_mb=mb,
+            tried_mb=piece,
             total_mb=f["total_mb"],
-            free_mb=f["free_mb"],
-            in_use_mb=f["allocated_mb"] + FAKE_CONTEXT_MB,
-            allocated_mb=f["allocated_mb"],
-            reserved_mb=f["reserved_mb"],
+            free_mb=f["total_mb"] - allocated - FAKE_CONTEXT_MB,
+            in_use_mb=allocated + FAKE_CONTEXT_MB,
+            allocated_mb=allocated,
+            reserved_mb=allocated,
             allowed_mb=f["allowed_mb"],
         )
         if not self._announced:

@@ -23,7 +23,7 @@ from hangwatch.common.durable import disk_error, write_json_atomic
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_FAILED, EXIT_IOERR, EXIT_TEMPFAIL
 from hangwatch.common.rundir import rank_exit_path
 from hangwatch.daemon.trainer import memory_evidence
-from hangwatch.daemon.worker_errors import CheckpointSaveError, DataError, NonFiniteStreak
+from hangwatch.daemon.worker_errors import CheckpointSaveError, DataError, DoesNotFit, NonFiniteStreak
 
 
 def classify(exc: BaseException) -> tuple[str, int]:
@@ -36,6 +36,8 @@ def classify(exc: BaseException) -> tuple[str, int]:
         return "data_error", EXIT_DATAERR
     if isinstance(exc, NonFiniteStreak):
         return "nan", EXIT_TEMPFAIL
+    if isinstance(exc, DoesNotFit):
+        return "oom", EXIT_CONFIG  # while loading: the same model onto the same device would not fit either
     if isinstance(exc, CheckpointSaveError):
         return "checkpoint_failed", EXIT_IOERR if disk_error(exc.cause) else EXIT_FAILED
     if disk_error(exc):  # another write the disk refused (evolution log, final export, …)

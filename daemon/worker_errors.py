@@ -24,6 +24,19 @@ class NonFiniteStreak(Exception):
         super().__init__(f"{streak} non-finite optimizer steps in a row after step {step}")
 
 
+class DoesNotFit(Exception):
+    """The device ran out of memory while the model was being loaded (exit 78: a restart would load the same model
+    onto the same device).  `estimate`: the doctor's words on what the model needs, when they could be had."""
+
+    def __init__(self, cause: BaseException, estimate: str = ""):
+        self.cause, self.estimate = cause, estimate
+        super().__init__(
+            f"out of memory while loading the model: {cause}"
+            + (f" — {estimate}" if estimate else "")
+            + "; use a smaller model, model.load_in_4bit or model.dtype bfloat16, or a device with more memory"
+        )
+
+
 class CheckpointSaveError(Exception):
     """A checkpoint could not be written (exit 74 when the disk refused: a person must make room).
 

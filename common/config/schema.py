@@ -277,6 +277,13 @@ class WatchdogCfg(Section):
     )
     phase_learn_floor_s: float = Field(10.0, gt=0, description="Lower bound of a learned phase budget.")
     dump_grace_s: float = Field(5, ge=0, description="Most time to wait for stack dumps to stop growing.")
+    abandon_grace_s: float = Field(
+        5,
+        gt=0,
+        description="A stall of the built-in worker on one process (`restart.in_process`): how long, once the dumps "
+        "are in, the worker gets to abandon the stuck step in its own process before the tree is killed (a thread "
+        "blocked in C, a CUDA kernel or a collective cannot).",
+    )
     term_grace_s: float = Field(
         10,
         ge=0,
@@ -392,8 +399,21 @@ class RestartCfg(Section):
         description="Built-in worker: an out-of-memory failure restarts with a smaller micro-batch and more "
         "accumulation (the same examples per optimizer step; not bit-for-bit the same sums): the first one picked from "
         "the OOM's memory figures (the weights' share, what the step needed, the device's capacity; 90 % of it at "
-        "most), else halved, down to 1, then gradient checkpointing, then `failed`. false: restart with the same "
-        "settings.",
+        "most), else halved, down to 1, then gradient checkpointing, then `failed`. A script of your own "
+        "(`worker.command`, `worker.instrument: auto`) whose HF Trainer, TRL trainer or Lightning Trainer runs out of "
+        "memory in training restarts with the framework's per-device batch halved and its gradient accumulation "
+        "doubled, down to 1, then `failed`. false: restart with the same settings.",
+    )
+    in_process: bool = Field(
+        True,
+        description="Built-in worker on one process: recover inside the worker's process where it can, without a "
+        "restart. An out-of-memory error in a training step: the step's work dropped, the micro-batch halved and the "
+        "accumulation doubled (then gradient checkpointing), the same step taken again on the same examples; in an "
+        "eval, that batch halved. A non-finite streak: its examples quarantined and the last good checkpoint's state, "
+        "held in host memory, put back. A stall in Python (after the stack dumps): the stuck step abandoned by an "
+        "exception raised in it, and the last good state put back (`watchdog.abandon_grace_s`). What cannot be "
+        "recovered there (a thread blocked in C or a CUDA kernel, several ranks, OOM at micro-batch 1 with "
+        "checkpointing) is restarted as before. false: every recovery is a restart.",
     )
     on_unkillable: Literal["wait", "fail"] = Field(
         "wait",

@@ -17,6 +17,7 @@ The supervisor starts the worker's command with hangwatch's bootstrap directory 
         saves.py       `checkpoint` around the outermost save (torch, safetensors, save_pretrained, accelerate,
                        Fabric), then a `checkpoint` beat with its path
         frameworks.py  a HangwatchCallback in every HF / Lightning Trainer, the last good checkpoint resumed
+        oom_batch.py   after an OOM, the framework's per-device batch halved and its accumulation doubled
   * beats `stop` (reason `exit`, the interpreter's exit code) as the interpreter exits normally (exits.py): the
     supervisor judges the exit by the process's own status, and a signal after that line — a crash in native
     teardown after the work was done — is not taken for a failed run.

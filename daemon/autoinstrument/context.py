@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Dict, Mapping, Optional
 
-from hangwatch.common.protocol import ENV_RESUME_FROM
+from hangwatch.common.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
 from hangwatch.daemon.heartbeat import WRITERS, Heartbeat
 
 # Phases the automatic instrumentation may leave for one of its own (eval, checkpoint): those that mean
@@ -46,6 +46,7 @@ class Context:
         self.train_thread = threading.get_ident()  # the thread that beats: the one that steps the optimizer
         self.resume_step = resume_step
         self.resume_from: Optional[str] = environ.get(ENV_RESUME_FROM) or None
+        self.run_dir: Optional[str] = environ.get(ENV_RUN_DIR) or None  # where the supervisor's records are
         self.hooks: Dict[str, Hook] = {}
         self.errors: Dict[str, str] = {}  # hook name → its first error, as reported
 

@@ -15,6 +15,10 @@ path announced by a plain `save_pretrained` is not one, and the Trainer would fa
 that differs is respected and a `warn` beat says so; `True` (the Trainer's own "latest") is left alone.
 Lightning: `fit(..., ckpt_path=None)` likewise (`"last"`, `"best"`, `"hpc"`, `"registry…"` are left alone).
 
+The per-device batch after an out-of-memory failure (`oom_batch`): at the entry of `Trainer.train()` (HF) and
+`Trainer.fit()` (Lightning), before the train DataLoader is built, the supervisor's smaller batch and larger
+accumulation are set on the framework's own arguments, and what the Trainer trains with is written for the supervisor.
+
 Standard library only at import; the integrations (which import transformers or Lightning) are imported when
 a Trainer is built, by which time the script has imported its framework.
 """
@@ -27,6 +31,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from hangwatch.daemon.autoinstrument.context import Context
+from hangwatch.daemon.autoinstrument.oom_batch import OomBatch
 from hangwatch.daemon.autoinstrument.saves import Saves, file_target
 
 CALLBACK_NAME = "HangwatchCallback"
@@ -72,6 +77,7 @@ class Frameworks:
     def __init__(self, ctx: Context, saves: Saves):
         self.ctx = ctx
         self.saves = saves
+        self.batches = OomBatch(ctx)
 
     # ---- transformers.trainer -------------------------------------------------------------------------
 
@@ -112,6 +118,10 @@ class Frameworks:
             cls._save_checkpoint = self.saves.bracket(hook, cls.__dict__["_save_checkpoint"], target)
 
         self._each(ctx.hook("HF Trainer save"), save)
+        self._each(
+            self.batches.hook,
+            lambda hook: self._before(cls, "train", hook, lambda trainer, bound: self.batches.hf_train(trainer)),
+        )
 
     # ---- lightning.pytorch / pytorch_lightning .trainer.trainer --------------------------------------------
 
@@ -156,6 +166,12 @@ class Frameworks:
 
         self._each(ctx.hook("Lightning save"), save)
 
+        def batch(trainer, bound: dict) -> None:
+            model = bound.get("model")
+            self.batches.lightning_fit(trainer, model, bound.get("train_dataloaders"), bound.get("datamodule"))
+
+        self._each(self.batches.hook, lambda hook: self._before(cls, "fit", hook, batch))
+
     # ---- the wrappers -------------------------------------------------------------------------------------
 
     def _each(self, hook, patch: Callable[[Any], None]) -> None:
@@ -181,6 +197,26 @@ class Frameworks:
 
         __init__.__hangwatch_original__ = original
         cls.__init__ = __init__
+
+    def _before(self, cls: type, method: str, hook, then: Callable[[Any, dict], None]) -> None:
+        """`then(trainer, arguments)` before each call of `cls.method` (its arguments by name, defaults left out)."""
+        import inspect
+
+        original = getattr(cls, method)  # the resume wrapper, when it went in first: it hands over the arguments
+        signature = inspect.signature(getattr(original, "__hangwatch_original__", original))
+        ctx = self.ctx
+
+        @functools.wraps(original)
+        def wrapper(trainer, *args, **kwargs):
+            if hook.on and ctx.active:
+                try:
+                    then(trainer, dict(signature.bind_partial(trainer, *args, **kwargs).arguments))
+                except Exception as exc:
+                    ctx.failed(hook, exc)
+            return original(trainer, *args, **kwargs)
+
+        wrapper.__hangwatch_original__ = getattr(original, "__hangwatch_original__", original)
+        setattr(cls, method, wrapper)
 
     def _resume(
         self, cls: type, method: str, hook, parameter: str, usable: Callable[[str], bool], keywords: tuple

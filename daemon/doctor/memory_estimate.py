@@ -132,6 +132,33 @@ def estimate(
     return parts
 
 
+def loading_words(cfg, cuda: bool) -> str:
+    """For an out-of-memory error while loading: what the doctor estimates the model needs, in a sentence ("" when it
+    cannot be had: this never raises)."""
+    try:
+        import torch
+
+        counts = meta_counts(cfg)
+        bf16_ok = cuda and torch.cuda.is_bf16_supported()
+        wbytes = weight_bytes_per_param(cfg.model.dtype, bool(getattr(cfg.model, "load_in_4bit", False)), cuda, bf16_ok)
+        parts = estimate(
+            counts,
+            micro_batch=cfg.train.micro_batch_size,
+            max_length=cfg.data.max_length,
+            weight_bytes=wbytes,
+            act_bytes=2 if cuda and bf16_ok and cfg.model.dtype != "float32" else 4,
+            gradient_checkpointing=bool(getattr(cfg.model, "gradient_checkpointing", False)),
+            cuda=cuda,
+        )
+        available, where = available_memory(cuda)
+        return (
+            f"the doctor's estimate: the base weights alone take ~{fmt(parts['weights'])} ({counts.total:,} "
+            f"parameters at {wbytes:g} bytes each), training ~{fmt(parts['total'])}; {fmt(available)} free on {where}"
+        )
+    except Exception:
+        return ""
+
+
 def available_memory(cuda: bool) -> tuple[int, str]:
     """(bytes free now, where): the GPU's free memory (torch.cuda.mem_get_info), else available RAM."""
     if cuda:

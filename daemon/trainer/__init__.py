@@ -5,7 +5,8 @@ state.py         what a checkpoint holds (weights, optimizer, scheduler, RNG) an
 confirmation.py  checkpoints waiting to be confirmed good, provisional ones, an idle run's, retention
 schedule.py      the learning-rate schedule
 remediation.py   the micro-batch the supervisor chose after an out-of-memory failure, read at start
-memory.py        the device memory figures an out-of-memory failure's last words carry (weights' share, peak, cap)
+recovery.py      recovery in the process: the last good state held in memory, the abandon order's watch, the ladder
+memory_evidence.py  the device memory figures an out-of-memory failure's last words carry (weights' share, peak, cap)
 quarantine.py    training examples kept out after non-finite losses
 ranks.py         each rank's share of a step's examples
 """

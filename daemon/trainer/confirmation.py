@@ -59,6 +59,7 @@ class Confirmation:
         *,
         provisional_on_commit: bool = False,
         root: Optional[os.PathLike] = None,
+        on_good: Optional[Callable[[Path, int], None]] = None,
     ):
         self.root = Path(root) if root is not None else ckpt.checkpoints_root(run_dir)
         self.hb = hb
@@ -67,6 +68,7 @@ class Confirmation:
         self.log = log
         self.provisional_on_commit = provisional_on_commit
         self.pending: list[Pending] = []
+        self.on_good = on_good  # told of each checkpoint marked good (the trainer holds it in memory)
 
     def wait_for(self, p: Pending) -> None:
         """`p` counts once the steps after it confirm it (a resumed provisional checkpoint, or a new one)."""
@@ -108,6 +110,8 @@ class Confirmation:
             )
             return
         ckpt.mark_good(p.path, confirmed_at_step=step, **why)
+        if self.on_good is not None:
+            self.on_good(p.path, p.step)
         self.hb.checkpoint(p.path, p.step, True)
         self.log(f"checkpoint {p.path.name} is good")
 

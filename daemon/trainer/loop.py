@@ -49,6 +49,7 @@ from typing import Optional, TextIO
 
 import torch
 
+from hangwatch.common.protocol import RECOVERED_FIELD
 from hangwatch.daemon import checkpoint as ckpt
 from hangwatch.daemon.data import ContinuousDataSource, DataSource, Example, collate
 from hangwatch.daemon.distributed import World
@@ -56,9 +57,10 @@ from hangwatch.daemon.evaluate import heldout_loss, run_eval
 from hangwatch.daemon.export import FINAL_DIR, export_final
 from hangwatch.daemon.model import ModelBundle, memory_metrics
 from hangwatch.daemon.resume_compat import fingerprint
-from hangwatch.daemon.trainer import memory_evidence, quarantine, ranks, state
+from hangwatch.daemon.trainer import memory_evidence, quarantine, ranks, remediation, state
 from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankConfirmation
 from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
+from hangwatch.daemon.trainer.recovery import AbandonWatch, LastGood, Rung, StepAbandoned, is_oom, landed_at, smaller
 from hangwatch.daemon.trainer.schedule import WarmupCosine
 from hangwatch.daemon.worker_errors import NonFiniteStreak
 
@@ -79,8 +81,12 @@ class Trainer:
         out: Optional[TextIO] = None,
         world: Optional[World] = None,
         configured=None,
+        in_process: bool = False,
+        watch: Optional[AbandonWatch] = None,
     ):
-        """`configured`: the config as written, when `cfg` is a remedied copy of it (its fingerprint is the run's)."""
+        """`configured`: the config as written, when `cfg` is a remedied copy of it (its fingerprint is the run's).
+        `in_process` (`restart.in_process`, honoured on a world of one outside continuous mode): recover from an
+        out-of-memory step, a non-finite streak and, with `watch`, a stall in Python inside this process."""
         self.cfg = cfg
         self.configured = configured if configured is not None else cfg
         self.bad_steps: list[quarantine.BadStep] = []  # the current non-finite streak's steps
@@ -97,10 +103,16 @@ class Trainer:
                 self.log,
                 provisional_on_commit=self.continuous is not None,
                 root=ckpt.checkpoints_root(run_dir, cfg.checkpoint.dir),
+                on_good=self._held_good,
             )
             if self.world.is_main
             else RankConfirmation(hb)
         )
+        self.in_process = bool(in_process) and self.world.size == 1 and self.continuous is None
+        self.last_good: Optional[LastGood] = LastGood() if self.in_process else None
+        self.watch = watch if self.in_process else None
+        self.rollbacks: set[tuple] = set()  # (kind, last good step, failed step) recovered here once already
+        self.recoveries: list[dict] = []  # what this process recovered from (for the benchmarks and tests)
         self.hb = hb
         self.run_dir = Path(run_dir)
         self.bundle = bundle
@@ -146,6 +158,8 @@ class Trainer:
         self.source.restore(None, 0)
         self.boundary_position = self.source.position()
         state.seed_everything(ranks.rank_seed(self.cfg.train.seed, self.world.rank))
+        if self.last_good is not None:
+            self.last_good.hold_start(self.fill_checkpoint)
 
     def trainer_state(self, rank_states: Optional[list] = None) -> dict:
         """What trainer_state.json holds; `rank_states`: every rank's (`ranks.rank_state`), in rank order."""
@@ -190,7 +204,19 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from checkpoint `path` exactly where it left off."""
-        saved = state.load_weights(path, self.bundle, self.optimizer, self.scheduler)
+        files = state.Files(path)
+        self._put_back(files)
+        self.resumed_from = path
+        if not ckpt.is_good(path):
+            self.confirmation.wait_for(Pending(path, self.step))  # provisional: the steps after it confirm it
+        if self.last_good is not None:  # what a restart now would resume from
+            self.last_good.hold(path, self.step, provisional=not ckpt.is_good(path))
+        state.load_rng(files, self.world.rank)  # last: nothing after this may draw random numbers before training does
+
+    def _put_back(self, files: "state.Files") -> dict:
+        """A checkpoint's weights, optimizer, scheduler, data position and counters (not its RNG states), from its
+        directory or from memory — one code path, so that both continue alike."""
+        saved = state.load_weights(files, self.bundle, self.optimizer, self.scheduler)
         self.source.restore(ranks.position_for(saved, self.world.rank), int(saved["step"]))
         self.boundary_position = self.source.position()
         self.step = int(saved["step"])
@@ -202,10 +228,12 @@ class Trainer:
         self.partial_steps = int(saved.get("partial_steps", 0))  # absent from checkpoints older than the field
         self.last_step_examples = int(saved.get("last_step", {}).get("examples", 0))
         self.last_saved_step = self.step
-        self.resumed_from = path
-        if not ckpt.is_good(path):
-            self.confirmation.wait_for(Pending(path, self.step))  # provisional: the steps after it confirm it
-        state.load_rng(path, self.world.rank)  # last: nothing after this may draw random numbers before training does
+        return saved
+
+    def _held_good(self, path: Path, step: int) -> None:
+        """A checkpoint was confirmed good: from now on it is the state a recovery in this process puts back."""
+        if self.last_good is not None:
+            self.last_good.hold(path, step)
 
     # ---- one optimizer step ---------------------------------------------------------------
 
@@ -221,6 +249,69 @@ class Trainer:
         return self.source.take(self.step_size), None
 
     def train_step(self, examples: Optional[list[Example]] = None) -> dict:
+        """One optimizer step on `examples` (default: the source's next).  In the process (`in_process`): a step that
+        runs out of memory is taken again on the same examples, the RNG as it was before it, one rung down — half the
+        micro-batch and twice the accumulation, then gradient checkpointing (`recovery.smaller`); with no rung left,
+        the error goes on to the restart path."""
+        if examples is None:
+            examples, _ = self.next_examples()
+        while True:
+            rng = state.rng_state(cuda=self.bundle.device.type == "cuda") if self.in_process else None
+            try:
+                return self._train_step(examples)
+            except BaseException as exc:
+                if rng is None or not is_oom(exc):
+                    raise
+                message = str(exc)
+            # Out of the handler: the exception's traceback, and with it the failed step's tensors, is gone.
+            self._adapt_to_oom(message, rng)
+
+    def _adapt_to_oom(self, message: str, rng: dict) -> None:
+        """Drop what the failed step allocated, put its RNG back, go one rung down (or re-raise: none left)."""
+        t = self.cfg.train
+        now = Rung(t.micro_batch_size, t.grad_accum, bool(self.cfg.model.gradient_checkpointing))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accum = 0
+        from hangwatch.daemon.trainer.recovery import release_memory
+
+        release_memory(self.bundle.device)
+        figures = memory_evidence.evidence()
+        to = smaller(now)
+        if to is None:
+            import torch
+
+            raise torch.OutOfMemoryError(message)  # micro-batch 1 with gradient checkpointing: the restart path
+        state.set_rng_state(rng)
+        if to.gradient_checkpointing and not now.gradient_checkpointing:
+            from hangwatch.daemon.model import checkpointing_on, enable_gradient_checkpointing
+
+            if not checkpointing_on(self.bundle.base):
+                enable_gradient_checkpointing(self.bundle.base)
+        self.cfg = remediation.apply(self.cfg, to.as_dict())
+        memory_evidence.note_micro(to.micro_batch_size)
+        number = self.step + 1
+        what = (
+            "gradient checkpointing turned on"
+            if to.gradient_checkpointing and not now.gradient_checkpointing
+            else f"micro_batch_size {now.micro_batch_size} → {to.micro_batch_size}, grad_accum {now.grad_accum} → "
+            f"{to.grad_accum}"
+        )
+        record = {
+            "kind": "oom",
+            "step": number,
+            "from": now.as_dict(),
+            "to": to.as_dict(),
+            "message": message[:1200],
+            **({"memory": figures} if figures else {}),
+        }
+        self.recoveries.append(record)
+        self.hb.warn(
+            f"out of memory in step {number}: adapted in the process ({what}; the same examples per optimizer step)",
+            oom_adapted=record,
+        )
+        self.log(f"step {number}: out of memory — {what}, step taken again in the process (no restart)")
+
+    def _train_step(self, examples: list[Example]) -> dict:
         """Accumulate the step's micro-batches (`grad_accum` of them; fewer for a partial step) and take
         (or skip, when non-finite) one optimizer step; `examples` default to the source's next.
 
@@ -228,8 +319,6 @@ class Trainer:
         step's loss is the mean over the tokens actually present, never scaled down as if the missing
         examples had contributed zero."""
         t = self.cfg.train
-        if examples is None:
-            examples, _ = self.next_examples()
         number = self.step + 1
         self.faults.before_step(number, self.bundle)
         started = time.perf_counter()
@@ -331,6 +420,8 @@ class Trainer:
             self.confirmation.confirm(self.step)
             return
         dropped = self.confirmation.unconfirm()
+        if self.last_good is not None:
+            self.last_good.drop_pending()
         self.hb.warn(
             "non-finite loss or gradient norm: optimizer step skipped",
             loss=m["loss"],
@@ -345,6 +436,8 @@ class Trainer:
         )
         if self.nonfinite_streak >= t.max_nonfinite_streak:
             self.confirmation.withdraw_provisional()
+            if self.last_good is not None:
+                self.last_good.withdrawn()
             self.quarantine_streak()
             raise NonFiniteStreak(self.nonfinite_streak, self.step)
 
@@ -396,8 +489,24 @@ class Trainer:
                 self.continuous.commit(
                     position, self.step
                 )  # after the manifest: a kill before this is repaired by the resume
+            if self.last_good is not None:
+                self.last_good.committed(path, self.step)
             self.confirmation.committed(Pending(path, self.step), self.step)
         return path
+
+    def _eval_oom(self, size: int, smaller: int, message: str) -> None:
+        """An eval batch (or a prompt's generate(): `smaller` 0) ran out of memory and was halved (or skipped)."""
+        what = (
+            f"eval batch {size} → {smaller}"
+            if smaller
+            else "one prompt's generate() skipped (a prompt is one batch: nothing to halve)"
+        )
+        self.recoveries.append({"kind": "eval_oom", "step": self.step, "from": size, "to": smaller})
+        self.hb.warn(
+            f"out of memory in the eval at step {self.step}: {what}, in the process (no restart)",
+            eval_oom={"step": self.step, "from": size, "to": smaller, "message": message[:1200]},
+        )
+        self.log(f"eval at step {self.step}: out of memory — {what} (no restart)")
 
     def evaluate(self) -> None:
         every = self.cfg.eval.every_steps
@@ -415,6 +524,7 @@ class Trainer:
                 processors=processors,
                 should_stop=lambda: bool(self.stop),
                 world=self.world,
+                on_oom=self._eval_oom if self.in_process else None,
             )
         loss = summary["loss"]
         self.log(
@@ -425,35 +535,240 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self) -> str:
-        cfg = self.cfg
         self.hb.enter_phase("train")
         self.bundle.model.train()
         while True:
-            if self.world.any(bool(self.stop)):  # a stop request may have reached some ranks only
-                self.stop_gracefully()
-                return "terminated"
-            if self.step >= cfg.train.max_steps:
-                self.finish()
-                return "finished"
-            examples, end = self.next_examples()
-            if end == "stop":
-                continue  # a partial step is dropped: the checkpoint's position is the last step boundary
-            if end == "flush":
-                self.flush(examples)
-                continue
-            if end == "idle":
-                if examples:
-                    self.after_step(self.train_step(examples))
-                self.finish("no new data for data.idle_exit_s")
-                return "idle"
-            before = self.step
-            self.after_step(self.train_step(examples))
-            if self.step == before:
-                continue
-            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-                self.evaluate()
-            if self.step % cfg.checkpoint.every_steps == 0 or self.step >= cfg.train.max_steps:
-                self.save_checkpoint()
+            abandoned: Optional[tuple] = None
+            try:
+                if self.watch is not None and self.last_good.held is not None:
+                    self.watch.arm()  # only with a state to go back to
+                reason = self.iteration()
+                if self.watch is not None:
+                    self.watch.disarm()
+                if reason is not None:
+                    return reason
+            except StepAbandoned as exc:
+                self.watch.disarm()  # in the handler: marks the order delivered
+                abandoned = (landed_at(exc),)
+            except NonFiniteStreak as exc:
+                if self.watch is not None:
+                    self.watch.disarm()
+                if not self.recover_nonfinite(exc):
+                    raise
+            if abandoned is not None:
+                self.recover_stall(*abandoned)
+
+    def iteration(self) -> Optional[str]:
+        """One turn of the loop: a stop, the end, or one optimizer step with its eval and checkpoint when due;
+        the run's end reason, or None to go on."""
+        cfg = self.cfg
+        if self.world.any(bool(self.stop)):  # a stop request may have reached some ranks only
+            self.stop_gracefully()
+            return "terminated"
+        if self.step >= cfg.train.max_steps:
+            self.finish()
+            return "finished"
+        examples, end = self.next_examples()
+        if end == "stop":
+            return None  # a partial step is dropped: the checkpoint's position is the last step boundary
+        if end == "flush":
+            self.flush(examples)
+            return None
+        if end == "idle":
+            if examples:
+                self.after_step(self.train_step(examples))
+            self.finish("no new data for data.idle_exit_s")
+            return "idle"
+        before = self.step
+        self.after_step(self.train_step(examples))
+        if self.step == before:
+            return None
+        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+            self.evaluate()
+        if self.step % cfg.checkpoint.every_steps == 0 or self.step >= cfg.train.max_steps:
+            self.save_checkpoint()
+        return None
+
+    # ---- the micro-batch measured, after an out-of-memory restart ------------------------------------------
+
+    def probe_micro_batch(self) -> dict:
+        """After an out-of-memory restart (remediation.json asks for a `probe`): one forward and backward at micro-batch
+        1 on the longest example of the next step, before training, with the device's peak measured — an upper bound
+        of what one example costs (everything the step allocates above the weights, gradients included) — and the
+        largest micro-batch that divides the effective batch, is at most the one in force, and fits in PROBE_MARGIN of
+        the capacity by that measure.  Nothing of it stays: gradients dropped, RNG and data position as they were.
+        Every rank measures; the largest cost decides for all.  Returns what was measured and picked (`picked` None:
+        nothing measured — no figures on this device — or micro-batch 1 itself ran out of memory)."""
+        import torch
+
+        from hangwatch.daemon.data import collate
+        from hangwatch.daemon.trainer.memory_evidence import CudaProbe
+        from hangwatch.daemon.trainer.recovery import PROBE_MARGIN, fitting_micro, release_memory
+
+        t = self.cfg.train
+        device = self.bundle.device
+        probe = getattr(self.faults, "memory_probe", None)
+        if probe is None and device.type == "cuda":
+            probe = CudaProbe()
+        result: dict = {"micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum, "picked": None}
+        mine: Optional[float] = None
+        if probe is None:
+            result["why"] = "no memory figures on this device (torch.cuda gives them; the CPU does not)"
+        else:
+            position = self.source.position()
+            examples = self.source.take(self.step_size)
+            self.source.restore(position, self.step)
+            longest = max(examples, key=lambda e: len(e.input_ids))
+            rng = state.rng_state(cuda=device.type == "cuda")
+            if hasattr(probe, "attach"):  # the fake device sizes training forwards: this one too, whatever the step
+                probe.attach(max(self.step + 1, getattr(probe, "at_step", 0)), self.bundle)
+            if hasattr(probe, "reset_peak"):
+                probe.reset_peak()
+            elif device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            before = probe.figures(device)
+            try:
+                with self.world.no_sync(self.train_module):
+                    loss, _, _, _ = self.bundle.compute_loss_rows(
+                        collate([longest], self.bundle.tokenizer.pad_token_id),
+                        longest.n_label_tokens,
+                        self.train_module,
+                        poison=[False],
+                    )
+                    loss.backward()
+                del loss
+                after = probe.figures(device)
+            except BaseException as exc:
+                if not is_oom(exc):
+                    raise
+                after = None
+                result["why"] = f"micro-batch 1 itself ran out of memory: {str(exc)[:300]}"
+            self.optimizer.zero_grad(set_to_none=True)
+            release_memory(device)
+            state.set_rng_state(rng)
+            if after is not None and "allocated_mb" in before and "peak_mb" in after:
+                mine = max(0.0, float(after["peak_mb"]) - float(before["allocated_mb"]))
+                caps = [after[k] for k in ("allowed_mb", "total_mb") if k in after]
+                if "free_mb" in after and "reserved_mb" in after:
+                    caps.append(after["free_mb"] + after["reserved_mb"])
+                result.update(
+                    weights_mb=round(float(before["allocated_mb"]), 1),
+                    capacity_mb=round(min(caps), 1) if caps else None,
+                    example_tokens=len(longest.input_ids),
+                )
+        costs = self.world.gather(mine)
+        per_example = max((c for c in costs or [] if c is not None), default=None) if self.world.is_main else None
+        pick = None
+        if self.world.is_main and per_example is not None and result.get("capacity_mb"):
+            effective = t.micro_batch_size * t.grad_accum
+            pick = fitting_micro(
+                result["weights_mb"], per_example, result["capacity_mb"], effective, t.micro_batch_size, PROBE_MARGIN
+            )
+            result.update(per_example_mb=round(per_example, 1), margin=PROBE_MARGIN)
+        pick = self.world.broadcast(pick)
+        result["picked"] = pick
+        if pick is not None and pick != t.micro_batch_size:
+            to = Rung(pick, t.micro_batch_size * t.grad_accum // pick, bool(self.cfg.model.gradient_checkpointing))
+            self.cfg = remediation.apply(self.cfg, to.as_dict())
+            memory_evidence.note_micro(pick)
+            result["to"] = to.as_dict()
+        return result
+
+    # ---- recovery in the process --------------------------------------------------------------
+
+    def roll_back(self) -> Optional[Path]:
+        """Put the last good checkpoint's state (held in memory) back, as a restart from it would: weights, optimizer,
+        scheduler, data position (passing over what is quarantined since), counters, RNG states last.  Returns the
+        checkpoint's path (None: the state before the first step)."""
+        held = self.last_good.held
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accum = 0
+        self.bad_steps = []
+        self.confirmation.unconfirm()
+        self.last_good.drop_pending()
+        skip = quarantine.quarantined_ids(self.run_dir)
+        if hasattr(self.source, "quarantine"):
+            self.source.quarantine(skip)
+        self.faults.rolled_back()
+        self._put_back(held)
+        state.load_rng(held, self.world.rank)
+        self.hb.current_step = self.step
+        self.bundle.model.train()
+        return held.path
+
+    def _can_roll_back(self, kind: str, failed_step: int) -> Optional[tuple]:
+        """The key of this recovery, or None when it cannot be made here (nothing held, or the same failure after
+        the same rollback already: the restart path takes it from there)."""
+        if self.last_good is None or self.last_good.held is None:
+            return None
+        key = (kind, self.last_good.step, failed_step)
+        return None if key in self.rollbacks else key
+
+    def recover_nonfinite(self, exc: NonFiniteStreak) -> bool:
+        """A non-finite streak (its examples already quarantined): the last good state put back, training goes on.
+        False: not here (the exception goes on to exit 75 and a restart)."""
+        failed = exc.step + 1
+        key = self._can_roll_back("nonfinite", failed)
+        if key is None:
+            return False
+        started = time.perf_counter()
+        self.rollbacks.add(key)
+        before = frozenset(getattr(self.source, "skip", frozenset()))
+        path = self.roll_back()
+        record = {
+            "kind": "nonfinite",
+            "streak": exc.streak,
+            "failed_step": failed,
+            "restored_step": self.step,
+            "restored_from": str(path) if path else None,
+            # the ids this streak quarantined (at most 40 here: a heartbeat line stays under PIPE_BUF; all of them
+            # are in quarantine.jsonl)
+            "quarantined": sorted(frozenset(getattr(self.source, "skip", frozenset())) - before)[:40],
+            "s": round(time.perf_counter() - started, 4),
+        }
+        self.recoveries.append(record)
+        self.hb.enter_phase("train")
+        self.hb.warn(
+            f"{exc.streak} non-finite steps in a row after step {exc.step}: rolled back in the process to "
+            f"{'step ' + str(self.step) if path else 'the start'} (no restart)",
+            **{RECOVERED_FIELD: record},
+        )
+        self.log(
+            f"non-finite streak after step {exc.step}: rolled back in the process to "
+            f"{path.name if path else 'the start'} (step {self.step})"
+        )
+        return True
+
+    def recover_stall(self, where: Optional[str]) -> None:
+        """The supervisor abandoned a stuck step (`where`: where the exception reached it): the last good state put
+        back, training goes on.  Called out of the exception's handler, so that the abandoned step's frames (and
+        tensors) are gone; the watch is armed only while a state is held."""
+        phase = self.watch.raised_phase if self.watch is not None else None
+        failed = self.step + 1
+        started = time.perf_counter()
+        path = self.roll_back()
+        record = {
+            "kind": "stall",
+            "order": self.watch.delivered if self.watch is not None else None,
+            "failed_step": failed,
+            "phase": phase,
+            "landed_at": where,
+            "restored_step": self.step,
+            "restored_from": str(path) if path else None,
+            "s": round(time.perf_counter() - started, 4),
+        }
+        self.recoveries.append(record)
+        self.hb.enter_phase("train")
+        what = f"the {phase} at step {failed - 1}" if phase in ("eval", "generate") else f"step {failed}"
+        self.hb.warn(
+            f"{what} stuck: abandoned in the process ({where}); back to "
+            f"{'step ' + str(self.step) if path else 'the start'} (no restart)",
+            **{RECOVERED_FIELD: record},
+        )
+        self.log(
+            f"{what} abandoned on the supervisor's order (stuck at {where}); rolled back in the process to "
+            f"{path.name if path else 'the start'} (step {self.step})"
+        )
 
     def flush(self, examples: list[Example]) -> None:
         """Continuous mode went quiet: train what is in hand as a partial step, write the checkpoint that

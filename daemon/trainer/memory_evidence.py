@@ -102,6 +102,12 @@ def note_model(device, micro_batch_size: int, probe: Optional[Probe] = None) -> 
     _noted = Noted(device, int(micro_batch_size), probe, figures.get("allocated_mb"), figures.get("peak_mb"))
 
 
+def note_micro(micro_batch_size: int) -> None:
+    """The micro-batch changed in the process (an out-of-memory step adapted): later evidence names the new one."""
+    if _noted is not None:
+        _noted.micro_batch_size = int(micro_batch_size)
+
+
 def forget() -> None:
     global _noted
     _noted = None

@@ -57,7 +57,13 @@ def read(run_dir: os.PathLike | str, cfg) -> tuple[Optional[dict], Optional[str]
         )
     if setting == base:
         return None, None
-    return {**setting, "configured": base, "oom_restarts": len(record.get("history", []))}, None
+    probe = record.get("probe") if isinstance(record.get("probe"), dict) else None
+    return {
+        **setting,
+        "configured": base,
+        "oom_restarts": len(record.get("history", [])),
+        **({"probe": probe} if probe else {}),
+    }, None
 
 
 def apply(cfg, setting: Optional[dict]):

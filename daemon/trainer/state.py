@@ -11,6 +11,7 @@ A multi-rank run's checkpoint is written once, by rank 0, with every rank's RNG 
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
@@ -89,36 +90,79 @@ def fill(
     (tmp / ckpt.STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True) + "\n")
 
 
-def load_weights(path: Path, bundle: ModelBundle, optimizer, scheduler) -> dict:
+class Files:
+    """A checkpoint's files as the loaders read them: from its directory, or held in host memory (`held`: name →
+    bytes, read from that directory once it was confirmed good — `trainer.recovery`).  Both are read the same way,
+    bytes first, so a state put back from memory is bit for bit the state a restart reads from disk."""
+
+    def __init__(self, path: Optional[Path], held: Optional[dict[str, bytes]] = None):
+        self.path = Path(path) if path is not None else None
+        self.held = held
+
+    @classmethod
+    def read(cls, path: Path) -> "Files":
+        """Every file of checkpoint `path`, read into memory now."""
+        path = Path(path)
+        return cls(path, {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()})
+
+    def name(self) -> str:
+        return str(self.path) if self.path is not None else "the state held in memory"
+
+    def has(self, name: str) -> bool:
+        if self.held is not None:
+            return name in self.held
+        return (self.path / name).is_file()
+
+    def bytes(self, name: str) -> bytes:
+        if self.held is not None:
+            return self.held[name]
+        return (self.path / name).read_bytes()
+
+    def torch_load(self, name: str, **kw):
+        return torch.load(io.BytesIO(self.bytes(name)), weights_only=True, **kw)
+
+    def state(self) -> dict:
+        return json.loads(self.bytes(ckpt.STATE))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in (self.held or {}).values())
+
+
+def load_weights(path: "Path | Files", bundle: ModelBundle, optimizer, scheduler) -> dict:
     """Put checkpoint `path`'s weights, optimizer and scheduler state back; returns its trainer state.
+    `path`: its directory, or its `Files` (held in memory).
 
     The RNG states are left for `load_rng`, to be called last: nothing after it may draw random
     numbers before training does."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_safetensors
 
-    state = ckpt.read_state(path)
+    files = path if isinstance(path, Files) else Files(path)
+    where = files.name()
+    state = files.state()
     accum = state["accumulation"]
     if accum["micro_step"] != 0:
         raise RuntimeError(
-            f"{path}: saved mid-accumulation (micro_step {accum['micro_step']}); checkpoints are step boundaries"
+            f"{where}: saved mid-accumulation (micro_step {accum['micro_step']}); checkpoints are step boundaries"
         )
-    bundle.load_adapter_state(load_file(str(path / ADAPTER_FILE), device="cpu"))
-    if (path / EXTRA_FILE).exists() or bundle.extra:
-        if not (path / EXTRA_FILE).exists():
+    bundle.load_adapter_state(load_safetensors(files.bytes(ADAPTER_FILE)))
+    if files.has(EXTRA_FILE) or bundle.extra:
+        if not files.has(EXTRA_FILE):
             raise RuntimeError(
-                f"{path}: the model has extra trainable modules {sorted(bundle.extra)} but the checkpoint holds none"
+                f"{where}: the model has extra trainable modules {sorted(bundle.extra)} but the checkpoint holds none"
             )
-        bundle.load_extra_state(load_file(str(path / EXTRA_FILE), device="cpu"))
+        bundle.load_extra_state(load_safetensors(files.bytes(EXTRA_FILE)))
     if not bundle.weights_finite():
-        raise RuntimeError(f"{path}: restored weights are not finite")
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu"))
-    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
+        raise RuntimeError(f"{where}: restored weights are not finite")
+    optimizer.load_state_dict(files.torch_load(OPTIMIZER_FILE, map_location="cpu"))
+    scheduler.load_state_dict(files.torch_load(SCHEDULER_FILE))
     return state
 
 
-def load_rng(path: Path, rank: int = 0) -> None:
-    """Put rank `rank`'s RNG states of checkpoint `path` back."""
-    f = path / rng_file(rank)
-    if not f.is_file():
-        raise RuntimeError(f"{path}: no RNG states for rank {rank} ({f.name} is missing)")
-    set_rng_state(torch.load(f, weights_only=True))
+def load_rng(path: "Path | Files", rank: int = 0) -> None:
+    """Put rank `rank`'s RNG states of checkpoint `path` (its directory or its `Files`) back."""
+    files = path if isinstance(path, Files) else Files(path)
+    name = rng_file(rank)
+    if not files.has(name):
+        raise RuntimeError(f"{files.name()}: no RNG states for rank {rank} ({name} is missing)")
+    set_rng_state(files.torch_load(name))

@@ -1,6 +1,6 @@
 """hangwatch benchmark: how fast a hang is caught, what watching costs, how much a failure loses.
 
-    .venv/bin/python scripts/bench [--quick] [--out DIR] [--only SECTION[,SECTION…]] [--jobs N]
+    .venv/bin/python scripts/bench [--quick] [--out DIR] [--only SECTION[,SECTION…]] [--jobs N] [--large]
                                    [--allowance-s S] [--workdir DIR] [--keep]
     hangwatch bench …              (the same command)
 
@@ -28,6 +28,11 @@ Sections (all but soak by default, in this order; `--only` picks some), one modu
                 use and later), against their goals; the heavy packages each command imported.
   prewarm       (prewarm.py) the restart with restart.prewarm off and on, side by side: a standby loading
                 while the stuck tree is torn down vs a cold spawn (demo model, block_c).
+  in_process    (in_process.py) recovery inside the worker's process (restart.in_process) beside a prewarmed and a
+                cold restart: a Python spin's detection → next step and the weights each ends with; an OOM on a
+                capped (fake) device adapted in the process vs the restart path (measured micro-batch); the goodput
+                of a demo run with a failure every 60 s (--quick: 30 s of a 2-minute run); with --large the ~1B
+                Llama too.
   multinode     (multinode.py) a hang on global rank 1 → every rank stepping again: one node with 2 ranks
                 vs two `hangwatch run` as two nodes on loopback (c10d rendezvous, 1 rank each).
   instrument    (instrument_cost.py) what automatic instrumentation costs an unedited script per optimizer
@@ -76,6 +81,7 @@ from bench import (
     detection,
     footprint,
     heartbeat_cost,
+    in_process,
     instrument_cost,
     multinode,
     overrun,
@@ -97,6 +103,7 @@ SECTIONS = (
     "side_by_side",
     "cli",
     "prewarm",
+    "in_process",
     "multinode",
     "instrument",
     "own_command",
@@ -133,6 +140,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return cli_latency.section(work, args.quick)
     if name == "prewarm":
         return prewarm.section(work, args.quick)
+    if name == "in_process":
+        return in_process.section(work, args.quick, full=args.large)
     if name == "multinode":
         return multinode.section(work, args.quick)
     if name == "instrument":
@@ -165,6 +174,11 @@ def parser() -> argparse.ArgumentParser:
         help=f"run only these sections: {', '.join(SECTIONS)} (soak only when named here)",
     )
     ap.add_argument("--jobs", type=int, default=4, help="detection trials run at once (default 4)")
+    ap.add_argument(
+        "--large",
+        action="store_true",
+        help="in_process: the ~1B Llama too (minutes of CPU per run; the prewarm section has it in its full run)",
+    )
     ap.add_argument(
         "--allowance-s",
         type=float,

@@ -77,7 +77,7 @@ def trial_config(run_dir: Path, prewarm) -> dict:
         eval={"every_steps": 0},
         checkpoint={"every_steps": 5, "confirm_steps": 2},
         watchdog={"step_timeout_s": STEP_TIMEOUT_S},
-        restart={"backoff_initial_s": 0, "prewarm": prewarm},
+        restart={"backoff_initial_s": 0, "prewarm": prewarm, "in_process": False},  # the restart is what is measured
         faults=[{"kind": "block_c", "at_step": HANG_AT}],
     )
 
@@ -219,7 +219,7 @@ def large_config(run_dir: Path, model_dir: Path, mode: str) -> dict:
         eval={"every_steps": 0, "prompts": []},
         checkpoint={"every_steps": 2, "confirm_steps": 1},
         watchdog={"step_timeout_s": LARGE_STEP_TIMEOUT_S, "first_steps_timeout_s": 900, "startup_timeout_s": 900},
-        restart={"backoff_initial_s": 0, "prewarm": PREWARM[mode]},
+        restart={"backoff_initial_s": 0, "prewarm": PREWARM[mode], "in_process": False},
         faults=[{"kind": "block_c", "at_step": LARGE_HANG_AT}],
     )
 

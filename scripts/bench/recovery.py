@@ -100,6 +100,7 @@ def trial_config(run_dir: Path, nproc: int) -> dict:
         checkpoint={"every_steps": 10, "confirm_steps": 2},
         watchdog={"step_timeout_s": STEP_TIMEOUT_S},
         faults=[{"kind": "block_c", "at_step": HANG_AT, "rank": hang_rank(nproc)}],
+        restart={"in_process": False},  # the restart is what is measured (in_process.py has the other path)
     )
 
 

@@ -392,6 +392,12 @@ def prewarm_render(p: dict) -> tuple:
     return render(p)
 
 
+def in_process_render(p: dict) -> tuple:
+    from bench.in_process import render
+
+    return render(p)
+
+
 def multinode_render(p: dict) -> tuple:
     from bench.multinode import render
 
@@ -436,6 +442,7 @@ RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "side_by_side": side_by_side,
     "cli": cli,
     "prewarm": prewarm_render,
+    "in_process": in_process_render,
     "multinode": multinode_render,
     "instrument": instrument_render,
     "own_command": own_command_render,

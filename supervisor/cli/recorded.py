@@ -85,6 +85,9 @@ def recorded_text(rec: dict) -> str:
     if rec.get("last_good_checkpoint"):
         step = f" (step {rec['last_good_step']})" if rec.get("last_good_step") is not None else ""
         lines.append(f"  last good checkpoint {rec['last_good_checkpoint']}{step}")
+    fr = rec.get("framework_remediation")
+    if isinstance(fr, dict) and fr.get("words"):
+        lines.append(f"  remediation {fr['words']}")
     if rec.get("run_dir"):
         lines.append(f"  run dir {rec['run_dir']}")
     return "\n".join(lines)

@@ -156,8 +156,12 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
         grid.add_row("queue", queue_text(st["queue"]))
     if isinstance(st.get("remediation"), dict):
         grid.add_row("remediation", str(st["remediation"].get("words")))
+    if isinstance(st.get("framework_remediation"), dict):
+        grid.add_row("remediation", Text(str(st["framework_remediation"].get("words"))))
     if isinstance(st.get("standby"), dict):
         grid.add_row("standby", standby_text(st["standby"]))
+    if isinstance(st.get("in_process"), dict) and in_process_text(st["in_process"]):
+        grid.add_row("in process", in_process_text(st["in_process"]))
     if isinstance(st.get("nodes"), dict):
         grid.add_row("nodes", nodes_text(st["nodes"]))
     if isinstance(st.get("quarantine"), dict):
@@ -167,6 +171,24 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     if st.get("run_dir"):
         grid.add_row("run dir", str(st["run_dir"]))
     return grid
+
+
+def in_process_text(ip: dict) -> str:
+    """Recoveries in the worker's process: `2 recovered without a restart: 1 stall, 1 out-of-memory step`; "" when
+    none and no order waits."""
+    names = {"stall": "stall", "nonfinite": "non-finite streak", "oom": "out-of-memory step"}
+    counts = ip.get("recovered") if isinstance(ip.get("recovered"), dict) else {}
+    parts = [f"{n} {names.get(k, k)}{'s' if n > 1 else ''}" for k, n in counts.items() if isinstance(n, int) and n]
+    text = (
+        f"{sum(counts[k] for k in counts if isinstance(counts[k], int))} recovered without a restart: "
+        + ", ".join(parts)
+        if parts
+        else ""
+    )
+    waiting = ip.get("waiting")
+    if isinstance(waiting, dict):
+        text = (text + "; " if text else "") + f"waiting for the worker to abandon step {waiting.get('step')}"
+    return text
 
 
 def standby_text(sb: dict) -> str:
@@ -394,6 +416,9 @@ def incident_view(inc: dict) -> Group:
         head.add_row("dataloader", Text(loader_workers_text(inc)))
     if isinstance(inc.get("remediation"), dict):
         head.add_row("remediation", Text(str(inc["remediation"].get("message") or inc["remediation"])))
+    if isinstance(inc.get("framework_remediation"), dict):
+        fr = inc["framework_remediation"]
+        head.add_row("remediation", Text(str(fr.get("message") or fr)))
     if inc.get("quarantined"):
         head.add_row("quarantined", Text(json.dumps(inc["quarantined"], default=str)))
     texts: list[tuple[str, str]] = []

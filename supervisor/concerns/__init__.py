@@ -1,6 +1,7 @@
 """What the loop watches for besides the deadlines, one object each behind one interface (`base.Concern`):
-a runaway generate ended in the process, whether your script resumed, the resume audit, OOM recovery, the same
-failure twice, the wait for processes SIGKILL cannot end, the goodput ledger, the prewarmed standby, stragglers.
+a runaway generate ended in the process, whether your script resumed, the resume audit, OOM recovery (the built-in
+worker's micro-batch, a framework script's batch), the same failure twice, the wait for processes SIGKILL cannot
+end, the goodput ledger, the prewarmed standby, stragglers.
 `registered` is the one place that says which run has which: a concern switched off in the config is not in the list.
 
 May import: `processes`, `watch`, `incidents`, `records`, `rules` and `hangwatch.common`; never `loop`, `escalation`
@@ -25,8 +26,10 @@ def registered(
     run: RunContext, *, table: "ProcessTable", config_path: Path, spawn_standby: "SpawnStandby"
 ) -> list[Concern]:
     """The concerns of this run, in the order the loop asks them (a later one's decision wins over an earlier's)."""
+    from hangwatch.supervisor.concerns.framework_oom import FrameworkOom
     from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
     from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
+    from hangwatch.supervisor.concerns.in_process_recovery import InProcessRecovery
     from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
     from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
     from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
@@ -45,6 +48,10 @@ def registered(
         concerns.append(ResumeAudit(run))
     if cfg.worker.command is None and cfg.restart.oom_remediation:
         concerns.append(OomRecovery(run))
+    if cfg.worker.command is None and cfg.restart.in_process:
+        concerns.append(InProcessRecovery(run))
+    if cfg.worker.command is not None and cfg.worker.instrument == "auto" and cfg.restart.oom_remediation:
+        concerns.append(FrameworkOom(run))  # the batch of an HF / TRL / Lightning script, set by the instrumentation
     concerns.append(RepeatedFailure(run))  # after the OOM remediation: its restart with another setting is no repeat
     if cfg.restart.prewarm:
         concerns.append(PrewarmedStandby(run, table=table, config_path=config_path, spawn=spawn_standby))

@@ -117,6 +117,16 @@ class Concern:
         """A replacement for the episode's decision (an OOM's remedy, a failure that cannot be survived), or None."""
         return None
 
+    def before_kill(self, attempt: "Attempt", episode: "Episode", now: float) -> Optional[str]:
+        """A stall's dumps are in and its tree is about to be killed: why the kill waits instead (this concern asked
+        the worker to recover in its own process; `recovering` says how that went), or None."""
+        return None
+
+    def recovering(self, attempt: "Attempt", episode: "Episode", now: float) -> Optional[bool]:
+        """While the kill waits on this concern: True, the worker recovered (the attempt goes on); False, it did not
+        (the kill); None, still waiting, or not this concern's wait."""
+        return None
+
     def stop_requested(self, attempt: "Attempt", intent: "Intent", now: float) -> None:
         """The worker was asked to checkpoint and exit (a stop, a pause, a graceful restart)."""
 

@@ -316,9 +316,3 @@ def estimate(ev: Optional[Evidence], micro: int, margin: float = MARGIN) -> tupl
             f"within the margin), yet it ran out of memory"
         )
     return est, ""
-
-
-def pick(est: Estimate, effective: int, at_most: int) -> Optional[int]:
-    """The largest divisor d of `effective` (so that `effective / d` accumulation steps keep the effective batch)
-    with d ≤ `at_most` that fits; None when not even 1 does."""
-    return next((d for d in range(min(at_most, effective), 0, -1) if effective % d == 0 and est.fits(d)), None)

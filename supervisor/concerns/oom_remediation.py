@@ -133,43 +133,37 @@ def decide(record: Optional[dict], cfg, evidence: Optional[oom_evidence.Evidence
         why = "micro-batch 1 already: nothing smaller to pick"
     else:
         try:
-            est, why = oom_evidence.estimate(evidence, now.micro_batch_size)
-        except (ArithmeticError, LookupError, TypeError, ValueError) as exc:  # a file that says odd things: no pick
-            est, why = None, f"the memory figures could not be read ({type(exc).__name__}: {exc})"
-        if est is not None:
-            return from_evidence(now, est)
+            est, _ = oom_evidence.estimate(evidence, now.micro_batch_size)
+        except (ArithmeticError, LookupError, TypeError, ValueError):  # a file that says odd things: no figures
+            est = None
+        if smaller_micro(now.micro_batch_size) > 1:
+            return measured_next(now, est)
+        why = f"micro-batch {now.micro_batch_size}: the next rung down is 1, nothing smaller to measure for"
     return ladder(record, base, now, why)
 
 
-def from_evidence(now: Setting, est: oom_evidence.Estimate) -> Remedy:
-    """The evidence-based remedy: the largest fitting divisor of the effective batch, never above the ladder's next
-    micro-batch; micro-batch 1 with gradient checkpointing when none fits."""
-    d = oom_evidence.pick(est, now.effective, smaller_micro(now.micro_batch_size))
-    if d is not None:
-        to = Setting(d, now.effective // d, now.gradient_checkpointing)
-        what = (
-            f"micro-batch {to.micro_batch_size} × accumulation {to.grad_accum} (effective batch {to.effective} "
-            f"unchanged)"
+def measured_next(now: Setting, est: Optional[oom_evidence.Estimate]) -> Remedy:
+    """The first OOM of a run (micro-batch > 1): the restart goes to the ladder's next rung at most, and the new
+    process, before training, measures one step at micro-batch 1 (the device's peak: an upper bound of an example's
+    cost) and goes lower at once when that measure says so (`daemon.trainer.loop.Trainer.probe_micro_batch`).  The
+    OOM's own figures are a lower bound of the failed step's need — torch raises at the first allocation that does not
+    fit — so they are said, never picked from."""
+    to = next_setting(now)
+    lower = ""
+    if est is not None:
+        lower = (
+            f"; the error's own figures say at least {gib(est.need_mb)} were needed at micro-batch "
+            f"{now.micro_batch_size} — a lower bound (the error comes at the first allocation that does not "
+            "fit), so nothing is picked from them"
         )
-        fits = f"{gib(est.need(d))} of {gib(est.budget_mb)} ({est.margin:.0%} of the capacity)"
-        return Remedy(
-            now,
-            to,
-            f"{est.words()}; restarting from the last good checkpoint with {what}, about {fits}",
-            basis="evidence",
-            evidence={**est.fields(), "picked": d, "need_at_pick_mb": round(est.need(d), 1)},
-        )
-    to = Setting(1, now.effective, True)
-    gc = "(gradient checkpointing stays on)" if now.gradient_checkpointing else "and gradient checkpointing"
     return Remedy(
         now,
         to,
-        f"{est.words()}; even micro-batch 1 would need about {gib(est.need(1))} of "
-        f"{gib(est.budget_mb)} ({est.margin:.0%} of the capacity): restarting from the last good "
-        f"checkpoint with micro-batch 1 × accumulation {to.grad_accum} (effective batch "
-        f"{to.effective} unchanged) {gc}",
-        basis="evidence",
-        evidence={**est.fields(), "picked": None, "need_at_pick_mb": round(est.need(1), 1)},
+        f"out of memory: restarting from the last good checkpoint at micro-batch {to.micro_batch_size} at most "
+        f"(accumulation {to.grad_accum}, effective batch {to.effective} unchanged); before training, the new process "
+        f"measures one step at micro-batch 1 and takes the largest micro-batch that measure says fits{lower}",
+        basis="probe",
+        evidence={**est.fields(), "lower_bound": True} if est is not None else None,
     )
 
 
@@ -240,7 +234,44 @@ def applied(
             **remedy.basis_fields(),
         }
     )
-    return {"version": FORMAT_VERSION, "configured": base.as_dict(), **remedy.to.as_dict(), "history": history}
+    probe = {"probe": {"at_most": remedy.to.micro_batch_size, "incident": incident}} if remedy.basis == "probe" else {}
+    return {
+        "version": FORMAT_VERSION,
+        "configured": base.as_dict(),
+        **remedy.to.as_dict(),
+        **probe,
+        "history": history,
+    }
+
+
+def measured(record: dict, cfg, result: dict, *, attempt: int, now: Optional[float] = None) -> dict:
+    """The record after the new process measured its micro-batch (`result`, its `remediation_probe`): the pick in
+    force (when it is below the rung), the probe done, one more history entry when the setting changed."""
+    out = {k: v for k, v in record.items() if k != "probe"}
+    to = result.get("to")
+    if not isinstance(to, dict):
+        return out
+    try:
+        after = Setting(int(to["micro_batch_size"]), int(to["grad_accum"]), bool(to["gradient_checkpointing"]))
+    except (KeyError, TypeError, ValueError):
+        return out
+    before = current(record, cfg)
+    if after.effective != before.effective or after == before:
+        return out
+    history = list(out.get("history", []))
+    history.append(
+        {
+            "attempt": attempt,
+            "step": None,
+            "incident": (record.get("probe") or {}).get("incident"),
+            "from": before.as_dict(),
+            "to": after.as_dict(),
+            "t": time.time() if now is None else now,
+            "basis": "measured",
+            "evidence": {k: result.get(k) for k in ("weights_mb", "per_example_mb", "capacity_mb", "margin")},
+        }
+    )
+    return {**out, **after.as_dict(), "history": history}
 
 
 def path_for(run_dir: os.PathLike | str) -> Path:

@@ -511,6 +511,29 @@ class Episode:
         due = [d for d in due if d is not None]
         return max(0.0, min(due) - now) if due else None
 
+    def recovered(self, attempt: Attempt, facts: RunRecord, now: float) -> None:
+        """The worker got out of the stall in its own process (a concern's doing, which amended the incident with
+        how): nothing was killed, the attempt goes on; the incident is complete."""
+        inc = self.incident
+        if inc is None:
+            return
+        timings = {**self.timings, "detection_to_recovered_s": round(now - self.detected_at, 3)}
+        inc.data.update(
+            status="handled",
+            timings=timings,
+            decision=self.decision.as_dict()
+            if self.decision
+            else {"action": "recovered_in_process", "reason": "the stuck step was abandoned in the worker's process"},
+            last_good_checkpoint=facts.last_good_checkpoint,
+            last_good_step=facts.last_good_step,
+            torn_lines=facts.torn_lines,
+        )
+        for rank in sorted(attempt.tail.recent):
+            inc.add_file(f"heartbeat-tail-rank{rank}.jsonl", attempt.tail.tail_text(rank))
+        inc.add_file("worker-log-tail.txt", tail_text(attempt.worker.log_path))
+        self.save()
+        facts.note_incident(inc)
+
     # ---- the tree ----------------------------------------------------------------------------
 
     @property

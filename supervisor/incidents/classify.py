@@ -110,6 +110,8 @@ def classify_exit(
     lw_tb = str(lw.get("traceback") or "")
     lw_text = " ".join((lw_kind, lw_msg, lw_tb))
     exc_line = last_exception_line(lw_tb.splitlines()) or (f"{lw_kind}: {lw_msg}" if lw_kind or lw_msg else "")
+    if code == EXIT_CONFIG and lw_kind == "oom":  # out of memory while loading: the model does not fit the device
+        return "oom", f"{lw_msg.removeprefix('DoesNotFit: ')} (not restarted: the same model would not fit again)"
     if code == EXIT_CONFIG or lw_kind in ("config", "config_error"):
         return "config_error", f"configuration error: {lw_msg or exc_line or 'exit 78 (EX_CONFIG)'}"
     if code == EXIT_DATAERR or lw_kind in ("data", "data_error"):
@@ -148,13 +150,27 @@ def classify_exit(
     if tail_exc:
         return "crash", f"crash with {tail_exc} (from the worker log)"
     if any(p in log_tail for p in OOM_PATTERNS):
-        return "oom", "out of memory (from the worker log)"
+        line = last_oom_line(log_tail.splitlines())  # a traceback whose start is above the tail still ends in it
+        return "oom", f"out of memory: {line} (from the worker log)" if line else "out of memory (from the worker log)"
     return "crash", f"exited with code {code} without last words"
 
 
 # A launcher's own error about a child that failed (accelerate launch's subprocess.CalledProcessError, torchrun's
 # ChildFailedError): the child's exception, printed before it, is the cause.
 WRAPPER_ERRORS = re.compile(r"^(\w+\.)*(CalledProcessError|ChildFailedError)\b")
+
+
+EXCEPTION_LINE = re.compile(r"^(\w+\.)*\w+(Error|Exception)\b: ")
+
+
+def last_oom_line(lines: list[str]) -> Optional[str]:
+    """The last `Type: message` line of `lines` whose exception is an out-of-memory one (torch's
+    `torch.OutOfMemoryError: CUDA out of memory. Tried to allocate …`), or None."""
+    for line in reversed(lines):
+        text = line.strip()
+        if EXCEPTION_LINE.match(text) and any(p in text for p in OOM_PATTERNS):
+            return text
+    return None
 
 
 def last_exception_line(lines: list[str]) -> Optional[str]:

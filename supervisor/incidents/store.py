@@ -34,6 +34,7 @@ KINDS = (
     "manual",
     "crash",
     "oom",
+    "oom_adapted",
     "nan",
     "signal",
     "config_error",
@@ -180,6 +181,23 @@ class IncidentStore:
                 data = {"id": ident, "kind": kind, "summary": UNREADABLE}
             out.append(summary_of(data))
         return out
+
+    def open(self, ident: str) -> Optional[Incident]:
+        """Incident `ident` as written (for a later amendment), or None when there is none or it cannot be read."""
+        for d in self.dirs():
+            if d.name.split("-", 1)[0] == str(ident).zfill(4):
+                data = read_json(d / RECORD_NAME)
+                if not data:
+                    return None
+                return Incident(
+                    d,
+                    data.get("id", str(ident)),
+                    data.get("kind", ""),
+                    data,
+                    fs=self.fs,
+                    on_write_error=self.on_write_error,
+                )
+        return None
 
     def get(self, ident: str) -> Optional[dict]:
         """The whole record of incident `ident` ("3" and "0003" alike), or None when there is none."""

@@ -245,6 +245,7 @@ class Supervisor:
             State.STOPPING: self.on_stopping,
             State.STALLED: self.on_stalled,
             State.DUMPING: self.on_dumping,
+            State.RECOVERING: self.on_recovering,
             State.KILLING: self.on_killing,
             State.BACKOFF: self.on_backoff,
             State.PAUSED: self.on_paused,
@@ -893,7 +894,36 @@ class Supervisor:
             ep.collect_dumps(self.current, now)
             # Several nodes: local evidence first, then the peers hear of it — before anything is killed.
             self.nodes.stall_read(ep, self.current, now)
+            # A concern may ask the worker to get out of it in its own process first (`restart.in_process`).
+            for c in self.concerns:
+                why = c.before_kill(self.current, ep, now)
+                if why:
+                    self.transition(State.RECOVERING, why, now)
+                    return
             self.begin_kill(ep, now)
+
+    def on_recovering(self, now: float) -> None:
+        """The worker was asked to recover in its process: it did (back to RUNNING, nothing killed), or it did not
+        (the kill, as for any stall)."""
+        ep, cur = self.episode, self.current
+        answers = [c.recovering(cur, ep, now) for c in self.concerns]
+        if cur.worker.exited:
+            self.begin_kill(ep, now, why="the worker exited while asked to abandon its step; ending its tree")
+        elif any(a is False for a in answers):
+            self.begin_kill(ep, now)
+        elif any(a is True for a in answers):
+            ep.recovered(cur, self.facts, now)
+            inc = ep.incident
+            log.warning(
+                "recovered_in_process",
+                attempt=cur.number,
+                incident=inc.id if inc else None,
+                kind=ep.kind,
+                text=(inc.data.get("summary") if inc else None),
+            )
+            self.episode = None
+            self.expired = None
+            self.transition(State.RUNNING, "recovered in the worker's process: the stuck step abandoned", now)
 
     def on_killing(self, now: float) -> None:
         killer = self.episode.killer

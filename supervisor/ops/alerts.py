@@ -219,6 +219,32 @@ class AlertDesk:
             self.hit = {"id": facts["id"], "step": furthest, "attempt": ev.get("attempt")}
             if "incident" in self.enabled:
                 self._out(self.throttle.incident(Notice("incident", facts), now))
+        elif name == "recovered_in_process" and self.current in self.pending:
+            # A stall ended in the worker's own process: handled, nothing killed — a person still hears of it.
+            facts = self.pending.pop(self.current)
+            self.current = None
+            facts.update(
+                next="recovered_in_process",
+                why=ev.get("text"),
+                handled_s=round(now - facts.pop("detected_at"), 3),
+                step=facts.get("step") if facts.get("step") is not None else max(self.top_step, 0),
+            )
+            furthest = max(facts["step"] or 0, (self.hit or {}).get("step") or 0)
+            self.hit = {"id": facts["id"], "step": furthest, "attempt": ev.get("attempt")}
+            if "incident" in self.enabled:
+                self._out(self.throttle.incident(Notice("incident", facts), now))
+        elif name in ("oom_adapted", "nonfinite_rolled_back") and inc and "incident" in self.enabled:
+            # What the worker recovered from by itself, in its process: one incident alert each (storm-controlled).
+            facts = {
+                "id": str(inc),
+                "kind": ev.get("kind"),
+                "step": ev.get("step"),
+                "attempt": ev.get("attempt"),
+                "next": "recovered_in_process",
+                "why": ev.get("text"),
+                "handled_s": 0.0,
+            }
+            self._out(self.throttle.incident(Notice("incident", facts), now))
         elif name in ("crash_loop", "no_progress"):
             self.ending[name] = {"id": inc, "reason": ev.get("reason")}
         elif name == "state" and ev.get("to") == "failed" and self.failed is None:
@@ -506,7 +532,11 @@ def _what_was_done(rec: dict, f: dict) -> str:
     elif rec.get("exit"):
         parts.append("reaped what was left of the tree")
     why = f.get("why") or (rec.get("decision") or {}).get("reason") or ""
-    if f.get("next") == "backoff":
+    if f.get("next") == "recovered_in_process":
+        parts.append(
+            f"recovered in the worker's process, nothing restarted: {why}" if why else "recovered in the process"
+        )
+    elif f.get("next") == "backoff":
         rb = rec.get("last_good_checkpoint")
         parts.append(
             "restarting"

@@ -40,6 +40,9 @@ class Readers:
     goodput: Callable[[], Optional[dict]] = lambda: None  # the goodput ledger's snapshot (`records.goodput`)
     standby: Callable[[], Optional[dict]] = lambda: None  # restart.prewarm's standby (`processes.standby.describe`)
     budgets: Callable[[], dict] = dict  # every timed phase's budget and where it came from (`Deadlines.phase_budgets`)
+    in_process: Callable[[], Optional[dict]] = lambda: None  # recoveries in the worker's process (`restart.in_process`)
+    # a script's framework batch after OOMs (`concerns.framework_oom.summary`)
+    framework_remediation: Callable[[], Optional[dict]] = lambda: None
 
 
 class _Read:
@@ -96,6 +99,8 @@ class View:
     goodput = _Read()
     standby = _Read()
     budgets = _Read()
+    in_process = _Read()
+    framework_remediation = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -151,7 +156,9 @@ def status_reply(v: View) -> dict:
         "output": v.output,  # what the worker's output shows: its last line, progress line and step, and their ages
         "goodput": v.goodput,  # where the run's time went, by category (`records.goodput`)
         "standby": v.standby,  # restart.prewarm: the next attempt's process, loading or ready, and its RAM
+        "in_process": v.in_process,  # recoveries in the worker's process: counts by kind, the last, an order waiting
         **v.healing,  # self-healing: the micro-batch after OOMs, quarantined examples
+        "framework_remediation": v.framework_remediation,  # a script's HF / Lightning batch after OOMs
         "nodes": v.nodes,  # multi-node: generation, peers, torchrun rounds
     }
 
@@ -214,6 +221,8 @@ def state_record(
         why=why,
     )
     data.update(v.healing)
+    if v.framework_remediation is not None:
+        data["framework_remediation"] = v.framework_remediation
     # The last step any beat reported — where the run ended, once it ended; a worker that does not beat: the step its
     # own output last said
     step = v.last_step.get("step")

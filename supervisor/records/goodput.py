@@ -10,6 +10,8 @@ the run's wall time.
     detection        a failure's lost time before it was caught: the last progress → the detection (a
                      deadline, the worker's exit)
     dumps            detection → the stacks read (snapshot, SIGUSR1, py-spy)
+    abandon          the stuck step being abandoned in the worker's own process (`restart.in_process`) until it
+                     answers (or the kill, when it does not)
     kill             the tree being ended (SIGTERM, SIGKILL, until it is gone)
     gpu_release      the tree gone → its GPU memory freed
     restart_startup  a worker after a failure starting up and loading, until its first step
@@ -48,6 +50,7 @@ CATEGORIES = (
     "startup",
     "detection",
     "dumps",
+    "abandon",
     "kill",
     "gpu_release",
     "restart_startup",
@@ -56,7 +59,7 @@ CATEGORIES = (
     "idle",
     "other",
 )
-RECOVERY = ("dumps", "kill", "gpu_release", "restart_startup")  # detection → the next attempt's first step
+RECOVERY = ("dumps", "abandon", "kill", "gpu_release", "restart_startup")  # detection → the next attempt's first step
 LOST = ("detection", *RECOVERY, "redone", "backoff")  # what failures cost
 LABELS = {
     "training": "training (kept steps)",
@@ -66,6 +69,7 @@ LABELS = {
     "startup": "start-up and loading",
     "detection": "waiting for detection",
     "dumps": "recovery: stack dumps",
+    "abandon": "recovery: abandoning the step in the process",
     "kill": "recovery: ending the tree",
     "gpu_release": "recovery: GPU release",
     "restart_startup": "recovery: restart and loading",
@@ -157,6 +161,8 @@ def activity(
         return "paused", False
     if state in ("stalled", "dumping"):
         return "dumps", False
+    if state == "recovering":
+        return "abandon", False
     if state == "killing":
         if not failing:
             return "other", False

@@ -3,6 +3,8 @@
     STARTING ──start beat──▶ RUNNING ──stop finished, exit 0──▶ (KILLING: reap stragglers) ─▶ FINISHED
        │  ▲                    │
        │  │                    ├─deadline fired / restart now──▶ STALLED ─▶ DUMPING ─▶ KILLING
+       │  │                    │                          ▲               │             ▲
+       │  │                    │                          └── RUNNING ◀─ RECOVERING ───┘
        │  │                    │                                                       │
        │  │                    └─worker exited (crash, nan, signal, …)──▶ KILLING ─────┤
        │  │                                                                            ▼
@@ -14,6 +16,8 @@
     SIGTERM/SIGINT, `stop`, `pause`, `restart graceful`: RUNNING/STARTING ─▶ STOPPING (SIGTERM to the
     worker, which checkpoints and exits 0) ─▶ KILLING (stragglers) ─▶ STOPPED / PAUSED / STARTING.
     A deadline that fires while STOPPING escalates like any stall (STALLED → DUMPING → KILLING).
+    DUMPING ─▶ RECOVERING: the dumps are in and a concern asked the worker to abandon its stuck step in its own
+    process (`restart.in_process`); it answered (RUNNING, nothing killed) or did not within the grace (KILLING).
     PAUSED ─resume─▶ STARTING.  STOPPED, FINISHED and FAILED are final.
     STARTING ─▶ PAUSED before any worker is spawned: the run was paused when the previous supervisor
     ended (state.json `intent: pause`), and a pause outlives its supervisor.
@@ -41,6 +45,7 @@ class State(enum.Enum):
     RUNNING = "running"  # start beat seen; deadlines armed
     STALLED = "stalled"  # a deadline fired; taking the process snapshot
     DUMPING = "dumping"  # SIGUSR1 sent, waiting for the stack dumps to stop growing
+    RECOVERING = "recovering"  # the worker was asked to abandon its stuck step in its own process; waiting
     KILLING = "killing"  # SIGTERM → grace → SIGKILL to the tree, reaping, waiting for GPU memory
     BACKOFF = "backoff"  # tree gone, waiting before the next attempt
     STOPPING = "stopping"  # worker asked to checkpoint and exit (SIGTERM), waiting for it
@@ -66,14 +71,15 @@ class State(enum.Enum):
 
 FINAL = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
 WATCHED = frozenset({State.STARTING, State.RUNNING, State.STOPPING})
-ESCALATING = frozenset({State.STALLED, State.DUMPING, State.KILLING})
+ESCALATING = frozenset({State.STALLED, State.DUMPING, State.RECOVERING, State.KILLING})
 
 S = State
 TRANSITIONS: dict[State, frozenset[State]] = {
     S.STARTING: frozenset({S.RUNNING, S.STALLED, S.KILLING, S.STOPPING, S.FAILED, S.PAUSED, S.STOPPED}),
     S.RUNNING: frozenset({S.STALLED, S.KILLING, S.STOPPING}),
     S.STALLED: frozenset({S.DUMPING}),
-    S.DUMPING: frozenset({S.KILLING}),
+    S.DUMPING: frozenset({S.KILLING, S.RECOVERING}),
+    S.RECOVERING: frozenset({S.RUNNING, S.KILLING}),
     S.KILLING: frozenset({S.BACKOFF, S.STARTING, S.FAILED, S.STOPPED, S.PAUSED, S.FINISHED}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PAUSED, S.FAILED}),
     S.STOPPING: frozenset({S.STALLED, S.KILLING}),

@@ -74,6 +74,7 @@ class RankTrack:
     last_progress_at: Optional[float] = None
     progress_since_step: int = 0  # progress lines since the last step or phase change
     skip_next_sample: bool = False
+    abandoned: bool = False  # its current phase was abandoned in the process: its length is no sample to learn from
     last: dict = field(default_factory=dict)  # the last decoded line
 
 
@@ -185,6 +186,14 @@ class Deadlines:
                 return extended, f"{source} + truncation grace"
         return budget, source
 
+    def abandon(self, rank: int) -> None:
+        """Rank `rank` is asked to abandon what it is stuck in: the phase's and the step's length teach nothing."""
+        tr = self.ranks.get(rank)
+        if tr is not None:
+            self._version += 1
+            tr.abandoned = True
+            tr.skip_next_sample = True
+
     def disarm_extra(self, name: str) -> None:
         self._version += 1
         self.extra.pop(name, None)
@@ -251,8 +260,9 @@ class Deadlines:
             self._new_samples += 1
 
     def _enter_phase(self, tr: RankTrack, name: str, now: float, line_budget=None) -> None:
-        if tr.started and tr.phase not in UNTIMED_PHASES and tr.phase != "init":
+        if tr.started and tr.phase not in UNTIMED_PHASES and tr.phase != "init" and not tr.abandoned:
             self.calibration.add_phase(tr.phase, now - tr.phase_since)
+        tr.abandoned = False
         tr.phase = name
         tr.phase_since = now
         tr.phase_budget, tr.phase_budget_source = self.phase_budget(name, line_budget)

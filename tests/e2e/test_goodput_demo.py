@@ -33,7 +33,7 @@ def test_goodput_categories_add_up_to_the_demos_wall_time(tmp_path):
     cfg["eval"].update(every_steps=10)
     cfg["checkpoint"].update(every_steps=5, confirm_steps=1)
     cfg["watchdog"]["phase_budgets_s"]["generate"] = 5
-    cfg["restart"].update(backoff_initial_s=1)
+    cfg["restart"].update(backoff_initial_s=1, in_process=False)  # the restart path's ledger
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(cfg))
 

@@ -77,7 +77,8 @@ def config(tmp_path: Path, name: str, faults: list, step_timeout_s: float = 60) 
             "py_spy": False,
             "phase_budgets_s": {"eval": 120, "generate": 12, "checkpoint": 120, "load": 300},
         },
-        restart={"backoff_initial_s": 0, "max_restarts": 20, "oom_remediation": False},  # bitwise against the reference
+        # bitwise against the reference; the restart path (tests/faults/test_in_process_recovery.py has the other)
+        restart={"backoff_initial_s": 0, "max_restarts": 20, "oom_remediation": False, "in_process": False},
     )
     cfg["train"].update(max_steps=MAX_STEPS, sleep_per_step_s=0.0, max_nonfinite_streak=3)
     cfg["eval"].update(every_steps=4, max_new_tokens=8)

@@ -53,6 +53,7 @@ CATEGORY_COLORS = {
     "startup": "#17becf",
     "detection": "#d62728",
     "dumps": "#e377c2",
+    "abandon": "#f7b6d2",
     "kill": "#8c1c13",
     "gpu_release": "#c76f6f",
     "restart_startup": "#f4a582",

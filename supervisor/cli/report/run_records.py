@@ -172,11 +172,17 @@ def read_incidents(run_dir: Path, attempts: list[dict]) -> list[dict]:
                 "deadline": deadline.get("name"),
                 "steps_lost": lost if lost is None or lost >= 0 else 0,
                 "recover_s": round(recover, 1) if recover else None,
-                "summary": rec.get("summary") or "",
+                "summary": (rec.get("summary") or "") + healed_words(rec),
                 "decision": (rec.get("decision") or {}).get("action"),
             }
         )
     return out
+
+
+def healed_words(rec: dict) -> str:
+    """What an incident's self-healing did, after its summary: a script's batch after an OOM."""
+    fr = rec.get("framework_remediation")
+    return f" — {fr['message']}" if isinstance(fr, dict) and fr.get("message") else ""
 
 
 def read_generations(run_dir: Path) -> list[dict]:

@@ -35,7 +35,7 @@ ERRORS = [
         OWN + "restart:\n  zzz: 1\n",
         [
             "{p}:4: restart.zzz: unknown key (known keys: max_restarts, window_s, backoff_initial_s, backoff_max_s, "
-            "healthy_after_s, no_progress_restarts, oom_remediation, on_unkillable, prewarm)"
+            "healthy_after_s, no_progress_restarts, oom_remediation, in_process, on_unkillable, prewarm)"
         ],
     ),
     (

@@ -242,153 +242,87 @@ def evidence(
     return Evidence(0, "OutOfMemoryError: " + text, {k: v for k, v in mem.items() if v is not None})
 
 
-def expected_pick(weights, per_example, capacity, effective, at_most, margin=ev.MARGIN):
-    """The rule, written out: the largest divisor of the effective batch, at most `at_most`, that fits the margin."""
-    fits = [d for d in range(1, at_most + 1) if effective % d == 0 and weights + d * per_example <= margin * capacity]
-    return max(fits) if fits else None
-
-
-def test_sufficient_evidence_picks_once_and_keeps_the_effective_batch():
+def test_the_first_oom_restarts_one_rung_down_and_asks_the_new_process_to_measure():
     remedy = rem.decide(None, cfg(16, 1), evidence())
-    # 16 examples needed 700 MiB + 15.62 GiB: ≈ 1000 MiB each; 90 % of 4 GiB holds 700 + 2 × 1000, not 700 + 4 × 1000
-    assert expected_pick(700, 1000, 4096, 16, 8) == 2
-    assert remedy.basis == "evidence" and remedy.to == Setting(2, 8) and remedy.to.effective == 16
-    assert remedy.message == (
-        "out of memory at micro-batch 16: 700 MiB allocated + 15.6 GiB requested of 4.0 GiB allowed, weights 700 MiB → "
-        "about 0.98 GiB per example; restarting from the last good checkpoint with micro-batch 2 × accumulation 8 "
-        "(effective batch 16 unchanged), about 2.6 GiB of 3.6 GiB (90% of the capacity)"
-    )
-    f = remedy.fields()
-    assert f["basis"] == "evidence" and f["to"] == {
-        "micro_batch_size": 2,
-        "grad_accum": 8,
-        "gradient_checkpointing": False,
-    }
-    e = f["evidence"]
-    assert (e["need_from"], e["capacity_from"], e["capacity_mb"], e["weights_mb"], e["picked"]) == (
-        "oom",
-        "allowed",
-        4096.0,
-        700.0,
-        2,
-    )
-    assert e["per_example_mb"] == pytest.approx(1000, abs=1) and e["margin"] == 0.9 and e["budget_mb"] == 3686.4
+    # the ladder's next rung at most; the new process measures before training and may go lower at once
+    assert remedy.basis == "probe" and remedy.to == Setting(8, 2) and remedy.to.effective == 16
+    assert "measures one step at micro-batch 1" in remedy.message
+    # the message's figures are said as what they are: a lower bound, not a pick
+    assert "a lower bound" in remedy.message and "at least 16.3 GiB were needed at micro-batch 16" in remedy.message
+    assert remedy.evidence["lower_bound"] is True and remedy.evidence["need_from"] == "oom"
     record = rem.applied(None, cfg(16, 1), remedy, attempt=1, step=3, incident="0001", now=0.0)
-    assert record["history"][0]["basis"] == "evidence" and record["history"][0]["evidence"]["picked"] == 2
-    assert rem.current(record, cfg(16, 1)) == Setting(2, 8)
+    assert record["probe"] == {"at_most": 8, "incident": "0001"}
+    assert record["history"][0]["basis"] == "probe" and rem.current(record, cfg(16, 1)) == Setting(8, 2)
 
 
 @pytest.mark.parametrize(
-    "micro, accum, weights, tried, allowed, to",
+    "e",
     [
-        (12, 1, 1000.0, 12 * 500.0, 4096.0, Setting(4, 3)),  # 5 fit: 12's largest divisor ≤ 5 is 4
-        (6, 4, 1000.0, 6 * 500.0, 4096.0, Setting(3, 8)),  # 5 fit, but never above the ladder's next (3); 24 = 3 × 8
-        (
-            12,
-            2,
-            1000.0,
-            12 * 500.0,
-            4000.0,
-            Setting(4, 6),
-        ),  # 6 fit all of 4000 MiB, 5.2 fit 90 %: 4 (divides 24), not 6
-        (16, 3, 1000.0, 8100.0, 10000.0, Setting(8, 6)),  # 15 fit: capped at the ladder's 8 (a lower bound, not bolder)
-        (16, 1, 3500.0, 16 * 100.0, 4096.0, Setting(1, 16)),  # 1.86 fit: 1
-        (10, 1, 500.0, 10 * 1000.0, 4096.0, Setting(2, 5)),  # 3.2 fit: 10's divisors ≤ 3: 2
+        None,
+        Evidence(
+            0, "OutOfMemoryError: injected fault: CUDA out of memory at step 3 (tried to allocate 20.00 GiB)", None
+        ),
+        Evidence(0, None, {"micro_batch_size": 4, "device": "cpu"}),
+        evidence(4, weights=None),
+        evidence(8),  # made at another micro-batch than the setting's
+        Evidence(0, evidence(4).message, evidence(4).memory, phase="eval"),
+        evidence(4, 700.0, 100.0, allowed=4096.0),  # would fit: inconsistent
     ],
 )
-def test_pick_is_the_largest_fitting_divisor_of_the_effective_batch(micro, accum, weights, tried, allowed, to):
-    remedy = rem.decide(None, cfg(micro, accum), evidence(micro, weights, tried, allowed=allowed))
-    assert remedy.basis == "evidence", remedy.why
-    assert remedy.to == to and remedy.to.effective == micro * accum
-    e = remedy.evidence
-    assert e["picked"] == expected_pick(weights, e["per_example_mb"], allowed, micro * accum, rem.smaller_micro(micro))
-
-
-def test_the_margin_is_what_makes_the_difference():
-    est, why = ev.estimate(evidence(12, 1000.0, 12 * 500.0, allowed=4000.0), 12)
-    assert why == "" and est.per_example_mb == pytest.approx(500, abs=1)
-    assert ev.pick(est, 24, 6) == 4
-    full = ev.Estimate(**{**est.__dict__, "margin": 1.0})
-    assert ev.pick(full, 24, 6) == 6
-
-
-def test_nothing_fits_goes_to_the_last_rung_and_then_fails():
-    e = evidence(16, 3600.0, 16 * 300.0, allowed=4096.0)  # weights alone nearly fill 90 %: not even 1 example fits
-    remedy = rem.decide(None, cfg(16, 1), e)
-    assert remedy.basis == "evidence" and remedy.to == Setting(1, 16, True) and remedy.evidence["picked"] is None
-    assert "even micro-batch 1 would need about" in remedy.message and "and gradient checkpointing" in remedy.message
-    record = rem.applied(None, cfg(16, 1), remedy, attempt=1, step=1, incident="a", now=0.0)
-    final = rem.decide(record, cfg(16, 1), e)  # the last rung failed too: nothing is left
-    assert final.exhausted and "every remedy tried" in final.message and final.basis == "ladder"
-
-
-@pytest.mark.parametrize(
-    "e, why",
-    [
-        (None, "no evidence was read"),
-        (
-            Evidence(
-                0, "OutOfMemoryError: injected fault: CUDA out of memory at step 3 (tried to allocate 20.00 GiB)", None
-            ),
-            "neither the message nor the worker gave memory figures",
-        ),
-        (Evidence(0, None, {"micro_batch_size": 4, "device": "cpu"}), "no weights' share"),
-        (evidence(4, weights=None), "no weights' share"),
-        (evidence(8), "the worker reports micro-batch 8, the setting was 4"),
-        (Evidence(0, evidence(4).message, evidence(4).memory, phase="eval"), "in phase 'eval', not in a training step"),
-        (evidence(4, 700.0, 100.0, allowed=4096.0), "inconsistent: micro-batch 4 would fit"),
-        (evidence(4, 5000.0, 100.0, allocated=3000.0, allowed=4096.0), "inconsistent: the weights"),
-        (Evidence(0, None, {"micro_batch_size": 4, "weights_mb": 700.0, "allocated_mb": 3000.0}), "no capacity figure"),
-        (
-            Evidence(0, None, {"micro_batch_size": 4, "weights_mb": 700.0, "total_mb": 4096.0}),
-            "no figure of what the failed step needed",
-        ),
-    ],
-)
-def test_missing_or_inconsistent_evidence_falls_back_to_the_ladder(e, why):
+def test_without_usable_figures_the_first_oom_still_restarts_one_rung_down_and_measures(e):
     remedy = rem.decide(None, cfg(4, 2), e)
-    assert remedy.basis == "ladder" and remedy.to == Setting(2, 4) and why in remedy.why
-    assert "micro-batch 4 → 2, accumulation 2 → 4 (effective batch 8 unchanged)" in remedy.message
-    assert remedy.message.endswith(f"; the ladder: {remedy.why}")
-    assert remedy.fields()["why"] == remedy.why and "evidence" not in remedy.fields()
+    assert remedy.basis == "probe" and remedy.to == Setting(2, 4) and remedy.evidence is None
+    assert "lower bound" not in remedy.message
 
 
-def test_worker_figures_and_step_peaks_without_a_parsable_message(tmp_path):
-    # The injected `oom` fault on a GPU: no figures in the message; the worker's peak (above what loading left) is.
-    e = evidence(16, 700.0, message=False, allocated=3000.0, peak_mb=3900.0, reserved_mb=3900.0, free_mb=70000.0)
-    remedy = rem.decide(None, cfg(16, 1), e)
-    assert remedy.basis == "evidence" and remedy.evidence["need_from"] == "peak" and remedy.to == Setting(8, 2)
-    # A peak no higher than the loading's says nothing about training: then nothing tells the step's need.
-    flat = evidence(16, 700.0, message=False, allocated=700.0, peak_mb=700.0)
-    assert rem.decide(None, cfg(16, 1), flat).basis == "ladder"
-    # The step beats' peak (max_mem_allocated_mb), read from the attempt's heartbeat file.
-    beats = tmp_path / "attempts" / "0001" / "heartbeat-rank0.jsonl"
-    beats.parent.mkdir(parents=True)
-    lines = [{"event": "start", "step": 0}] + [
-        {"event": "step", "step": s, "max_mem_allocated_mb": 3000.0 + s * 400} for s in (1, 2, 3)
-    ]
-    beats.write_text("".join(json.dumps(b) + "\n" for b in lines) + '{"event": "step", "max_mem')
-    (beats.parent / "exit.json").write_text(
-        json.dumps({"kind": "oom", "message": flat.message, "memory": flat.memory, "phase": "train"})
+def test_the_fake_devices_oom_says_less_than_the_need_as_cudas_does():
+    """An OOM is raised at the first allocation that does not fit: allocated + requested is below the step's need."""
+    import torch
+
+    fault = SimpleNamespace(weights_mb=700.0, per_example_mb=1000.0, capacity_mb=4096.0, at_step=None)
+    fake = FakeAllocator(fault, SimpleNamespace(warn=lambda *a, **k: None))
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        fake.allocate(16 * 1000.0)
+    got = parse_oom_message(str(info.value))
+    need = 700.0 + 16 * 1000.0
+    assert got["allocated_mb"] + got["tried_mb"] < need
+    assert got["allocated_mb"] + got["tried_mb"] > fault.capacity_mb  # the piece that did not fit
+    est, _ = ev.estimate(
+        Evidence(
+            0,
+            "OutOfMemoryError: " + str(info.value),
+            {"micro_batch_size": 16, "device": "cuda:0", "weights_mb": 700.0, "allowed_mb": 4096.0},
+        ),
+        16,
     )
-    got = ev.gather(tmp_path, 1)
-    assert got.steps_peak_mb == 4200.0 and got.memory == flat.memory and got.phase == "train"
-    remedy = rem.decide(None, cfg(16, 1), got)
-    assert remedy.basis == "evidence" and remedy.evidence["need_from"] == "steps"
-    assert "a peak of 4.1 GiB in its steps of 4.0 GiB allowed" in remedy.message
+    assert est is not None and est.per_example_mb < 1000.0  # what a pick from it would have taken for the cost
 
 
 def test_later_ooms_and_micro_batch_one_take_the_ladder():
     first = rem.decide(None, cfg(16, 1), evidence())
     record = rem.applied(None, cfg(16, 1), first, attempt=1, step=3, incident="a", now=0.0)
-    again = rem.decide(record, cfg(16, 1), evidence(2, tried=2000.0))  # the pick still ran out of memory
+    again = rem.decide(record, cfg(16, 1), evidence(8, tried=2000.0))  # the rung still ran out of memory
     assert (
-        again.basis == "ladder" and again.to == Setting(1, 16) and "the ladder goes on from micro-batch 2" in again.why
+        again.basis == "ladder" and again.to == Setting(4, 4) and "the ladder goes on from micro-batch 8" in again.why
     )
     record = rem.applied(record, cfg(16, 1), again, attempt=2, step=3, incident="b", now=0.0)
-    assert [h["basis"] for h in record["history"]] == ["evidence", "ladder"]
+    assert [h["basis"] for h in record["history"]] == ["probe", "ladder"] and "probe" not in record
     one = rem.decide(None, cfg(1, 8), evidence(1, tried=1000.0))
     assert one.basis == "ladder" and one.to == Setting(1, 8, True) and "micro-batch 1 already" in one.why
+
+
+def test_the_measure_is_recorded_once_and_only_when_it_keeps_the_effective_batch():
+    record = rem.applied(None, cfg(16, 1), rem.decide(None, cfg(16, 1), evidence()), attempt=1, step=3, incident="a")
+    to = {"micro_batch_size": 2, "grad_accum": 8, "gradient_checkpointing": False}
+    result = {"picked": 2, "to": to, "weights_mb": 700.0, "per_example_mb": 1000.0, "capacity_mb": 4096.0}
+    after = rem.measured(record, cfg(16, 1), result, attempt=2, now=1.0)
+    assert "probe" not in after and rem.current(after, cfg(16, 1)) == Setting(2, 8)
+    assert after["history"][-1]["basis"] == "measured" and after["history"][-1]["incident"] == "a"
+    assert after["history"][-1]["evidence"]["per_example_mb"] == 1000.0
+    # nothing measured (the CPU), or a pick that would change the effective batch: the probe is done, nothing else
+    for r in ({"picked": None, "why": "no memory figures"}, {"picked": 3, "to": {**to, "micro_batch_size": 3}}):
+        kept = rem.measured(record, cfg(16, 1), r, attempt=2)
+        assert "probe" not in kept and rem.current(kept, cfg(16, 1)) == Setting(8, 2) and len(kept["history"]) == 1
 
 
 def test_oom_recovery_reads_the_failing_ranks_evidence_and_remedies_once(tmp_path):
@@ -412,11 +346,12 @@ def test_oom_recovery_reads_the_failing_ranks_evidence_and_remedies_once(tmp_pat
     episode = SimpleNamespace(kind="oom", incident=inc)
     restart = Decision("restart", "worker exited with code 1")
     decided = concern.decision(SimpleNamespace(number=1), episode, restart, 0.0)
-    assert decided.action == "restart" and "micro-batch 2 × accumulation 8" in decided.reason
+    assert decided.action == "restart" and "at micro-batch 8 at most" in decided.reason
     on_disk = json.loads((inc.dir / "incident.json").read_text())  # amended through the store
-    assert on_disk["remediation"]["basis"] == "evidence" and inc.data["remediation"] == on_disk["remediation"]
+    assert on_disk["remediation"]["basis"] == "probe" and inc.data["remediation"] == on_disk["remediation"]
+    assert on_disk["remediation"]["evidence"]["micro_batch_size"] == 16  # rank 1's figures, not the victim's
     saved = rem.load(tmp_path)
-    assert (saved["micro_batch_size"], saved["grad_accum"]) == (2, 8) and saved["history"][0]["basis"] == "evidence"
+    assert (saved["micro_batch_size"], saved["grad_accum"]) == (8, 2) and saved["history"][0]["basis"] == "probe"
     # asked again for the same incident (the tree is gone): the remedy is not applied twice
     assert concern.decision(SimpleNamespace(number=1), episode, decided, 1.0) is None
     assert len(rem.load(tmp_path)["history"]) == 1
@@ -526,14 +461,15 @@ def test_fake_allocator_is_a_probe_and_raises_torchs_oom():
     fake = FakeAllocator(fault, SimpleNamespace(warn=lambda *a, **k: None))
     fake.allocate(3 * 1000.0)
     assert fake.figures(None)["peak_mb"] == 3700.0 and fake.figures(None)["allocated_mb"] == 700.0
+    fake.reset_peak()
+    assert fake.figures(None)["peak_mb"] == 700.0
     with pytest.raises(torch.OutOfMemoryError) as info:
         fake.allocate(4 * 1000.0)
     got = parse_oom_message(str(info.value))
-    assert (
-        got["allowed_mb"] == 4096.0
-        and got["allocated_mb"] == 700.0
-        and got["tried_mb"] == pytest.approx(4000, abs=5.12)
-    )
+    # 500 MiB pieces: 6 of them fit on top of the weights (3700 MiB), the 7th is the one asked for
+    assert got["allowed_mb"] == 4096.0 and got["allocated_mb"] == pytest.approx(3700, abs=5.12)
+    assert got["tried_mb"] == 500.0
+    assert fake.figures(None)["allocated_mb"] == 700.0  # the failed step's memory went back
 
 
 # ---- the worker, in process, with the fake allocator ---------------------------------------------------------
@@ -543,32 +479,37 @@ def step_ids(beats):
     return {b["step"]: b["example_ids"] for b in beats if b["event"] == "step"}
 
 
-def test_one_restart_at_the_predicted_micro_batch_with_the_same_examples(tmp_path):
+def test_one_restart_measures_its_micro_batch_and_keeps_the_examples_of_every_step(tmp_path):
     from fixtures.fakes.workers import make_config, read_beats, run_in_process
 
     from hangwatch.common.config import load_config
 
     common = {
-        "train": {"max_steps": 4, "micro_batch_size": 16, "grad_accum": 1},
+        "train": {"max_steps": 6, "micro_batch_size": 16, "grad_accum": 1},
         "checkpoint": {"every_steps": 2, "confirm_steps": 0},
     }
-    device = {"kind": "memory_limit", "weights_mb": 700, "per_example_mb": 1000, "capacity_mb": 4096, "at_step": 3}
+    # from step 4: the restart resumes at step 2, and its probe step measures the small device all the same
+    device = {"kind": "memory_limit", "weights_mb": 700, "per_example_mb": 1000, "capacity_mb": 4096, "at_step": 4}
     config = make_config(tmp_path / "a", faults=[device], **common)
     run = tmp_path / "a" / "run"
     assert run_in_process(config) == 1
     words = json.loads((run / "attempts" / "0001" / "exit.json").read_text())
-    assert words["kind"] == "oom" and "4.00 GiB allowed; Of the allocated memory 700.00 MiB" in words["message"]
+    assert words["kind"] == "oom" and "4.00 GiB allowed; Of the allocated memory" in words["message"]
     assert words["memory"]["weights_mb"] == 700.0 and words["memory"]["micro_batch_size"] == 16
 
     remedy = OomRemediation(load_config(config), run).on_failure(
-        "oom", attempt=1, step=2, incident="x", evidence=ev.gather(run, 1)
+        "oom", attempt=1, step=3, incident="x", evidence=ev.gather(run, 1)
     )
-    assert remedy.basis == "evidence" and remedy.to == Setting(2, 8)
-    assert run_in_process(config) == 0  # micro-batch 2 needs 2.7 GiB of the 4 allowed: no second OOM
-    start = read_beats(run, 2)[0]
-    assert (start["micro_batch_size"], start["grad_accum"], start["effective_batch"]) == (2, 8, 16)
+    assert remedy.basis == "probe" and remedy.to == Setting(8, 2)
+    assert run_in_process(config) == 0  # measured: micro-batch 2 needs 2.7 GiB of the 4 allowed, 4 would need 4.7
+    beats = read_beats(run, 2)
+    assert (beats[0]["micro_batch_size"], beats[0]["grad_accum"]) == (8, 2)  # the rung it was started at
+    (measured,) = [b["remediation_probe"] for b in beats if "remediation_probe" in b]
+    assert measured["picked"] == 2 and measured["to"]["grad_accum"] == 8
+    assert measured["per_example_mb"] == pytest.approx(1000.0) and measured["weights_mb"] == 700.0
+    assert all(len(b["example_ids"]) == 16 for b in beats if b["event"] == "step")
 
     reference = make_config(tmp_path / "b", **common)  # the same run on a device with room: no OOM
     assert run_in_process(reference) == 0
     remedied = {**step_ids(read_beats(run, 1)), **step_ids(read_beats(run, 2))}
-    assert sorted(remedied) == [1, 2, 3, 4] and remedied == step_ids(read_beats(tmp_path / "b" / "run", 1))
+    assert sorted(remedied) == [1, 2, 3, 4, 5, 6] and remedied == step_ids(read_beats(tmp_path / "b" / "run", 1))

@@ -15,6 +15,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.concerns import Concern, RunContext, registered
 from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
 from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
+from hangwatch.supervisor.concerns.in_process_recovery import InProcessRecovery
 from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
 from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
 from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
@@ -54,6 +55,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         GenerateOverrun,
         ResumeAudit,
         OomRecovery,
+        InProcessRecovery,
         RepeatedFailure,
         UnkillableWait,
     ]
@@ -63,6 +65,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         "generate_overrun",
         "resume_audit",
         "oom_recovery",
+        "in_process_recovery",
         "repeated_failure",
         "unkillable_wait",
     ]
@@ -77,7 +80,28 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         ({"watchdog": {"resume_audit": {"enabled": False}}}, set(), {"resume_audit"}),
         ({"restart": {"oom_remediation": True}}, {"oom_recovery"}, set()),
         ({"restart": {"oom_remediation": False}}, set(), {"oom_recovery"}),
-        ({"worker": COMMAND, "restart": {"oom_remediation": True}}, {"resume_check"}, {"oom_recovery"}),
+        (
+            {"worker": COMMAND, "restart": {"oom_remediation": True}},
+            {"resume_check", "framework_oom"},
+            {"oom_recovery", "in_process_recovery"},
+        ),
+        ({"restart": {"in_process": True}}, {"in_process_recovery"}, set()),
+        ({"restart": {"in_process": False}}, set(), {"in_process_recovery"}),
+        (
+            {"worker": COMMAND, "restart": {"in_process": True}},
+            {"resume_check", "framework_oom"},
+            {"in_process_recovery", "oom_recovery"},
+        ),
+        (
+            {"worker": {**COMMAND, "instrument": "off"}},
+            {"resume_check"},
+            {"oom_recovery", "framework_oom", "in_process_recovery"},
+        ),
+        (
+            {"worker": COMMAND, "restart": {"oom_remediation": False}},
+            {"resume_check"},
+            {"oom_recovery", "framework_oom", "in_process_recovery"},
+        ),
         ({"restart": {"prewarm": False}}, set(), {"prewarmed_standby"}),
         ({"restart": {"prewarm": True}}, {"prewarmed_standby"}, set()),
         ({"restart": {"prewarm": "always"}}, {"prewarmed_standby"}, set()),
@@ -111,6 +135,7 @@ def test_everything_on_in_the_loops_order_with_the_standby_before_the_unkillable
         "generate_overrun",
         "resume_audit",
         "oom_recovery",
+        "in_process_recovery",
         "repeated_failure",
         "prewarmed_standby",
         "unkillable_wait",

@@ -71,3 +71,31 @@ def test_what_is_not_a_repetition(tmp_path, second, decision, repeats):
     ep2, a2 = failure(store, *second, 2)
     decided = concern.decision(a2, ep2, decision, 1.0)
     assert (decided is not None and decided.action == "fail") is repeats
+
+
+def test_two_ooms_of_one_allocation_are_the_same_whatever_was_free_and_the_words_say_what_to_lower(tmp_path):
+    from hangwatch.daemon.faults import oom_message
+
+    def words(free_mb):
+        message = oom_message(
+            tried_mb=2048,
+            total_mb=81920,
+            free_mb=free_mb,
+            in_use_mb=3500,
+            allocated_mb=1600,
+            reserved_mb=1700,
+            allowed_mb=3700,
+        )
+        return f"out of memory: torch.OutOfMemoryError: {message}"
+
+    assert signature("oom", {"classification": words(1024), "step": 0}) == signature(
+        "oom", {"classification": words(1000), "step": 0}
+    )
+    store = IncidentStore(tmp_path)
+    concern = RepeatedFailure(RunContext(None, tmp_path, None, store, None, None))
+    ep1, a1 = failure(store, "oom", words(1024), 0, 1)
+    assert concern.decision(a1, ep1, RESTART, 0.0) is None
+    ep2, a2 = failure(store, "oom", words(1000), 0, 2)
+    decided = concern.decision(a2, ep2, RESTART, 1.0)
+    assert decided.action == "fail" and "before the first step" in decided.reason
+    assert "(Tried to allocate 2.0 GiB; 3.6 GiB allowed): lower the batch size of your training loop" in decided.reason

@@ -185,6 +185,19 @@ def test_a_loop_polling_with_time_sleep_is_a_python_wait_not_a_call_blocked_in_c
             "crash",
             "KeyError: 'x' (from the worker log)",
         ),
+        (
+            1,
+            None,
+            None,
+            # a traceback whose start is above the tail (HF Trainer's are long): its closing line still names it
+            '    ^^^^^\n  File "t.py", line 3\n'
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+            "  0%|          | 0/6 [00:00<?, ?it/s]\n",
+            "oom",
+            "out of memory: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+            "(from the worker log)",
+        ),
+        (1, None, None, "warning: running out of memory soon\n", "oom", "out of memory (from the worker log)"),
         (3, None, None, "", "crash", "exited with code 3 without last words"),
     ],
 )

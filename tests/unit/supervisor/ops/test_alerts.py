@@ -82,6 +82,18 @@ def test_a_handled_stall_is_one_incident_alert_with_what_the_log_said():
     assert n.facts["stuck"] == "f (x.py:1)" and n.facts["next"] == "backoff" and n.facts["handled_s"] == 3.5
 
 
+def test_a_stall_recovered_in_the_process_is_one_incident_alert_saying_nothing_restarted(tmp_path):
+    d, sent = desk()
+    stall(d, "0001", 10.0)
+    d.feed({"event": "recovered_in_process", "incident": "0001", "attempt": 1, "text": "step 5 abandoned"}, 10.8)
+    [n] = sent
+    assert n.event == "incident" and n.facts["next"] == "recovered_in_process" and n.facts["handled_s"] == 0.8
+    msg = compose(n, tmp_path / "run", "box")
+    assert "recovered in the worker's process, nothing restarted: step 5 abandoned" in msg["body"]
+    d.feed({"event": "oom_adapted", "incident": "0002", "kind": "oom_adapted", "step": 7, "text": "16 → 8"}, 11.0)
+    assert len(sent) == 1  # inside the storm window: held, counted into the next summary
+
+
 def test_a_crash_loop_is_one_incident_alert_and_one_summary():
     d, sent = desk()
     for i, attempt in enumerate((1, 2, 3, 4)):

@@ -32,6 +32,7 @@ from hangwatch.supervisor.records.goodput import (
         ("stopping", dict(phase="checkpoint", stepped=True, after_failure=False), ("checkpoint", True)),
         ("stalled", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
         ("dumping", dict(phase="train", stepped=True, after_failure=True), ("dumps", False)),
+        ("recovering", dict(phase="generate", stepped=True, after_failure=False), ("abandon", False)),
         ("killing", dict(phase="train", stepped=True, after_failure=True), ("kill", False)),
         ("killing", dict(phase="train", stepped=True, after_failure=True, tree_gone=True), ("gpu_release", False)),
         ("killing", dict(phase="train", stepped=True, after_failure=False, failing=False), ("other", False)),
