@@ -308,7 +308,7 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
     if not (run_dir / CONFIG_NAME).exists():
         write_atomic(run_dir / CONFIG_NAME, dump_config(cfg))
     hb = Heartbeat.from_env(run_dir, environ=env)
-    stop = StopRequest(repeat_kills=not _under_torchrun(env)).install()
+    stop = StopRequest(repeat_kills=not (_under_torchrun(env) or _in_slurm_job(env))).install()
     try:
         from hangwatch.daemon.faults import faults_from
 
@@ -353,6 +353,12 @@ def main(argv: Optional[list[str]] = None, environ: Optional[dict] = None) -> in
 def _under_torchrun(env) -> bool:
     """Started by torchrun's agent (which sets TORCHELASTIC_RUN_ID for every rank it starts)."""
     return bool(env.get("TORCHELASTIC_RUN_ID"))
+
+
+def _in_slurm_job(env) -> bool:
+    """In a Slurm job (SLURM_JOB_ID): scancel and the time limit signal every process of the step, and srun passes
+    its own SIGTERM on, besides the supervisor's: a repeated SIGTERM is routine there, not an operator's second."""
+    return bool(env.get("SLURM_JOB_ID"))
 
 
 def _print_problems(exc: ConfigError) -> None:

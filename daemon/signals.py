@@ -3,10 +3,10 @@
 The handler only records which signal came and restores the default disposition, so a second
 SIGTERM (or SIGINT) kills the process at once, which is what an impatient operator wants.
 
-A rank under torchrun is the exception (`repeat_kills=False`): it is asked to stop twice as a matter of
-course — torchrun forwards the SIGTERM it gets to every rank, and a supervisor may signal the ranks
-directly too — so there a repeated signal is only recorded again; SIGKILL, after the grace, is the
-backstop.
+A rank under torchrun, or any worker in a Slurm job, is the exception (`repeat_kills=False`): it is asked to
+stop twice as a matter of course — torchrun forwards the SIGTERM it gets to every rank, Slurm signals every
+process of a job step (and srun passes its own SIGTERM on), and a supervisor may signal the ranks directly
+too — so there a repeated signal is only recorded again; SIGKILL, after the grace, is the backstop.
 SIGUSR1 (stack dump) belongs to faulthandler, installed by `Heartbeat.start`.
 
 Lifecycle: `install()` → the loop polls `requested` → `uninstall()` restores what was there.

@@ -24,6 +24,22 @@ pip_install() {
   rm -f "$log"
 }
 
+# Slurm and munge for the tests on a real one-host cluster (tests/slurm, scripts/slurm-cluster.sh): installed from
+# the distribution's packages when missing, only as root with apt-get; never a reason to fail (those tests then skip
+# and say why).
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing slurm-wlm and munge (apt-get)" >&2
+    aptlog=$(mktemp)
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >"$aptlog" 2>&1 ||
+      { apt-get update -q >>"$aptlog" 2>&1 &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >>"$aptlog" 2>&1; }; }; then
+      echo "setup: slurm-wlm and munge could not be installed (the Slurm tests will skip): $(tail -n 1 "$aptlog")" >&2
+    fi
+    rm -f "$aptlog"
+  fi
+fi
+
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0" >&2
   pip_install torch==2.13.0

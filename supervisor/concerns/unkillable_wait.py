@@ -18,7 +18,7 @@ from hangwatch.supervisor.rules.policy import Decision
 
 log = structlog.get_logger("hangwatch")
 
-ENDS_RUN = (Intent.EXIT, Intent.FAIL, Intent.PEER_FAILED)  # intents that do not wait for the survivors
+ENDS_RUN = (Intent.EXIT, Intent.REQUEUE, Intent.FAIL, Intent.PEER_FAILED)  # intents that do not wait for the survivors
 
 
 class UnkillableWait(Concern):

@@ -91,6 +91,7 @@ from hangwatch.supervisor.nodes.multi_node import MultiNode
 from hangwatch.supervisor.nodes.peers import SpawnHelper, spawn_helper
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.notify import NullNotifier
+from hangwatch.supervisor.ops.signal_source import SignalSource
 from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.processes import leftovers, process
 from hangwatch.supervisor.processes import snapshot as snapshots
@@ -106,7 +107,7 @@ from hangwatch.supervisor.records.checkpoint_ledger import (
     resume_choice,
     set_aside_bad,
 )
-from hangwatch.supervisor.rules.outcome import Intent, Outcome, next_outcome
+from hangwatch.supervisor.rules.outcome import STOPS, Intent, Outcome, next_outcome
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
@@ -154,13 +155,15 @@ class Supervisor:
         spawn_standby: SpawnStandby = spawn_standby,
         listeners: tuple = (),
         probe: Callable[..., str] = instrument_note,
+        signal_source: Optional[SignalSource] = None,
     ):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
         how the peer-link helper of a multi-node run is started.  `spawn_standby`: how a prewarmed standby is.
         `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side.
         `probe`: what instrumentation a `worker.command` gets, in words (`processes.interpreter.instrument_note`:
-        asks the command's Python for its version)."""
+        asks the command's Python for its version).  `signal_source`: who sent a stopping signal, in words (a Slurm
+        job's scancel, time limit or warning: `ops.signal_source`)."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
@@ -239,6 +242,8 @@ class Supervisor:
         self._view: Optional[View] = None  # the read model of this pass (None: not built since the state moved)
         self.instrumentation = ""  # what instrumentation the worker gets, in words (the start line; `prepare`)
         self._probe = probe
+        self.signal_source = signal_source if signal_source is not None else SignalSource()
+        self.stopped_by: Optional[str] = None  # who asked for the stop (a signal's sender, a control request)
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.on_running,
             State.RUNNING: self.on_running,
@@ -471,8 +476,9 @@ class Supervisor:
 
     def _drain_events(self, now: float, signals: list[int]) -> None:
         for sig in signals:  # SIGCHLD only woke the loop: children are reaped below
-            if sig in (signal.SIGTERM, signal.SIGINT):
-                self.request_stop(signal.Signals(sig).name)
+            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # SIGUSR1: a batch job's time limit is near
+                intent = Intent.REQUEUE if sig == signal.SIGUSR1 else Intent.EXIT
+                self.request_stop(self.signal_source.describe(sig), intent, repeat_forces=not self.signal_source.batch)
             elif sig == signal.SIGHUP:
                 logsetup.reopen()
                 log.info("log_reopened", why="SIGHUP")
@@ -496,14 +502,19 @@ class Supervisor:
             except Exception:  # a broken control channel must not take the training run down with it
                 log.exception("control_poll_failed")
 
-    def request_stop(self, why: str = "requested") -> None:
-        """Ask the worker to checkpoint and stop, then exit 0; a second request kills at once."""
-        if self.after_teardown is Intent.EXIT:
-            self.force = True
-            log.warning("stop_forced", why=why)
+    def request_stop(self, why: str = "requested", intent: Intent = Intent.EXIT, repeat_forces: bool = True) -> None:
+        """Ask the worker to checkpoint and stop, then exit 0 (`Intent.REQUEUE`: 75, to be run again); a second
+        request kills at once, unless `repeat_forces` is false (a batch job's signals: the scheduler's SIGKILL
+        follows on its own clock)."""
+        if self.after_teardown in STOPS:
+            if repeat_forces:
+                self.force = True
+                log.warning("stop_forced", why=why)
+            else:
+                log.info("stop_requested_again", why=why, state=self.lifecycle.state.value)
             return
-        self.after_teardown = Intent.EXIT
-        log.info("stop_requested", why=why, state=self.lifecycle.state.value)
+        self.after_teardown, self.stopped_by = intent, why
+        log.info("stop_requested", why=why, intent=intent.value, state=self.lifecycle.state.value)
         self.notify("stopping")
 
     def _reap(self, now: float, orphans: bool = True) -> None:
@@ -683,7 +694,7 @@ class Supervisor:
         st = self.lifecycle.state
         if st.final:
             return f"the run is over (state {st.value})"
-        if self.after_teardown is Intent.EXIT:
+        if self.after_teardown in STOPS:
             return "the supervisor is stopping"
         return None
 
@@ -1174,7 +1185,8 @@ class Supervisor:
         self.exit_code = out.exit_code
         if out.state is not State.FAILED:
             self.notify("stopping")
-        self.transition(out.state, out.why, now)
+        stopped_by = f" ({self.stopped_by})" if out.state is State.STOPPED and self.stopped_by else ""
+        self.transition(out.state, out.why + stopped_by, now)
 
     def _record_no_progress(self, now: float) -> None:
         """The policy gave up for lack of progress: the run's final incident (after the failure's own)."""

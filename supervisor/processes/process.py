@@ -33,6 +33,7 @@ import psutil
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+SIG_IGN = 1  # signal(2)'s SIG_IGN, as the handler pointer
 CREATE_TIME_TOLERANCE_S = 0.05  # psutil derives it from clock ticks; the same process reads the same value
 PARENTS_TTL_S = 0.01  # one listing of every process's parent serves the lookups of one scan, never a later pass
 
@@ -359,9 +360,16 @@ def decode_status(status: int) -> ExitStatus:
 
 def _child_setup(parent_pid: int, deathsig: int):
     prctl = _prctl()
+    set_disposition = _libc.signal
+    set_disposition.restype = ctypes.c_void_p
+    set_disposition.argtypes = (ctypes.c_int, ctypes.c_void_p)
 
     def preexec():  # runs in the child between fork and exec (after setsid)
         prctl(PR_SET_PDEATHSIG, deathsig, 0, 0, 0)
+        # SIGUSR1 ignored, which exec keeps: a process of the tree that installs no handler of its own (torchrun, a
+        # script not instrumented) survives a stray one — a Slurm job's time-limit warning (`--signal=USR1@N`)
+        # goes to every process of the step.  faulthandler's dump handler (the ranks') replaces the disposition.
+        set_disposition(signal.SIGUSR1, SIG_IGN)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os.kill(os.getpid(), deathsig)
 

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK, NO_RESTART_CODES
+from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK, EXIT_TEMPFAIL, NO_RESTART_CODES
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.rules.states import State
 
@@ -29,12 +29,16 @@ class Intent(enum.Enum):
 
     NONE = None
     EXIT = "exit"  # SIGTERM/SIGINT to the supervisor, `stop`
+    REQUEUE = "requeue"  # SIGUSR1 to the supervisor (a batch job's time limit is near): stop, to be run again
     PAUSE = "pause"
     RESTART = "restart"  # `restart`, `resume`
     FAIL = "fail"  # the supervisor cannot go on (the disk refused its writes): stop the worker, end failed
     PEER_FAILED = (
         "peer_failed"  # several nodes: a peer's supervisor ended failed (its crash loop): the run cannot go on
     )
+
+
+STOPS = frozenset({Intent.EXIT, Intent.REQUEUE})  # the intents that end the run STOPPED
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Outcome:
 
 REQUESTED = {
     Intent.EXIT: (State.STOPPED, "stop requested", EXIT_OK),
+    # exit 75 (sysexits' "try again later"): the job script requeues the job, which resumes from the checkpoint
+    Intent.REQUEUE: (State.STOPPED, "stopped to be run again (requeue)", EXIT_TEMPFAIL),
     Intent.PAUSE: (State.PAUSED, "pause requested", EXIT_OK),
     Intent.RESTART: (State.STARTING, "restart requested", EXIT_OK),
     Intent.FAIL: (State.FAILED, "the run cannot go on", EXIT_IOERR),

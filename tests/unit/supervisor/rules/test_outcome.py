@@ -21,6 +21,15 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
         (Intent.EXIT, RESTART, 1, None, Outcome(State.STOPPED, "stop requested")),
         (Intent.EXIT, FAIL, 78, None, Outcome(State.STOPPED, "stop requested")),
         (Intent.PAUSE, RESTART, 1, None, Outcome(State.PAUSED, "pause requested")),
+        # SIGUSR1 (a batch job's time limit is near): stopped, exit 75 for the job script to requeue the job
+        (Intent.REQUEUE, RESTART, 1, None, Outcome(State.STOPPED, "stopped to be run again (requeue)", 75)),
+        (
+            Intent.REQUEUE,
+            None,
+            None,
+            "backoff",
+            Outcome(State.STOPPED, "stopped to be run again (requeue) during backoff", 75),
+        ),
         (Intent.RESTART, FAIL, 78, None, Outcome(State.STARTING, "restart requested")),
         (Intent.RESTART, None, None, None, Outcome(State.STARTING, "restart requested")),
         # requests while nothing runs
@@ -55,4 +64,4 @@ def test_resolve(intent, decision, code, during, expected):
 
 
 def test_the_intent_reads_as_status_reports_it():
-    assert [i.value for i in Intent] == [None, "exit", "pause", "restart", "fail", "peer_failed"]
+    assert [i.value for i in Intent] == [None, "exit", "requeue", "pause", "restart", "fail", "peer_failed"]
