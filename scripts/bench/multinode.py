@@ -176,7 +176,7 @@ def section(work: Path, quick: bool) -> dict:
     return {
         "method": f"{trials} runs per mode, alternating, of the demo model (world size 2, gloo, 0.05 s sleep per step, "
         f"step_timeout_s {STEP_TIMEOUT_S:g}, checkpoint every 5 steps confirmed after 2, backoff 0) with a "
-        f"block_c fault (a read on a pipe nobody writes) on global rank 1 at step {HANG_AT}: one node "
+        f"block_c fault (a mutex locked twice) on global rank 1 at step {HANG_AT}: one node "
         "(`worker.nproc_per_node: 2`, torchrun --standalone) vs two `hangwatch run` on this machine as two "
         "nodes (`worker.nnodes: 2`, one rank each, c10d rendezvous on 127.0.0.1, a shared checkpoint.dir). "
         "Hang: the fault's record (written the instant before it fires); detection: the earliest incident; "

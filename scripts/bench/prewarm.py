@@ -287,8 +287,8 @@ def demo_section(work: Path, quick: bool) -> dict:
     return {
         "method": f"{trials} runs of `hangwatch run` per mode, alternating, on the demo model (configs/demo.yaml "
         f"watchdog: dump_grace_s 3, term_grace_s 5; step_timeout_s {STEP_TIMEOUT_S:g}; checkpoint every 5 "
-        f"steps, confirmed after 2; 0.05 s sleep per step; no backoff): a block_c fault (a read on a pipe "
-        f"nobody writes) at step {HANG_AT}, `restart.prewarm` false (cold) or true (prewarm). Cold start: "
+        f"steps, confirmed after 2; 0.05 s sleep per step; no backoff): a block_c fault (a mutex locked "
+        f"twice) at step {HANG_AT}, `restart.prewarm` false (cold) or true (prewarm). Cold start: "
         "the run's first attempt, `worker_spawned` log line → its first step line. Detection: the incident "
         "time. `always`: `restart.prewarm: always`, the standby spawned once the first attempt stepped. Next process: "
         "the cold worker's `worker_spawned`, or the `standby_spawned` line. Handoff: "

@@ -35,7 +35,11 @@ class OomRecovery(Concern):
             return
         try:
             oom_remediation.save(
-                run_dir, oom_remediation.measured(record, self.run.cfg, result, attempt=attempt.number, now=at)
+                # the history's times are wall clock (the beat's own `t`), as the entries written at the OOM are
+                run_dir,
+                oom_remediation.measured(
+                    record, self.run.cfg, result, attempt=attempt.number, now=wall_time(rec.get("t"))
+                ),
             )
         except OSError as exc:
             self.run.write_failed(exc, oom_remediation.path_for(run_dir))
@@ -68,3 +72,8 @@ class OomRecovery(Concern):
         if fields:
             self.run.incidents.amend(inc, **fields)
         return None if remedied is decision else remedied
+
+
+def wall_time(t) -> Optional[float]:
+    """A heartbeat line's unix time, or None (then the record takes the clock's)."""
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None

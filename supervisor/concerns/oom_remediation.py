@@ -119,8 +119,9 @@ class Remedy:
 
 
 def decide(record: Optional[dict], cfg, evidence: Optional[oom_evidence.Evidence] = None) -> Remedy:
-    """The remedy for an out-of-memory failure of a run whose remediation file holds `record` (None: none yet):
-    the first one picked from `evidence` when it holds together, else (and for every later one) the ladder."""
+    """The remedy for an out-of-memory failure of a run whose remediation file holds `record` (None: none yet): the
+    first one, above micro-batch 2, one rung down with the new process measuring (`measured_next`; `evidence` only
+    said, a lower bound); every later one, and one at micro-batch 2 or less, the ladder."""
     base = configured(cfg)
     now = current(record, cfg)
     history = record.get("history") if valid_for(record, base) else None

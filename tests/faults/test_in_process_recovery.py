@@ -6,7 +6,7 @@ hangwatch.supervisor run`, tiny model on the CPU, real processes and signals):
   same checkpoint ends with (`restart.in_process: false`);
 * a non-finite streak: rolled back in the process to the last good checkpoint's state held in memory, one attempt,
   the final adapter bit for bit the restart path's;
-* a thread blocked in C (`block_c`, a read on a pipe nobody writes): the order goes unanswered, the tree is killed and
+* a thread blocked in C (`block_c`, a mutex locked twice): the order goes unanswered, the tree is killed and
   restarted, and the incident says why;
 * an out-of-memory step (`memory_limit`, a device that fails at the first allocation that does not fit): adapted in
   the process down the ladder, one attempt, the examples of every optimizer step those of a run with room, the
