@@ -200,10 +200,10 @@ def test_scancel_stops_with_a_checkpoint_and_the_job_submitted_again_resumes(slu
 
 
 def test_the_time_limit_warning_checkpoints_stops_and_the_requeued_job_resumes(slurm, tmp_path):
-    # The warning comes 50-80 s before the 2-minute limit (Slurm checks time limits every 30 s); the training takes
-    # longer than the first run gets, so it is under way when the warning comes.  A requeued run that is warned
-    # again is requeued again: the test follows the job to its end.
-    cfg, run_dir = config(tmp_path, train={"max_steps": 240, "sleep_per_step_s": 0.25}, checkpoint={"every_steps": 20})
+    # The warning comes 50-80 s before the 2-minute limit (Slurm checks time limits every 30 s).  The training's
+    # sleeps alone (480 × 0.25 s) outlast the limit, so the first run cannot finish before it is warned, however
+    # fast the machine.  A requeued run that is warned again is requeued again: the test follows the job to its end.
+    cfg, run_dir = config(tmp_path, train={"max_steps": 480, "sleep_per_step_s": 0.25}, checkpoint={"every_steps": 20})
     script = job_script(
         tmp_path,
         cfg,
