@@ -22,25 +22,16 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from hangwatch.common.rundir import read_jsonl
+
 
 def wall(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def lines(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
-
-
 def stops(run_dir: Path) -> list[dict]:
     """One record per stopping signal: attempt, why, and the three moments (None where not found)."""
-    log = lines(run_dir / "supervisor.log")
+    log = read_jsonl(run_dir / "supervisor.log")
     out = []
     attempt = 0
     for i, rec in enumerate(log):
@@ -52,7 +43,7 @@ def stops(run_dir: Path) -> list[dict]:
         adir = run_dir / "attempts" / f"{attempt:04d}"
         dump = adir / "stack-rank0.txt"
         signal_at = dump.stat().st_mtime if dump.exists() and abs(dump.stat().st_mtime - asked) < 5 else asked
-        saved = [b["t"] for b in lines(adir / "heartbeat-rank0.jsonl") if b.get("event") == "checkpoint"]
+        saved = [b["t"] for b in read_jsonl(adir / "heartbeat-rank0.jsonl") if b.get("event") == "checkpoint"]
         saved_at = next((t for t in saved if t >= signal_at), None)
         exit_at = next((wall(r["timestamp"]) for r in log[i:] if r.get("event") == "supervisor_exit"), None)
         out.append(

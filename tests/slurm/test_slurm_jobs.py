@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from fixtures.fakes.workers import PYTHON, ROOT, make_config
 
+from hangwatch.common.rundir import read_jsonl
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.slurm, pytest.mark.timeout(420)]
 
 HANGWATCH = f"{PYTHON} -m hangwatch.supervisor"
@@ -82,16 +84,7 @@ def attempts(run_dir: Path) -> list[Path]:
 
 
 def beats(attempt: Path) -> list[dict]:
-    f = attempt / "heartbeat-rank0.jsonl"
-    if not f.exists():
-        return []
-    out = []
-    for line in f.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return read_jsonl(attempt / "heartbeat-rank0.jsonl")
 
 
 def first(attempt: Path, event: str) -> dict:
