@@ -4,10 +4,14 @@ Worker → supervisor: 0 finished · 65 unusable data (no restart) · 74 the dis
 75 non-finite streak (restart with rollback) · 78 configuration error (no restart) · anything else or a signal:
 restart.  Under torchrun, which exits 1 for any failed rank, a rank's own 65/74/78 (its last words, or torchrun's
 root-cause report) counts as the worker's (`supervisor.rules.no_retry`).
-Supervisor and CLI: 0 finished/stopped · 1 failed (crash loop, …) · 64 usage · 69 daemon unreachable ·
-70 internal error · 75 `run`: stopped to be run again (SIGUSR1: a batch job's time limit is near; its checkpoint is
-saved, so the job script requeues the job) · 78 configuration error · 79 `run`: the same run already finished,
-nothing started.
+`hangwatch run` exits with the command's own status where the command's own exit ended the run (its last
+attempt's code; 128+N when signal N ended it; after a stop it passed on — Ctrl-C, SIGTERM, SIGHUP, SIGQUIT — the
+command's code, or 128+N for the signal hangwatch received).  hangwatch's own codes, only where it ended the run
+itself (docs/operations.md has the table): 0 finished (or a finished run reported) / stopped on request · 1 hangwatch
+itself could not go on · 64 usage · 73 the run dir is another supervisor's · 75 stopped to be run again (requeue me:
+SIGUSR1, a batch job's time limit is near; its checkpoint is saved) · 78 configuration error, nothing started ·
+79 do not retry: another run would fail the same way (the same failure twice, no progress past a point, a crash
+loop of stalls).  Client commands: 64 usage · 69 daemon unreachable · 70 internal error.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ EX_SOFTWARE = 70  # the daemon answered with an error
 EXIT_IOERR = 74  # the disk refused a write (full, read-only, I/O error): a person must make room; not restarted
 EXIT_TEMPFAIL = 75  # worker: non-finite loss streak, restart with rollback; `run`: stopped to be run again (requeue)
 EXIT_CONFIG = 78  # configuration error: do not restart
-EXIT_ALREADY_FINISHED = 79  # `run`: this run dir holds this very run, finished: nothing was started
+EXIT_NO_RETRY = 79  # `run`: hangwatch ended the run, and running it again would fail the same way
+EXIT_ALREADY_FINISHED = EXIT_NO_RETRY  # the old name
 
 NO_RESTART_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG, EXIT_IOERR})
 # `run`: the run dir is held by another supervisor (nothing started or changed); `report`: the page cannot be written

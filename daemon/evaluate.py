@@ -33,7 +33,7 @@ from hangwatch.common.durable import append_durable
 from hangwatch.common.protocol import TRUNCATED_FIELD
 from hangwatch.daemon.data import Example, collate, prompt_ids_for
 from hangwatch.daemon.distributed import World
-from hangwatch.daemon.integrations.generation import StopOrder, truncation_report
+from hangwatch.daemon.integrations.generation import StopOrder, TokenGaps, truncation_report
 from hangwatch.daemon.trainer.ranks import eval_shard
 from hangwatch.daemon.trainer.recovery import is_oom, release_memory
 
@@ -91,15 +91,18 @@ def _progress_criterion(
     from transformers import StoppingCriteria
 
     class BeatEveryTokens(StoppingCriteria):
-        """Beats `progress` every `every` new tokens; stops early when the worker is asked to stop, or when the
+        """Beats `progress` every `every` new tokens, with the longest gap between two of them (`token_s`: what the
+        supervisor's token budget learns from); stops early when the worker is asked to stop, or when the
         supervisor's order (`order`) ends this generate (what it did: `truncated`)."""
 
         truncated: Optional[dict] = None
+        gaps = TokenGaps()
 
         def __call__(self, input_ids, scores, **kwargs):
+            self.gaps.tick()
             produced = int(input_ids.shape[-1]) - prompt_len
             if produced > 0 and produced % every == 0:
-                hb.progress(tokens=produced)
+                hb.progress(tokens=produced, **self.gaps.take())
             done = should_stop()
             if not done and order is not None:
                 limit = order.poll()

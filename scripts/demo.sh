@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (when needed) and run the demo: the tiny model trains on CPU under the supervisor, an
 # injected hang in eval generate() is caught, dumped, killed and the run resumes and finishes.
+# The set-up is the Python environment only: the demo needs no system package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

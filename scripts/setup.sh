@@ -2,8 +2,19 @@
 # Creates .venv when missing and installs hangwatch into it (idempotent, quiet when up to date).
 # torch==2.13.0 is installed first when no torch is present: letting pip resolve a bare `torch`
 # on a machine without one would fetch gigabytes of CUDA packages.
+#
+#   scripts/setup.sh               the Python environment: all the demo and hangwatch itself need
+#   scripts/setup.sh --with-slurm  the same, and the system packages the Slurm tests run a cluster with (slurm-wlm,
+#                                  munge); scripts/test.sh asks for them, nothing else does
 set -euo pipefail
 cd "$(dirname "$0")/.."
+with_slurm=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-slurm) with_slurm=1 ;;
+    *) echo "setup: unknown argument $arg (usage: scripts/setup.sh [--with-slurm])" >&2; exit 64 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv" >&2
@@ -27,9 +38,9 @@ pip_install() {
 # Slurm and munge for the tests on a real one-host cluster (tests/slurm, scripts/slurm-cluster.sh): installed from
 # the distribution's packages when missing, only as root with apt-get; never a reason to fail (those tests then skip
 # and say why).
-if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+if [ "$with_slurm" = 1 ] && { ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; }; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing slurm-wlm and munge (apt-get)" >&2
+    echo "setup: installing slurm-wlm and munge for the Slurm tests (apt-get)" >&2
     aptlog=$(mktemp)
     if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >"$aptlog" 2>&1 ||
       { apt-get update -q >>"$aptlog" 2>&1 &&

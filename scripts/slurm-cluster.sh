@@ -11,7 +11,7 @@
 #   sbatch job.sh; squeue; scontrol show job 1; sacct -c -j 1; scancel 1
 #
 # It installs nothing: slurm-wlm and munge must be there (Debian: `apt-get install slurm-wlm munge`; the
-# test set-up, scripts/setup.sh, installs them when it runs as root).  It runs as root (slurmd starts jobs
+# test set-up, scripts/test.sh → scripts/setup.sh --with-slurm, installs them when it runs as root).  It runs as root (slurmd starts jobs
 # as their users).  Everything lives under DIR: slurm.conf, the munge key and socket, the controller's state,
 # slurmd's spool, the logs and the job completion log.  Nothing in /etc, /run or /var is read or written;
 # the ports are free ones picked at start, so several clusters (several checkouts) can run on one machine.

@@ -12,9 +12,11 @@ supervisor itself.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import deque
-from typing import Any, BinaryIO, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import structlog
 
@@ -27,8 +29,10 @@ from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
+from hangwatch.supervisor.ops.narrator import Narrator
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
-from hangwatch.supervisor.ops.output_echo import OutputEcho
+from hangwatch.supervisor.processes import process
+from hangwatch.supervisor.processes.streams import Relay
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.rules.policy import ProgressPolicy
@@ -44,6 +48,18 @@ def no_progress_limit(cfg: Config) -> int:
     return cfg.restart.no_progress_restarts
 
 
+@dataclass(frozen=True)
+class Foreground:
+    """`hangwatch run` in a person's terminal, pipe or script, standing in for the command: its output relayed to
+    our stdout and stderr (`show`; a terminal where we have one: `processes.streams`), hangwatch's own plain lines on
+    stderr (`say`), the structured log on stderr too only when asked (`verbose`), stopping signals passed on and the
+    command's exit status (`transparent` in the loop)."""
+
+    show: bool = True
+    say: bool = True
+    verbose: bool = False
+
+
 def run(
     cfg: Config,
     *,
@@ -51,15 +67,15 @@ def run(
     notifier: Any = None,
     configure_logging: bool = True,
     ops: Optional["Ops"] = None,
-    echo: Optional[BinaryIO] = None,
+    foreground: Optional[Foreground] = None,
     **seams,
 ) -> int:
     """Supervise `cfg` until done; return the exit code.
 
-    Exit codes: 0 finished or stopped; the worker's 65/78 when it reported a do-not-restart error;
-    1 for a crash loop, no progress or another failure (also when the control socket or the metrics
-    port cannot be opened); 73 when another supervisor holds the run dir (then nothing in it was touched).
-    `echo`: where the worker's output is shown as it is written (`hangwatch run` in the foreground: its stdout).
+    Exit codes (`common.exitcodes`): as a service (`foreground` None) 0 finished or stopped, the worker's 65/74/78
+    when it reported a do-not-restart error, 1 for another failure; in the foreground the command's own status where
+    its exit ended the run (`rules.outcome.run_exit_status`).  Either way 1 when the control socket or the metrics
+    port cannot be opened, 73 when another supervisor holds the run dir (then nothing in it was touched).
     """
     # The run-dir lock comes first: a second supervisor must not write one byte (log, socket-path
     # record, state.json) into a run dir another one is supervising.
@@ -70,7 +86,7 @@ def run(
         return EX_CANTCREAT
     with lock:
         if configure_logging:
-            logsetup.configure(cfg.run_dir, cfg.logging.level)
+            logsetup.configure(cfg.run_dir, cfg.logging.level, console=foreground is None or foreground.verbose)
         ops = ops if ops is not None else Ops(cfg)
         try:
             ops.start()
@@ -90,14 +106,26 @@ def run(
         systemd = notifier if notifier is not None else Notifier.from_env()
         # The no-progress stop rides on the restart policy; the loop hands it each attempt's last good step.
         seams.setdefault("policy", ProgressPolicy(cfg.restart, no_progress_limit(cfg)))
-        shown = OutputEcho(echo) if echo is not None else None
-        listeners = (ops,) if shown is None else (ops, shown)
-        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=listeners, **seams)
+        relay = narrator = None
+        if foreground is not None:
+            relay = Relay(show=foreground.show)
+            relay.follow_window()
+            seams.setdefault("spawn", functools.partial(process.spawn, relay=relay))
+            # the user's command: its signals and exit status as bare (the built-in worker keeps a service's codes)
+            seams.setdefault("transparent", cfg.worker.command is not None)
+            if foreground.say:
+                narrator = Narrator(relay.say)
+                logsetup.add_tap(narrator)
+        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=(ops,), **seams)
         try:
             return sup.run()
         finally:
-            if shown is not None:
-                shown.close()  # the last of the worker's output before the run's summary
+            if narrator is not None:
+                logsetup.remove_tap(narrator)
+            if relay is not None:
+                relay.close()  # the last of the worker's output before the run's summary
+                if foreground.say:
+                    relay.end_line()  # which starts a line of its own
             ops.close()
 
 

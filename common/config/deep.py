@@ -11,6 +11,10 @@ file was exit 65 after the model had loaded).  Checked:
     worker.cwd              a directory
     worker.command[0]       found the way the supervisor will run it (PATH of the worker's environment,
                             or a path relative to worker.cwd) and executable
+    the script it runs      the file an interpreter is given (`python [-u …] train.py`, `torchrun … train.py`,
+                            `python -m torch.distributed.run … train.py`) exists, relative to worker.cwd: the
+                            interpreter would exit 2 at once ("can't open file"), a restart after it; `python -m
+                            module`, `python -c …` and other programs are not looked into
     run_dir, control.socket can be created and written
     control.group           exists
     worker.nproc_per_node   for the built-in worker on CUDA (model.device cuda, or auto with a GPU visible):
@@ -69,6 +73,7 @@ def check(
         found.errors.append((("worker", "cwd"), f"{cwd}: {'not a directory' if cwd.exists() else 'no such directory'}"))
     if cfg.worker.command and cwd_ok:
         found.errors += _command(cfg.worker.command[0], cwd, worker_env)
+        found.errors += _script(cfg.worker.command, cwd)
     found.errors += _writable_dir(("run_dir",), Path(cfg.run_dir), "the run directory")
     if cfg.checkpoint.dir:
         found.errors += _writable_dir(("checkpoint", "dir"), Path(cfg.checkpoint.dir), "the checkpoint directory")
@@ -207,6 +212,70 @@ def _command(program: str, cwd: Path, env: Mapping[str, str]) -> list[Finding]:
     if shutil.which(program, path=search) is None:
         return [(loc, f"{program!r}: not found on the worker's PATH ({search})")]
     return []
+
+
+# The interpreter's options that take a value: the rest of their word, else the next word (`-W error`, `-Xdev`)
+PYTHON_VALUE_FLAGS = "WX"
+PYTHON_LONG_VALUE = ("--check-hash-based-pycs",)
+# torchrun options after which its first argument is no script file: a module (-m) or a program of its own
+TORCHRUN_NO_SCRIPT = ("-m", "--module", "--no-python", "--no_python")
+
+
+def script_of(argv: Sequence[str]) -> Optional[int]:
+    """The index in `argv` of the script file its interpreter is given, or None: no interpreter we read (any
+    program but python and torchrun), or no script file (`python -m mod`, `python -c code`, `python -` reads stdin,
+    `torchrun -m mod`).  python's own option syntax: flags cluster (`-uB`), `-c`/`-m` end the options, `-W`/`-X`
+    take a value.  torchrun's options take values as separate words, so its script is the first word ending in
+    `.py` that is no option (what follows the script is the script's own)."""
+    if not argv:
+        return None
+    program = Path(argv[0]).name
+    if program == "torchrun" or list(argv[1:3]) == ["-m", "torch.distributed.run"]:
+        for i in range(1 if program == "torchrun" else 3, len(argv)):
+            word = argv[i]
+            if word in TORCHRUN_NO_SCRIPT:
+                return None
+            if word.endswith(".py") and not word.startswith("-"):
+                return i
+        return None
+    if not program.startswith("python"):
+        return None
+    i = 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if word == "-":
+            return None
+        if word.startswith("--"):
+            i += 2 if word in PYTHON_LONG_VALUE else 1
+            continue
+        if word.startswith("-"):
+            flags = word[1:]
+            for j, flag in enumerate(flags):
+                if flag in "cm":
+                    return None
+                if flag in PYTHON_VALUE_FLAGS:
+                    if j == len(flags) - 1:  # nothing after it in this word: its value is the next word
+                        i += 1
+                    break
+            i += 1
+            continue
+        return i
+    return None
+
+
+def _script(argv: Sequence[str], cwd: Path) -> list[Finding]:
+    """The script the interpreter is given is there (relative to worker.cwd, where the command runs)."""
+    i = script_of(argv)
+    if i is None:
+        return []
+    path = Path(argv[i])
+    if path.is_absolute():
+        return [] if path.exists() else [(("worker", "command", i), f"{path}: no such file")]
+    if (cwd / path).exists():
+        return []
+    return [(("worker", "command", i), f"{str(path)!r}: no such file in {cwd} (where the command runs: worker.cwd)")]
 
 
 def _writable_dir(loc: tuple, path: Path, what: str) -> list[Finding]:

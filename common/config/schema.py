@@ -244,15 +244,45 @@ class WatchdogCfg(Section):
         "[00:03<…`). null: none.",
     )
     step_timeout_s: Optional[float] = Field(
-        None, gt=0, description="Fixed step deadline while in `train`; null: calibrated from observed step times."
+        None,
+        gt=0,
+        description="Fixed step deadline while in `train`; null: learned from the run's step times (optimizer "
+        "steps, or the progress lines of a script known by its output).",
     )
-    first_steps_timeout_s: float = Field(600, gt=0, description="Step deadline before calibration (compile, warm-up).")
-    calibrate_after: int = Field(20, ge=1, description="Steps observed before the step deadline is calibrated.")
-    calibration_factor: float = Field(5.0, ge=1.0, description="Calibrated step deadline = factor × p99 of step times.")
+    first_steps_timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Step deadline until the step budget is learned, and for each rank's first two steps of an "
+        "attempt (compile, warm-up; the interval between them is never a sample).",
+    )
+    calibrate_after: int = Field(
+        2,
+        ge=1,
+        description="Step intervals seen (besides each rank's first of an attempt: warm-up) before the step budget is "
+        "learned — by the end of step 4; it is refined with every one after.",
+    )
+    calibration_factor: float = Field(
+        5.0, ge=1.0, description="Learned step budget = factor × p99 of the step times (under 100: the longest)."
+    )
     step_timeout_min_s: float = Field(
-        10, gt=0, description="Lower clamp of the calibrated step deadline (at most `step_timeout_max_s`)."
+        10, gt=0, description="Lower clamp of the learned step budget (at most `step_timeout_max_s`)."
     )
-    step_timeout_max_s: float = Field(1800, gt=0, description="Upper clamp of the calibrated step deadline.")
+    step_timeout_max_s: float = Field(1800, gt=0, description="Upper clamp of the learned step budget.")
+    token_deadline: bool = Field(
+        True,
+        description="Inside `generate()` (instrumented: automatic instrumentation, the callbacks, `GenerateWatch`), "
+        "from its first call on: a progress beat overdue by `token_timeout_factor` × the tokens it stands for × the "
+        "longest gap between two tokens seen (p99), at least `token_timeout_min_s`, is a stall — the tokens stopped. "
+        "A generate slow but still producing tokens is never one (a runaway is `generate_overrun`'s). false: off.",
+    )
+    token_timeout_factor: float = Field(
+        5.0, ge=1.0, description="Token budget = factor × tokens per beat × the p99 of the gaps between tokens."
+    )
+    token_timeout_min_s: float = Field(
+        10,
+        gt=0,
+        description="Lower bound of the token budget, and the whole of it before any gap between tokens was seen.",
+    )
     phase_budgets_s: dict[str, Budget] = Field(
         default_factory=lambda: dict(DEFAULT_PHASE_BUDGETS_S),
         description="Most time a phase may take (> 0 s), by name; a `budget_s` on the phase line wins. Your entries "

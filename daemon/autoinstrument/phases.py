@@ -13,7 +13,8 @@ eval detection stays off.  While a callback drives phases (HangwatchCallback bet
 the script its own heartbeat, the hook leaves the phase alone.
 
 generate: `GenerationMixin.generate` is wrapped for every model through `GenerateWatch` (the `generate` phase
-with its budget, a `progress` beat every 8 new tokens).  A call already watched — a HangwatchCallback's or the
+with its budget, a `progress` beat every 8 new tokens carrying the longest gap between them: the supervisor's token
+deadline).  A call already watched — a HangwatchCallback's or the
 script's own GenerateWatch on the instance, `PeftModel.generate` → the base model's — is one phase, not two.
 
 Standard library only at import.

@@ -14,6 +14,13 @@ anything: it returns "not done" for every row, and it is merged with the caller'
 replacing them.  It runs in the generating thread, once per decoding step, so the beats stop exactly when
 generation stops advancing (no timer thread: a timer would hide the hang).
 
+Each beat also carries `token_s`: the longest time between two decoding steps since the previous beat (`TokenGaps`:
+one monotonic clock read per step; the first decoding step after the prompt — a compiled decode graph, a cache
+allocated — left out).  The supervisor cannot see the tokens between two beats; from these it learns how long a
+beat of `progress_every` tokens may take, and a beat that does not come in that time is a stall — the tokens
+stopped — from the first generate of the run on (`watchdog.token_deadline`).  No beat is added for it: the line
+that was written anyway grows by some 20 bytes.
+
 The one exception is the supervisor's order to end a runaway generate (`watchdog.generate_overrun: truncate`):
 `<attempt dir>/generate-stop.json` (`StopOrder`, looked at no more than every 50 ms), written while the call
 runs, with `tokens: LIMIT`.  Once this call has produced LIMIT new tokens (at once, if it already has) the
@@ -53,6 +60,7 @@ from typing import Any, Callable, Optional
 from hangwatch.common.protocol import GENERATE_STOP_NAME, MAX_LINE, TRUNCATED_FIELD
 
 POLL_INTERVAL_S = 0.05  # how stale a stop order may be read: a stat per 50 ms, not one per token
+TOKEN_GAP_FIELD = "token_s"  # of a `progress` beat in `generate`: the longest gap between tokens since the last beat
 PROMPT_CHARS = 500  # of the prompt in a `generate_truncated` report
 TAIL_CHARS = 200  # of the output's end in a `generate_truncated` report
 PROMPT_IDS = 32  # ids of the prompt reported when no tokenizer can decode them
@@ -392,6 +400,35 @@ def _row_zero(result, prompt_len: Optional[int], tokenizer) -> dict:
 # ---- the stopping criterion ---------------------------------------------------------------------
 
 
+class TokenGaps:
+    """The longest time between two decoding steps since it was last taken: what a generate's `progress` beat
+    carries as `token_s`.  `tick()` once per decoding step (one clock read); the gap from the first step (the
+    prompt's, which made token 1) to the second is left out — a compiled decode graph, a cache allocated there
+    say nothing of the steps after.  `take()`: `{"token_s": longest}` and start over, `{}` when no gap was timed
+    since (that beat then arms no token deadline).  Plain arithmetic: it cannot raise into the generation."""
+
+    __slots__ = ("_clock", "_last", "_steps", "_longest")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._last = 0.0
+        self._steps = 0
+        self._longest: Optional[float] = None
+
+    def tick(self) -> None:
+        now = self._clock()
+        self._steps += 1
+        if self._steps > 2:
+            gap = now - self._last
+            if self._longest is None or gap > self._longest:
+                self._longest = gap
+        self._last = now
+
+    def take(self) -> dict:
+        longest, self._longest = self._longest, None
+        return {} if longest is None else {TOKEN_GAP_FIELD: round(max(0.0, longest), 6)}
+
+
 def with_criterion(args: tuple, kwargs: dict, criterion) -> tuple[tuple, dict]:
     """`generate`'s arguments with `criterion` added to its `stopping_criteria` (the caller's list is not mutated).
 
@@ -417,12 +454,17 @@ def _merged(user, criterion):
 
 
 def make_progress_criterion(
-    hb, every: int, on_error: Optional[Callable[[BaseException], None]] = None, order: Optional[StopOrder] = None
+    hb,
+    every: int,
+    on_error: Optional[Callable[[BaseException], None]] = None,
+    order: Optional[StopOrder] = None,
+    clock: Callable[[], float] = time.monotonic,
 ):
-    """The criterion that beats `progress` every `every` new tokens; with `on_error`, a beat that fails is handed
-    to it and the criterion beats no more (generation goes on), else the error propagates.  With `order` (a
-    `StopOrder`) it also ends the generation the supervisor's order names, and keeps what it did in `truncated`."""
-    return _criterion_class()(hb, every, on_error, order)
+    """The criterion that beats `progress` every `every` new tokens, each beat with the longest gap between them
+    since the last (`TokenGaps`, on `clock`); with `on_error`, a beat that fails is handed to it and the criterion
+    beats no more (generation goes on), else the error propagates.  With `order` (a `StopOrder`) it also ends the
+    generation the supervisor's order names, and keeps what it did in `truncated`."""
+    return _criterion_class()(hb, every, on_error, order, clock)
 
 
 @functools.lru_cache(maxsize=1)
@@ -432,13 +474,15 @@ def _criterion_class():
     from transformers.generation import StoppingCriteria
 
     class ProgressCriterion(StoppingCriteria):
-        """Beats `progress` (tokens=N) every `every` new tokens; says stop only on the supervisor's order."""
+        """Beats `progress` (tokens=N, token_s=…) every `every` new tokens; says stop only on the supervisor's
+        order."""
 
-        def __init__(self, hb, every: int, on_error=None, order: Optional[StopOrder] = None):
+        def __init__(self, hb, every: int, on_error=None, order: Optional[StopOrder] = None, clock=time.monotonic):
             self.hb = hb
             self.every = every
             self.on_error = on_error
             self.order = order
+            self.gaps = TokenGaps(clock)
             self.truncated: Optional[dict] = None  # {"order", "limit", "tokens", "prompt_tokens"} once ordered to stop
             self.prompt_len: Optional[int] = None
             self.next_at = every
@@ -449,13 +493,14 @@ def _criterion_class():
             if self.prompt_len is None:  # first call: one token has been generated
                 self.prompt_len = length - 1
             new = length - self.prompt_len
+            self.gaps.tick()
             if new >= self.next_at and self.hb is not None and not getattr(self.hb, "closed", False):
                 self.next_at = (new // self.every + 1) * self.every
                 if self.on_error is None:
-                    self.hb.progress(tokens=new)
+                    self.hb.progress(tokens=new, **self.gaps.take())
                 else:
                     try:
-                        self.hb.progress(tokens=new)
+                        self.hb.progress(tokens=new, **self.gaps.take())
                     except Exception as exc:
                         self.hb = None  # reported once; generation goes on without beats
                         self.on_error(exc)
@@ -603,6 +648,8 @@ def _is_own_wrapper(obj) -> bool:
 __all__ = [
     "GenerateWatch",
     "StopOrder",
+    "TOKEN_GAP_FIELD",
+    "TokenGaps",
     "generating",
     "last_truncation",
     "make_progress_criterion",

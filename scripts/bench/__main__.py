@@ -43,6 +43,10 @@ Sections (all but soak by default, in this order; `--only` picks some), one modu
                 `hangwatch run -- python train.py` (instrument auto) and with instrument off.
   overrun       (overrun.py) a runaway eval generate() on the demo model: the run's wall time with no fault,
                 with the generation truncated in process (generate_overrun: truncate) and restarted instead.
+  early_stalls  (early_stalls.py) the learned step and token budgets, simulated: hours of runs whose step, eval,
+                generate and checkpoint times vary ×3 (seeded) through the supervisor's own deadline code on a fake
+                clock (no sleeping) — the false stalls (must be 0) — then a spin in step 5, one after 50 min, and a
+                generate whose tokens stop at its first call: the deadline that caught each and how soon.
   soak          (soak.py) the supervisor for --soak-minutes (default 60; --quick: 1) watching 8 synthetic ranks
                 at 20 Hz, asked `status` over the control socket every second, its log rotated (rename + SIGHUP)
                 every minute: RSS, open descriptors and CPU at the start (after a warm-up) and at the end, and
@@ -79,6 +83,7 @@ if not __package__:  # `python scripts/bench`: sys.path[0] is this folder; impor
 from bench import (
     cli_latency,
     detection,
+    early_stalls,
     footprint,
     heartbeat_cost,
     in_process,
@@ -108,6 +113,7 @@ SECTIONS = (
     "instrument",
     "own_command",
     "overrun",
+    "early_stalls",
     "soak",
     "weight",
 )
@@ -150,6 +156,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return own_command.section(work, args.quick)
     if name == "overrun":
         return overrun.section(work, args.quick)
+    if name == "early_stalls":
+        return early_stalls.section(work, args.quick)
     if name == "soak":
         return soak.section(work, args.quick, args.soak_minutes)
     if name == "weight":

@@ -422,6 +422,12 @@ def own_command_render(p: dict) -> tuple:
     return render(p)
 
 
+def early_stalls_render(p: dict) -> tuple:
+    from bench.early_stalls import render
+
+    return render(p)
+
+
 def soak_render(p: dict) -> tuple:
     from bench.soak import render
 
@@ -447,6 +453,7 @@ RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "instrument": instrument_render,
     "own_command": own_command_render,
     "overrun": overrun_render,
+    "early_stalls": early_stalls_render,
     "soak": soak_render,
     "weight": weight_render,
 }

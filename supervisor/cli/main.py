@@ -1,8 +1,9 @@
 """`hangwatch`: run the supervisor, and talk to a running one.
 
-    hangwatch run CONFIG [--run-dir DIR]          the supervisor, in the foreground
-    hangwatch run [CONFIG] -- CMD ARGS…           the same for a command you already run (no config needed)
+    hangwatch run [CONFIG] -- CMD ARGS…           a command you already run, in its place (no config needed)
+    hangwatch run CONFIG [--run-dir DIR]          the built-in worker a config describes, in the foreground
     hangwatch validate-config CONFIG              OK and a summary, or the problems (exit 78)
+    hangwatch config-keys                         every config key: default, type, what it does
     hangwatch doctor CONFIG [--json] [--cheap]    preflight checks of the built-in worker (exit 1 on a FAIL)
     hangwatch status [--json] [--watch]           (every client command: --run-dir DIR or --socket PATH)
     hangwatch top                                 live view
@@ -15,7 +16,8 @@
 
 Errors are one line on stderr, `hangwatch: ...`, and a non-zero exit: 64 usage, 69 no daemon
 reachable, 1 the daemon refused the request, 78 bad config, 65 `submit` rejected a file; `run`
-exits with the supervisor's code.  The commands that only talk to a daemon live in cli_client.py.
+exits with the command's status, or one of hangwatch's own codes (EXIT_CODES, `common.exitcodes`).
+The commands that only talk to a daemon live in cli_client.py.
 
 Each command imports what it needs when it runs: a client command (status, top, …) never loads the
 config package (pydantic, yaml), the logging stack or the supervisor's loop, and what shows its answer
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_ALREADY_FINISHED, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hangwatch.common.rundir import CONFIG_NAME
 from hangwatch.supervisor.cli import remote as cli_client
 from hangwatch.supervisor.cli.client import ClientError
@@ -48,6 +50,20 @@ REPO = (
     Path(__file__).resolve().parents[2]
 )  # the checkout hangwatch runs from (an editable install): supervisor/cli/ → ../..
 INTERRUPTED = 130  # the shell's code for death by SIGINT
+# `run --help` and docs/operations.md: hangwatch's own exit codes, each once
+EXIT_CODES = """\b
+Exit status: the command's own where its exit ended the run (its last attempt's code; 128+N when
+signal N ended it; after Ctrl-C or another signal passed on, its answer: 130 when it died of SIGINT).
+hangwatch's own, only where hangwatch ended the run:
+  0   finished (a finished run started again by systemd or a requeue: reported, not trained again),
+      or stopped by `hangwatch stop`
+  75  requeue me: stopped to be run again (SIGUSR1: a batch time limit is near; checkpoint saved)
+  78  bad configuration, or a preflight check failed: nothing started
+  79  do not retry: running it again would fail the same way (the same failure twice, no progress
+      past a point, stalls that restarts do not get past)
+  73  the run dir is another supervisor's (named on stderr): nothing started
+  1   hangwatch itself could not go on (the control socket or metrics port cannot be opened)
+  64  usage"""
 
 
 class _Group(click.Group):
@@ -60,6 +76,11 @@ class _Group(click.Group):
         except click.UsageError as exc:
             exc.exit_code = EX_USAGE
             raise
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """`run` first: it is what a person comes for; the rest alphabetically."""
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: (name != "run", name))
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -75,10 +96,16 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
-    """hangwatch: a LoRA fine-tuning daemon and the watchdog that keeps it alive.
+    """hangwatch: run your training command under a watchdog that catches hangs and failures.
 
-    `hangwatch run CONFIG` starts the supervisor; the other commands talk to a running one through its
-    control socket, found with --run-dir DIR (or $HANGWATCH_RUN_DIR) or --socket PATH (or $HANGWATCH_SOCKET).
+    \b
+        hangwatch run -- python train.py --epochs 3     in place of `python train.py --epochs 3`
+        hangwatch run -- torchrun --nproc-per-node 4 train.py
+        hangwatch run CONFIG                            the built-in LoRA worker a config describes
+
+    The command behaves as it does bare (its output, terminal, exit status, Ctrl-C); a hang or a failure is
+    caught, its stacks taken, its process tree ended and the command resumed from its last good checkpoint.
+    The other commands talk to a running supervisor (the run under ./runs, or --run-dir DIR, or --socket PATH).
     """
 
 
@@ -88,13 +115,6 @@ for _command in cli_client.COMMANDS:
 from hangwatch.supervisor.cli.report.command import report as _report  # noqa: E402  click only; plotly loads when it runs
 
 main.add_command(_report)
-
-
-def run_summary(run_dir: str, code: int) -> list[str]:
-    """What the run did (summary.py, which needs the config package: imported when a run has ended)."""
-    from hangwatch.supervisor.cli.summary import run_summary as summarise
-
-    return summarise(run_dir, code)
 
 
 def check_or_exit(config: Optional[str], run_dir: Optional[str], command: Optional[list[str]] = None):
@@ -122,9 +142,8 @@ def report_config_error(exc: ConfigError) -> None:
 
 
 class _RunCommand(click.Command):
-    """`run`, whose help ends with the configuration reference: built from the schema (pydantic) only
-    when the help is shown, so that no other command pays for it.  Everything after `--` is the worker's
-    command line, taken aside before click parses (its options are the command's, never ours)."""
+    """`run`: everything after `--` is the worker's command line, taken aside before click parses (its options are
+    the command's, never ours); the help ends with the exit codes (the config keys: `hangwatch config-keys`)."""
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         return [*super().collect_usage_pieces(ctx), "[-- CMD ARGS…]"]
@@ -136,57 +155,50 @@ class _RunCommand(click.Command):
             args = args[:cut]
         return super().parse_args(ctx, args)
 
-    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from hangwatch.common.config import reference_text
 
-        self.epilog = "\b\nConfiguration keys (YAML; key = default  (type)):\n" + reference_text()
-        super().format_epilog(ctx, formatter)
-
-
-@main.command(cls=_RunCommand, short_help="Run the supervisor in the foreground (a config, or -- your command).")
+@main.command(cls=_RunCommand, short_help="Run a command (-- CMD) or a config under the watchdog.", epilog=EXIT_CODES)
 @click.argument("config", required=False)
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False),
-    help="Use this run directory (default: the config's run_dir; with `-- CMD` and no run_dir in a config: "
-    "runs/<script name>).",
+    help="Use this run directory (default: the config's run_dir; with `-- CMD`: runs/<script name>); a run there "
+    "that did not finish continues, even with another command or config.",
+)
+@click.option("--no-doctor", is_flag=True, help="Skip the built-in worker's preflight checks.")
+@click.option("-q", "--quiet", is_flag=True, help="No lines of hangwatch's own (the command's output is untouched).")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="hangwatch's structured log on stderr too (always in supervisor.log)."
 )
 @click.option(
-    "--no-doctor", is_flag=True, help="Skip the preflight checks (`hangwatch doctor --cheap`) before the first attempt."
-)
-@click.option(
-    "--quiet",
-    "-q",
-    is_flag=True,
-    help="Do not show the worker's output here (it is in <run dir>/attempts/NNNN/worker.log either way).",
+    "--hide-output", is_flag=True, help="Keep the command's output off the screen (it is in `hangwatch logs`)."
 )
 @click.pass_context
-def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_doctor: bool, quiet: bool) -> None:
-    """Run the supervisor in the foreground: start the worker, watch it, restart it on a stall.
+def run(
+    ctx: click.Context,
+    config: Optional[str],
+    run_dir: Optional[str],
+    no_doctor: bool,
+    quiet: bool,
+    verbose: bool,
+    hide_output: bool,
+) -> None:
+    """Run CMD (after `--`) or the worker CONFIG describes, and keep it alive.
 
     \b
-        hangwatch run CONFIG                     the worker the config names
-        hangwatch run -- python train.py …       a command you already run: no config, no edit
-        hangwatch run CONFIG -- torchrun … train.py   the config's settings, this command
+        hangwatch run -- python train.py …            a command you already run: no config, no edit
+        hangwatch run CONFIG -- torchrun … train.py   a config's settings (watchdog, restart, alerts), this command
+        hangwatch run CONFIG                          the built-in LoRA worker
 
-    With `-- CMD`, every Python process of the command is instrumented without an edit (worker.instrument:
-    auto; `off` leaves it to its output, py-spy and NVML), the effective config is written to the run
-    directory, and how to keep it is printed.
-
-    Exits 0 when the run finished or was stopped, 78 on a bad config, non-zero when the run failed.
-    The config is checked as by `validate-config` first (files, model, command): nothing starts for a
-    bad one.  A run dir whose same run (command, arguments, config) already finished is left alone: exit 79
-    with how to start afresh; another run goes to a run dir of its own (<dir>-2, <dir>-3, …, said on stderr).
-    The built-in worker's cheap preflight checks run next (`hangwatch doctor CONFIG --cheap`: data, tokenizer,
-    chat template, labels, LR and schedule, disk, py-spy; no model load): their warnings are shown, and a
-    FAIL stops the run with exit 78 before anything starts; --no-doctor skips them.
-    The worker's output (stdout and stderr) is shown on stdout as it is written, a line before each new
-    attempt's, and kept in <run dir>/attempts/NNNN/worker.log; --quiet shows nothing of it here.  Under systemd
-    (Type=notify) it reports READY, STATUS and WATCHDOG pings, and the output stays in worker.log.
+    The command runs as it would bare: its stdout and stderr on ours, a terminal where there is one, our stdin,
+    Ctrl-C and other signals passed on, its exit status.  hangwatch says a few lines of its own on stderr (where
+    the run goes, each stall or failure and what it did, a summary); its log is <run dir>/supervisor.log.
+    A rerun of the same command continues a failed or stopped run; another command gets a run dir of its own.
+    Config keys: `hangwatch config-keys` (and docs/configuration.md).
     """
     from hangwatch.supervisor.ops import lean_imports, logsetup
 
-    logsetup.import_structlog()  # first: what is imported below finds it without what a supervisor never uses
+    # first: what is imported below finds it without what a supervisor never uses (rich: only for -v on a terminal)
+    logsetup.import_structlog(terminal=verbose and sys.stderr.isatty())
     lean_imports.import_without("hangwatch.common.config", defer=("secrets",))  # pydantic without OpenSSL
     from hangwatch.supervisor.cli import rerun
     from hangwatch.supervisor.cli.summary import slurm_text
@@ -200,37 +212,57 @@ def run(ctx: click.Context, config: Optional[str], run_dir: Optional[str], no_do
         raise click.UsageError(
             "give a config file, or the command to supervise after `--` (e.g. `hangwatch run -- python train.py`)"
         )
+    service = under_systemd()
+    say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     cfg = check_or_exit(config, run_dir, command)  # nothing is started for a bad config
     taken = slurm_text(cfg)
     if taken:  # the job's output says what each node took from Slurm (config.yaml in its run dir holds the values)
-        click.echo(f"hangwatch: {taken}", err=True)
+        say(f"hangwatch: {taken}")
     again = [x for x in (config,) if x] + (["--", *command] if command else [])
-    where = rerun.plan(cfg.model_dump(mode="json"), cfg.run_dir, again, continuous=bool(cfg.data.inbox))
-    if where.finished:  # this very run finished already: nothing starts, and the exit status says so
+    where = rerun.plan(
+        cfg.model_dump(mode="json"), cfg.run_dir, again, continuous=bool(cfg.data.inbox), pinned=run_dir is not None
+    )
+    if where.finished:  # this very run finished already, started again by a service or a requeue: reported
         say_finished(where.lines)
-        sys.exit(EXIT_ALREADY_FINISHED)
+        sys.exit(EXIT_OK)
     for line in where.lines:
-        click.echo(line, err=True)
+        say(line)
     if where.run_dir != cfg.run_dir:  # another run than the one there: a run dir of its own
         cfg = check_or_exit(config, where.run_dir, command)
     if command is not None:
         from hangwatch.supervisor.cli.summary import command_preamble
 
-        for line in command_preamble(cfg, config):
-            click.echo(line, err=True)
+        for line in command_preamble(cfg, config, verbose=verbose):
+            say(line)
     doctor = start_preflight(config, cfg.run_dir) if not no_doctor and cfg.worker.command is None else None
     try:
         from hangwatch.supervisor import app  # while the doctor's child runs: the two overlap
     finally:
         if doctor is not None:
             end_preflight(doctor, config)
-    code = app.run(cfg, echo=None if quiet or under_systemd() else sys.stdout.buffer)
+    # Under systemd the journal is the record: the structured log on stderr as always, the output in worker.log.
+    fg = None if service else app.Foreground(show=not hide_output, say=not quiet, verbose=verbose)
+    code = app.run(cfg, foreground=fg)
+    if code != EX_CANTCREAT:
+        rerun.record_start(cfg.run_dir)  # which Slurm job ran it: the same job again after its end is a requeue
     # 73: another supervisor holds the run dir, nothing ran: no summary of someone else's run.  A 78 here is a
     # worker's (a rank's) configuration error: the summary says which.
     if code != EX_CANTCREAT:
-        for line in run_summary(cfg.run_dir, code):
-            click.echo(line, err=True)
+        from hangwatch.supervisor.cli.summary import run_summary as summarise
+
+        for line in summarise(cfg.run_dir, code, brief=not verbose):
+            say(line)
     sys.exit(code)
+
+
+@main.command("config-keys", short_help="Every config key: default, type, what it does.")
+@click.option("--markdown", is_flag=True, help="As the table in docs/configuration.md.")
+def config_keys(markdown: bool) -> None:
+    """Every key of a config file (YAML), with its default, its type and what it does; generated from the schema
+    that validates configs, as docs/configuration.md is."""
+    from hangwatch.common.config import reference_markdown, reference_text
+
+    click.echo(reference_markdown() if markdown else reference_text())
 
 
 def under_systemd() -> bool:
@@ -238,13 +270,9 @@ def under_systemd() -> bool:
     supervisor's lines as always, and the worker's output stays in worker.log rather than doubling the journal."""
     import os
 
-    stream = os.environ.get("JOURNAL_STREAM", "")
-    try:
-        dev, ino = (int(x) for x in stream.split(":"))
-        st = os.fstat(sys.stdout.fileno())
-    except (ValueError, OSError, AttributeError):
-        return False
-    return (st.st_dev, st.st_ino) == (dev, ino)
+    from hangwatch.supervisor.cli.rerun import stdout_is_journal
+
+    return stdout_is_journal(os.environ)
 
 
 def doctor_argv(config: str, run_dir: Optional[str], *flags: str) -> list[str]:

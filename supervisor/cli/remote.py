@@ -276,20 +276,23 @@ def incidents(run_dir, socket_path, timeout, incident_id, as_json) -> None:
         _console().print(incidents_table(result))
 
 
-@click.command(short_help="Print the worker log (-f: follow across restarts).")
+@click.command(short_help="Print every attempt's worker log (-f: follow across restarts).")
 @daemon_options
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, moving on to each new attempt.")
 @click.option("--supervisor", is_flag=True, help="The supervisor's log instead of the worker's.")
-@click.option("--attempt", type=int, default=None, help="The worker log of this attempt (default: the newest).")
+@click.option("--attempt", type=int, default=None, help="The worker log of this attempt only (default: every attempt).")
 @click.option("-n", "--lines", type=int, default=None, help="Start with the last N lines (default: all).")
 def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> None:
-    """Print the current attempt's worker log (or the supervisor log); -f follows it across restarts."""
-    from hangwatch.supervisor.cli.logs import NoLogYet, follow_log
+    """Print the worker log of every attempt, oldest first, each under a line that says how that attempt ended (or
+    the supervisor log); -f then follows the newest, across restarts."""
+    from hangwatch.supervisor.cli.logs import AttemptOutcomes, NoLogYet, attempt_of, follow_log, heading
 
     if run_dir is None:
         run_dir = daemon_run_dir(socket_path, timeout)
     out = sys.stdout.buffer
     base = Path(run_dir)
+    outcomes = AttemptOutcomes(run_dir)
+    at_line_start = True
     try:
         for item in follow_log(run_dir, supervisor=supervisor, attempt=attempt, follow=follow, last_lines=lines):
             if isinstance(item, Path):
@@ -299,9 +302,17 @@ def logs(run_dir, socket_path, timeout, follow, supervisor, attempt, lines) -> N
                     except ValueError:
                         shown = item
                     click.echo(f"hangwatch: following {shown}", err=True)
+                number = None if supervisor else attempt_of(item)
+                if number is not None:
+                    # on a line of its own, even after a log whose last line was cut off mid-way
+                    text = ("" if at_line_start else "\n") + heading(number, outcomes.describe(number)) + "\n"
+                    out.write(text.encode())
+                    out.flush()
+                    at_line_start = True
                 continue
             out.write(item)
             out.flush()
+            at_line_start = item.endswith(b"\n")
     except NoLogYet as exc:
         fail(str(exc), EXIT_FAILED)
 

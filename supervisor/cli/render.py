@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any, Iterable, Optional
 
+from rich.cells import cell_len
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -135,6 +137,15 @@ def status_view(st: dict, *, error: Optional[str] = None) -> Table:
     out = st.get("output")
     if isinstance(out, dict) and out.get("last_output_age_s") is not None:
         grid.add_row("output", Text(output_text(out)))
+    prompt = st.get("waiting_for_input")
+    if isinstance(prompt, dict):
+        grid.add_row(
+            "input",
+            Text(
+                f"waiting at a prompt: pid {prompt.get('pid')} reads its terminal {prompt.get('terminal')}",
+                style="bold yellow",
+            ),
+        )
 
     deadlines = st.get("deadlines") or []
     ranks = [r for r in st.get("ranks") or [] if isinstance(r, dict)]
@@ -368,23 +379,74 @@ def queue_text(q: dict) -> str:
 
 
 INCIDENT_COLUMNS = ("id", "kind", "time", "attempt", "step", "summary")
+# The summary is what a person reads the list for: it gets every column the others leave, and at least this many
+# (or its whole length, when every summary is shorter) before the less important columns give way — the time
+# shortened, then dropped, then the step, then the attempt.  The id and the kind are never cut nor wrapped.
+SUMMARY_ROOM = 36
+_LAYOUTS = (
+    (("id", "kind", "time", "attempt", "step"), "full"),
+    (("id", "kind", "time", "attempt", "step"), "short"),
+    (("id", "kind", "attempt", "step"), None),
+    (("id", "kind", "attempt"), None),
+    (("id", "kind"), None),
+)
+_GAP = 2  # between two columns: the table's padding of one on either side, no edge
+_ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d)(?::(\d\d))?")
 
 
-def incidents_table(incidents: list) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold")
+def incidents_table(incidents: list) -> "IncidentsTable":
+    """The incidents as a table laid out for the width it is printed at (a terminal's, or 80 into a pipe)."""
+    return IncidentsTable([inc for inc in incidents if isinstance(inc, dict)])
+
+
+class IncidentsTable:
+    """A rich renderable: the columns are chosen when the console says how wide it is (`_LAYOUTS`)."""
+
+    def __init__(self, incidents: list[dict]):
+        self.incidents = incidents
+
+    def __rich_console__(self, console, options):
+        yield self.table(options.max_width)
+
+    def table(self, width: int) -> Table:
+        rows = [_incident_cells(inc) for inc in self.incidents]
+        summary_need = min(SUMMARY_ROOM, max((cell_len(r["summary"]) for r in rows), default=0))
+        summary_need = max(summary_need, len("summary"))
+        one_day = len({m.group(1, 2, 3) for r in rows if (m := _ISO.match(r["time"]))}) == 1
+        for columns, time_form in _LAYOUTS:
+            shown = [
+                {**r, "time": _short_time(r["time"], one_day) if time_form == "short" else r["time"]} for r in rows
+            ]
+            widths = [max([len(col), *(cell_len(r[col]) for r in shown)]) for col in columns]
+            if width - sum(widths) - _GAP * len(columns) >= summary_need:
+                break
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for col in columns:
+            table.add_column(col, no_wrap=True)
+        table.add_column("summary", overflow="fold", ratio=1, min_width=min(summary_need, max(width // 3, 1)))
+        for r in shown:
+            table.add_row(*(Text(r[col]) for col in (*columns, "summary")))  # Text: a `[…]` is not rich markup
+        return table
+
+
+def _incident_cells(inc: dict) -> dict[str, str]:
+    cells = {}
     for col in INCIDENT_COLUMNS:
-        table.add_column(col, overflow="fold")
-    for inc in incidents:
-        if not isinstance(inc, dict):
-            continue
-        row = []
-        for col in INCIDENT_COLUMNS:
-            v = inc.get(col)
-            if col == "summary" and not v:
-                v = inc.get("classification")
-            row.append("-" if v is None else str(v))
-        table.add_row(*row)
-    return table
+        v = inc.get(col)
+        if col == "summary" and not v:
+            v = inc.get("classification")
+        cells[col] = "-" if v is None else str(v)
+    return cells
+
+
+def _short_time(value: str, one_day: bool) -> str:
+    """`2024-05-01T03:12:44+0000` as `03:12:44` when every incident listed is of one day, else `05-01 03:12`."""
+    m = _ISO.match(value)
+    if m is None:
+        return value
+    if one_day:
+        return f"{m.group(4)}:{m.group(5)}" + (f":{m.group(6)}" if m.group(6) else "")
+    return f"{m.group(2)}-{m.group(3)} {m.group(4)}:{m.group(5)}"
 
 
 def incident_view(inc: dict) -> Group:

@@ -14,15 +14,17 @@ from hangwatch.common.rundir import STATE_NAME, read_json
 from hangwatch.supervisor.cli.rerun import shown
 from hangwatch.supervisor.control.paths import socket_path_for
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.incidents.store import RECORD_NAME
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, read_record
 from hangwatch.supervisor.records.goodput import goodput_line, read_goodput
 
 
-def run_summary(run_dir: str, code: int) -> list[str]:
+def run_summary(run_dir: str, code: int, brief: bool = False) -> list[str]:
     """What a person wants to know when `hangwatch run` returns: how it ended, what went wrong on the
     way (each incident and where its evidence is), what it cost (the goodput line) and whether each
     resumed attempt was the same training (the resume audits), which checkpoint a new run would resume
-    from and which newer ones are not good (and why), and where the result is."""
+    from and which newer ones are not good (and why), and where the result is.  `brief`: a run without an
+    incident says how it ended in one line (the rest is for runs that had something to tell)."""
     rd = Path(run_dir)
     state = read_json(rd / STATE_NAME) or {}
     lines = [
@@ -30,14 +32,35 @@ def run_summary(run_dir: str, code: int) -> list[str]:
         f"run dir {rd}"
     ]
     store = IncidentStore(rd)
+    final = rd / "final"
+    if brief and not store.list():
+        return lines + ([f"hangwatch: final adapter: {final}"] if final.is_dir() else [])
     for inc, d in zip(store.list(), store.dirs()):
         lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+    if state.get("state") == "failed":
+        lines += output_lines(store.dirs())
     lines += goodput_lines(rd)
     lines += checkpoint_lines(rd)
-    final = rd / "final"
     if final.is_dir():
         lines.append(f"  final adapter: {final}  (PeftModel.from_pretrained(base, '{final}'))")
     return lines
+
+
+def output_lines(incident_dirs: list[Path]) -> list[str]:
+    """The last lines of output of the failure that ended a failed run, as its incident quotes them (`last_output`:
+    a command that ended the same way twice before any progress) — the reason in the command's own words, where a
+    person reads, not only in worker.log; nothing when that failure quotes none.  A run's closing incident (a
+    crash loop, no progress: status `final`) is not the failure: the one before it is."""
+    for d in reversed(incident_dirs):
+        rec = read_json(d / RECORD_NAME) or {}
+        if rec.get("status") == "final":
+            continue
+        said = rec.get("last_output")
+        if not isinstance(said, list) or not said:
+            return []
+        head = f"  its output ended (attempt {rec.get('attempt', '?')}, incident {rec.get('id', '?')}):"
+        return [head, *(f"    {line}" for line in said)]
+    return []
 
 
 def goodput_lines(run_dir: Path) -> list[str]:
@@ -80,10 +103,10 @@ def checkpoint_lines(run_dir: Path) -> list[str]:
     return out
 
 
-def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
-    """What `hangwatch run [CONFIG] -- CMD` says before it starts: the effective config in short (what differs
-    from the defaults: the rest is in <run dir>/config.yaml), what instrumentation the worker gets, and the
-    one line that keeps the config for next time."""
+def command_preamble(cfg: Config, config_arg: Optional[str], verbose: bool = True) -> list[str]:
+    """What `hangwatch run [CONFIG] -- CMD` says before it starts: where the run goes; with `verbose` also the
+    effective config in short (what differs from the defaults: the rest is in <run dir>/config.yaml), what
+    instrumentation the worker gets, and the one line that keeps the config for next time."""
     import shlex
 
     import yaml
@@ -92,6 +115,8 @@ def command_preamble(cfg: Config, config_arg: Optional[str]) -> list[str]:
     from hangwatch.supervisor.processes.interpreter import note_for
 
     where = shown(cfg.run_dir)
+    if not verbose:
+        return [f"hangwatch: watching `{shlex.join(cfg.worker.command or [])}`; run dir {where} (-v: more)"]
     own = cfg.model_dump(mode="json", exclude_defaults=True)
     lines = [
         f"hangwatch: supervising `{shlex.join(cfg.worker.command or [])}` in {where}",

@@ -63,6 +63,12 @@ def classify_stall(
     condition, text = process_condition(procs)
     if condition == "gone":
         return text
+    prompt = next((p for p in procs if p.get("reading_terminal")), None)
+    if condition == "blocked" and prompt is not None:
+        text = (
+            f"waiting for input: pid {prompt['pid']} is blocked reading its terminal ({prompt['reading_terminal']}), "
+            "a prompt nobody answered"
+        )
     if condition == "blocked" and asleep:
         cpu = max(p.get("cpu_percent", 0.0) for p in procs)
         text = f"waiting in Python: a loop sleeping in time.sleep() (CPU {cpu:.0f}%)"

@@ -97,6 +97,7 @@ from hangwatch.supervisor.processes import leftovers, process
 from hangwatch.supervisor.processes import snapshot as snapshots
 from hangwatch.supervisor.processes.interpreter import instrument_note, note_for
 from hangwatch.supervisor.processes.standby import SpawnStandby, spawn_standby
+from hangwatch.supervisor.processes.terminal_wait import first_reading
 from hangwatch.supervisor.read_model import view as views
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records import run_state
@@ -107,7 +108,8 @@ from hangwatch.supervisor.records.checkpoint_ledger import (
     resume_choice,
     set_aside_bad,
 )
-from hangwatch.supervisor.rules.outcome import STOPS, Intent, Outcome, next_outcome
+from hangwatch.supervisor.rules import stop_signals
+from hangwatch.supervisor.rules.outcome import STOPS, Intent, Outcome, next_outcome, run_exit_status
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
@@ -124,6 +126,7 @@ STATUS_NOTE_S = 10.0
 REAP_EVERY_S = 1.0  # a running worker is waited for at least this often even without a SIGCHLD
 CALIBRATION_SAVE_S = 30.0  # new step samples reach calibration.json at most this often (and at every attempt end)
 OUTPUT_READ_S = 1.0  # the worker's output is read at most this often (and always before a deadline is believed)
+OUTPUT_SETTLE_S = 2.0  # the longest an ended tree's output streams are waited for (`_output_settling`)
 FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
 IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
 _UNASKED = object()
@@ -156,6 +159,7 @@ class Supervisor:
         listeners: tuple = (),
         probe: Callable[..., str] = instrument_note,
         signal_source: Optional[SignalSource] = None,
+        transparent: bool = False,
     ):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
@@ -163,7 +167,9 @@ class Supervisor:
         `listeners`: told once a pass, with the read model (`pass_done(view, now)`) — the ops side.
         `probe`: what instrumentation a `worker.command` gets, in words (`processes.interpreter.instrument_note`:
         asks the command's Python for its version).  `signal_source`: who sent a stopping signal, in words (a Slurm
-        job's scancel, time limit or warning: `ops.signal_source`)."""
+        job's scancel, time limit or warning: `ops.signal_source`).  `transparent`: `hangwatch run` in the foreground,
+        standing in for the command: stopping signals reach it as themselves and the run exits with its status
+        (`rules.stop_signals`, `rules.outcome.run_exit_status`)."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
@@ -225,6 +231,8 @@ class Supervisor:
         self.awaiting_rendezvous = False  # multi-node: the next attempt waits for the store / a new generation
         self.expired: Optional[Expired] = None  # this pass's overdue deadline
         self.backoff_until: Optional[float] = None
+        self._settle_since: Optional[float] = None  # the tree was gone, its output streams not yet closed, since
+        self.decision: Optional[Decision] = None  # the last finished episode's (what the run's exit status follows)
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
@@ -244,6 +252,11 @@ class Supervisor:
         self._probe = probe
         self.signal_source = signal_source if signal_source is not None else SignalSource()
         self.stopped_by: Optional[str] = None  # who asked for the stop (a signal's sender, a control request)
+        self.transparent = transparent
+        self.stop_signal: Optional[int] = None  # the signal that stopped the run (passed on to the command)
+        self.term_at: Optional[float] = None  # a stop passed on as SIGINT/SIGHUP/SIGQUIT: when SIGTERM follows
+        self.by_itself = False  # the current attempt's worker ended on its own (not killed after a stall)
+        self.stop_answered = False  # …and it was while stopping: its status is its answer to the stop
         self.handlers: dict[State, Callable[[float], None]] = {
             State.STARTING: self.on_running,
             State.RUNNING: self.on_running,
@@ -421,6 +434,8 @@ class Supervisor:
             return FAST_PASS_S if due is None else min(FAST_PASS_S, due)
         if self.current is not None and self.current.tail.backlog:
             return 0.0  # the last read stopped at its size bound with more lines waiting
+        if self._settle_since is not None:
+            return FAST_PASS_S  # an ended worker's output streams: looked at again soon
         waits = [IDLE_WAIT_S]
         if st is State.BACKOFF and self.backoff_until is not None:
             waits.append(self.backoff_until - now)
@@ -476,9 +491,10 @@ class Supervisor:
 
     def _drain_events(self, now: float, signals: list[int]) -> None:
         for sig in signals:  # SIGCHLD only woke the loop: children are reaped below
-            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # SIGUSR1: a batch job's time limit is near
+            if stop_signals.stops(sig, self.transparent):  # SIGUSR1: a batch job's time limit is near
                 intent = Intent.REQUEUE if sig == signal.SIGUSR1 else Intent.EXIT
-                self.request_stop(self.signal_source.describe(sig), intent, repeat_forces=not self.signal_source.batch)
+                batch = self.signal_source.batch
+                self.request_stop(self.signal_source.describe(sig), intent, repeat_forces=not batch, signum=sig)
             elif sig == signal.SIGHUP:
                 logsetup.reopen()
                 log.info("log_reopened", why="SIGHUP")
@@ -502,18 +518,21 @@ class Supervisor:
             except Exception:  # a broken control channel must not take the training run down with it
                 log.exception("control_poll_failed")
 
-    def request_stop(self, why: str = "requested", intent: Intent = Intent.EXIT, repeat_forces: bool = True) -> None:
-        """Ask the worker to checkpoint and stop, then exit 0 (`Intent.REQUEUE`: 75, to be run again); a second
-        request kills at once, unless `repeat_forces` is false (a batch job's signals: the scheduler's SIGKILL
-        follows on its own clock)."""
+    def request_stop(
+        self, why: str = "requested", intent: Intent = Intent.EXIT, repeat_forces: bool = True, signum: int = 0
+    ) -> None:
+        """Ask the worker to checkpoint and stop, then exit 0 (`Intent.REQUEUE`: 75, to be run again; in the
+        foreground after signal `signum`: the command's status); a second request kills at once, unless
+        `repeat_forces` is false (a batch job's signals: the scheduler's SIGKILL follows on its own clock)."""
         if self.after_teardown in STOPS:
             if repeat_forces:
                 self.force = True
-                log.warning("stop_forced", why=why)
+                log.warning("stop_forced", why=why, say=f"{why} again: ending the command's tree now")
             else:
                 log.info("stop_requested_again", why=why, state=self.lifecycle.state.value)
             return
         self.after_teardown, self.stopped_by = intent, why
+        self.stop_signal = signum or None
         log.info("stop_requested", why=why, intent=intent.value, state=self.lifecycle.state.value)
         self.notify("stopping")
 
@@ -654,7 +673,7 @@ class Supervisor:
         grew, progressed = cur.output.read(now, time.time() if self.file_times_now else None)
         if not grew:
             return
-        self.deadlines.output_seen(cur.output.last_output_at, progressed)
+        self.deadlines.output_seen(cur.output.last_output_at, progressed, cur.output.steps_read)
         self._view = None
         if progressed:
             for c in self.concerns:
@@ -842,6 +861,10 @@ class Supervisor:
             self.graceful_stop(now)
 
     def on_stopping(self, now: float) -> None:
+        if self.term_at is not None and now >= self.term_at and self.worker_alive():
+            self.term_at = None  # a SIGINT (SIGHUP, SIGQUIT) the command did not end on: SIGTERM, as a person would
+            sent = self.table.signal_group(self.current.worker.pgid, signal.SIGTERM)
+            log.info("stop_escalated", signal="SIGTERM", sent=sent, say="the command is still running: SIGTERM")
         if not self._escalated(now) and self.force:
             self.force = False
             self._decided_end(Episode(None, None, now, reason="forced stop"), None, now, send_term=False)
@@ -943,6 +966,8 @@ class Supervisor:
             killer.kill_now(now)
         if not killer.advance(now):
             return
+        if self._output_settling(now):
+            return  # its last output is on its way into worker.log, which the incident and the decision read
         # Every concern is asked (none may miss the tree's end); one that holds keeps the next attempt from starting
         # on top of what is left (restart.on_unkillable: wait).
         held = [c.hold_teardown(self.current, self.episode, self.after_teardown, now) for c in self.concerns]
@@ -953,6 +978,15 @@ class Supervisor:
             return
         self.holding = False
         self.finish_episode(now)
+
+    def _output_settling(self, now: float) -> bool:
+        """The tree is gone but the relay has not yet copied the last of its output (at most OUTPUT_SETTLE_S: a
+        descendant that escaped the tree may hold a stream open)."""
+        if not self.current.worker.output_open():
+            self._settle_since = None
+            return False
+        self._settle_since = self._settle_since if self._settle_since is not None else now
+        return now - self._settle_since < OUTPUT_SETTLE_S
 
     def on_backoff(self, now: float) -> None:
         out = next_outcome(self.after_teardown, None, during="backoff", reason=self.fail_reason)
@@ -991,7 +1025,7 @@ class Supervisor:
         if self.lifecycle.state is not State.STARTING:
             self.transition(State.STARTING, f"attempt {number}", now)
         self.episode, self.backoff_until, self.expired, self.escalate_now = None, None, None, False
-        self.abort, self.holding = None, False
+        self.abort, self.holding, self.by_itself, self.term_at = None, False, False, None
         try:
             self.current = attempts.start(
                 self.cfg,
@@ -1063,23 +1097,39 @@ class Supervisor:
     def graceful_stop(self, now: float) -> None:
         self.transition(State.STOPPING, f"{self.after_teardown.value} requested", now)
         w = self.current.worker
-        sent = self.table.signal(w.ref, signal.SIGTERM)
+        how = stop_signals.passing(self.stop_signal, self.transparent)
+        sent = self.table.signal_group(w.pgid, how.send) if how.group else self.table.signal(w.ref, how.send)
         budget, source = self.deadlines.step_budget()
-        bound = self.watchdog_cfg.term_grace_s + budget
+        grace = self.watchdog_cfg.term_grace_s
+        self.term_at = now + grace if how.term_after_grace else None
+        bound = grace * (2 if how.term_after_grace else 1) + budget
         self.deadlines.arm_extra("stop", now, bound, f"term_grace + {source} step budget")
+        name = signal.Signals(how.send).name
         log.info(
-            "graceful_stop", intent=self.after_teardown.value, pid=w.pid, sigterm_sent=sent, bound_s=round(bound, 3)
+            "graceful_stop",
+            intent=self.after_teardown.value,
+            pid=w.pid,
+            signal=name,
+            sent=sent,
+            bound_s=round(bound, 3),
+            say=f"{self.stopped_by}: passed on to the command"
+            + (f" as {name}" if how.send != how.received else "")
+            + ("; again to end it at once" if how.group and self.transparent else ""),
         )
         for c in self.concerns:
             c.stop_requested(self.current, self.after_teardown, now)
 
     def worker_exited(self, now: float) -> None:
+        if self._output_settling(now):
+            return  # its last words (a traceback) are on their way into worker.log, which classifies the exit
         cur, w = self.current, self.current.worker
         if self.lifecycle.state is State.STOPPING:
+            self.by_itself = self.stop_answered = True  # its answer to the stop it was passed
             stopping = f"graceful stop ({self.after_teardown.value})"
             self._open(Episode.exited(self.tools, cur, self.deadlines, self.facts, now, stopping=stopping), now)
             self.begin_kill(self.episode, now, why="worker exited; ending what is left of its tree")
             return
+        self.by_itself = True
         stop_reason = cur.stop_reason(self.deadlines.main_rank())
         code = w.exit_code if w.exit_signal is None else None
         free = self.nodes.exit_cause(cur, code, stop_reason)  # several nodes: a peer's doing, not this node's
@@ -1152,6 +1202,7 @@ class Supervisor:
         self.save_calibration()
         self._decide(ep, ep.decision, now, tree_gone=True)
         out = next_outcome(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
+        self.decision = ep.decision
         ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())
         log.info(
             "tree_gone",
@@ -1182,7 +1233,16 @@ class Supervisor:
             self.finish(out, now)
 
     def finish(self, out: Outcome, now: float) -> None:
-        self.exit_code = out.exit_code
+        w = self.current.worker if self.current is not None else None
+        self.exit_code = run_exit_status(
+            out,
+            self.decision,
+            code=w.exit_code if w and (out.state is not State.STOPPED or self.stop_answered) else None,
+            signum=w.exit_signal if w else None,
+            by_itself=self.by_itself,
+            stop_signal=self.stop_signal,
+            transparent=self.transparent,
+        )
         if out.state is not State.FAILED:
             self.notify("stopping")
         stopped_by = f" ({self.stopped_by})" if out.state is State.STOPPED and self.stopped_by else ""
@@ -1238,6 +1298,7 @@ class Supervisor:
             queue=lambda: queue_status(self.run_dir) if self.cfg.data.inbox else None,
             output=lambda: cur.output.evidence(now) if cur is not None and cur.output is not None else None,
             budgets=dl.phase_budgets,
+            waiting_for_input=lambda: first_reading([cur.worker.pid, *cur.tree]) if watching else None,
             **extra,
         )
         v = View(

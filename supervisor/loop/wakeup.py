@@ -18,7 +18,7 @@ detection time: a line counts from when it was written (its file's modification 
 `watch.beat_files.written_at`), and the pass at a deadline reads every pending line before it checks.
 Writes to other files (worker.log) wake nothing.
 
-The one signal recorder lives here: SIGTERM, SIGINT, SIGUSR1, SIGCHLD, SIGHUP and SIGCONT are only
+The one signal recorder lives here: SIGTERM, SIGINT, SIGQUIT, SIGUSR1, SIGCHLD, SIGHUP and SIGCONT are only
 *recorded* (in a deque, which appends and pops atomically — safe from a handler); the loop drains them at
 the start of its next pass and acts there (stop; stop to be run again — SIGUSR1, a batch job's warning
 that its time limit is near; reap; reopen the log; SIGCONT: this process was stopped, see
@@ -38,7 +38,15 @@ from typing import Any, Callable, Iterable, Optional
 
 from hangwatch.supervisor.watch.beat_files import FileEvents
 
-RECORDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGCHLD, signal.SIGHUP, signal.SIGCONT)
+RECORDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGCHLD,
+    signal.SIGHUP,
+    signal.SIGCONT,
+)
 MIN_READ_S = 0.25  # heartbeat writes wake the loop at most this often (lines are dated by their files' times)
 
 PIPE, BEATS, EXTRA = "pipe", "beats", "extra"  # what a selector key stands for

@@ -106,8 +106,11 @@ def configure(
     *,
     stream: Optional[TextIO] = None,
     environ: Optional[Mapping[str, str]] = None,
+    console: bool = True,
 ) -> Path:
-    """Send hangwatch's logs to the log file and to `stream` (stderr). Returns the log file's path.
+    """Send hangwatch's logs to the log file and, with `console`, to `stream` (stderr): a service's journal, or
+    `hangwatch run -v`; in the foreground a person sees plain lines instead (`ops.narrator`).  Returns the log
+    file's path.
 
     Calling it again replaces the previous set-up (tests, a second run in one process).
     """
@@ -138,8 +141,10 @@ def configure(
         )
     )
     if _isatty(stream):
-        console = structlog.dev.ConsoleRenderer(colors=True)
-        console_processors = [structlog.stdlib.ProcessorFormatter.remove_processors_meta, console]
+        console_processors = [
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.dev.ConsoleRenderer(colors=True),
+        ]
     else:
         console_processors = [
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -157,7 +162,7 @@ def configure(
     for old in _handlers:
         root.removeHandler(old)
         old.close()
-    _handlers[:] = [file_handler, stream_handler]
+    _handlers[:] = [file_handler, stream_handler] if console else [file_handler]
     for h in _handlers:
         root.addHandler(h)
     root.setLevel(level.upper())

@@ -27,9 +27,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 
 import psutil
+
+if TYPE_CHECKING:
+    from hangwatch.supervisor.processes.streams import Relay
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -87,6 +90,8 @@ class Worker:
     exit_code: Optional[int] = None
     exit_signal: Optional[int] = None
     exited_at: Optional[float] = None
+    # its stdout or stderr still has bytes on the way into log_path (a relay's pipes: `processes.streams`)
+    output_open: Callable[[], bool] = field(default=lambda: False, repr=False)
 
     @property
     def pgid(self) -> int:
@@ -385,30 +390,46 @@ def spawn(
     now: float,
     deathsig: int = signal.SIGKILL,
     stdin_pipe: bool = False,
+    relay: Optional["Relay"] = None,
 ) -> Worker:
-    """Start `argv` in a new session, stdout+stderr appended to `log_path`, dying with us.  `stdin_pipe`:
-    its stdin is a pipe (`Worker.popen.stdin`; a prewarmed standby waits on it for its release), else
-    /dev/null.
+    """Start `argv` in a new session, dying with us.  Its output: with a `relay` (`hangwatch run` in the
+    foreground), stdout and stderr are pipes or ptys the relay copies to our own streams and to `log_path`
+    (`processes.streams`), and its stdin is ours; without one, both are appended to `log_path` and its stdin is
+    /dev/null (a service), or a pipe with `stdin_pipe` (`Worker.popen.stdin`: a prewarmed standby waits on it for
+    its release).
 
     Raises OSError (FileNotFoundError, PermissionError, …) when it cannot be executed.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_child_setup(os.getpid(), deathsig),
-            close_fds=True,
-        )
+    common = dict(
+        cwd=cwd, env=env, start_new_session=True, preexec_fn=_child_setup(os.getpid(), deathsig), close_fds=True
+    )
+    if relay is not None and not stdin_pipe:
+        ends = relay.open(log_path)
+        try:
+            popen = subprocess.Popen(argv, stdin=None, stdout=ends.stdout, stderr=ends.stderr, **common)
+        except BaseException:
+            ends.abandon()
+            raise
+        relay.attach(ends, popen.pid)
+        opened = ends
+    else:
+        opened = None
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                **common,
+            )
     ct = PsutilProcessTable().create_time(popen.pid)
     if ct is None:  # exited (or is a zombie) already; identity still needs a value
         ct = time.time()
-    return Worker(pid=popen.pid, create_time=ct, argv=list(argv), log_path=log_path, started_at=now, popen=popen)
+    worker = Worker(pid=popen.pid, create_time=ct, argv=list(argv), log_path=log_path, started_at=now, popen=popen)
+    if opened is not None:
+        worker.output_open = lambda: relay.following(opened)
+    return worker
 
 
 def set_child_subreaper() -> bool:

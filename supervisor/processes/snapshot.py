@@ -2,8 +2,9 @@
 
 `TreeSample` records, for every process of the tree: pid, ppid, name, cmdline, state letter
 (R running, S sleeping, D uninterruptible I/O, Z zombie, T stopped), CPU% sampled over a short
-interval, RSS and thread count.  `gpu` asks NVML (nvidia-ml-py) per device for utilisation,
-memory and compute processes; without a GPU it says so plainly instead of failing.
+interval, RSS and thread count, and — asleep — the terminal it is blocked reading, if any
+(`terminal_wait`).  `gpu` asks NVML (nvidia-ml-py) per device for utilisation, memory and compute
+processes; without a GPU it says so plainly instead of failing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import threading
 from typing import Callable, Iterable, Optional
 
 import psutil
+
+from hangwatch.supervisor.processes.terminal_wait import reading_terminal
 
 STATE_LETTERS = {
     psutil.STATUS_RUNNING: "R",
@@ -76,6 +79,8 @@ class TreeSample:
                         "threads": p.num_threads(),
                         "create_time": p.create_time(),
                     }
+                if rec["state"] == "S":  # asleep: on a prompt? (the kernel says what it waits for)
+                    rec["reading_terminal"] = reading_terminal(pid)
             except psutil.ZombieProcess:
                 rec = {"pid": pid, "state": "Z", "status": "zombie", "cpu_percent": 0.0}
             except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -43,6 +43,8 @@ class Readers:
     in_process: Callable[[], Optional[dict]] = lambda: None  # recoveries in the worker's process (`restart.in_process`)
     # a script's framework batch after OOMs (`concerns.framework_oom.summary`)
     framework_remediation: Callable[[], Optional[dict]] = lambda: None
+    # a process of the tree blocked reading its terminal, a prompt (`processes.terminal_wait.first_reading`)
+    waiting_for_input: Callable[[], Optional[dict]] = lambda: None
 
 
 class _Read:
@@ -101,6 +103,7 @@ class View:
     budgets = _Read()
     in_process = _Read()
     framework_remediation = _Read()
+    waiting_for_input = _Read()
 
     @property
     def worker_alive(self) -> bool:
@@ -160,6 +163,7 @@ def status_reply(v: View) -> dict:
         **v.healing,  # self-healing: the micro-batch after OOMs, quarantined examples
         "framework_remediation": v.framework_remediation,  # a script's HF / Lightning batch after OOMs
         "nodes": v.nodes,  # multi-node: generation, peers, torchrun rounds
+        "waiting_for_input": v.waiting_for_input,  # {pid, terminal}: the command waits at a prompt
     }
 
 

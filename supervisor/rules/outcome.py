@@ -11,6 +11,9 @@ The same function serves the three places that ask: the end of a failure episode
 gone), a request during BACKOFF, and a request while PAUSED.
 
 The no-progress stop is the restart policy's (`rules.policy.ProgressPolicy`).
+
+`run_exit_status` is what `hangwatch run` then exits with: the command's own status where the command's own exit
+ended the run, hangwatch's codes only where hangwatch ended it (`common.exitcodes`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from hangwatch.common.exitcodes import EXIT_FAILED, EXIT_IOERR, EXIT_OK, EXIT_TEMPFAIL, NO_RESTART_CODES
+from hangwatch.common.exitcodes import (
+    EXIT_FAILED,
+    EXIT_IOERR,
+    EXIT_NO_RETRY,
+    EXIT_OK,
+    EXIT_TEMPFAIL,
+    NO_RESTART_CODES,
+)
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.rules.states import State
 
@@ -85,3 +95,48 @@ def next_outcome(
         return Outcome(State.FAILED, decision.reason, code if code in NO_RESTART_CODES else EXIT_FAILED)
     when = f"next attempt in {decision.delay_s:g}s" if decision.delay_s > 0 else "restarting at once"
     return Outcome(State.BACKOFF, f"{decision.reason}; {when}", delay_s=decision.delay_s)
+
+
+SIGNALLED = 128  # a shell's status for death by signal N is 128+N
+
+
+def shell_status(code: Optional[int], signum: Optional[int]) -> Optional[int]:
+    """How a shell reports a process's end: its code, or 128+N for signal N; None when it has not ended."""
+    if code is not None:
+        return code
+    return SIGNALLED + signum if signum else None
+
+
+def run_exit_status(
+    out: Outcome,
+    decision: Optional[Decision],
+    *,
+    code: Optional[int],
+    signum: Optional[int],
+    by_itself: bool,
+    stop_signal: Optional[int],
+    transparent: bool,
+) -> int:
+    """`hangwatch run`'s exit status at a final outcome (pure).
+
+    `code`/`signum`: how the last attempt's worker ended; `by_itself`: it ended on its own (not killed by hangwatch
+    after a stall); `stop_signal`: the signal that stopped the run (SIGINT, SIGTERM, SIGHUP, SIGQUIT), passed on to
+    the command; `transparent`: `hangwatch run` in the foreground, standing in for the command (a service keeps its
+    own codes: 0 for a stop, 1 for a failure)."""
+    if not transparent:
+        return out.exit_code
+    if out.state is State.STOPPED and stop_signal is not None and out.exit_code == EXIT_OK:
+        # the command's answer to the signal it was passed: its own code (a KeyboardInterrupt handler that saved and
+        # exited), else the signal's status as a shell reports the bare command's (130 after Ctrl-C)
+        return code if code is not None else SIGNALLED + stop_signal
+    if out.state is not State.FAILED:
+        return out.exit_code
+    if decision is not None and decision.exit_code is not None:
+        return decision.exit_code  # a rank's do-not-restart code, or hangwatch's own do-not-retry
+    if out.exit_code != EXIT_FAILED:
+        return out.exit_code  # the worker's own do-not-restart code, or hangwatch's (a full disk, a spawn that failed)
+    if by_itself:
+        status = shell_status(code, signum)
+        if status:
+            return status
+    return EXIT_NO_RETRY  # hangwatch ended it (stalls it killed, again and again): another run would do the same

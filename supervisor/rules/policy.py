@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hangwatch.common.config import RestartCfg
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_DATAERR, EXIT_IOERR, EXIT_TEMPFAIL, NO_RESTART_CODES
+from hangwatch.common.exitcodes import (
+    EXIT_CONFIG,
+    EXIT_DATAERR,
+    EXIT_IOERR,
+    EXIT_NO_RETRY,
+    EXIT_TEMPFAIL,
+    NO_RESTART_CODES,
+)
 from hangwatch.common.protocol import EXIT_STOP_REASON
 from hangwatch.supervisor.rules.no_retry import NoRetry
 
@@ -230,4 +237,4 @@ class ProgressPolicy(RestartPolicy):
             "attempt_top_step": self.attempt_top,
             "last_failure": reason,
         }
-        return Decision("fail", why)
+        return Decision("fail", why, exit_code=EXIT_NO_RETRY)  # a run that cannot get past a point: do not retry

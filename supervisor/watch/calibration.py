@@ -1,11 +1,22 @@
-"""Step (and phase) time calibration: `factor × p99` of observed durations, clamped, persisted.
+"""Learned budgets: steps, phases and a generate's tokens, from what the run took, persisted.
 
-The step deadline starts generous (`first_steps_timeout_s`: compile, warm-up) and, once
-`calibrate_after` step intervals have been seen, becomes `calibration_factor × p99` clamped to
-`[step_timeout_min_s, step_timeout_max_s]`.  Phases without a configured budget are calibrated the
-by what they took once a few of them have completed (`phase_budget`: a multiple of the longest).  The samples
-live in `<run_dir>/calibration.json`, so
-the next attempt — or the next supervisor — starts calibrated instead of generous again.
+**Steps.** Once `calibrate_after` step intervals were seen (2 by default: steps 2 → 3 → 4, the interval after a
+rank's first step being warm-up and no sample — `deadlines.py` keeps it out), the step budget is
+`calibration_factor × p99` of them, clamped to `[step_timeout_min_s, step_timeout_max_s]`, and it is refined with
+every interval after (a window of the last MAX_SAMPLES).  Under 100 samples the nearest-rank p99 is the longest, so
+early on the budget is a multiple of the longest step seen — as a phase's is — and past 100 a single outlier (a
+recompile) no longer holds it up.  Until then, `first_steps_timeout_s`.
+
+**Phases** without a configured budget are learned from what they took once a few of them have completed
+(`phase_budget`: a multiple of the longest).
+
+**Tokens.** A generate's progress beats carry the longest gap between two of its new tokens since the previous beat
+(`token_s`, measured in the generating thread); `token_budget` is what a beat of `d` tokens may take:
+`token_timeout_factor × d ×` the p99 of those gaps, at least `token_timeout_min_s` — with no gap seen yet, the
+floor alone.
+
+The samples live in `<run_dir>/calibration.json`, so the next attempt — or the next supervisor — starts with what
+this one learned instead of generous again.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ class Calibration:
         self._last_persist = float("-inf")
         self.step_samples: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.phase_samples: dict[str, deque[float]] = {}
+        self.token_samples: deque[float] = deque(maxlen=MAX_SAMPLES)  # longest token gap of each beat, seconds
         self._dirty = 0
 
     # ---- samples --------------------------------------------------------------------------
@@ -58,6 +70,11 @@ class Calibration:
             self.phase_samples.setdefault(name, deque(maxlen=MAX_SAMPLES)).append(float(duration_s))
             self._dirty += 1
 
+    def add_token_gap(self, gap_s: float) -> None:
+        if gap_s >= 0 and math.isfinite(gap_s):
+            self.token_samples.append(float(gap_s))
+            self._dirty += 1
+
     # ---- budgets --------------------------------------------------------------------------
 
     @property
@@ -70,8 +87,24 @@ class Calibration:
         )
 
     def step_budget(self) -> Optional[float]:
-        """The calibrated step deadline, or None while too few steps were seen."""
+        """The learned step budget, or None while too few step intervals were seen."""
         return self._clamped(self.step_samples) if self.ready else None
+
+    def step_source(self) -> str:
+        """How the learned step budget was made (for `status` and incidents): `learned: 5 × p99 0.31s of 12 steps,
+        at least 10s`; `first_steps` before it is learned."""
+        if not self.ready:
+            return "first_steps"
+        high = p99(self.step_samples)
+        raw = self.wd.calibration_factor * high
+        clamp = (
+            f", at least {self.wd.step_timeout_min_s:g}s"
+            if raw < self.wd.step_timeout_min_s
+            else f", at most {self.wd.step_timeout_max_s:g}s"
+            if raw > self.wd.step_timeout_max_s
+            else ""
+        )
+        return f"learned: {self.wd.calibration_factor:g} × p99 {high:.3g}s of {len(self.step_samples)} steps{clamp}"
 
     def phase_budget(self, name: str) -> Optional[float]:
         """The learned budget of phase `name`: `phase_learn_factor` × the longest it took, at least
@@ -84,6 +117,20 @@ class Calibration:
     def phase_longest(self, name: str) -> Optional[float]:
         samples = self.phase_samples.get(name)
         return max(samples) if samples else None
+
+    def token_gap(self) -> Optional[float]:
+        """The p99 of the token gaps seen (each the longest of one beat), None before any."""
+        return p99(self.token_samples) if self.token_samples else None
+
+    def token_budget(self, tokens_per_beat: int = 1, gap: Optional[float] = None) -> float:
+        """What a beat of `tokens_per_beat` new tokens may take: `token_timeout_factor × tokens_per_beat × gap`
+        (default: `token_gap()`), at least `token_timeout_min_s` — the floor alone before any gap was seen."""
+        if gap is None:
+            gap = self.token_gap()
+        floor = float(self.wd.token_timeout_min_s)
+        if gap is None:
+            return floor
+        return max(self.wd.token_timeout_factor * max(1, tokens_per_beat) * gap, floor)
 
     # ---- persistence ----------------------------------------------------------------------
 
@@ -109,6 +156,11 @@ class Calibration:
                 }
                 for name, s in self.phase_samples.items()
                 if s
+            },
+            "tokens": {
+                "count": len(self.token_samples),
+                "p99_gap_s": self.token_gap(),  # (the budget depends on the tokens a beat stands for: `token_budget`)
+                "samples_s": [round(x, 6) for x in self.token_samples],
             },
         }
 
@@ -155,6 +207,7 @@ class Calibration:
             data = json.loads(self.path.read_text())
             steps = data["steps"]["samples_s"]
             phases = {k: v["samples_s"] for k, v in data.get("phases", {}).items()}
+            tokens = (data.get("tokens") or {}).get("samples_s") or []  # a file from before tokens were learned: none
             if not all(isinstance(x, (int, float)) for x in steps):
                 raise ValueError("steps.samples_s must be numbers")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -165,6 +218,9 @@ class Calibration:
             for x in samples:
                 if isinstance(x, (int, float)):
                     self.add_phase(str(name), float(x))
+        for x in tokens if isinstance(tokens, list) else ():
+            if isinstance(x, (int, float)):
+                self.add_token_gap(float(x))
         self._dirty = 0
         return None
 

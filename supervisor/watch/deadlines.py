@@ -1,4 +1,4 @@
-"""The four deadlines of a worker attempt, as pure bookkeeping over heartbeat lines.
+"""The deadlines of a worker attempt, as pure bookkeeping over heartbeat lines and the worker's output.
 
 Nothing here reads a clock: every call takes `now`, the supervisor's monotonic time at which it
 read the line or checks.  The writer's own `t` is only recorded, never trusted for deadlines.
@@ -9,15 +9,35 @@ read the line or checks.  The writer's own `t` is only recorded, never trusted f
   took, once it completed a few times: `watchdog.phase_learn`), else the default (`phase_budgets_s`' own
   defaults, `default_phase_budget_s`).
   `train` has none unless one is given: it is governed by the step deadline.
-* **step** — while in `train`: time since the later of the last `step` and entering `train`;
-  `step_timeout_s` when fixed, else the calibrated budget, else `first_steps_timeout_s`.
+* **step** — while in `train`: time since the later of the last step and entering `train`;
+  `step_timeout_s` when fixed, else the budget learned from the run's step times (`calibration.py`: a multiple
+  of the longest of the first few, refined with every step after), else `first_steps_timeout_s`.  Each rank's
+  first two steps of an attempt are warm-up (a compile, a cache filled, the first step after a resume): they run
+  under `first_steps_timeout_s` (or the learned budget, if longer), and the interval between them is no sample.
+* **token** — inside `generate` (`watchdog.token_deadline`): time since the last progress beat that counted
+  tokens.  Such a beat carries the longest gap between two new tokens since the one before (`token_s`, timed in
+  the generating thread, the first decoding step left out); the budget is what the next beat may take at the
+  speed seen: `token_timeout_factor` × the tokens a beat stands for × the p99 of the gaps, at least
+  `token_timeout_min_s`.  It applies from the first generate on, once a beat has counted tokens: a generate
+  whose tokens stop is a stall within seconds, and one that is slow but still producing them never is (its
+  length is the phase budget's business, and a runaway `generate_overrun`'s).  Beats without `token_s` (a writer
+  that does not time its tokens) arm nothing.
 * **silence** — time since the rank's last line of any kind.
 * **output_silence** — while no rank has sent `start` (a worker that does not beat): time since its
   output last grew (`output_tail`), else since spawn; `output_silence_timeout_s`.
 
 Output that shows progress (`watchdog.progress_pattern`) ends the startup deadline as a `start` line
-does (a worker that clearly works is not killed for not beating), and keeps a rank's `load` phase alive:
-its budget counts from the later of entering `load` and the last progress line.
+does (a worker that clearly works is not killed for not beating).  A progress line that names its step
+(`step 30 loss …`: the pattern's `step` group, never a progress bar's) is a step: the first one ends a rank's
+`load` phase — a script that steps no optimizer, known by its output — and from then on the rank is in `train`,
+its steps those its output names and its step budget learned from them, as from step lines.  The output is read
+in the loop's passes (at most once a second, at least every few seconds), each read dating all its lines at the
+log's modification time, so a read of n steps teaches n samples: the time since the previous step seen (no gap in
+it was longer) and n − 1 times that time shared out among them — and the first read, which ends `load`, teaches
+n − 1 gaps, the time since the previous read's output shared out among its lines.  While such a rank is in
+`train` its output counts as its lines for the silence deadline.  Progress without a step number (a tqdm bar, a
+loss dict, an epoch) keeps a `load` phase alive: its budget counts from the later of entering `load` and the last
+progress line.
 
 A runaway `generate` the supervisor ordered to end in-process (`watchdog.generate_overrun: truncate`) gets a
 grace (`grant_grace`): every phase that began before the order may run until the order's time plus the grace —
@@ -36,17 +56,17 @@ the supervisor itself was not running (SIGSTOP, a suspended laptop), so such a g
 The loop asks two things many times a second: when the earliest deadline falls due (its sleep) and
 whether one is due (each pass).  Both come from `_due_at`, plain arithmetic over the anchors, kept
 until an input changes the anchors (every method that moves one bumps a version); the `Expired`
-records are built only once something is due.  The calibrated step budget (a p99 over up
-to 1000 samples, a sort) is recomputed after every new sample while there are fewer than 40, then
-after every `len/20` new ones (a 5% turnover of the window: at 640 steps a second, 13 sorts instead of
-640), and at once when calibration begins or the number of samples changed behind this object's back
-(a reload).
+records are built only once something is due.  A learned budget (a p99 over up to 1000 samples, a sort) is
+recomputed after every new sample while there are fewer than 40, then after every `len/20` new ones (a 5%
+turnover of the window: at 640 steps a second, 13 sorts instead of 640), and at once when learning begins or
+the number of samples changed behind this object's back (a reload).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from hangwatch.common.config import WatchdogCfg
 from hangwatch.common.config.schema import DEFAULT_PHASE_BUDGETS_S
@@ -55,6 +75,8 @@ from hangwatch.supervisor.watch.calibration import Calibration
 UNTIMED_PHASES = frozenset({"train", "idle"})  # train: the step deadline; idle: waiting for work is fine
 QUIET_PHASES = frozenset({"load"})  # one long call that cannot beat: bounded by its phase budget instead
 DUE_SLACK_S = 1e-6  # `check` takes the fast "nothing due" answer only this clearly before the earliest due time
+WARM_UP_STEPS = 2  # a rank's first steps of an attempt run under first_steps_timeout_s; the interval between them
+#                    (step 1 → 2: a recompile, lazily built optimizer state) is never a sample
 
 
 @dataclass
@@ -75,7 +97,36 @@ class RankTrack:
     progress_since_step: int = 0  # progress lines since the last step or phase change
     skip_next_sample: bool = False
     abandoned: bool = False  # its current phase was abandoned in the process: its length is no sample to learn from
+    steps_seen: int = 0  # steps since its last `start` (warm-up: the first WARM_UP_STEPS)
+    output_steps: bool = False  # in `train` by its output: its steps are the step lines of the worker's log
+    token_at: Optional[float] = None  # the last beat in this `generate` that counted tokens and timed their gaps
+    tokens: int = 0  # …the count it gave (a smaller one: the next generate() call in the same phase)
+    tokens_per_beat: int = 1  # …the tokens since the beat before it: what the next beat stands for
+    skip_next_token: bool = False  # the next token beat's interval spans a suspension or an abandon
     last: dict = field(default_factory=dict)  # the last decoded line
+
+
+class _Learned:
+    """When a learned budget (a p99: a sort) is worth computing again: after each new sample while there are fewer
+    than 40, then after every `len/20` new ones, and at once when the count changed behind the owner's back."""
+
+    __slots__ = ("value", "seen", "fresh")
+
+    def __init__(self):
+        self.value: Any = None
+        self.seen: Optional[int] = None  # how many samples there were when `value` was computed
+        self.fresh = 0  # samples added through `added` since
+
+    def added(self, before: int, after: int) -> None:
+        """A sample went in through the owner: `before` → `after` samples (a full window stays at its size)."""
+        if before == self.seen:
+            self.seen = after
+            self.fresh += 1
+
+    def get(self, n: int, compute: Callable[[], Any], force: bool = False) -> Any:
+        if force or self.value is None or n != self.seen or self.fresh >= max(1, n // 20):
+            self.value, self.seen, self.fresh = compute(), n, 0
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -131,10 +182,9 @@ class Deadlines:
         self.started = False
         self.extra: dict[str, tuple[float, float, str]] = {}  # name → (anchor, budget, source): e.g. the stop bound
         self._version = 0  # bumped by every input that can move an anchor (the `_due_at` cache's key)
-        self._due_cache: tuple = (None, None)  # ((version, step budget), due time)
-        self._new_samples = 0  # step samples added here since the budget was last computed
-        self._samples_seen: Optional[int] = None  # how many samples there were as this object left them
-        self._step_cached: tuple[float, str] = (0.0, "")
+        self._due_cache: tuple = (None, None)  # ((version, step budget, token gap), due time)
+        self._step_learned = _Learned()  # (budget, source) of the step deadline
+        self._token_learned = _Learned()  # the p99 token gap
         self.output_at: Optional[float] = None  # the worker's output last grew (this attempt)
         self.output_progress_at: Optional[float] = None  # …with a progress line
         self.grace: Optional[tuple[float, float]] = None  # (order time, seconds): a generate truncation under way
@@ -150,12 +200,45 @@ class Deadlines:
         self.output_at = self.output_progress_at = None
         self.grace = None
 
-    def output_seen(self, at: float, progress: bool) -> None:
-        """The worker's output grew at `at` (with a progress line when `progress`)."""
+    def output_seen(self, at: float, progress: bool, steps: int = 0) -> None:
+        """The worker's output grew at `at` — with a progress line when `progress`, its lines naming `steps` new step
+        numbers.  A step line ends a rank's `load` and is a step of that rank from then on (the module docstring)."""
         self._version += 1
+        before = self.output_at
         self.output_at = at if self.output_at is None else max(self.output_at, at)
-        if progress:
+        if progress or steps > 0:
             self.output_progress_at = at if self.output_progress_at is None else max(self.output_progress_at, at)
+        if steps <= 0:
+            return
+        for tr in self.ranks.values():
+            if not tr.started or tr.stopped:
+                continue
+            if tr.phase in QUIET_PHASES and at > tr.phase_since:
+                # Its lines came after the previous read's output: the gaps between them are at most that window
+                # shared out among them.  (The gap after a first step is warm-up: left out.)
+                since = tr.phase_since if before is None else max(tr.phase_since, before)
+                self._enter_phase(tr, "train", at)
+                tr.output_steps = True
+                for _ in range(steps - 1 - (1 if tr.steps_seen == 0 else 0)):
+                    self._added_step((at - since) / (steps - 1))
+                tr.skip_next_sample = False
+            elif tr.output_steps and tr.phase == "train":
+                if tr.last_step_at is not None and at > tr.last_step_at:
+                    # One sample per step named: the time since the previous step seen (at least each gap in it),
+                    # then that time shared out among the rest.
+                    span = at - tr.last_step_at
+                    if tr.skip_next_sample:
+                        tr.skip_next_sample = False
+                    else:
+                        if tr.steps_seen >= WARM_UP_STEPS:
+                            self._added_step(span)
+                        for _ in range(steps - 1):
+                            self._added_step(span / steps)
+            else:
+                continue
+            tr.steps_seen += steps
+            tr.last_step_at = at
+            tr.progress_since_step = 0
 
     @property
     def startup_armed(self) -> bool:
@@ -193,6 +276,7 @@ class Deadlines:
             self._version += 1
             tr.abandoned = True
             tr.skip_next_sample = True
+            tr.skip_next_token = True
 
     def disarm_extra(self, name: str) -> None:
         self._version += 1
@@ -233,31 +317,65 @@ class Deadlines:
         return out
 
     def step_budget(self) -> tuple[float, str]:
+        """The run's step budget and where it came from: `config` (fixed), `learned: …` (`Calibration.step_source`),
+        else `first_steps`.  A rank's own first steps may run under a longer one (`_step_limit`)."""
         if self.wd.step_timeout_s is not None:
             return float(self.wd.step_timeout_s), "config"
-        n = len(self.calibration.step_samples)
-        due = self._new_samples >= max(1, n // 20) or (
-            self._step_cached[1] != "calibrated" and n >= self.wd.calibrate_after
-        )
-        if n != self._samples_seen or due:
-            calibrated = self.calibration.step_budget()
-            self._step_cached = (
-                (calibrated, "calibrated")
-                if calibrated is not None
-                else (float(self.wd.first_steps_timeout_s), "first_steps")
-            )
-            self._samples_seen, self._new_samples = n, 0
-        return self._step_cached
+        cal = self.calibration
+        n = len(cal.step_samples)
+
+        def compute() -> tuple[float, str]:
+            learned = cal.step_budget()
+            if learned is None:
+                return float(self.wd.first_steps_timeout_s), "first_steps"
+            return learned, cal.step_source()
+
+        cached = self._step_learned.value
+        begins = cached is not None and cached[1] == "first_steps" and n >= self.wd.calibrate_after
+        return self._step_learned.get(n, compute, force=begins)
+
+    def _step_limit(self, tr: RankTrack, run: tuple[float, str]) -> tuple[float, str]:
+        """Rank `tr`'s step budget, given the run's (`step_budget`): during its warm-up at least
+        `first_steps_timeout_s`."""
+        if run[1] != "config" and tr.steps_seen < WARM_UP_STEPS and self.wd.first_steps_timeout_s >= run[0]:
+            return float(self.wd.first_steps_timeout_s), "first_steps"
+        return run
+
+    def token_gap(self) -> Optional[float]:
+        """The p99 of the gaps between a generate's tokens seen so far (None before any), recomputed as
+        `_Learned` says."""
+        samples = self.calibration.token_samples
+        return self._token_learned.get(len(samples), self.calibration.token_gap)
+
+    def _token_limit(self, tr: RankTrack, gap: Optional[float]) -> tuple[float, str]:
+        """The budget of rank `tr`'s next token beat, and how it was made."""
+        budget = self.calibration.token_budget(tr.tokens_per_beat, gap)
+        floor = self.wd.token_timeout_min_s
+        if gap is None:
+            return budget, f"token floor {floor:g}s (no gap between tokens seen yet)"
+        per = "token" if tr.tokens_per_beat == 1 else f"{tr.tokens_per_beat} tokens"
+        made = f"learned: {self.wd.token_timeout_factor:g} × {per} × p99 gap {gap:.3g}s"
+        return budget, made + (f", at least {floor:g}s" if budget <= floor else "")
+
+    def _silence_anchor(self, tr: RankTrack) -> float:
+        """A rank's last sign of life: its last line — and, while its steps are seen in the output, the output's."""
+        if tr.output_steps and tr.phase == "train" and self.output_at is not None and self.output_at > tr.last_line_at:
+            return self.output_at
+        return tr.last_line_at
 
     def _added_step(self, duration_s: float) -> None:
         """A step sample into the calibration, counted for the budget cache (which tells the samples
         added here from a change made elsewhere by their number: a reload, a test)."""
         samples = self.calibration.step_samples
-        known = len(samples) == self._samples_seen
-        self.calibration.add_step(duration_s)
-        if known:  # (one the calibration refused counts too: at worst an early recompute)
-            self._samples_seen = len(samples)
-            self._new_samples += 1
+        before = len(samples)
+        self.calibration.add_step(duration_s)  # (one it refused counts too: at worst an early recompute)
+        self._step_learned.added(before, len(samples))
+
+    def _added_token_gap(self, gap_s: float) -> None:
+        samples = self.calibration.token_samples
+        before = len(samples)
+        self.calibration.add_token_gap(gap_s)
+        self._token_learned.added(before, len(samples))
 
     def _enter_phase(self, tr: RankTrack, name: str, now: float, line_budget=None) -> None:
         if tr.started and tr.phase not in UNTIMED_PHASES and tr.phase != "init" and not tr.abandoned:
@@ -267,8 +385,25 @@ class Deadlines:
         tr.phase_since = now
         tr.phase_budget, tr.phase_budget_source = self.phase_budget(name, line_budget)
         tr.progress_since_step = 0
+        tr.output_steps = False
+        tr.token_at, tr.tokens, tr.tokens_per_beat = None, 0, 1
         if name == "train":
             tr.train_since = now
+
+    def _token_beat(self, tr: RankTrack, rec: dict, now: float) -> None:
+        """A `progress` beat in `generate`: one that counts tokens and times their gaps (`token_s`) is the token
+        deadline's anchor, its gap a sample, and the tokens since the previous one what the next one stands for."""
+        tokens, gap = rec.get("tokens"), rec.get("token_s")
+        if type(tokens) is not int or tokens < 1:  # (bool is no count)
+            return
+        if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not math.isfinite(gap) or gap < 0:
+            return
+        if tr.skip_next_token:
+            tr.skip_next_token = False
+        else:
+            self._added_token_gap(float(gap))
+        since = tr.tokens if tr.token_at is not None and tokens > tr.tokens else 0  # smaller: the next call
+        tr.token_at, tr.tokens, tr.tokens_per_beat = now, tokens, tokens - since
 
     def observe(self, rec: dict, now: float) -> RankTrack:
         """Apply one decoded heartbeat line read at `now`."""
@@ -293,24 +428,32 @@ class Deadlines:
             tr.phase_budget, tr.phase_budget_source = self.phase_budget(tr.phase)
             tr.last_step_at = None
             tr.train_since = now if tr.phase == "train" else None
+            tr.steps_seen, tr.output_steps = 0, False  # a new process: warm-up again
+            tr.token_at, tr.tokens, tr.tokens_per_beat = None, 0, 1
         elif event == "phase":
             self._enter_phase(tr, str(rec.get("phase")), now, rec.get("budget_s"))
         else:
-            if rec.get("phase") and rec["phase"] != tr.phase:
-                # A phase line went missing (torn): follow the phase every line carries.
-                self._enter_phase(tr, str(rec["phase"]), now)
+            phase = rec.get("phase")
+            # A phase line went missing (torn): follow the phase every line carries — but a rank whose output ended
+            # its `load` is in `train` while its own lines still say `load`.
+            if phase and phase != tr.phase and not (tr.output_steps and phase in QUIET_PHASES):
+                self._enter_phase(tr, str(phase), now)
             if event == "step":
                 if tr.phase == "train":
                     if tr.last_step_at is not None and tr.train_since is not None and tr.last_step_at >= tr.train_since:
                         if tr.skip_next_sample:
                             tr.skip_next_sample = False
-                        else:
+                        elif tr.steps_seen >= WARM_UP_STEPS:  # (the interval after its first step: warm-up)
                             self._added_step(now - tr.last_step_at)
+                    tr.output_steps = False  # its own step lines from now on
+                tr.steps_seen += 1
                 tr.last_step_at = now
                 tr.progress_since_step = 0
             elif event == "progress":
                 tr.last_progress_at = now
                 tr.progress_since_step += 1
+                if tr.phase == "generate" and self.wd.token_deadline:
+                    self._token_beat(tr, rec, now)
             elif event == "stop":
                 tr.stopped = True
         return tr
@@ -338,7 +481,10 @@ class Deadlines:
                 tr.train_since += gap
             if tr.last_progress_at is not None:
                 tr.last_progress_at += gap
+            if tr.token_at is not None:
+                tr.token_at += gap
             tr.skip_next_sample = True  # the interval spanning the gap is not a step time
+            tr.skip_next_token = True  # …nor a gap between tokens (a whole machine suspended stops the writer too)
 
     # ---- outputs --------------------------------------------------------------------------
 
@@ -357,6 +503,8 @@ class Deadlines:
             )
         for name, (anchor, budget, source) in self.extra.items():
             out.append(Expired(name, budget, now - anchor, source=source))
+        run_step = self.step_budget()
+        gap = self.token_gap()
         for tr in self.ranks.values():
             if not tr.started or tr.stopped:
                 continue
@@ -365,7 +513,11 @@ class Deadlines:
             if tr.phase not in QUIET_PHASES:
                 out.append(
                     Expired(
-                        "silence", float(self.wd.silence_timeout_s), now - tr.last_line_at, source="config", **common
+                        "silence",
+                        float(self.wd.silence_timeout_s),
+                        now - self._silence_anchor(tr),
+                        source="config",
+                        **common,
                     )
                 )
             budget, source = self._phase_limit(tr)
@@ -384,7 +536,7 @@ class Deadlines:
                 )
             if tr.phase == "train":
                 anchor = max(x for x in (tr.last_step_at, tr.train_since, tr.phase_since) if x is not None)
-                budget, source = self.step_budget()
+                budget, source = self._step_limit(tr, run_step)
                 out.append(
                     Expired(
                         "step",
@@ -396,6 +548,9 @@ class Deadlines:
                         **common,
                     )
                 )
+            if tr.token_at is not None:
+                budget, source = self._token_limit(tr, gap)
+                out.append(Expired("token", budget, now - tr.token_at, source=source, **common))
         return out
 
     def active(self, now: float) -> list[dict]:
@@ -419,8 +574,9 @@ class Deadlines:
     def _due_at(self) -> Optional[float]:
         """When the earliest armed deadline falls due (the anchors' clock), None when none is armed;
         the same deadlines as `_candidates`, without building them."""
-        step = self.step_budget()[0]
-        key = (self._version, step)
+        run_step = self.step_budget()
+        gap = self.token_gap()
+        key = (self._version, run_step[0], gap)
         if self._due_cache[0] == key:
             return self._due_cache[1]
         silence = self.wd.silence_timeout_s
@@ -435,7 +591,7 @@ class Deadlines:
             if not tr.started or tr.stopped:
                 continue
             if tr.phase not in QUIET_PHASES:
-                times.append(tr.last_line_at + silence)
+                times.append(self._silence_anchor(tr) + silence)
             budget = self._phase_limit(tr)[0]
             if budget is not None:
                 times.append((self._quiet_anchor(tr) if tr.phase in QUIET_PHASES else tr.phase_since) + budget)
@@ -445,7 +601,9 @@ class Deadlines:
                     anchor = tr.train_since
                 if tr.last_step_at is not None and tr.last_step_at > anchor:
                     anchor = tr.last_step_at
-                times.append(anchor + step)
+                times.append(anchor + self._step_limit(tr, run_step)[0])
+            if tr.token_at is not None:
+                times.append(tr.token_at + self.calibration.token_budget(tr.tokens_per_beat, gap))
         due = min(times) if times else None
         self._due_cache = (key, due)
         return due

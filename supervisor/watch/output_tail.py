@@ -6,7 +6,8 @@ what was appended since the last call — bounded per call, never blocking — a
 
   * when output last grew (any byte: a hang is exactly the log that stops growing);
   * when a line last matched `watchdog.progress_pattern` (progress: a step line, a loss line, a tqdm counter),
-    that line, and the highest `step` group seen;
+    that line, the last `step` group seen, and how many steps the last read's lines named (`steps_read`: the
+    step deadline of a script known by its output);
   * the last line, for the incident.
 
 Lines end at `\\n` or `\\r` (tqdm redraws its bar with `\\r`); a line without its end yet waits for it.  The
@@ -43,6 +44,7 @@ class OutputTail:
         self.last_progress_line = ""
         self.progress_lines = 0
         self.step: Optional[int] = None
+        self.steps_read = 0  # steps the last read's progress lines named (each a new number): for the step deadline
         self.read_at: Optional[float] = None
         self._fd: Optional[int] = None
 
@@ -50,6 +52,7 @@ class OutputTail:
         """Read what was appended; (output grew, a progress line came).  `wall_now`: time.time() at `now`, to date
         the growth by the file's modification time (None: date it `now`)."""
         previous, self.read_at = self.read_at, now
+        self.steps_read = 0
         st = self._stat()
         if st is None:
             return False, False
@@ -85,7 +88,7 @@ class OutputTail:
         self.partial = pieces.pop()[-PARTIAL_MAX:]
         progressed = False
         for raw in pieces:
-            line = raw.decode("utf-8", errors="replace").strip()
+            line = visible_text(raw.decode("utf-8", errors="replace"))
             if not line:
                 continue
             self.last_line = line[:LINE_SHOWN]
@@ -97,9 +100,14 @@ class OutputTail:
             self.last_progress_at = when
             self.last_progress_line = self.last_line
             step = m.groupdict().get("step")
+            if step is None and "step" in self.regex.groupindex:  # `Epoch 2 step 30 …`: the epoch matched first
+                step = next((s for s in (x.group("step") for x in self.regex.finditer(line)) if s), None)
             if step is not None and step.isdigit() and not PROGRESS_BAR.search(line):
                 # The script's own words ("step 30 loss …"), never a progress bar's: a bar's counter and description
-                # count micro-batches, eval batches or epochs as often as optimizer steps.
+                # count micro-batches, eval batches or epochs as often as optimizer steps.  Lines that repeat the
+                # step's number (`step 30 lr …` after `step 30 loss …`) are one step.
+                if int(step) != self.step:
+                    self.steps_read += 1
                 self.step = int(step)
         return progressed
 
@@ -135,3 +143,27 @@ class OutputTail:
             "step": self.step,
             **({"skipped_bytes": self.skipped_bytes} if self.skipped_bytes else {}),
         }
+
+
+# What a terminal acts on and never shows.  ESC [ … final byte: CSI (colours, and the cursor moves tqdm draws nested
+# bars with, `ESC[A`); ESC ] … BEL or ESC \: OSC (window titles, hyperlinks); ESC P/X/^/_ … ESC \: the other strings;
+# ESC and one final byte (ESC 7, ESC (B).  A sequence cut off by the end of the text is dropped too.
+_ESCAPES = re.compile(
+    r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\|\Z)"
+    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\|\Z)"
+    r"|\x1b\[[0-?]*[ -/]*(?:[@-~]|\Z)"
+    r"|\x1b[ -/]*[0-~]"
+)
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab, a lone ESC included
+_REDRAWS = re.compile(r"[\r\n]")
+
+
+def visible_text(text: str) -> str:
+    """What a terminal would leave on screen of one line of output: the text after the last carriage return that
+    shows anything (a progress bar redraws itself over the same line with `\\r`), without ANSI escape sequences
+    and control characters, stripped.  "" when nothing in it shows (a bare `ESC[A`, a lone `\\r`)."""
+    for piece in reversed(_REDRAWS.split(_ESCAPES.sub("", text))):
+        shown = _CONTROLS.sub("", piece).strip()
+        if shown:
+            return shown
+    return ""

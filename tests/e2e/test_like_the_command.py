@@ -1,10 +1,11 @@
 """`hangwatch run -- CMD` as a person runs it in a terminal (a real pseudo-terminal): it behaves like CMD.
 
   * the script's own output is on the screen as it runs, a line says where attempt 2 began, and it is in
-    worker.log too; `--quiet` keeps it off the screen;
-  * the exit status is the run's: 0 finished, 1 failed (the same error twice ends it at the second);
-  * a rerun with other arguments goes to a run dir of its own (`runs/<script>-2`); the same command again starts
-    nothing, exits 79 and prints a hint that works as printed;
+    worker.log too; `--hide-output` keeps it off the screen, `-q` keeps hangwatch's own lines off;
+  * the exit status: 0 finished, 79 (do not retry) when the same error twice ended it at the second;
+  * a rerun with other arguments goes to a run dir of its own (`runs/<script>-2`); the same command again after it
+    finished runs again in a run dir of its own (said), and started again by systemd it is reported, not trained
+    again (exit 0), with a hint that works as printed;
   * `status`, `logs`, `incidents` find the run without `--run-dir`, and `status` of a finished run exits 0;
   * a `generate()` that hangs after a few quick ones is caught within the budget the run taught it (seconds), not
     the default 300 s.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from fixtures.fakes.user_shell import hangwatch_argv, incidents, user_env
@@ -46,11 +48,17 @@ print("done", flush=True)
 """
 
 
-def in_terminal(argv: list[str], cwd: Path, timeout: float = 180) -> tuple[int, str]:
+def person_env() -> dict:
+    """A person's shell: nothing that says a service manager or a batch scheduler started us (`cli.rerun`)."""
+    return {k: v for k, v in user_env().items() if k not in ("INVOCATION_ID", "JOURNAL_STREAM") and "SLURM" not in k}
+
+
+def in_terminal(argv: list[str], cwd: Path, timeout: float = 180, env: Optional[dict] = None) -> tuple[int, str]:
     """Run `argv` with a pseudo-terminal as its stdin, stdout and stderr, as a shell runs it; (exit status, the
     screen's text)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(argv, cwd=cwd, env=user_env(), stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    env = person_env() if env is None else env
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout
@@ -89,8 +97,8 @@ def here(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run(here: Path, *cmd: str, options: tuple = ()) -> tuple[int, str]:
-    return in_terminal([*hangwatch_argv(), "run", *options, "--", sys.executable, "train.py", *cmd], here)
+def run(here: Path, *cmd: str, options: tuple = (), env: Optional[dict] = None) -> tuple[int, str]:
+    return in_terminal([*hangwatch_argv(), "run", *options, "--", sys.executable, "train.py", *cmd], here, env=env)
 
 
 def test_the_scripts_output_is_on_the_screen_and_attempt_two_says_where_it_began(here):
@@ -106,15 +114,18 @@ def test_the_scripts_output_is_on_the_screen_and_attempt_two_says_where_it_began
     assert screen.index("done") < screen.index("run finished (exit 0)")
     log = (here / "runs" / "train" / "attempts" / "0002" / "worker.log").read_text()
     assert "hello from the script, attempt 2" in log and "done" in log  # …and the log has it as before
-    # --quiet: the summary, not the script's output
-    rc, quiet = run(here, "--steps", "2", options=("--quiet", "--run-dir", "runs/quiet"))
+    # --hide-output: the summary, not the script's output; -q: the script's output, no word of hangwatch's
+    rc, hidden = run(here, "--steps", "2", options=("--hide-output", "--run-dir", "runs/hidden"))
+    assert rc == 0, hidden
+    assert "hello from the script" not in hidden and "run finished (exit 0)" in hidden
+    rc, quiet = run(here, "--steps", "2", options=("-q", "--run-dir", "runs/quiet"))
     assert rc == 0, quiet
-    assert "hello from the script" not in quiet and "run finished (exit 0)" in quiet
+    assert "hello from the script" in quiet and "hangwatch" not in quiet
 
 
 def test_the_exit_status_is_the_runs_and_the_same_error_twice_ends_it(here):
     rc, screen = run(here, "--steps", "2", "--always-fail")
-    assert rc == 1, screen
+    assert rc == 79, screen
     assert screen.count("FileNotFoundError") >= 2, screen  # both attempts' own tracebacks, on the screen
     found = [inc for _, inc in incidents(here / "runs" / "train")]
     assert [i["kind"] for i in found] == ["crash", "crash"], [(i["kind"], i.get("summary")) for i in found]
@@ -134,21 +145,28 @@ def test_reruns_tell_the_truth_and_clients_find_the_run_without_run_dir(here):
         other
     )
     assert "step 5 loss" in other and json.loads((here / "runs/train-2/state.json").read_text())["state"] == "finished"
-    # the same command again: nothing starts, a distinct status, a hint that works as printed
+    # the same command again, typed by a person: it runs again, in a run dir of its own, said first
     rc, again = run(here, "--steps", "5")
-    assert rc == 79, again
-    assert "runs/train-2 already finished (at step 5" in again and "nothing started" in again, again
-    assert "hello from the script" not in again
-    hint = next(line for line in again.splitlines() if "to run it again from the start:" in line)
+    assert rc == 0, again
+    assert "runs/train-2 holds this same run, finished (at step 5" in again and "it runs again, in runs/train-3" in (
+        again
+    )
+    assert "step 5 loss" in again and json.loads((here / "runs/train-3/state.json").read_text())["state"] == "finished"
+    # started again by systemd: reported, not trained again, exit 0; a hint that works as printed
+    rc, service = run(here, "--steps", "5", env={**person_env(), "INVOCATION_ID": "0123456789abcdef"})
+    assert rc == 0, service
+    assert "runs/train-3 already finished (at step 5" in service and "started again by systemd" in service, service
+    assert "nothing started" in service and "hello from the script" not in service
+    hint = next(line for line in service.splitlines() if "to run it again from the start:" in line)
     argv = hint.split("to run it again from the start: ", 1)[1].split()
-    assert argv[:4] == ["hangwatch", "run", "--run-dir", "runs/train-2-new"] and argv[4] == "--", hint
+    assert argv[:4] == ["hangwatch", "run", "--run-dir", "runs/train-3-new"] and argv[4] == "--", hint
     rc, fresh = in_terminal([*hangwatch_argv(), *argv[1:]], here)
     assert rc == 0 and "step 5 loss" in fresh, fresh
 
     # the clients, told nothing: the most recent run, said which; status of a finished run exits 0
     status = plain(here, "status")
     assert status.returncode == 0, (status.stdout, status.stderr)
-    assert "finished" in status.stdout and "runs/train-2-new" in status.stderr, (status.stdout, status.stderr)
+    assert "finished" in status.stdout and "runs/train-3-new" in status.stderr, (status.stdout, status.stderr)
     logs = plain(here, "logs")
     assert logs.returncode == 0 and "step 5 loss" in logs.stdout and "done" in logs.stdout, logs.stderr
     listed = plain(here, "incidents")

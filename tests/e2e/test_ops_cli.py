@@ -308,17 +308,19 @@ def _attempt_log(run_dir: Path, attempt: int, text: str) -> Path:
     return p
 
 
-def test_logs_prints_the_newest_attempt_or_the_one_asked_for(tmp_path):
+def test_logs_prints_every_attempt_or_the_one_asked_for(tmp_path):
     _attempt_log(tmp_path, 1, "one-a\none-b\n")
     _attempt_log(tmp_path, 2, "two-a\ntwo-b\ntwo-c\n")
     (tmp_path / "attempts" / "0003").mkdir()  # spawned, no log yet: not "current" until its log exists
     (tmp_path / "supervisor.log").write_text('{"event": "supervisor_started"}\n')
-    assert cli("logs", "--run-dir", tmp_path).output == "two-a\ntwo-b\ntwo-c\n"
-    assert cli("logs", "-n", "1", "--run-dir", tmp_path).output == "two-c\n"
-    assert cli("logs", "--attempt", "1", "--run-dir", tmp_path).output == "one-a\none-b\n"
+    one, two = "──── attempt 1 (ended) ────\n", "──── attempt 2 (ended) ────\n"
+    assert cli("logs", "--run-dir", tmp_path).output == f"{one}one-a\none-b\n{two}two-a\ntwo-b\ntwo-c\n"
+    assert cli("logs", "-n", "1", "--run-dir", tmp_path).output == f"{two}two-c\n"
+    assert cli("logs", "-n", "4", "--run-dir", tmp_path).output == f"{one}one-b\n{two}two-a\ntwo-b\ntwo-c\n"
+    assert cli("logs", "--attempt", "1", "--run-dir", tmp_path).output == f"{one}one-a\none-b\n"
     assert cli("logs", "--supervisor", "--run-dir", tmp_path).output == '{"event": "supervisor_started"}\n'
     r = hangwatch("logs", "--attempt", "7", "--run-dir", tmp_path)
-    assert (r.returncode, r.stderr) == (1, f"hangwatch: no worker log for attempt 7 yet in {tmp_path}\n")
+    assert (r.returncode, r.stderr) == (1, f"hangwatch: no attempt 7 in {tmp_path}; its attempts: 1, 2\n")
 
 
 def test_logs_follow_moves_on_to_the_next_attempt(tmp_path, sigint_default):
@@ -355,9 +357,11 @@ def test_logs_follow_moves_on_to_the_next_attempt(tmp_path, sigint_default):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
     assert [line.strip() for line in lines] == [
+        "──── attempt 1 (ended) ────",  # no supervisor here: nothing says it runs
         "first attempt line 1",
         "first attempt line 2",
         "first attempt last words",
+        "──── attempt 2 (ended) ────",
         "second attempt line 1",
         "second attempt line 2",
     ]

@@ -1,6 +1,7 @@
 """`hangwatch validate-config` and `hangwatch run` as a user meets them: a config that cannot work is
 refused (exit 78, the key, its line) before any worker starts; a directory as CONFIG is a config error,
-not a usage error; a run dir whose run already finished is left alone, with how to start afresh."""
+not a usage error; a finished run typed again runs again in a run dir of its own, and started again by systemd it
+is reported, not trained again (exit 0, with how to start afresh); a failed or stopped one continues."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from fixtures.fakes.sup_harness import attempts, state, write_config
 from fixtures.fakes.workers import make_config
@@ -16,10 +18,17 @@ from fixtures.fakes.workers import make_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def hangwatch(*args, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+# What says a machine, not a person, started us (`cli.rerun.started_by`): never inherited from the test's own start
+STARTERS = ("HANGWATCH_", "NOTIFY_SOCKET", "INVOCATION_ID", "JOURNAL_STREAM", "SLURM_")
+
+
+def hangwatch(
+    *args, cwd: Path = REPO, timeout: float = 120, extra_env: Optional[dict] = None
+) -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "hangwatch"
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "hangwatch.supervisor"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HANGWATCH_", "NOTIFY_SOCKET"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STARTERS)}
+    env.update(extra_env or {})
     return subprocess.run([*argv, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
@@ -92,35 +101,44 @@ def test_warnings_go_to_stderr_and_the_config_is_still_ok(tmp_path):
     assert "hangwatch: warning: " in r.stderr and "eval.prompts: never generated: eval.every_steps is 0" in r.stderr
 
 
-def test_a_finished_run_is_not_run_again_and_says_how_to_start_fresh(tmp_path):
+def test_a_finished_run_is_reported_to_systemd_and_runs_again_for_a_person(tmp_path):
     cfg, run_dir = write_config(tmp_path, "ok")
     first = hangwatch("run", cfg)
     assert first.returncode == 0, first.stderr[-3000:]
     assert state(run_dir)["state"] == "finished"
     before = (len(attempts(run_dir)), (run_dir / "state.json").read_bytes())
-    again = hangwatch("run", cfg, cwd=tmp_path)
-    assert again.returncode == 79, again.stderr  # a scheduler must not take it for a run that trained
+    # systemd starts it again (Restart=always, a reboot): reported, not trained again, and not a failure
+    again = hangwatch("run", cfg, cwd=tmp_path, extra_env={"INVOCATION_ID": "0123456789abcdef"})
+    assert again.returncode == 0, again.stderr
     first_line = again.stderr.splitlines()[0]
-    assert first_line.startswith("hangwatch: run already finished (at step ") and "nothing started (exit 79)" in (
-        first_line
-    )
+    assert first_line.startswith("hangwatch: run already finished (at step ") and (
+        "this same run, started again by systemd — reported, nothing started." in first_line
+    ), first_line
     hint = next(line for line in again.stderr.splitlines() if "to run it again from the start:" in line)
     assert hint.endswith(f"hangwatch run --run-dir run-new {cfg}"), hint
     assert (len(attempts(run_dir)), (run_dir / "state.json").read_bytes()) == before  # nothing ran, nothing changed
-    # the way out it names works, as printed
-    fresh = hangwatch(*hint.split("hangwatch ", 1)[1].split(), cwd=tmp_path)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert state(tmp_path / "run-new")["state"] == "finished" and len(attempts(tmp_path / "run-new")) == 1
+    # a person types it again: it runs again, from the start, in a run dir of its own — said first
+    person = hangwatch("run", cfg, cwd=tmp_path)
+    assert person.returncode == 0, person.stderr[-3000:]
+    assert person.stderr.splitlines()[0].startswith("hangwatch: run holds this same run, finished (at step "), (
+        person.stderr[:600]
+    )
+    assert "it runs again, in run-2" in person.stderr.splitlines()[0]
+    assert state(tmp_path / "run-2")["state"] == "finished" and len(attempts(tmp_path / "run-2")) == 1
+    assert (len(attempts(run_dir)), (run_dir / "state.json").read_bytes()) == before
 
 
-def test_a_stopped_or_failed_run_resumes_as_before(tmp_path):
+def test_a_stopped_or_failed_run_continues_and_says_so(tmp_path):
     cfg, run_dir = write_config(tmp_path, "ok")
     run_dir.mkdir()
-    for previous in ("stopped", "failed"):
-        (run_dir / "state.json").write_text(json.dumps({"state": previous, "attempt": 1}))
-        r = hangwatch("run", cfg)
+    for previous, attempt in (("stopped", 1), ("failed", 2)):
+        (run_dir / "state.json").write_text(json.dumps({"state": previous, "attempt": attempt}))
+        r = hangwatch("run", cfg, cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert "already finished" not in r.stderr
+        where = "the start" if attempt == 1 else "ckpt-"  # the second: the first's last good checkpoint
+        assert r.stderr.splitlines()[0].startswith(
+            f"hangwatch: continuing the {previous} run in run: attempt {attempt}, from {where}"
+        ), r.stderr[:600]
         assert state(run_dir)["state"] == "finished"
     assert len(attempts(run_dir)) == 2
 
@@ -135,9 +153,10 @@ def test_a_finished_continuous_run_takes_new_inbox_files(tmp_path):
     run_dir.mkdir()
     (run_dir / "state.json").write_text(json.dumps({"state": "finished", "last_good_step": 7}))
     inbox = load_config(cfg_path)
-    assert not rerun.plan(inbox.model_dump(mode="json"), inbox.run_dir, [str(cfg_path)], continuous=True).finished
+    service = {"INVOCATION_ID": "1"}
+    assert not rerun.plan(inbox.model_dump(mode="json"), inbox.run_dir, [str(cfg_path)], True, service).finished
     plain = load_config(make_config(tmp_path, "plain.yaml"))
-    where = rerun.plan(plain.model_dump(mode="json"), plain.run_dir, ["plain.yaml"])
+    where = rerun.plan(plain.model_dump(mode="json"), plain.run_dir, ["plain.yaml"], environ=service)
     assert where.finished and f"{run_dir} already finished (at step 7)" in where.lines[0]
 
 

@@ -63,9 +63,10 @@ def fill(path: Path) -> None:
 
 
 def hangwatch_run(cfg: Path) -> subprocess.Popen:
-    """`hangwatch run --quiet CFG`: the supervisor's own lines only (the worker's output stays in worker.log)."""
+    """`hangwatch run -v --hide-output CFG`: the supervisor's own lines only (the worker's output stays in
+    worker.log)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "hangwatch.supervisor", "run", "--quiet", str(cfg)],
+        [sys.executable, "-m", "hangwatch.supervisor", "run", "-v", "--hide-output", str(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

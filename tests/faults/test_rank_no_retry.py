@@ -142,8 +142,8 @@ def test_the_built_in_workers_ranks_refusing_a_resume_end_the_run_with_78(tmp_pa
     two = tmp_path / "two.yaml"
     two.write_text(yaml.safe_dump(cfg))
     try:
-        r = subprocess.run(
-            [*hangwatch_argv(), "run", str(two)],
+        r = subprocess.run(  # --run-dir: this very run dir, though the config differs (continued, as asked)
+            [*hangwatch_argv(), "run", str(two), "--run-dir", str(run_dir)],
             cwd=tmp_path,
             env=user_env(),
             capture_output=True,

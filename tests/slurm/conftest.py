@@ -1,6 +1,7 @@
 """A real one-host Slurm cluster for the tests of this directory: munged, slurmctld and slurmd with a private
 configuration under a temporary directory (`scripts/slurm-cluster.sh`, which a person can run too), started once
-per session and stopped after.  It needs slurm-wlm and munge installed (scripts/setup.sh installs them when it runs
+per session and stopped after.  It needs slurm-wlm and munge installed (scripts/test.sh installs them, through
+`scripts/setup.sh --with-slurm`, when it runs
 as root with apt) and root; where it cannot start, every test here is skipped with the reason (shown by `-ra`).
 
 `slurm` (the fixture) submits jobs with the cluster's SLURM_CONF, and reads a job's state both ways the cluster

@@ -58,6 +58,7 @@ def test_no_config_means_defaults_the_command_and_runs_slash_script(tmp_path, mo
 
 
 def test_a_config_with_a_command_keeps_its_settings_and_its_own_run_dir(tmp_path):
+    (tmp_path / "new.py").write_text("print('hi')\n")  # the script must be there (relative to the config's directory)
     (tmp_path / "a.yaml").write_text(
         "watchdog: {step_timeout_s: 7}\nworker: {command: [old], resume_args: [--resume, '{checkpoint}']}\n"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.rules.outcome import Intent, Outcome, next_outcome
+from hangwatch.supervisor.rules.outcome import Intent, Outcome, next_outcome, run_exit_status
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.rules.states import State
 
@@ -65,3 +65,58 @@ def test_resolve(intent, decision, code, during, expected):
 
 def test_the_intent_reads_as_status_reports_it():
     assert [i.value for i in Intent] == [None, "exit", "requeue", "pause", "restart", "fail", "peer_failed"]
+
+
+# ---- the exit status of `hangwatch run` (run_exit_status)
+
+STOPPED = Outcome(State.STOPPED, "stop requested (SIGINT)")
+REQUEUED = Outcome(State.STOPPED, "stopped to be run again (requeue)", 75)
+FAILED = Outcome(State.FAILED, "crash loop", 1)
+FINISHED = Outcome(State.FINISHED, "worker exited 0")
+DISK = Outcome(State.FAILED, "the run cannot go on", 74)
+NO_RETRY = Decision("fail", "the same failure twice", exit_code=79)
+RANK = Decision("fail", "rank 3 exited 78", exit_code=78)
+
+
+@pytest.mark.parametrize(
+    "out, decision, code, signum, by_itself, stop_signal, transparent, expected",
+    [
+        (FINISHED, None, 0, None, True, None, True, 0),
+        # the command's own failure ended the run: its status, as bare
+        (FAILED, LOOP, 3, None, True, None, True, 3),
+        (FAILED, LOOP, None, 9, True, None, True, 137),  # killed by SIGKILL (the kernel's OOM killer, say)
+        (FAILED, LOOP, None, 11, True, None, True, 139),
+        # hangwatch ended it: its own codes
+        (FAILED, NO_RETRY, 3, None, True, None, True, 79),
+        (FAILED, RANK, 1, None, True, None, True, 78),  # a rank's do-not-restart code that torchrun's 1 hides
+        (FAILED, LOOP, None, 9, False, None, True, 79),  # stalls it killed, again and again
+        (DISK, None, 1, None, True, None, True, 74),
+        (Outcome(State.FAILED, "unusable data", 65), None, 65, None, True, None, True, 65),
+        # a stop passed on: the command's answer, or 128+N for the signal hangwatch got
+        (STOPPED, None, None, 2, True, 2, True, 130),  # Ctrl-C, KeyboardInterrupt re-raised
+        (STOPPED, None, None, 15, False, 2, True, 130),  # Ctrl-C, then SIGTERM after the grace
+        (STOPPED, None, None, None, False, 2, True, 130),  # Ctrl-C during a backoff: nothing was running
+        (STOPPED, None, 0, None, True, 2, True, 0),  # its handler saved and exited 0, as it would bare
+        (STOPPED, None, 4, None, True, 15, True, 4),
+        (STOPPED, None, None, 15, True, 15, True, 143),
+        (STOPPED, None, None, 3, True, 3, True, 131),  # SIGQUIT
+        (STOPPED, None, 0, None, True, None, True, 0),  # `hangwatch stop`
+        (REQUEUED, None, 0, None, True, 10, True, 75),  # requeue me, whatever the worker said
+        # as a service: hangwatch's codes as always
+        (STOPPED, None, None, 15, True, 15, False, 0),
+        (FAILED, LOOP, 3, None, True, None, False, 1),
+    ],
+)
+def test_the_run_exits_with_the_commands_status_where_its_exit_ended_the_run(
+    out, decision, code, signum, by_itself, stop_signal, transparent, expected
+):
+    got = run_exit_status(
+        out,
+        decision,
+        code=code,
+        signum=signum,
+        by_itself=by_itself,
+        stop_signal=stop_signal,
+        transparent=transparent,
+    )
+    assert got == expected

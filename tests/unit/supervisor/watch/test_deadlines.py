@@ -137,11 +137,11 @@ def test_time_in_eval_does_not_count_for_the_step_deadline():
 def test_calibration_is_factor_times_p99_clamped():
     d = started(make())
     t = 1.0
-    for i in range(1, 7):  # 5 intervals of 2 s after the first step
+    for i in range(1, 8):  # 6 intervals of 2 s after the first step, the first of them warm-up
         t += 2.0
         d.observe(line("step", step=i, phase="train"), t)
     budget, source = d.step_budget()
-    assert (budget, source) == (8.0, "calibrated")  # 4 × 2
+    assert (budget, source) == (8.0, "learned: 4 × p99 2s of 5 steps")  # 4 × 2
     assert d.check(t + 7.99) is None
     assert d.check(t + 8.0).name == "step"
     # clamps
@@ -191,7 +191,7 @@ def test_calibration_persisted_and_reloaded_with_current_factor(tmp_path):
     assert Calibration.load(stricter, tmp_path / "calibration.json")[0].step_budget() == 6
     # the next attempt's Deadlines start calibrated
     d = Deadlines(cfg, again)
-    assert d.step_budget() == (15, "calibrated")
+    assert d.step_budget() == (15, "learned: 5 × p99 3s of 3 steps")
 
 
 def test_unreadable_calibration_is_reported_not_fatal(tmp_path):
@@ -387,11 +387,11 @@ def test_the_calibrated_step_budget_follows_the_samples_it_is_given():
     d = make(calibrate_after=5, calibration_factor=2.0, step_timeout_min_s=0.1)
     started(d, now=0.0)
     t = 0.0
-    for i in range(6):  # step lines 1 s apart: the 5th interval (6th line) calibrates at once
+    for i in range(7):  # step lines 1 s apart: the 5th sample (7th line: 1 → 2 is warm-up) calibrates at once
         t += 1.0
         d.observe(line("step", step=i + 1, phase="train"), t)
-        assert d.step_budget()[1] == ("calibrated" if i >= 5 else "first_steps")
-    assert d.step_budget() == (pytest.approx(2.0), "calibrated")
+        assert d.step_budget()[1].startswith("learned") == (i >= 6), i
+    assert d.step_budget()[0] == pytest.approx(2.0)
     for x in [9.0] * 5:
         d.calibration.add_step(x)  # samples from elsewhere (a reload): the budget follows at once
-    assert d.step_budget() == (pytest.approx(18.0), "calibrated")
+    assert d.step_budget()[0] == pytest.approx(18.0)

@@ -1,0 +1,48 @@
+"""A stopping signal to `hangwatch run`, passed on to the command as the bare command would have received it.
+
+In the foreground `hangwatch run -- CMD` stands in for CMD, so a signal means what it means to CMD:
+
+    received   the command gets                          then, while it still runs
+    SIGINT     SIGINT, its whole process group            SIGTERM after watchdog.term_grace_s, SIGKILL at the stop
+               (a terminal's Ctrl-C: a KeyboardInterrupt  deadline; a second Ctrl-C: SIGKILL to the tree at once
+               handler runs)
+    SIGQUIT    SIGQUIT, its group (Ctrl-\\)                as for SIGINT
+    SIGHUP     SIGHUP, its group (the terminal went away) as for SIGINT
+    SIGTERM    SIGTERM, its main process (as `kill` sends) SIGKILL at the stop deadline
+
+The run is then stopped, never restarted.  As a service (systemd) and for the built-in worker's own config runs, a
+stop is SIGTERM to the worker as always, and SIGHUP reopens the log files (logrotate).  SIGUSR1 (a batch job's time
+limit is near) is hangwatch's own: SIGTERM to the worker, and `run` exits 75 to be requeued.  Pure: a table.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Passing:
+    """What the command gets for a signal hangwatch received."""
+
+    received: int
+    send: int
+    group: bool  # to the command's process group (as a terminal sends) rather than its main process (as kill does)
+    term_after_grace: bool  # SIGTERM follows after the grace while it still runs
+
+
+GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1)  # stop the run whatever the mode
+
+
+def stops(sig: int, transparent: bool) -> bool:
+    """Whether `sig` stops the run (SIGHUP only in the foreground: a service reopens its logs on it)."""
+    return sig in STOPPING or (transparent and sig == signal.SIGHUP)
+
+
+def passing(sig: Optional[int], transparent: bool) -> Passing:
+    """How the stop reaches the command (`sig`: the signal that stopped the run; None: a control request)."""
+    if transparent and sig in GROUP_SIGNALS:
+        return Passing(sig, sig, group=True, term_after_grace=True)
+    return Passing(sig or signal.SIGTERM, signal.SIGTERM, group=False, term_after_grace=False)
