@@ -48,16 +48,18 @@ def no_progress_limit(cfg: Config) -> int:
     return cfg.restart.no_progress_restarts
 
 
-@dataclass(frozen=True)
+@dataclass
 class Foreground:
     """`hangwatch run` in a person's terminal, pipe or script, standing in for the command: its output relayed to
     our stdout and stderr (`show`; a terminal where we have one: `processes.streams`), hangwatch's own plain lines on
     stderr (`say`), the structured log on stderr too only when asked (`verbose`), stopping signals passed on and the
-    command's exit status (`transparent` in the loop)."""
+    command's exit status (`transparent` in the loop).  `died_of`, filled in by `run`: the signal the command died of
+    after hangwatch passed that very signal on (the caller dies of it too, as the bare command would have)."""
 
     show: bool = True
     say: bool = True
     verbose: bool = False
+    died_of: Optional[int] = None
 
 
 def run(
@@ -118,7 +120,10 @@ def run(
                 logsetup.add_tap(narrator)
         sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=(ops,), **seams)
         try:
-            return sup.run()
+            code = sup.run()
+            if foreground is not None and sup.transparent and sup.stop_signal and code == 128 + sup.stop_signal:
+                foreground.died_of = sup.stop_signal
+            return code
         finally:
             if narrator is not None:
                 logsetup.remove_tap(narrator)

@@ -29,6 +29,7 @@ builds its config reference only when it is shown.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -252,7 +253,24 @@ def run(
 
         for line in summarise(cfg.run_dir, code, brief=not verbose):
             say(line)
+    if fg is not None and fg.died_of in DIE_OF:
+        die_of(fg.died_of)
     sys.exit(code)
+
+
+# After Ctrl-C (or a hangup, a SIGTERM) passed on, the command died of it: `run` dies of it too, so that the shell
+# sees what it would have seen bare (bash ends a script or a `cmd; next` list at a child's death by SIGINT, and not
+# at an exit 130).  SIGQUIT is left to exit 131: dying of it would dump a core of hangwatch.
+DIE_OF = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+
+
+def die_of(signum: int) -> None:
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 @main.command("config-keys", short_help="Every config key: default, type, what it does.")

@@ -29,14 +29,14 @@ def run_summary(run_dir: str, code: int, brief: bool = False) -> list[str]:
     state = read_json(rd / STATE_NAME) or {}
     lines = [
         f"hangwatch: run {state.get('state', 'ended')} (exit {code}) after {state.get('attempt', '?')} attempt(s); "
-        f"run dir {rd}"
+        f"run dir {shown(rd)}"
     ]
     store = IncidentStore(rd)
     final = rd / "final"
     if brief and not store.list():
         return lines + ([f"hangwatch: final adapter: {final}"] if final.is_dir() else [])
     for inc, d in zip(store.list(), store.dirs()):
-        lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {d}: {inc.get('summary')}")
+        lines.append(f"  incident {inc.get('id')} [{inc.get('kind')}] {shown(d)}: {inc.get('summary')}")
     if state.get("state") == "failed":
         lines += output_lines(store.dirs())
     lines += goodput_lines(rd)
