@@ -36,7 +36,6 @@ dirs and the environment and asks it; `record_start` keeps the Slurm job that ra
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from hangwatch.common.rundir import CONFIG_NAME, STATE_NAME, next_attempt, read_json
-from hangwatch.supervisor.records.runlock import LOCK_NAME
+from hangwatch.supervisor.records.runlock import LOCK_NAME, locked
 
 SHOWN_DIFFERENCES = 3
 STARTED_NAME = "started.json"  # <run_dir>/started.json: {"slurm_job_id": …}, the job that last ran the run dir
@@ -322,17 +321,7 @@ def recorded_job(run_dir: Path, config: Optional[dict]) -> Optional[str]:
 
 def held(run_dir: Path) -> bool:
     """A live supervisor holds the run dir's lock (`records.runlock`); asked without taking it."""
-    try:
-        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # closing drops a lock we got
-    return False
+    return locked(run_dir / LOCK_NAME)
 
 
 def stdout_is_journal(env: Mapping[str, str]) -> bool:

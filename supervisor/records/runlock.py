@@ -184,7 +184,7 @@ def holder_record(
         rec = _read_record(path)
         if rec is not None and alive(rec["pid"]):
             return rec
-        if time.monotonic() >= deadline or not _locked(path):
+        if time.monotonic() >= deadline or not locked(path):
             return {**rec, "gone": True} if rec is not None else {}
         sleep(0.005)
 
@@ -197,7 +197,7 @@ def _read_record(path: Path) -> Optional[dict]:
         return None
 
 
-def _locked(path: Path) -> bool:
+def locked(path: Path) -> bool:
     """Whether some process holds the flock on `path` (a shared lock cannot be had while one does)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -230,7 +230,7 @@ def pid_alive(pid: int) -> bool:
 def holder(run_dir: os.PathLike | str) -> Optional[int]:
     """The pid of the supervisor holding `run_dir`, or None when nobody holds it (-1: held, its pid not known)."""
     path = Path(run_dir) / LOCK_NAME
-    if not path.exists() or not _locked(path):
+    if not path.exists() or not locked(path):
         return None
     rec = _read_record(path)
     return rec["pid"] if rec is not None else -1

@@ -5,24 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from fixtures.fakes.beat_lines import beat
 
 from hangwatch.common.config import WatchdogCfg
 from hangwatch.supervisor.watch.calibration import Calibration, p99
 from hangwatch.supervisor.watch.deadlines import Deadlines, SuspensionDetector
 
 
-def line(event, *, rank=0, step=0, phase="init", **kw):
-    return {
-        "v": 1,
-        "t": 0.0,
-        "pid": 100 + rank,
-        "rank": rank,
-        "attempt": 1,
-        "event": event,
-        "step": step,
-        "phase": phase,
-        **kw,
-    }
+def line(event, *, phase="init", **kw):
+    return beat(event, phase=phase, **kw)
 
 
 def make(**wd):

@@ -12,24 +12,15 @@ import json
 import random
 
 import pytest
+from fixtures.fakes.beat_lines import beat
 
 from hangwatch.common.config import WatchdogCfg
 from hangwatch.supervisor.watch.calibration import Calibration
 from hangwatch.supervisor.watch.deadlines import Deadlines
 
 
-def line(event, *, rank=0, step=0, phase="train", **kw):
-    return {
-        "v": 1,
-        "t": 0.0,
-        "pid": 100 + rank,
-        "rank": rank,
-        "attempt": 1,
-        "event": event,
-        "step": step,
-        "phase": phase,
-        **kw,
-    }
+def line(event, *, phase="train", **kw):
+    return beat(event, phase=phase, **kw)
 
 
 def make(**wd) -> Deadlines:
