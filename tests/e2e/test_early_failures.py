@@ -102,6 +102,18 @@ def test_an_argparse_typo_ends_at_the_second_attempt_with_the_usage_error_quoted
     assert lines[at + 1 : at + 3] == ["    usage: train.py [-h] [--steps STEPS]", f"    {USAGE_ERROR}"], lines[at:]
     assert any(line.startswith(f"  incident {last['id']} [crash]") and USAGE_ERROR in line for line in lines)
 
+    # the typo corrected: another command line, so a run dir of its own, said on the screen; the failed run's
+    # attempts and incidents stay where they were
+    fixed = hangwatch_run(here, "python", "train.py", "--steps", "3")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "runs/train holds a failed run of another command or other arguments: this run goes to runs/train-2" in (
+        fixed.stderr
+    )
+    assert fixed.stdout == "step 1 loss 1.000\nstep 2 loss 0.500\nstep 3 loss 0.333\n"
+    again = here / "runs" / "train-2"
+    assert len(attempts(again)) == 1 and incidents(again) == []
+    assert len(attempts(run_dir)) == 2 and len(incidents(run_dir)) == 2
+
 
 def test_the_same_complaint_and_exit_code_before_any_progress_twice_ends_the_run(here):
     r = hangwatch_run(here, "python", "configured.py")
