@@ -32,7 +32,7 @@ from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.narrator import Narrator
 from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.processes.streams import Relay
+from hangwatch.supervisor.processes.streams import Relay, hangup_is_the_terminals
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
 from hangwatch.supervisor.rules.policy import ProgressPolicy
@@ -115,6 +115,7 @@ def run(
             seams.setdefault("spawn", functools.partial(process.spawn, relay=relay))
             # the user's command: its signals and exit status as bare (the built-in worker keeps a service's codes)
             seams.setdefault("transparent", cfg.worker.command is not None)
+            seams.setdefault("hangup_stops", hangup_is_the_terminals())  # before the loop's handlers replace it
             if foreground.say:
                 narrator = Narrator(relay.say)
                 logsetup.add_tap(narrator)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,16 +25,18 @@ def rank_main(hz: float, seconds: float) -> int:
     period = 1.0 / hz
     end = time.monotonic() + seconds
     step = 0
+    asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))  # stop at the next step, as a trainer
     with hb.phase("train"):
         nxt = time.monotonic()
-        while time.monotonic() < end:
+        while time.monotonic() < end and not asked:
             step += 1
             hb.step(step, loss=1.0 / step, tokens_per_s=1000.0)
             nxt += period
             delay = nxt - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-    hb.stop("finished")
+    hb.stop("terminated" if asked else "finished")
     return 0
 
 
@@ -54,6 +57,8 @@ def main() -> int:
                 [sys.executable, __file__, "--rank-child", "--hz", str(a.hz), "--seconds", str(a.seconds)], env=env
             )
         )
+    # SIGTERM to the launcher reaches every rank, as torchrun passes it on: each stops at its next step and exits 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: [p.send_signal(signum) for p in procs])
     codes = [p.wait() for p in procs]
     return max(codes)
 

@@ -160,6 +160,7 @@ class Supervisor:
         probe: Callable[..., str] = instrument_note,
         signal_source: Optional[SignalSource] = None,
         transparent: bool = False,
+        hangup_stops: bool = False,
     ):
         """Seams only; no I/O (that is `prepare`).  `file_times`: date heartbeat lines by their files'
         modification times; by default only on the real clock, to which those times relate.  `peer_spawn`:
@@ -169,7 +170,8 @@ class Supervisor:
         asks the command's Python for its version).  `signal_source`: who sent a stopping signal, in words (a Slurm
         job's scancel, time limit or warning: `ops.signal_source`).  `transparent`: `hangwatch run` in the foreground,
         standing in for the command: stopping signals reach it as themselves and the run exits with its status
-        (`rules.stop_signals`, `rules.outcome.run_exit_status`)."""
+        (`rules.stop_signals`, `rules.outcome.run_exit_status`); `hangup_stops`: there, SIGHUP is the terminal's
+        hang-up (one of our streams is a terminal), passed on, rather than a request to reopen the logs."""
         self.cfg = cfg
         self.watchdog_cfg = wd = cfg.watchdog
         self.run_dir = Path(cfg.run_dir)
@@ -253,6 +255,7 @@ class Supervisor:
         self.signal_source = signal_source if signal_source is not None else SignalSource()
         self.stopped_by: Optional[str] = None  # who asked for the stop (a signal's sender, a control request)
         self.transparent = transparent
+        self.hangup_stops = hangup_stops
         self.stop_signal: Optional[int] = None  # the signal that stopped the run (passed on to the command)
         self.term_at: Optional[float] = None  # a stop passed on as SIGINT/SIGHUP/SIGQUIT: when SIGTERM follows
         self.by_itself = False  # the current attempt's worker ended on its own (not killed after a stall)
@@ -491,7 +494,9 @@ class Supervisor:
 
     def _drain_events(self, now: float, signals: list[int]) -> None:
         for sig in signals:  # SIGCHLD only woke the loop: children are reaped below
-            if stop_signals.stops(sig, self.transparent):  # SIGUSR1: a batch job's time limit is near
+            if stop_signals.stops(
+                sig, self.transparent, self.hangup_stops
+            ):  # SIGUSR1: a batch job's time limit is near
                 intent = Intent.REQUEUE if sig == signal.SIGUSR1 else Intent.EXIT
                 batch = self.signal_source.batch
                 self.request_stop(self.signal_source.describe(sig), intent, repeat_forces=not batch, signum=sig)

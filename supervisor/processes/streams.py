@@ -56,6 +56,14 @@ def is_terminal(fd: int) -> bool:
         return False
 
 
+def hangup_is_the_terminals(fds: tuple = (0, 1, 2), disposition=None) -> bool:
+    """Whether a SIGHUP to this process means its terminal went away: one of `fds` is a terminal, and SIGHUP was not
+    ignored when it started (`nohup` ignores it, and an ignored signal is inherited across exec).  Elsewhere (files,
+    pipes) a SIGHUP is the daemon convention's: reopen the log files (`rules.stop_signals`)."""
+    ignored = (disposition if disposition is not None else signal.getsignal(signal.SIGHUP)) == signal.SIG_IGN
+    return not ignored and any(is_terminal(fd) for fd in fds)
+
+
 def screen_of(fd: int) -> object:
     """What two descriptors share when their bytes end on one screen: a terminal's device, else the descriptor."""
     try:

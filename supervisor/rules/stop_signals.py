@@ -10,8 +10,11 @@ In the foreground `hangwatch run -- CMD` stands in for CMD, so a signal means wh
     SIGHUP     SIGHUP, its group (the terminal went away) as for SIGINT
     SIGTERM    SIGTERM, its main process (as `kill` sends) SIGKILL at the stop deadline
 
-The run is then stopped, never restarted.  As a service (systemd) and for the built-in worker's own config runs, a
-stop is SIGTERM to the worker as always, and SIGHUP reopens the log files (logrotate).  SIGUSR1 (a batch job's time
+The run is then stopped, never restarted.  SIGHUP is a terminal's word only where there is a terminal
+(`hangup_stops`: one of our standard streams is one, and SIGHUP was not ignored when we started — `nohup`): a
+`hangwatch run` writing to files or pipes keeps the daemon convention, SIGHUP reopens its log files (logrotate's
+postrotate).  As a service (systemd) and for the built-in worker's own config runs, a stop is SIGTERM to the worker as
+always, and SIGHUP reopens the log files.  SIGUSR1 (a batch job's time
 limit is near) is hangwatch's own: SIGTERM to the worker, and `run` exits 75 to be requeued.  Pure: a table.
 """
 
@@ -36,9 +39,9 @@ GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1)  # stop the run whatever the mode
 
 
-def stops(sig: int, transparent: bool) -> bool:
-    """Whether `sig` stops the run (SIGHUP only in the foreground: a service reopens its logs on it)."""
-    return sig in STOPPING or (transparent and sig == signal.SIGHUP)
+def stops(sig: int, transparent: bool, hangup_stops: bool = True) -> bool:
+    """Whether `sig` stops the run (SIGHUP only in the foreground on a terminal: elsewhere it reopens the logs)."""
+    return sig in STOPPING or (transparent and hangup_stops and sig == signal.SIGHUP)
 
 
 def passing(sig: Optional[int], transparent: bool) -> Passing:

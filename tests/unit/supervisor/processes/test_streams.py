@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hangwatch.supervisor.processes import process
-from hangwatch.supervisor.processes.streams import Relay
+from hangwatch.supervisor.processes.streams import Relay, hangup_is_the_terminals
 
 CHILD = r"""
 import os, sys, time
@@ -226,3 +226,15 @@ def open_fds() -> set[str]:
         except OSError:  # the listing's own descriptor, gone by now
             pass
     return out
+
+
+def test_a_hangup_is_the_terminals_only_with_one_and_not_under_nohup():
+    master, slave = pty.openpty()
+    r, w = os.pipe()
+    try:
+        assert hangup_is_the_terminals((r, w, slave), disposition=signal.SIG_DFL)
+        assert not hangup_is_the_terminals((r, w), disposition=signal.SIG_DFL)  # a pipe, a file: the daemon's SIGHUP
+        assert not hangup_is_the_terminals((r, w, slave), disposition=signal.SIG_IGN)  # nohup
+    finally:
+        for fd in (master, slave, r, w):
+            os.close(fd)

@@ -40,3 +40,15 @@ def test_how_a_stop_reaches_the_command(sig, transparent, send, group, term_afte
 )
 def test_which_signals_stop_the_run(sig, transparent, expected):
     assert stops(sig, transparent) is expected
+
+
+@pytest.mark.parametrize(
+    "sig, transparent, hangup_stops, expected",
+    [
+        (signal.SIGHUP, True, False, False),  # no terminal (files, pipes) or `nohup`: reopen the logs
+        (signal.SIGHUP, True, True, True),
+        (signal.SIGINT, True, False, True),
+    ],
+)
+def test_a_hangup_stops_only_where_there_is_a_terminal(sig, transparent, hangup_stops, expected):
+    assert stops(sig, transparent, hangup_stops) is expected
