@@ -1117,9 +1117,7 @@ class Supervisor:
             signal=name,
             sent=sent,
             bound_s=round(bound, 3),
-            say=f"{self.stopped_by}: passed on to the command"
-            + (f" as {name}" if how.send != how.received else "")
-            + ("; again to end it at once" if how.group and self.transparent else ""),
+            say=stop_signals.words(how, self.stopped_by, self.transparent) if self.stop_signal else None,
         )
         for c in self.concerns:
             c.stop_requested(self.current, self.after_teardown, now)

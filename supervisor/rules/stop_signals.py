@@ -49,3 +49,11 @@ def passing(sig: Optional[int], transparent: bool) -> Passing:
     if transparent and sig in GROUP_SIGNALS:
         return Passing(sig, sig, group=True, term_after_grace=True)
     return Passing(sig or signal.SIGTERM, signal.SIGTERM, group=False, term_after_grace=False)
+
+
+def words(how: Passing, who: Optional[str], transparent: bool) -> str:
+    """The screen's line for a stop passed on: who asked, what the command got, what a second one does."""
+    line = f"{who or signal.Signals(how.received).name}: passed on to the command"
+    if how.send != how.received:
+        line += f" as {signal.Signals(how.send).name}"
+    return line + ("; again to end it at once" if how.group and transparent else "")

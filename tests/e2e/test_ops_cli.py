@@ -384,6 +384,7 @@ watchdog:
 def test_validate_config_ok_prints_a_summary(tmp_path):
     cfg = tmp_path / "good.yaml"
     cfg.write_text(GOOD)
+    (tmp_path / "train.py").write_text("print('training')\n")  # the script the command names is looked for
     r = hangwatch("validate-config", cfg)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"OK: {cfg}\n")
@@ -442,17 +443,24 @@ def test_run_missing_config_exits_78(tmp_path):
     assert r.stderr.splitlines()[1] == f"  {tmp_path / 'nope.yaml'}: no such config file"
 
 
-def test_run_help_ends_with_the_config_reference():
+def test_run_help_fits_a_screen_and_ends_with_the_exit_codes_and_config_keys_has_the_reference():
     r = cli("run", "--help")
     assert r.exit_code == 0
-    ref_lines = [line.strip() for line in reference_text().splitlines()]
-    help_lines = [line.strip() for line in r.output.rstrip().splitlines()]
-    assert help_lines[-len(ref_lines) :] == ref_lines  # verbatim, not re-wrapped, and last
+    lines = r.output.rstrip().splitlines()
+    assert len(lines) <= 50, r.output  # a screen
+    assert "-- CMD" in lines[0] and "config-keys" in r.output
+    codes = r.output[r.output.index("Exit status:") :]
+    for code, words in (("75", "requeue me"), ("79", "do not retry"), ("78", "nothing started"), ("73", "another")):
+        assert any(line.strip().startswith(code) and words in line for line in codes.splitlines()), (code, codes)
+    assert "watchdog.poll_interval_s" not in r.output  # the reference has a command of its own
+    keys = cli("config-keys")
+    assert keys.exit_code == 0
+    assert keys.output.rstrip().splitlines() == reference_text().splitlines()  # verbatim, not re-wrapped
 
 
 def test_incidents_and_run_summary_are_read_from_disk_once_the_run_ended(tmp_path):
     """After `hangwatch run` returned there is no socket; the incidents are still on disk."""
-    from hangwatch.supervisor.cli.main import run_summary
+    from hangwatch.supervisor.cli.summary import run_summary
     from hangwatch.supervisor.incidents import IncidentStore
     from hangwatch.supervisor.records import run_state as statefile
 
@@ -525,7 +533,7 @@ def test_client_commands_load_neither_the_config_nor_the_ml_stack(fake, argv, al
         assert json.loads(out) == STATUS
 
 
-def test_help_still_lists_every_command_and_the_run_reference_loads_when_shown():
+def test_help_leads_with_run_lists_every_command_and_the_reference_loads_when_asked():
     rc, heavy, out = heavy_imports_of("--help")
     assert rc in (0, None) and heavy == []
     for command in (
@@ -542,11 +550,15 @@ def test_help_still_lists_every_command_and_the_run_reference_loads_when_shown()
         "incidents",
         "submit",
         "bench",
+        "config-keys",
     ):
         assert f"\n  {command} " in out, command
+    assert out.index("\n  run ") < out.index("\n  bench ")  # `run` leads the list: it is what a person came for
     rc, heavy, out = heavy_imports_of("run", "--help")
-    assert rc in (0, None) and "Configuration keys" in out and "watchdog.poll_interval_s" in out
-    assert "pydantic" in heavy  # the reference is built from the schema, now that it is shown
+    assert rc in (0, None) and "Exit status" in out and heavy == []  # run's help needs no schema
+    rc, heavy, out = heavy_imports_of("config-keys")
+    assert rc in (0, None) and "watchdog.poll_interval_s" in out
+    assert "pydantic" in heavy  # the reference is built from the schema, when it is asked for
 
 
 def _inbox_config(tmp_path: Path, **data) -> Path:

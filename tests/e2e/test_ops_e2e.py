@@ -106,7 +106,7 @@ class Run:
         self.stderr_path = tmp_path / f"supervisor-stderr-{time.monotonic_ns()}.txt"
         self._stderr = open(self.stderr_path, "w")
         self.proc = subprocess.Popen(
-            [*hangwatch_argv(), "run", str(config), "--run-dir", str(run_dir)],
+            [*hangwatch_argv(), "run", "-v", str(config), "--run-dir", str(run_dir)],
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
             env=env(**extra_env),

@@ -80,7 +80,8 @@ def test_install_into_a_root(tmp_path):
     b = fake_bin(tmp_path)
     root = tmp_path / "root"
     cfg = tmp_path / "demo.yaml"
-    cfg.write_text("run_dir: x\nworker: {command: [python3, train.py]}\n")  # a user's own script
+    cfg.write_text("run_dir: x\nworker: {command: [python3, train.py]}\n")  # a user's own script…
+    (tmp_path / "train.py").write_text("print('training')\n")  # …which is there
     r = install("--root", root, "--bin", b, "--user", "hw", "--config", cfg)
     assert r.returncode == 0, r.stderr
     unit = root / "etc/systemd/system/hangwatch@.service"

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from hangwatch.supervisor.rules.stop_signals import passing, stops
+from hangwatch.supervisor.rules.stop_signals import passing, stops, words
 
 
 @pytest.mark.parametrize(
@@ -52,3 +52,13 @@ def test_which_signals_stop_the_run(sig, transparent, expected):
 )
 def test_a_hangup_stops_only_where_there_is_a_terminal(sig, transparent, hangup_stops, expected):
     assert stops(sig, transparent, hangup_stops) is expected
+
+
+def test_the_words_a_person_reads():
+    assert words(passing(signal.SIGINT, True), "SIGINT", True) == (
+        "SIGINT: passed on to the command; again to end it at once"
+    )
+    assert words(passing(signal.SIGUSR1, True), None, True) == "SIGUSR1: passed on to the command as SIGTERM"
+    assert words(passing(signal.SIGTERM, True), "SIGTERM from Slurm (scancel of job 12)", True) == (
+        "SIGTERM from Slurm (scancel of job 12): passed on to the command"
+    )
