@@ -68,7 +68,7 @@ import structlog
 
 from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import FsOps, describe_write_error, disk_error
-from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_OK
+from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_NO_RETRY, EXIT_OK
 from hangwatch.common.inbox_layout import queue_status
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.concerns import Concern, PassState, RunContext, registered
@@ -902,7 +902,9 @@ class Supervisor:
         elif self.abort is not None and not self.escalate_now:
             why = self.abort
             ep = Episode(None, None, now, reason=why)
-            self._decided_end(ep, Decision("fail", why), now, send_term=False, why=f"ending the run: {why}")
+            # a concern's reason to end the run (a diverged resume): running it again would do the same
+            fail = Decision("fail", why, exit_code=EXIT_NO_RETRY)
+            self._decided_end(ep, fail, now, send_term=False, why=f"ending the run: {why}")
         elif self.escalate_now or self.expired is not None:
             ex = None if self.escalate_now else self.expired
             self.escalate_now = False
