@@ -7,11 +7,12 @@ root-cause report) counts as the worker's (`supervisor.rules.no_retry`).
 `hangwatch run` exits with the command's own status where the command's own exit ended the run (its last
 attempt's code; 128+N when signal N ended it; after a stop it passed on — Ctrl-C, SIGTERM, SIGHUP, SIGQUIT — the
 command's code, or 128+N for the signal hangwatch received).  hangwatch's own codes, only where it ended the run
-itself (docs/operations.md has the table): 0 finished (or a finished run reported) / stopped on request · 1 hangwatch
-itself could not go on · 64 usage · 73 the run dir is another supervisor's · 75 stopped to be run again (requeue me:
-SIGUSR1, a batch job's time limit is near; its checkpoint is saved) · 78 configuration error, nothing started ·
-79 do not retry: another run would fail the same way (the same failure twice, no progress past a point, a crash
-loop of stalls).  Client commands: 64 usage · 69 daemon unreachable · 70 internal error.
+itself (docs/operations.md has the table): 0 finished (or a finished run reported) / stopped on request ·
+1 hangwatch or the machine could not go on (processes outlived SIGKILL) · 64 usage · 73 the run dir is another
+supervisor's · 75 stopped to be run again (requeue me: SIGUSR1, a batch job's time limit is near; its checkpoint is
+saved) · 78 configuration error, nothing started · 79 do not retry: another run would fail the same way (the same
+failure twice, no progress past a point, a crash loop of stalls, a diverged resume).  Client commands: 64 usage ·
+69 daemon unreachable · 70 internal error.
 """
 
 from __future__ import annotations

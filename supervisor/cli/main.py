@@ -63,7 +63,8 @@ hangwatch's own, only where hangwatch ended the run:
   79  do not retry: running it again would fail the same way (the same failure twice, no progress
       past a point, stalls that restarts do not get past)
   73  the run dir is another supervisor's (named on stderr): nothing started
-  1   hangwatch itself could not go on (the control socket or metrics port cannot be opened)
+  1   hangwatch or the machine could not go on (the control socket or metrics port cannot be
+      opened, processes outlived SIGKILL)
   64  usage"""
 
 

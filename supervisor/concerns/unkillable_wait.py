@@ -12,6 +12,7 @@ from typing import Optional
 
 import structlog
 
+from hangwatch.common.exitcodes import EXIT_FAILED
 from hangwatch.supervisor.concerns.base import Concern
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
@@ -92,8 +93,10 @@ class UnkillableWait(Concern):
             self.run.incidents.amend(inc, still_there=pids, waited_s=0.0)
             return False
         if mode == "fail":
-            self.failing = Decision(
-                "fail", f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)"
+            self.failing = Decision(  # the machine cannot go on (exit 1), not the command
+                "fail",
+                f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)",
+                exit_code=EXIT_FAILED,
             )
             return False
         self.waiting = inc
