@@ -96,9 +96,12 @@ def test_worker_dies_with_a_sigkilled_supervisor_and_the_next_one_ends_the_lefto
     # PR_SET_PDEATHSIG: the direct child goes with the supervisor
     wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 10, "worker death")
     assert grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE  # orphaned, still in the group
-    # the next supervisor finds it through state.json and ends it before starting its own worker
+    # the next supervisor on that run dir (named: another config continues it there) finds it through state.json and
+    # ends it before starting its own worker
     cfg2, _ = write_config(tmp_path, "ok")
-    rc, out = run_supervisor(cfg2)
+    nxt = start_supervisor(cfg2, "--run-dir", str(run_dir), echo=True)
+    out, _ = nxt.communicate(timeout=90)
+    rc = nxt.returncode
     assert rc == 0, out[-3000:]
     assert "leftovers_found" in out
     wait_for(lambda: not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE, 10, "grandchild death")
