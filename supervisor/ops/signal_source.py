@@ -93,6 +93,8 @@ class SignalSource:
             return name
         fields, problem = self.job_state(job)
         state = (fields.get("JobState") or "").split("+")[0]
+        if state == "SIGNALING":  # a running job whose signal (its --signal warning) is being delivered right now
+            state = "RUNNING"
         if state == "COMPLETING":
             state = "TIMEOUT" if limit_reached(fields) or fields.get("Reason") == "TimeLimit" else "CANCELLED"
         if state in WHY:

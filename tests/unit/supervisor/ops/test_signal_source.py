@@ -56,6 +56,8 @@ def test_the_jobs_state_says_who():
         "SIGUSR1 in Slurm job 12 (running, time limit at 2026-11-28T21:17:00: its --signal warning, "
         "scancel --signal or a person)"
     )
+    # read while the controller is delivering that very signal: still a running job
+    assert SignalSource(JOB, scontrol("SIGNALING")).describe(signal.SIGUSR1) == src.describe(signal.SIGUSR1)
 
 
 def test_a_controller_that_does_not_answer_is_said():
