@@ -234,7 +234,6 @@ class Supervisor:
         self.expired: Optional[Expired] = None  # this pass's overdue deadline
         self.backoff_until: Optional[float] = None
         self._settle_since: Optional[float] = None  # the tree was gone, its output streams not yet closed, since
-        self.decision: Optional[Decision] = None  # the last finished episode's (what the run's exit status follows)
         self.dump_requests: list[DumpRequest] = []
         self.exit_code = EXIT_OK
         self.fail_reason: Optional[str] = None  # why the run must end failed (the disk refused a write)
@@ -1207,7 +1206,6 @@ class Supervisor:
         self.save_calibration()
         self._decide(ep, ep.decision, now, tree_gone=True)
         out = next_outcome(self.after_teardown, ep.decision, cur.worker.exit_code, reason=self.fail_reason)
-        self.decision = ep.decision
         ep.finish(cur, self.facts, now, out.state.value, out.why, self.deadlines.main_rank())
         log.info(
             "tree_gone",
@@ -1219,9 +1217,9 @@ class Supervisor:
         self.episode = None
         if out.state is State.FAILED and ep.decision is not None and ep.decision.crash_loop:
             crash_loop_incident(self.incidents, self.attempt, ep.decision, self.policy, self.cfg.restart, self.facts)
-        self.follow(out, now)
+        self.follow(out, now, ep.decision)
 
-    def follow(self, out: Outcome, now: float) -> None:
+    def follow(self, out: Outcome, now: float, decision: Optional[Decision] = None) -> None:
         """Go where the outcome says: a new attempt now or after a backoff, paused, or a final state."""
         for c in self.concerns:
             c.outcome(out, now)
@@ -1235,13 +1233,14 @@ class Supervisor:
             self.after_teardown = Intent.NONE
             self.transition(State.PAUSED, out.why, now)
         else:
-            self.finish(out, now)
+            self.finish(out, now, decision)
 
-    def finish(self, out: Outcome, now: float) -> None:
+    def finish(self, out: Outcome, now: float, decision: Optional[Decision] = None) -> None:
+        """A final state; `decision`: the episode's that led here (what the run's exit status follows)."""
         w = self.current.worker if self.current is not None else None
         self.exit_code = run_exit_status(
             out,
-            self.decision,
+            decision,
             code=w.exit_code if w and (out.state is not State.STOPPED or self.stop_answered) else None,
             signum=w.exit_signal if w else None,
             by_itself=self.by_itself,
