@@ -109,7 +109,7 @@ from hangwatch.supervisor.records.checkpoint_ledger import (
     set_aside_bad,
 )
 from hangwatch.supervisor.rules import stop_signals
-from hangwatch.supervisor.rules.outcome import STOPS, Intent, Outcome, next_outcome, run_exit_status
+from hangwatch.supervisor.rules.outcome import STOPS, Intent, Outcome, done_before_stop, next_outcome, run_exit_status
 from hangwatch.supervisor.rules.policy import Decision, RestartPolicy
 from hangwatch.supervisor.rules.states import State, StateMachine
 from hangwatch.supervisor.watch.beat_files import written_at
@@ -1130,7 +1130,10 @@ class Supervisor:
         if self.lifecycle.state is State.STOPPING:
             self.by_itself = self.stop_answered = True  # its answer to the stop it was passed
             stopping = f"graceful stop ({self.after_teardown.value})"
-            self._open(Episode.exited(self.tools, cur, self.deadlines, self.facts, now, stopping=stopping), now)
+            ep = Episode.exited(self.tools, cur, self.deadlines, self.facts, now, stopping=stopping)
+            # the stop came as the last step was done: the work is complete, the run finished (not to be run again)
+            ep.decision = done_before_stop(w.exit_code, cur.stop_reason(self.deadlines.main_rank()))
+            self._open(ep, now)
             self.begin_kill(self.episode, now, why="worker exited; ending what is left of its tree")
             return
         self.by_itself = True

@@ -82,6 +82,8 @@ def next_outcome(
     `during` names the state a request arrived in ("backoff", "paused"), for the reason given;
     `reason` replaces the request's generic words (why a FAIL: "no space left on device at PATH").
     """
+    if intent in STOPS and decision is not None and decision.action == "finish":
+        return Outcome(State.FINISHED, decision.reason)  # the work was done before the stop: nothing to run again
     if intent is not Intent.NONE:
         state, why, code = REQUESTED[intent]
         why = reason or why
@@ -95,6 +97,14 @@ def next_outcome(
         return Outcome(State.FAILED, decision.reason, code if code in NO_RESTART_CODES else EXIT_FAILED)
     when = f"next attempt in {decision.delay_s:g}s" if decision.delay_s > 0 else "restarting at once"
     return Outcome(State.BACKOFF, f"{decision.reason}; {when}", delay_s=decision.delay_s)
+
+
+def done_before_stop(code: Optional[int], stop_reason: Optional[str]) -> Optional[Decision]:
+    """A worker that exits 0 saying its work is finished, while a stop was on its way, finished the run: a requeue
+    would run a finished training again.  None: the exit answered the stop."""
+    if code == 0 and stop_reason == "finished":
+        return Decision("finish", "worker finished its work as the stop was requested")
+    return None
 
 
 SIGNALLED = 128  # a shell's status for death by signal N is 128+N

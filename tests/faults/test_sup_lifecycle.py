@@ -59,6 +59,22 @@ def test_sigterm_asks_the_worker_to_checkpoint_and_stop_then_exits_0(tmp_path):
     assert not wait_no_strays(str(run_dir))
 
 
+def test_a_requeue_asked_after_the_work_finished_ends_the_run_finished_not_requeued(tmp_path):
+    """SIGUSR1 (a batch job's time limit is near) reaches the supervisor after the worker said `stop finished` but
+    before it exited: requeueing would run a finished training again.  The run is finished and exits 0, not 75."""
+    cfg_path, run_dir = write_config(tmp_path, "ok", "--steps", "4", "--linger-s", "30")
+    sup = start_supervisor(cfg_path)
+    wait_for(lambda: stop_reason(run_dir, 1) == "finished", 30, "stop finished")
+    sup.send_signal(signal.SIGUSR1)
+    out, _ = sup.communicate(timeout=30)
+    assert sup.returncode == 0, out[-3000:]
+    st = state(run_dir)
+    assert st["state"] == "finished" and st["incidents"] == 0, st
+    assert "stop_requested" in out  # the request was taken, then the finished work outranked it
+    assert len(attempts(run_dir)) == 1
+    assert not wait_no_strays(str(run_dir))
+
+
 def test_a_second_sigterm_kills_a_worker_that_does_not_stop(tmp_path):
     cfg_path, run_dir = write_config(tmp_path, "block_c", watchdog={"step_timeout_s": 120, "silence_timeout_s": 120})
     sup = start_supervisor(cfg_path)

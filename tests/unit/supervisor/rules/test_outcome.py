@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hangwatch.supervisor.rules.outcome import Intent, Outcome, next_outcome, run_exit_status
+from hangwatch.supervisor.rules.outcome import Intent, Outcome, done_before_stop, next_outcome, run_exit_status
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.rules.states import State
 
@@ -30,6 +30,10 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
             "backoff",
             Outcome(State.STOPPED, "stopped to be run again (requeue) during backoff", 75),
         ),
+        # the worker finished its work as the stop arrived: the run finished, nothing is to be run again
+        (Intent.REQUEUE, FINISH, 0, None, Outcome(State.FINISHED, FINISH.reason)),
+        (Intent.EXIT, FINISH, 0, None, Outcome(State.FINISHED, FINISH.reason)),
+        (Intent.PAUSE, FINISH, 0, None, Outcome(State.PAUSED, "pause requested")),
         (Intent.RESTART, FAIL, 78, None, Outcome(State.STARTING, "restart requested")),
         (Intent.RESTART, None, None, None, Outcome(State.STARTING, "restart requested")),
         # requests while nothing runs
@@ -61,6 +65,21 @@ RESTART = Decision("restart", "worker exited with code 1", delay_s=4.0)
 )
 def test_resolve(intent, decision, code, during, expected):
     assert next_outcome(intent, decision, code, during=during) == expected
+
+
+@pytest.mark.parametrize(
+    "code, stop_reason, finishes",
+    [
+        (0, "finished", True),  # its last step was done before the stop reached it
+        (0, "terminated", False),  # it stopped because it was asked
+        (0, None, False),  # a command that says nothing: its exit answered the stop
+        (1, "finished", False),  # finished, then crashed on the way out: not a clean finish
+        (None, "finished", False),  # killed by a signal
+    ],
+)
+def test_a_worker_done_as_the_stop_came_finished_the_run(code, stop_reason, finishes):
+    decision = done_before_stop(code, stop_reason)
+    assert (decision is not None and decision.action == "finish") is finishes
 
 
 def test_the_intent_reads_as_status_reports_it():
