@@ -1,7 +1,8 @@
 """The one wiring of a supervisor: logging into the run dir, the control socket, systemd notify, the ops side, the loop.
 
 `hangwatch run` and the tests (`python -m hangwatch.supervisor run …`) go through here, so what is
-tested is what users run.  Seams (clock, spawn, kill, process table, …) pass through to `Supervisor`.
+tested is what users run.  The seams (clock, spawn, kill, process table, …: `loop.seams.Seams`) are built here,
+one value, and handed to `Supervisor`.
 
 The ops side (`Ops`: alerts, the dead-man's ping, Prometheus metrics) listens to the loop: once a pass it
 is handed the loop's read model (`pass_done(view, now)`), and it taps the log (a `logsetup` tap) for the
@@ -24,6 +25,7 @@ from hangwatch.common.config import Config
 from hangwatch.common.config.ops_schema import host_port
 from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
 from hangwatch.supervisor.control import make_control
+from hangwatch.supervisor.loop.seams import Seams
 from hangwatch.supervisor.loop.supervisor import Supervisor
 from hangwatch.supervisor.ops import logsetup
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
@@ -119,11 +121,13 @@ def run(
             if foreground.say:
                 narrator = Narrator(relay.say)
                 logsetup.add_tap(narrator)
-        sup = Supervisor(cfg, control=control, notifier=Fanout(systemd, ops), listeners=(ops,), **seams)
+        seams.update(control=control, notifier=Fanout(systemd, ops), listeners=(ops,))
+        sup = Supervisor(cfg, Seams(**seams))
         try:
             code = sup.run()
-            if foreground is not None and sup.transparent and sup.stop_signal and code == 128 + sup.stop_signal:
-                foreground.died_of = sup.stop_signal
+            died_of = sup.intents.stop_signal
+            if foreground is not None and sup.seams.transparent and died_of and code == 128 + died_of:
+                foreground.died_of = died_of
             return code
         finally:
             if narrator is not None:

@@ -12,7 +12,8 @@ out-of-memory step, a non-finite streak or a stall in Python without a restart.
   bytecode: the order goes unanswered and the supervisor kills the tree.  While the trainer is not in its loop
   (loading, exporting) the order is refused at once, said in a `warn` line.
 * The out-of-memory ladder of one step (`smaller`): half the micro-batch (its largest divisor at most half, so the
-  examples per optimizer step stay exact), then gradient checkpointing — the same rungs as the supervisor's restarts.
+  examples per optimizer step stay exact), then gradient checkpointing — the supervisor's restarts' very rule
+  (`common.oom_ladder`).
 
 Only a world of one recovers here: several ranks would have to agree on it inside a collective that one of them
 may be stuck in; they restart as before.
@@ -27,10 +28,10 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from hangwatch.common.oom_ladder import Rung, next_rung
 from hangwatch.common.protocol import ABANDON_NAME, ABANDON_REFUSED_FIELD
 from hangwatch.common.rundir import read_json
 
@@ -52,33 +53,9 @@ def is_oom(exc: BaseException) -> bool:
     return any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
 
 
-@dataclass(frozen=True)
-class Rung:
-    micro_batch_size: int
-    grad_accum: int
-    gradient_checkpointing: bool
-
-    def words(self) -> str:
-        gc = ", gradient checkpointing" if self.gradient_checkpointing else ""
-        return f"micro_batch_size {self.micro_batch_size} × grad_accum {self.grad_accum}{gc}"
-
-    def as_dict(self) -> dict:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "grad_accum": self.grad_accum,
-            "gradient_checkpointing": self.gradient_checkpointing,
-        }
-
-
 def smaller(r: Rung) -> Optional[Rung]:
     """The next rung down after an out-of-memory step at `r`; None: nothing is left to try in the process."""
-    m = r.micro_batch_size
-    if m > 1:
-        d = max(d for d in range(1, m // 2 + 1) if m % d == 0)
-        return Rung(d, r.grad_accum * (m // d), r.gradient_checkpointing)
-    if not r.gradient_checkpointing:
-        return Rung(m, r.grad_accum, True)
-    return None
+    return next_rung(r)
 
 
 PROBE_MARGIN = 0.9  # a micro-batch picked from a probe step must fit in 90 % of the capacity

@@ -31,6 +31,7 @@ def registered(
     from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
     from hangwatch.supervisor.concerns.in_process_recovery import InProcessRecovery
     from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+    from hangwatch.supervisor.concerns.output_settle import OutputSettle
     from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
     from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
     from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
@@ -39,7 +40,7 @@ def registered(
     from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
 
     cfg = run.cfg
-    concerns: list[Concern] = [GoodputAccounting(run), StragglerReport(run)]
+    concerns: list[Concern] = [OutputSettle(run), GoodputAccounting(run), StragglerReport(run)]
     if cfg.watchdog.generate_overrun == "truncate":
         concerns.append(GenerateOverrun(run))
     if cfg.worker.command is not None:

@@ -101,6 +101,10 @@ class Concern:
         """Each pass while a worker runs: why the run must end now (the attempt is killed, the run fails), or None."""
         return None
 
+    def hold_exit(self, attempt: "Attempt", now: float) -> bool:
+        """The worker exited: True to read its exit in a later pass (what it last said is still on its way)."""
+        return False
+
     def attempt_ended(self, attempt: "Attempt", episode: "Episode", now: float) -> None:
         """The attempt's tree is gone."""
 

@@ -8,10 +8,11 @@ the batch and accumulation the script asks for, what it runs with, whether hangw
 After an attempt that ended in an OOM (incident kind `oom`, a training step's: phase `train`) this concern reads the
 main rank's file and decides (`decide`, pure):
 
-  * a batch hangwatch can change, above 1: the next setting (`next_setting`: half, or the largest divisor at most
-    half when the batch is odd, so that batch × accumulation stays exactly what it was), recorded durably in
-    `<run_dir>/framework-remediation.json` before the restart (the next attempt's instrumentation reads it), the
-    policy's restart kept with `rollback` set (a restart with another setting is no repetition for
+  * a batch hangwatch can change, above 1: the next setting (`next_setting`: the OOM ladder's rule,
+    `common.oom_ladder`, without its gradient-checkpointing rung — half, or the largest divisor at most half when the
+    batch is odd, so that batch × accumulation stays exactly what it was), recorded durably (through the run's
+    `FsOps`) in `<run_dir>/framework-remediation.json` before the restart (the next attempt's instrumentation reads
+    it), the policy's restart kept with `rollback` set (a restart with another setting is no repetition for
     `repeated_failure`), the incident amended (`framework_remediation`: what was changed, the OOM's figures);
   * per-device batch 1 already: the run fails, with the figures and what is left to change;
   * no framework Trainer reached training, a batch it cannot change (a plain loop, a Lightning module without a
@@ -24,6 +25,7 @@ Registered for a script (`worker.command`) with `worker.instrument: auto` and `r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -33,10 +35,11 @@ from typing import Any, Callable, Optional
 
 import structlog
 
-from hangwatch.common.durable import write_json_atomic
+from hangwatch.common.durable import FsOps
+from hangwatch.common.oom_ladder import Rung, next_rung
 from hangwatch.common.rundir import FRAMEWORK_REMEDIATION_NAME, framework_setting_name, read_json, tail_text
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.oom_evidence import gib, parse_oom_message
+from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 
 log = structlog.get_logger("hangwatch")
@@ -54,11 +57,10 @@ OOM_LINE = re.compile(r"(OutOfMemoryError|out of memory)", re.I)
 
 def next_setting(batch: int, accumulation: int) -> Optional[tuple[int, int]]:
     """The setting after an OOM at `batch` × `accumulation`: the batch halved (an odd one: its largest divisor at
-    most half, so that the product stays exact) and the accumulation multiplied to match; None at batch 1."""
-    if batch <= 1:
-        return None
-    smaller = max(d for d in range(1, batch // 2 + 1) if batch % d == 0)
-    return smaller, accumulation * (batch // smaller)
+    most half, so that the product stays exact) and the accumulation multiplied to match; None at batch 1 (the
+    script's model is not hangwatch's to checkpoint: no gradient-checkpointing rung)."""
+    to = next_rung(Rung(batch, accumulation), checkpointing=False)
+    return None if to is None else (to.micro_batch_size, to.grad_accum)
 
 
 def oom_words(figures: Optional[dict]) -> Optional[str]:
@@ -244,9 +246,12 @@ def load(run_dir: os.PathLike | str) -> Optional[dict]:
     return record if isinstance(record, dict) and record.get("version") == FORMAT_VERSION else None
 
 
-def save(run_dir: os.PathLike | str, record: dict) -> Path:
-    """Durably: the next attempt, possibly under another supervisor, must find it."""
-    return write_json_atomic(path_for(run_dir), record, indent=2)
+def save(run_dir: os.PathLike | str, record: dict, fs: Optional[FsOps] = None) -> Path:
+    """Durably, through `fs` (the run's write seam): the next attempt, possibly under another supervisor, must find
+    it.  Indented by 2, as it always was."""
+    path = path_for(run_dir)
+    (fs or FsOps()).write_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
+    return path
 
 
 def found_in(attempt_dir: os.PathLike | str, rank: int = 0) -> Optional[dict]:
@@ -294,7 +299,7 @@ class FrameworkOom(Concern):
                 record, found, verdict, attempt=attempt.number, step=data.get("step"), incident=inc.id, t=time.time()
             )
             try:
-                save(self.run.run_dir, new)
+                save(self.run.run_dir, new, self.run.fs)
             except OSError as exc:  # the smaller batch must reach the next attempt through the file
                 self.run.write_failed(exc, path_for(self.run.run_dir))
                 verdict = Verdict(

@@ -178,9 +178,9 @@ class GenerateOverrun(Concern):
             f"{at} in the worker's own process after {now - t.issued_at + t.elapsed_s:.1f} s — nothing "
             "restarted, training went on"
         )
-        facts = self.run.facts
-        inc = self.run.incidents.create(
+        inc = self.run.incidents.open_for_run(
             "generate_truncated",
+            self.run.facts,
             attempt=t.attempt,
             phase="generate",
             step=t.step,
@@ -199,9 +199,7 @@ class GenerateOverrun(Concern):
             budget_source=t.budget_source,
             elapsed_s=t.elapsed_s,
             reports={str(r): v for r, v in sorted(reports.items())},
-            last_good_checkpoint=facts.last_good_checkpoint,
         )
-        facts.note_incident(inc)
         self.run.changed()
         log.warning(
             "generate_truncated",

@@ -18,15 +18,18 @@ not asked (they would have to agree inside the collective one of them may be stu
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import structlog
 
+from hangwatch.common.oom_ladder import Rung
 from hangwatch.common.protocol import ABANDON_NAME, ABANDON_REFUSED_FIELD, RECOVERED_FIELD
-from hangwatch.supervisor.concerns import oom_evidence, oom_remediation
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.records import healing
+from hangwatch.supervisor.rules import oom_evidence, oom_remediation
 from hangwatch.supervisor.rules.outcome import Intent
 
 log = structlog.get_logger("hangwatch")
@@ -185,7 +188,7 @@ class InProcessRecovery(Concern):
     def _nonfinite(self, attempt, r: dict) -> None:
         restored = f"checkpoint step {r.get('restored_step')}" if r.get("restored_from") else "the start"
         named = [str(i) for i in r.get("quarantined") or []]
-        mine = {q["id"]: q for q in oom_remediation.read_quarantine(self.run.run_dir) if q.get("id") in set(named)}
+        mine = {q["id"]: q for q in healing.read_quarantine(self.run.run_dir) if q.get("id") in set(named)}
         rows = [{k: mine[i].get(k) for k in ("id", "reason", "step")} for i in named if i in mine]
         quarantined = {"quarantined": rows}
         summary = (
@@ -212,9 +215,9 @@ class InProcessRecovery(Concern):
     ):
         """An incident the worker handled in its own process (nothing for the loop to do): created complete, noted in
         the run's record, counted for `status`, logged (the alert desk hears of it by `event`)."""
-        facts = self.run.facts
-        inc = self.run.incidents.create(
+        inc = self.run.incidents.open_for_run(
             kind,
+            self.run.facts,
             attempt=attempt.number,
             phase="train",
             step=step,
@@ -222,10 +225,8 @@ class InProcessRecovery(Concern):
             summary=summary,
             status="handled",
             decision={"action": "recovered_in_process", "reason": reason},
-            last_good_checkpoint=facts.last_good_checkpoint,
-            **fields,
+            then=fields,
         )
-        facts.note_incident(inc)
         self._note("nonfinite" if kind == "nan" else "oom", r)
         log.warning(event, incident=inc.id, kind=kind, attempt=attempt.number, step=step, text=summary)
         return inc
@@ -234,8 +235,8 @@ class InProcessRecovery(Concern):
         """An out-of-memory step adapted in the worker's process: the incident, and remediation.json so that the next
         attempts start at this size."""
         try:
-            before = oom_remediation.Setting(**r["from"])
-            after = oom_remediation.Setting(**r["to"])
+            before = Rung(**r["from"])
+            after = Rung(**r["to"])
         except (KeyError, TypeError):
             log.warning("oom_adapted_unreadable", record=r)
             return
@@ -266,16 +267,20 @@ class InProcessRecovery(Concern):
             memory={"message": figures, "worker": r.get("memory")},
             message=message,
         )
+        path = healing.path_for(self.run.run_dir)
         try:
-            record = oom_remediation.load(self.run.run_dir)
-            oom_remediation.save(
-                self.run.run_dir,
-                oom_remediation.applied(
-                    record, self.run.cfg, remedy, attempt=attempt.number, step=r.get("step"), incident=inc.id
-                ),
+            record = oom_remediation.applied(
+                healing.load(self.run.run_dir),
+                self.run.cfg,
+                remedy,
+                attempt=attempt.number,
+                step=r.get("step"),
+                incident=inc.id,
             )
+            # Through the run's write seam, byte for byte what `oom_remediation.save` writes (indented by 2, durably).
+            self.run.fs.write_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
         except OSError as exc:
-            self.run.write_failed(exc, oom_remediation.path_for(self.run.run_dir))
+            self.run.write_failed(exc, path)
 
     def _note(self, kind: str, r: dict) -> None:
         self.recovered[kind] += 1

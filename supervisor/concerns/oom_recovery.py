@@ -1,19 +1,25 @@
 """Self-healing on an attempt that ended by itself: an out-of-memory failure of the built-in worker restarts with a
-smaller micro-batch (`oom_remediation`: the ladder's next rung at most, and the new process measures before training
-how far down it must go) or, with every remedy tried, ends the run; a non-finite streak's incident lists the examples
-the worker quarantined.  The new process's measure (its `warn` line with `remediation_probe`) is recorded in
-remediation.json and the OOM's incident.  Registered for the built-in worker with `restart.oom_remediation` on.
+smaller micro-batch (`rules.oom_remediation`: the ladder's next rung at most, and the new process measures before
+training how far down it must go) or, with every remedy tried, ends the run; a non-finite streak's incident lists the
+examples the worker quarantined.  The new process's measure (its `warn` line with `remediation_probe`) is recorded in
+remediation.json (`records.healing`, written through the run's `FsOps`) and the OOM's incident.  Registered for the
+built-in worker with `restart.oom_remediation` on.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from pathlib import Path
+from typing import Any, Optional
 
 import structlog
 
-from hangwatch.supervisor.concerns import oom_evidence, oom_remediation
+from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.oom_remediation import OOM_KIND, OomRemediation, after_exit, quarantine_fields
+from hangwatch.supervisor.records import healing, memory_evidence
+from hangwatch.supervisor.rules import oom_evidence, oom_remediation
+from hangwatch.supervisor.rules.oom_remediation import OOM_KIND, Remedy
+from hangwatch.supervisor.rules.policy import Decision
 
 log = structlog.get_logger("hangwatch")
 PROBE_FIELD = "remediation_probe"
@@ -22,7 +28,7 @@ PROBE_FIELD = "remediation_probe"
 class OomRecovery(Concern):
     def __post_init__(self) -> None:
         self.name = "oom_recovery"
-        self.remediation = OomRemediation(self.run.cfg, self.run.run_dir)
+        self.remediation = OomRemediation(self.run.cfg, self.run.run_dir, self.run.fs)
         self.seen: set[str] = set()  # incidents already remedied (the decision is asked at the exit and at the end)
 
     def beat(self, attempt, tr, rec: dict, left, at: float, now: float) -> None:
@@ -30,19 +36,20 @@ class OomRecovery(Concern):
         if not isinstance(result, dict) or tr.rank != 0:
             return
         run_dir = self.run.run_dir
-        record = oom_remediation.load(run_dir)
+        record = healing.load(run_dir)
         if not isinstance(record, dict) or not isinstance(record.get("probe"), dict):
             return
         try:
-            oom_remediation.save(
+            healing.save(
                 # the history's times are wall clock (the beat's own `t`), as the entries written at the OOM are
                 run_dir,
                 oom_remediation.measured(
                     record, self.run.cfg, result, attempt=attempt.number, now=wall_time(rec.get("t"))
                 ),
+                self.run.fs,
             )
         except OSError as exc:
-            self.run.write_failed(exc, oom_remediation.path_for(run_dir))
+            self.run.write_failed(exc, healing.path_for(run_dir))
             return
         ident = record["probe"].get("incident")
         inc = self.run.incidents.open(ident) if isinstance(ident, str) else None
@@ -58,14 +65,14 @@ class OomRecovery(Concern):
         self.seen.add(inc.id)
         run_dir = self.run.run_dir
         if episode.kind == "nan":
-            fields = quarantine_fields(run_dir, attempt.number)
+            fields = healing.quarantine_fields(run_dir, attempt.number)
             if fields:
                 self.run.incidents.amend(inc, **fields)
         step = inc.data.get("step")
         evidence: Optional[oom_evidence.Evidence] = None
         if episode.kind == OOM_KIND and decision.action == "restart":  # the evidence only picks a restart's size
             rank = inc.data.get("culprit_rank")
-            evidence = oom_evidence.gather(run_dir, attempt.number, rank if isinstance(rank, int) else 0)
+            evidence = memory_evidence.gather(run_dir, attempt.number, rank if isinstance(rank, int) else 0)
         remedied, fields = after_exit(
             self.remediation, episode.kind, inc.id, decision, attempt=attempt.number, step=step, evidence=evidence
         )
@@ -77,3 +84,73 @@ class OomRecovery(Concern):
 def wall_time(t) -> Optional[float]:
     """A heartbeat line's unix time, or None (then the record takes the clock's)."""
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
+class OomRemediation:
+    """The supervisor's handle: decides (`rules.oom_remediation`) and persists (`records.healing`, through `fs`) the
+    remedy of each OOM failure of the built-in worker."""
+
+    def __init__(self, cfg, run_dir: os.PathLike | str, fs: Optional[FsOps] = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.fs = fs
+        # A user's own script has no micro-batch we could change; `restart.oom_remediation: false` turns it off.
+        self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
+
+    def on_failure(
+        self,
+        kind: str,
+        *,
+        attempt: int,
+        step: Optional[int],
+        incident: Optional[str],
+        now: Optional[float] = None,
+        evidence: Optional[oom_evidence.Evidence] = None,
+    ) -> Optional[Remedy]:
+        """For an attempt that failed with `kind`: the remedy (already saved when it is a new setting), or None
+        (not an OOM, or not the built-in worker).  `evidence`: what the failed attempt left about memory."""
+        if not self.enabled or kind != OOM_KIND:
+            return None
+        record = healing.load(self.run_dir)
+        remedy = oom_remediation.decide(record, self.cfg, evidence)
+        if not remedy.exhausted:
+            healing.save(
+                self.run_dir,
+                oom_remediation.applied(
+                    record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now
+                ),
+                self.fs,
+            )
+        return remedy
+
+    def summary(self) -> Optional[dict]:
+        return oom_remediation.summary(healing.load(self.run_dir), self.cfg) if self.enabled else None
+
+
+def after_exit(
+    handle: OomRemediation,
+    kind: Optional[str],
+    incident_id: Optional[str],
+    decision: Optional[Decision],
+    *,
+    attempt: int,
+    step: Optional[int],
+    now: Optional[float] = None,
+    evidence: Optional[oom_evidence.Evidence] = None,
+) -> tuple[Any, dict]:
+    """The restart policy's `decision` on an ended attempt, with OOM remediation applied, and the fields its incident
+    gains: for an out-of-memory failure the policy restarts, the remedy is saved and named in the decision's reason
+    and in the incident (`remediation`); with every remedy tried the run fails instead, with the message saying what
+    was tried.  Anything else: `decision` unchanged, no field."""
+    if decision is None or decision.action != "restart" or kind is None:
+        return decision, {}
+    try:
+        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=incident_id, now=now, evidence=evidence)
+    except OSError as exc:  # the remedy must reach the next attempt through the file: without it, it would OOM again
+        return Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}"), {}
+    if remedy is None:
+        return decision, {}
+    fields = {"remediation": remedy.fields()}
+    if remedy.exhausted:
+        return Decision("fail", remedy.message), fields
+    return Decision("restart", f"{decision.reason}; {remedy.message}", delay_s=decision.delay_s, rollback=True), fields

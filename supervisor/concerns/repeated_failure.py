@@ -41,7 +41,7 @@ import structlog
 
 from hangwatch.common.exitcodes import EXIT_NO_RETRY
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.oom_evidence import gib, parse_oom_message
+from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.watch.output_tail import LINE_SHOWN, visible_text
 

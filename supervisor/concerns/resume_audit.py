@@ -16,8 +16,8 @@ from typing import Optional
 import structlog
 
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.oom_remediation import file_summary
 from hangwatch.supervisor.records import run_state
+from hangwatch.supervisor.records.healing import file_summary
 from hangwatch.supervisor.watch.replay_check import (
     AUDITS_NAME,
     REBATCHED_RTOL,
@@ -94,8 +94,10 @@ class ResumeAudit(Concern):
             if stop
             else "training goes on (watchdog.resume_audit.on_divergence: warn)"
         )
-        inc = self.run.incidents.create(
+        inc = self.run.incidents.open_for_run(
             "resume_diverged",
+            facts,
+            with_last_incident=True,
             attempt=attempt.number,
             phase="train",
             step=step,
@@ -105,10 +107,7 @@ class ResumeAudit(Concern):
             resume_audit=a.record(),
             on_divergence=ra.on_divergence,
             resumed_from=attempt.resume_from,
-            last_incident=facts.last_incident,
-            last_good_checkpoint=facts.last_good_checkpoint,
         )
-        facts.note_incident(inc)
         self.run.changed()
         self._records()[-1]["diverged_incident"] = inc.id
         self._save()

@@ -43,8 +43,10 @@ class ResumeCheck(Concern):
                 "the script and load it"
             )
         )
-        inc = self.run.incidents.create(
+        inc = self.run.incidents.open_for_run(
             "resume_ignored",
+            facts,
+            with_last_incident=True,
             attempt=attempt.number,
             phase="train",
             step=rec.get("step"),
@@ -55,9 +57,6 @@ class ResumeCheck(Concern):
             resume_from=handed,
             resume_step=step,
             resume_args=set_args,
-            last_incident=facts.last_incident,
-            last_good_checkpoint=facts.last_good_checkpoint,
         )
-        facts.note_incident(inc)
         self.run.changed()
         log.warning("resume_ignored", incident=inc.id, attempt=attempt.number, resume_from=handed, resume_step=step)

@@ -71,8 +71,9 @@ class UnkillableWait(Concern):
             f"{cfg.watchdog.kill_wait_s:g} s: {states} — uninterruptible sleep in the kernel (NFS, a GPU "
             f"driver); a reboot or a GPU reset may be needed; {then}"
         )
-        inc = self.run.incidents.create(
+        inc = self.run.incidents.open_for_run(
             "unkillable",
+            facts,
             attempt=attempt.number,
             phase=None,
             step=facts.last_step.get("step"),
@@ -84,9 +85,7 @@ class UnkillableWait(Concern):
             failure=episode.incident.id if episode.incident is not None else None,
             failure_kind=episode.kind,
             kill_wait_s=cfg.watchdog.kill_wait_s,
-            last_good_checkpoint=facts.last_good_checkpoint,
         )
-        facts.note_incident(inc)
         self.run.changed()
         log.error("unkillable", incident=inc.id, attempt=attempt.number, pids=pids, on_unkillable=mode, text=summary)
         if ending:

@@ -159,8 +159,10 @@ class Episode:
                 f"no output for {expired.elapsed_s:.1f}s (output_silence_timeout_s {expired.budget_s:g}), "
                 f"no heartbeat from any rank{last}"
             )
-        inc = tools.incidents.create(
+        inc = tools.incidents.open_for_run(
             kind,
+            facts,
+            note=False,  # noted when the episode finishes it
             attempt=attempt.number,
             phase=phase,
             step=step,
@@ -168,8 +170,7 @@ class Episode:
             summary=why,
             status="in progress",
             worker_pid=attempt.worker.pid,
-            last_good_checkpoint=facts.last_good_checkpoint,
-            **stragglers_field(attempt),
+            then=stragglers_field(attempt),
         )
         log.warning(
             "stall_detected" if kind != "manual" else "restart_now",
@@ -208,8 +209,10 @@ class Episode:
             f"peer node {notice.get('node')} restarted (generation {gen}): "
             f"{notice.get('summary') or notice.get('kind')}"
         )
-        inc = tools.incidents.create(
+        inc = tools.incidents.open_for_run(
             "peer_restart",
+            facts,
+            note=False,  # noted when the episode finishes it
             attempt=attempt.number,
             phase=phase,
             step=step,
@@ -217,7 +220,6 @@ class Episode:
             status="in progress",
             worker_pid=attempt.worker.pid,
             peer_notice=notice,
-            last_good_checkpoint=facts.last_good_checkpoint,
         )
         log.warning(
             "peer_restart",
@@ -803,8 +805,10 @@ def exit_incident(
             + (f", {reading.words()}" if reading is not None and fatal_rank == culprit and reading.landmark else "")
             + "".join(f"; rank {r}: its collective broke when rank {culprit} failed (victim)" for r in victims)
         )
-    inc = tools.incidents.create(
+    inc = tools.incidents.open_for_run(
         kind,
+        facts,
+        note=False,  # noted when the episode finishes it
         attempt=attempt.number,
         phase=tr.phase if tr else None,
         step=tr.step if tr else None,
@@ -818,10 +822,11 @@ def exit_incident(
         **(reading.fields() if reading is not None else {}),
         status="in progress",
         worker_pid=w.pid,
-        last_good_checkpoint=facts.last_good_checkpoint,
-        decision=decision.as_dict() if decision else None,
-        **stragglers_field(attempt),
-        **({"culprit_rank": culprit} if several else {}),
+        then={
+            "decision": decision.as_dict() if decision else None,
+            **stragglers_field(attempt),
+            **({"culprit_rank": culprit} if several else {}),
+        },
     )
     if info.get("last_words"):
         inc.add_file(EXIT_NAME, (attempt.dir / EXIT_NAME).read_text(errors="replace"))
@@ -858,8 +863,10 @@ def spawn_failed_incident(
     incidents: IncidentStore, attempt: int, argv: list[str], cwd: Optional[str], exc: OSError, facts: RunRecord
 ) -> Incident:
     """The worker command cannot be executed: a configuration error, recorded before the run fails."""
-    inc = incidents.create(
+    inc = incidents.open_for_run(
         "config_error",
+        facts,
+        with_checkpoint=False,  # this record never named the last good checkpoint
         attempt=attempt,
         phase=None,
         step=None,
@@ -868,7 +875,6 @@ def spawn_failed_incident(
         argv=argv,
         cwd=cwd,
     )
-    facts.note_incident(inc)
     log.error("spawn_failed", argv=argv, error=str(exc))
     return inc
 
@@ -882,8 +888,10 @@ def crash_loop_incident(
     facts: RunRecord,
 ) -> Incident:
     """The final incident of a run the restart policy gave up on."""
-    inc = incidents.create(
+    inc = incidents.open_for_run(
         "crash_loop",
+        facts,
+        with_last_incident=True,
         attempt=attempt,
         phase=None,
         step=policy.best_step,
@@ -893,10 +901,7 @@ def crash_loop_incident(
         restarts_in_window=len(policy.recent),
         window_s=restart_cfg.window_s,
         max_restarts=restart_cfg.max_restarts,
-        last_incident=facts.last_incident,
-        last_good_checkpoint=facts.last_good_checkpoint,
     )
-    facts.note_incident(inc)
     log.error("crash_loop", incident=inc.id, reason=decision.reason)
     return inc
 

@@ -4,7 +4,9 @@ Numbers are taken by `mkdir` (exclusive), so two writers never share one; `incid
 replaced durably, so a reader sees the old record or the new, never half.
 
 The store is the one writer of `incident.json`: `create`, then `save` or `amend` by whoever owns the incident (the
-episode for a failure's, the concern that opened any other).  A later finding about an incident (the resume audit
+episode for a failure's, the concern that opened any other).  An incident of the run is opened with `open_for_run`:
+`create` with the fields the run's record gives (its last good checkpoint, the incident before), then noted in that
+record (`facts.note_incident`) — the one way every opener takes.  A later finding about an incident (the resume audit
 of the attempt that recovered from it) is recorded by its finder under the new attempt, naming the incident; readers
 see both joined (`with_findings`), and the incident's own file is never rewritten for it.
 
@@ -19,7 +21,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import INCIDENTS, read_json
@@ -52,6 +54,19 @@ KINDS = (
 RECORD_NAME = "incident.json"
 SUMMARY_KEYS = ("id", "kind", "time", "attempt", "step", "classification", "summary")
 UNREADABLE = "incident.json missing or unreadable"
+
+
+class RunFacts(Protocol):
+    """What opening an incident reads from the run's record and tells it: `records.run_state.RunRecord` (named here
+    by its shape only: `incidents` imports no sibling package)."""
+
+    @property
+    def last_good_checkpoint(self) -> Optional[str]: ...
+
+    @property
+    def last_incident(self) -> Optional[dict]: ...
+
+    def note_incident(self, inc: "Incident") -> None: ...
 
 
 def _report(exc: OSError, path: Path) -> None:
@@ -97,10 +112,12 @@ class Incident:
         new_dir = self.dir.with_name(f"{self.id}-{kind}")
         if self.dir.is_dir():
             try:
-                os.rename(self.dir, new_dir)
+                self._fs.rename(self.dir, new_dir)
             except OSError as exc:
                 self._on_write_error(exc, new_dir)
-                return
+                if self.dir.is_dir():  # the rename was refused: the incident keeps its name
+                    return
+                # renamed, but the directory's fsync failed (reported): the incident has its new name
         self.dir, self.kind = new_dir, kind
         self.data["kind"] = kind
 
@@ -155,6 +172,38 @@ class IncidentStore:
         inc = Incident(d, ident, kind, data, fs=self.fs, on_write_error=self.on_write_error)
         if d.is_dir():
             self.save(inc)
+        return inc
+
+    def open_for_run(
+        self,
+        kind: str,
+        facts: RunFacts,
+        *,
+        with_last_incident: bool = False,
+        with_checkpoint: bool = True,
+        then: Optional[Mapping[str, Any]] = None,
+        note: bool = True,
+        **fields: Any,
+    ) -> Incident:
+        """A new incident of the run (`create`), noted in the run's record (`facts.note_incident`) once written.
+
+        Its record holds `fields`, then what the run's record gives — `last_incident` (the incident before, with
+        `with_last_incident`) and `last_good_checkpoint` (unless `with_checkpoint=False`: the `config_error` of a worker
+        that could not start never named it) — then `then` (fields that follow those, in their order).  `note=False`: an
+        episode's incident, which the record notes when the episode finishes it (`Episode.finish`, `recovered`).
+        A field given twice is a TypeError, as a repeated keyword is to `create`."""
+        record: dict[str, Any] = {}
+        if with_last_incident:
+            record["last_incident"] = facts.last_incident
+        if with_checkpoint:
+            record["last_good_checkpoint"] = facts.last_good_checkpoint
+        later = dict(then or {})
+        twice = (fields.keys() & record.keys()) | ((fields.keys() | record.keys()) & later.keys())
+        if twice:
+            raise TypeError(f"open_for_run() got multiple values for {', '.join(sorted(twice))}")
+        inc = self.create(kind, **fields, **record, **later)
+        if note:
+            facts.note_incident(inc)
         return inc
 
     def save(self, inc: Incident) -> bool:

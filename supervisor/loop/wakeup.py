@@ -219,3 +219,36 @@ class Wakeup:
     def pass_done(self, now: Optional[float] = None) -> None:
         """The loop finished a pass (it read every heartbeat line there was): the interval starts now."""
         self._last_read = self._clock() if now is None else now
+
+
+FAST_PASS_S = 0.1  # loop period while escalating or stopping: prompt, yet cheap (each pass scans the tree)
+IDLE_WAIT_S = 5.0  # the longest sleep with nothing due: bounds what runs only in passes (idle control clients)
+
+
+def pace(
+    *,
+    now_due: bool,
+    escalating: bool,
+    episode_due: Optional[float],
+    held: bool,
+    dues: Iterable[Optional[float]],
+    timer_s: Optional[float],
+) -> float:
+    """How long the loop may sleep (pure).  `now_due`: something waits for the next pass (the first attempt's spawn,
+    heartbeat lines left at a read's size bound).  `escalating`: an episode, a stop or a `dump` in flight — a pass
+    every FAST_PASS_S, or at the episode's own next moment (`episode_due`: snapshot interval, SIGKILL at the grace,
+    a dump's quiet period) when sooner, or, for a teardown a concern holds (`held`: survivors of SIGKILL), at that
+    moment however far.  `dues`: seconds until each other thing due (a deadline, the end of a backoff, the
+    notifier's ping, the peer link, a concern); `timer_s`: `poll_interval_s` where a heartbeat write or a control
+    request could not wake the loop.  At most IDLE_WAIT_S."""
+    if now_due:
+        return 0.0
+    waits = [d for d in dues if d is not None]
+    if escalating:
+        if episode_due is None:
+            waits.append(FAST_PASS_S)
+        else:
+            waits.append(episode_due if held else min(FAST_PASS_S, episode_due))
+    else:
+        waits += [IDLE_WAIT_S] + ([timer_s] if timer_s is not None else [])
+    return max(0.0, min(waits))

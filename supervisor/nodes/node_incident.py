@@ -146,15 +146,14 @@ def peer_words(notice: dict) -> str:
 def lost_peer_incident(incidents, facts, nodes, attempt: int, words: str) -> None:
     """This node waited at the rendezvous past `worker.rdzv_timeout_s` with peers missing: the `lost_peer`
     incident, and the `peer_lost` event the alerts listen for.  The node keeps waiting."""
-    inc = incidents.create(
+    inc = incidents.open_for_run(
         "lost_peer",
+        facts,
         attempt=attempt,
         summary=words,
         classification=words,
         status="waiting",
         node=nodes.name,
         nodes=nodes.status(),
-        last_good_checkpoint=facts.last_good_checkpoint,
     )
-    facts.note_incident(inc)
     log.error("peer_lost", incident=inc.id, node=nodes.name, why=words, reason=words, attempt=attempt)

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Collection, Mapping, Optional
 
 from hangwatch.common.config import Config, WatchdogCfg
 from hangwatch.common.config.rules import torchrun_command
@@ -183,6 +183,28 @@ class Attempt:
         table.signal_group(self.worker.pgid, signal.SIGKILL)
         for ref in [*self.tree.values(), self.worker.ref]:
             table.signal(ref, signal.SIGKILL)
+
+    def reap(self, table: ProcessTable, now: float, orphans: bool, also: Collection[int] = ()) -> bool:
+        """Wait for the worker (True when its exit is recorded now) and, when `orphans`, for the adopted orphans of
+        its tree and `also` (processes being killed): we are their subreaper; not our child otherwise."""
+        w = self.worker
+        ended = False
+        if not w.exited:
+            status = table.reap(w.pid)
+            if status is not None:
+                w.record_exit(status, now)
+                ended = True
+        if orphans:
+            for pid in (set(self.tree) | set(also)) - {w.pid}:
+                table.reap(pid)
+        return ended
+
+    def rescan(self, table: ProcessTable, subreaper: bool, now: float, every_s: float) -> bool:
+        """`scan_tree` at most every `every_s` while the worker runs; True when a new descendant was found."""
+        if self.worker.exited or now - self.last_tree_scan < every_s:
+            return False
+        self.last_tree_scan = now
+        return self.scan_tree(table, subreaper)
 
     def scan_tree(self, table: ProcessTable, subreaper: bool) -> bool:
         """Remember the worker's descendants (with start times) to find those that leave the group.

@@ -25,6 +25,7 @@ from fixtures.fakes.sup_harness import (
 )
 
 from hangwatch.common.config import load_config
+from hangwatch.supervisor.loop.seams import Seams
 from hangwatch.supervisor.loop.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
@@ -322,7 +323,7 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     notifier = Recorder()
     # NVML's reading is a seam: status reports what it says, on a machine with GPUs or without
     no_gpu = {"available": False, "reason": "no GPU: NVML unavailable (faked)"}
-    sup = box["sup"] = Supervisor(cfg, control=control, notifier=notifier, gpu=lambda: no_gpu)
+    sup = box["sup"] = Supervisor(cfg, Seams(control=control, notifier=notifier, gpu=lambda: no_gpu))
     assert sup.run() == 0
     assert not control.script, f"requests never sent: {control.script}"
     get = lambda **r: next(rep for q, rep in control.replies if q == r)  # noqa: E731  (the first reply)
@@ -369,7 +370,7 @@ def test_control_requests_drive_the_lifecycle(tmp_path):
     assert [r for q, r in control.replies if q == {"cmd": "status"}][1]["result"]["state"] == "paused"
     assert stop_reason(run_dir, 3) == "terminated"
     assert get(cmd="stop")["result"]["accepted"] == "stop"
-    assert sup.lifecycle.state.value == "stopped" and sup.attempt == 4 and sup.facts.restarts == 3
+    assert sup.lifecycle.state.value == "stopped" and sup.attempt == 4 and sup.context.facts.restarts == 3
     assert control.closed
     kinds = [c[0] for c in notifier.calls]
     assert kinds.count("ready") == 1 and kinds.count("stopping") >= 1 and kinds.count("watchdog") > 10

@@ -9,7 +9,8 @@ import json
 from fixtures.fakes.workers import make_config, read_beats, run_in_process
 
 from hangwatch.common.config import load_config
-from hangwatch.supervisor.concerns.oom_remediation import OomRemediation, Setting
+from hangwatch.common.oom_ladder import Rung as Setting
+from hangwatch.supervisor.concerns.oom_recovery import OomRemediation
 
 
 def step_ids(beats):

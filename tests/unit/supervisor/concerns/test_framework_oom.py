@@ -22,9 +22,9 @@ from hangwatch.supervisor.concerns.framework_oom import (
     recorded,
     summary,
 )
-from hangwatch.supervisor.concerns.oom_evidence import parse_oom_message
 from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
 from hangwatch.supervisor.incidents import IncidentStore
+from hangwatch.supervisor.rules.oom_evidence import parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 
 RESTART = Decision("restart", "worker exited with code 1")
@@ -264,3 +264,36 @@ def test_a_supervisor_started_again_reads_the_record(tmp_path):
     again = FrameworkOom(RunContext(None, run.run_dir, None, run.store, None, None))
     again.prepare(0.0)
     assert again.readers(0.0)["framework_remediation"]()["now"] == {"batch": 4, "accumulation": 2}
+
+
+def test_the_record_goes_through_the_runs_fsops_and_a_refused_write_ends_the_run(tmp_path):
+    from hangwatch.common.durable import FsOps, write_json_atomic
+
+    class Recording(FsOps):
+        def __init__(self, refuse: bool):
+            self.refuse, self.written = refuse, []
+
+        def write_file(self, path, data, durable=True):
+            self.written.append(Path(path).name)
+            if self.refuse:
+                raise OSError(28, "No space left on device", str(path))
+            super().write_file(path, data, durable)
+
+    run = Run(tmp_path)
+    refused, failed = Recording(refuse=True), []
+    run.concern.run = RunContext(
+        None, run.run_dir, refused, run.store, None, None, write_failed=lambda exc, path: failed.append(path)
+    )
+    a1, e1 = run.attempt(1, found(4, 1))
+    d1 = run.concern.decision(a1, e1, RESTART, 0.0)
+    assert d1.action == "fail" and "the smaller batch could not be recorded" in d1.reason
+    assert refused.written == [FRAMEWORK_REMEDIATION_NAME] and failed == [run.run_dir / FRAMEWORK_REMEDIATION_NAME]
+    assert not (run.run_dir / FRAMEWORK_REMEDIATION_NAME).exists()
+
+    fs = Recording(refuse=False)
+    run.concern.run = RunContext(None, run.run_dir, fs, run.store, None, None)
+    a2, e2 = run.attempt(2, found(4, 1))
+    assert run.concern.decision(a2, e2, RESTART, 0.0).action == "restart" and fs.written == [FRAMEWORK_REMEDIATION_NAME]
+    # byte for byte what the file always held (indented by 2)
+    before = write_json_atomic(tmp_path / "before.json", run.record(), indent=2)
+    assert (run.run_dir / FRAMEWORK_REMEDIATION_NAME).read_bytes() == before.read_bytes()

@@ -178,6 +178,46 @@ def test_an_oom_adapted_in_the_process_is_an_incident_and_the_setting_for_later_
     assert concern.readers(T0)["in_process"]()["recovered"]["oom"] == 1
 
 
+class RecordingFs(FsOps):
+    """Records each file written through the seam; refuses `remediation.json` when told to."""
+
+    def __init__(self, refuse: bool = False):
+        self.written, self.refuse = [], refuse
+
+    def write_file(self, path, data, durable=True):
+        if self.refuse and path.name == "remediation.json":
+            raise OSError(28, "No space left on device", str(path))
+        self.written.append((path.name, durable))
+        super().write_file(path, data, durable)
+
+
+ADAPTED = {
+    "kind": "oom",
+    "step": 4,
+    "from": {"micro_batch_size": 16, "grad_accum": 1, "gradient_checkpointing": False},
+    "to": {"micro_batch_size": 8, "grad_accum": 2, "gradient_checkpointing": False},
+}
+
+
+def test_remediation_json_is_written_through_the_runs_write_seam_as_it_always_was(tmp_path):
+    run, concern, attempt = make(tmp_path, train={"micro_batch_size": 16, "grad_accum": 1})
+    run.fs = fs = RecordingFs()
+    feed(run, concern, attempt, T0 + 5, event="warn", oom_adapted=ADAPTED)
+    assert ("remediation.json", True) in fs.written  # durably: the next attempt must find it
+    written = (run.run_dir / "remediation.json").read_text()
+    assert written == json.dumps(json.loads(written), indent=2) + "\n"  # the file's format: indented by 2
+    assert json.loads(written)["micro_batch_size"] == 8
+
+
+def test_a_refused_remediation_json_is_reported_and_the_incident_stands(tmp_path):
+    run, concern, attempt = make(tmp_path, train={"micro_batch_size": 16, "grad_accum": 1})
+    refused = []
+    run.fs, run.write_failed = RecordingFs(refuse=True), lambda exc, path: refused.append(path)
+    feed(run, concern, attempt, T0 + 5, event="warn", oom_adapted=ADAPTED)
+    assert refused == [run.run_dir / "remediation.json"] and not refused[0].exists()
+    assert [i["kind"] for i in run.incidents.list()] == ["oom_adapted"]
+
+
 def test_a_nonfinite_streak_rolled_back_in_the_process_is_a_nan_incident_naming_the_quarantined(tmp_path):
     run, concern, attempt = make(tmp_path)
     (run.run_dir / "quarantine.jsonl").write_text(

@@ -1,21 +1,27 @@
 """OomRecovery alone (no Supervisor): its `decision` hook on an ended attempt's episode, with a real IncidentStore and
 the run dir's remediation.json.  An OOM the policy restarts is restarted with a smaller micro-batch (the incident
-says which), once per incident; anything else keeps the policy's decision; with every remedy tried the run fails."""
+says which), once per incident; anything else keeps the policy's decision; with every remedy tried the run fails.
+Then the supervisor's handle (`OomRemediation`, `after_exit`) on its own, and remediation.json written through the
+run's `FsOps`: a refused write ends the run rather than restart at the size that ran out of memory."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
+from hangwatch.common.oom_ladder import Rung as Setting
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
-from hangwatch.supervisor.concerns import oom_remediation as rem
 from hangwatch.supervisor.concerns.base import RunContext
-from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+from hangwatch.supervisor.concerns.oom_recovery import OomRecovery, OomRemediation, after_exit
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.processes.attempt import Attempt
 from hangwatch.supervisor.processes.process import Worker
+from hangwatch.supervisor.records import healing
 from hangwatch.supervisor.records.run_state import RunRecord
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.watch.beat_files import HeartbeatTail
@@ -26,14 +32,19 @@ T0 = 1000.0
 RESTART = Decision("restart", "exit 1 (out of memory)")
 
 
-def setup(tmp_path: Path):
+def setup(tmp_path: Path, fs: FsOps | None = None):
     cfg = Config.model_validate(
         {"run_dir": str(tmp_path / "run"), "data": {"train": "train.jsonl"}, "train": {"micro_batch_size": 4}}
     )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
     run = RunContext(
-        cfg, run_dir, FsOps(), IncidentStore(run_dir), Deadlines(cfg.watchdog, Calibration(cfg.watchdog)), RunRecord()
+        cfg,
+        run_dir,
+        fs or FsOps(),
+        IncidentStore(run_dir),
+        Deadlines(cfg.watchdog, Calibration(cfg.watchdog)),
+        RunRecord(),
     )
     return run, OomRecovery(run)
 
@@ -54,13 +65,13 @@ def test_an_oom_restarts_with_a_smaller_micro_batch_and_the_incident_says_so(tmp
     got = concern.decision(a1, ep, RESTART, T0 + 1)
     assert got is not None and got.action == "restart" and got.rollback
     assert got.reason.startswith(RESTART.reason + "; ")
-    saved = rem.load(run.run_dir)
+    saved = healing.load(run.run_dir)
     assert saved["micro_batch_size"] < 4 and saved["configured"]["micro_batch_size"] == 4
     inc = run.incidents.get(ep.incident.id)
     assert inc["remediation"]["to"]["micro_batch_size"] == saved["micro_batch_size"]
     # asked again for the same incident (the exit, then the end): nothing more, no second rung
     assert concern.decision(a1, ep, RESTART, T0 + 2) is None
-    assert rem.load(run.run_dir)["micro_batch_size"] == saved["micro_batch_size"]
+    assert healing.load(run.run_dir)["micro_batch_size"] == saved["micro_batch_size"]
 
 
 def test_other_failures_and_no_decision_keep_the_policys_decision(tmp_path):
@@ -70,7 +81,7 @@ def test_other_failures_and_no_decision_keep_the_policys_decision(tmp_path):
     assert concern.decision(a1, ended(run, 1, "oom"), None, T0) is None
     assert concern.decision(a1, ended(run, 1, "oom"), Decision("fail", "crash loop"), T0) is None
     assert concern.decision(a1, Episode(None, None, T0), RESTART, T0) is None
-    assert rem.load(run.run_dir) is None
+    assert healing.load(run.run_dir) is None
 
 
 def test_with_every_remedy_tried_an_oom_ends_the_run(tmp_path):
@@ -85,3 +96,109 @@ def test_with_every_remedy_tried_an_oom_ends_the_run(tmp_path):
     assert decisions == ["restart", "restart", "restart", "fail"]
     last = run.incidents.get(run.incidents.list()[-1]["id"])
     assert last["remediation"]["action"] == "failed"
+
+
+# ---- the handle alone
+
+
+def cfg(micro=4, accum=2, gc=False, command=None, on=True):
+    return SimpleNamespace(
+        train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
+        model=SimpleNamespace(gradient_checkpointing=gc),
+        worker=SimpleNamespace(command=command),
+        restart=SimpleNamespace(oom_remediation=on),
+    )
+
+
+def test_oom_remediation_can_be_turned_off(tmp_path):
+    assert OomRemediation(cfg(on=False), tmp_path).on_failure("oom", attempt=1, step=3, incident="0001") is None
+    assert not (tmp_path / "remediation.json").exists()
+
+
+def test_supervisor_handle_persists_across_a_new_supervisor(tmp_path):
+    c = cfg(4, 2)
+    first = OomRemediation(c, tmp_path)
+    assert first.on_failure("crash", attempt=1, step=2, incident="a") is None  # only OOMs are remedied
+    remedy = first.on_failure("oom", attempt=1, step=2, incident="inc-1", now=5.0)
+    assert remedy.to == Setting(2, 4) and "effective batch 8 unchanged" in remedy.message
+    saved = healing.load(tmp_path)
+    assert saved["micro_batch_size"] == 2 and saved["grad_accum"] == 4 and saved["configured"]["micro_batch_size"] == 4
+    second = OomRemediation(c, tmp_path)  # a restarted supervisor escalates from the file, not the config
+    assert second.on_failure("oom", attempt=2, step=2, incident="inc-2").to == Setting(1, 8)
+    assert second.summary()["now"] == {"micro_batch_size": 1, "grad_accum": 8, "gradient_checkpointing": False}
+    assert second.summary()["oom_restarts"] == 2
+
+
+def test_own_script_is_never_remedied(tmp_path):
+    handle = OomRemediation(cfg(command=["python", "train.py"]), tmp_path)
+    assert handle.on_failure("oom", attempt=1, step=1, incident=None) is None
+    assert not healing.path_for(tmp_path).exists()
+
+
+def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
+    from hangwatch.supervisor.rules.policy import Decision
+
+    handle = OomRemediation(cfg(2, 1), tmp_path)
+    restart = Decision("restart", "worker exited with code 1", delay_s=2.0)
+    assert after_exit(handle, "crash", "0001", restart, attempt=1, step=3) == (restart, {})
+    giving_up = Decision("fail", "crash loop", crash_loop=True)
+    assert after_exit(handle, "oom", "0001", giving_up, attempt=1, step=3) == (giving_up, {})  # the policy wins
+    d, fields = after_exit(handle, "oom", "0001", restart, attempt=1, step=3)
+    assert d.action == "restart" and d.rollback and d.delay_s == 2.0
+    assert "micro-batch 2 → 1, accumulation 1 → 2 (effective batch 2 unchanged)" in d.reason
+    assert fields["remediation"]["to"] == {"micro_batch_size": 1, "grad_accum": 2, "gradient_checkpointing": False}
+    d, _ = after_exit(handle, "oom", "0002", restart, attempt=2, step=3)
+    assert "gradient checkpointing turned on" in d.reason
+    d, fields = after_exit(handle, "oom", "0003", restart, attempt=3, step=3)
+    assert d.action == "fail" and "every remedy tried" in d.reason and "gradient checkpointing" in d.reason
+    assert fields["remediation"]["action"] == "failed"
+
+
+# ---- remediation.json through the run's FsOps
+
+
+class RefusingFs(FsOps):
+    """Refuses every write of remediation.json (a full disk), records what it refused."""
+
+    def __init__(self):
+        self.refused: list[Path] = []
+
+    def _check(self, path) -> None:
+        if Path(path).name == "remediation.json":
+            self.refused.append(Path(path))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def write_file(self, path, data, durable=True):
+        self._check(path)
+        super().write_file(path, data, durable)
+
+    def write_json(self, path, data, durable=True):
+        self._check(path)
+        super().write_json(path, data, durable)
+
+
+def test_a_remedy_the_disk_refuses_ends_the_run_and_writes_nothing(tmp_path):
+    fs = RefusingFs()
+    run, concern = setup(tmp_path, fs)
+    got = concern.decision(attempt(run, 1), ended(run, 1, "oom"), RESTART, T0 + 1)
+    assert got.action == "fail" and "the smaller micro-batch could not be recorded" in got.reason
+    assert fs.refused == [healing.path_for(run.run_dir)]
+    assert healing.load(run.run_dir) is None and not [p for p in run.run_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_the_new_processs_measure_goes_through_the_runs_fsops_and_a_refusal_is_reported(tmp_path):
+    fs = RefusingFs()
+    run, concern = setup(tmp_path, fs)
+    failed = []
+    run.write_failed = lambda exc, path: failed.append((exc.errno, path))
+    # the OOM's remedy, recorded by a supervisor with room on its disk: the new process is to measure
+    OomRemediation(run.cfg, run.run_dir, FsOps()).on_failure("oom", attempt=1, step=3, incident="x")
+    before = healing.load(run.run_dir)
+    assert isinstance(before.get("probe"), dict)
+    measure = {"picked": 1, "to": {"micro_batch_size": 1, "grad_accum": 8, "gradient_checkpointing": False}}
+    beat = {"event": "warn", "t": T0, "remediation_probe": measure}
+    concern.beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0)
+    assert failed == [(errno.ENOSPC, healing.path_for(run.run_dir))] and healing.load(run.run_dir) == before
+    run.fs = FsOps()  # the disk has room again: the same beat is recorded
+    concern.beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0)
+    assert "probe" not in healing.load(run.run_dir) and healing.load(run.run_dir)["micro_batch_size"] == 1

@@ -13,12 +13,11 @@ import pytest
 from fixtures.fakes.standby import keeper, prewarmed, signalled
 
 from hangwatch.common.rundir import STANDBY_READY_NAME
-from hangwatch.supervisor.loop.control_requests import dispatch
 from hangwatch.supervisor.processes import standby as prewarm
 
 
 def status(h) -> dict:
-    return dispatch({"cmd": "status"}, h.sup.requests, h.clock())["result"]
+    return h.sup.desk.handle({"cmd": "status"}, h.clock())["result"]
 
 
 def test_the_standby_is_spawned_once_the_attempt_steps_not_while_it_loads(tmp_path):

@@ -17,6 +17,7 @@ from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
 from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
 from hangwatch.supervisor.concerns.in_process_recovery import InProcessRecovery
 from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+from hangwatch.supervisor.concerns.output_settle import OutputSettle
 from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
 from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
 from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
@@ -50,6 +51,7 @@ def names(tmp_path: Path, **sections) -> list[str]:
 def test_the_defaults_for_the_built_in_worker(tmp_path):
     got = concerns_for(tmp_path)
     assert [type(c) for c in got] == [
+        OutputSettle,
         GoodputAccounting,
         StragglerReport,
         GenerateOverrun,
@@ -60,6 +62,7 @@ def test_the_defaults_for_the_built_in_worker(tmp_path):
         UnkillableWait,
     ]
     assert [c.name for c in got] == [
+        "output_settle",
         "goodput",
         "straggler_report",
         "generate_overrun",
@@ -113,7 +116,7 @@ def test_each_switch_adds_or_leaves_out_its_concern_only(tmp_path, sections, pre
     # the rest is as by default
     default = set(names(tmp_path / "default"))
     assert set(got) - present == default - absent - present
-    assert got[:2] == ["goodput", "straggler_report"] and got[-1] == "unkillable_wait"
+    assert got[:3] == ["output_settle", "goodput", "straggler_report"] and got[-1] == "unkillable_wait"
 
 
 def test_everything_off_leaves_the_ones_that_every_run_has(tmp_path):
@@ -124,12 +127,20 @@ def test_everything_off_leaves_the_ones_that_every_run_has(tmp_path):
         worker=COMMAND,
     )
     # resume_check: a command of your own
-    assert got == ["goodput", "straggler_report", "resume_check", "repeated_failure", "unkillable_wait"]
+    assert got == [
+        "output_settle",
+        "goodput",
+        "straggler_report",
+        "resume_check",
+        "repeated_failure",
+        "unkillable_wait",
+    ]
 
 
 def test_everything_on_in_the_loops_order_with_the_standby_before_the_unkillable_wait(tmp_path):
     got = concerns_for(tmp_path, restart={"prewarm": "always"})
     assert [c.name for c in got] == [
+        "output_settle",
         "goodput",
         "straggler_report",
         "generate_overrun",

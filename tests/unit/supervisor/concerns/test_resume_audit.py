@@ -14,7 +14,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir, heartbeat_path
 from hangwatch.supervisor.concerns.base import RunContext
-from hangwatch.supervisor.concerns.oom_remediation import OomRemediation
+from hangwatch.supervisor.concerns.oom_recovery import OomRemediation
 from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore

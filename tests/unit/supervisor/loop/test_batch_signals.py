@@ -26,7 +26,7 @@ class FakeSource:
 
 def harness(tmp_path, batch: bool) -> tuple[Harness, FakeSource]:
     h = Harness(tmp_path)
-    h.sup.signal_source = source = FakeSource(batch)
+    h.sup.seams.signal_source = source = FakeSource(batch)
     return h, source
 
 
@@ -56,7 +56,7 @@ def test_sigterm_in_a_slurm_job_says_who_and_a_second_one_does_not_force_the_kil
     h.sup.wakeup.record(signal.SIGTERM)
     h.sup.wakeup.record(signal.SIGTERM)  # the step's task and srun may each pass it on
     h.until(lambda: h.state == "stopping")
-    assert not h.sup.force
+    assert not h.sup.intents.force
     w.graceful_exit()
     h.until(lambda: h.state == "stopped")
     assert h.table.signals() == ["SIGTERM", "-SIGTERM"]  # the graceful stop, then what is left of the group: no KILL

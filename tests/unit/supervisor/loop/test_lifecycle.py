@@ -563,7 +563,7 @@ def test_a_suspended_supervisor_extends_deadlines_instead_of_firing(tmp_path, ca
     w = h.running()
     h.tick(30.0)  # the whole machine slept: 30 s gap, no line (every deadline is shorter)
     w.step()
-    h.until(lambda: h.sup.facts.last_step.get("step") == 3)
+    h.until(lambda: h.sup.context.facts.last_step.get("step") == 3)
     assert h.state == "running" and h.incident_kinds() == [] and h.table.sent == []
     assert h.sup.suspension.total_s > 25
 
@@ -690,7 +690,7 @@ def test_the_next_attempt_resumes_from_the_last_good_checkpoint_and_a_new_superv
     ]
 
     second = Harness(tmp_path)  # a new supervisor on the same run dir keeps the record
-    assert second.sup.facts.last_good_checkpoint == str(good)
+    assert second.sup.context.facts.last_good_checkpoint == str(good)
     import shutil
 
     shutil.rmtree(good)  # ... and skips a good checkpoint deleted meanwhile

@@ -17,7 +17,6 @@ from rich.console import Console
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import dump_path_for, heartbeat_path
 from hangwatch.supervisor.cli import render
-from hangwatch.supervisor.loop.control_requests import dispatch
 from hangwatch.supervisor.ops import logsetup
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -164,7 +163,7 @@ def straggler_is_warned(tmp_path):
         r1.step(step_time_s=0.4)
         h.tick()
     assert h.state == "running" and not [s for _, s in h.table.sent if s in (signal.SIGTERM, signal.SIGKILL)]
-    st = dispatch({"cmd": "status"}, h.sup.requests, h.clock())["result"]
+    st = h.sup.desk.handle({"cmd": "status"}, h.clock())["result"]
     rows = {r["rank"]: r for r in st["ranks"]}
     assert (
         set(rows) == {0, 1} and rows[1]["pid"] == r1.proc.pid and rows[0]["step"] == 6 and rows[1]["phase"] == "train"

@@ -257,7 +257,7 @@ def test_a_notifier_that_wants_calling_shortens_the_sleep(tmp_path):
     h = harness(tmp_path, watchdog={"startup_timeout_s": 3600})
     h.until(lambda: h.spawn.workers)
     h.sup.wakeup = HeardWakeup()
-    h.sup.notifier = type(
+    h.sup.outward.notifier = type(
         "Pinger", (), {"next_due_s": lambda self, now: 1.5, "watchdog": lambda self, now=None: None}
     )()
     assert h.sup.next_wait(h.clock()) == 1.5
@@ -321,7 +321,7 @@ def test_lines_count_from_their_file_times_within_the_reads_that_bound_them(tmp_
     h = harness(tmp_path)
     w = h.running()
     h.sup.wakeup = HeardWakeup()
-    h.sup.file_times = True  # the fake clock is not the wall clock: dates are pinned to the bounds below
+    h.sup.seams.file_times = True  # the fake clock is not the wall clock: dates are pinned to the bounds below
     h.sup.run_once(h.clock())
     before = h.clock()
     sleep(h, 1.0)
@@ -341,7 +341,7 @@ def test_a_suspension_dates_its_lines_by_the_read(tmp_path):
     h = harness(tmp_path)
     w = h.running()
     h.sup.wakeup = HeardWakeup()
-    h.sup.file_times = True
+    h.sup.seams.file_times = True
     h.sup.run_once(h.clock())
     h.clock.t += 30.0  # the supervisor was stopped
     w.step()

@@ -84,7 +84,7 @@ def test_a_refused_write_ends_the_run_failed_naming_the_path(tmp_path, capsys, s
         errno.EIO: "I/O error",
         errno.EDQUOT: "disk quota exceeded",
     }[err]
-    assert h.sup.fail_reason == f"{what} at {fs.refused[0]}"
+    assert h.sup.intents.fail_reason == f"{what} at {fs.refused[0]}"
     assert f"cannot write {fs.refused[0]}" in capsys.readouterr().err  # said where a person sees it
     assert not any(p.alive for p in h.table.procs.values())  # the worker was stopped, not stranded
     assert no_temporaries(tmp_path / "run") == []
@@ -99,8 +99,8 @@ def test_a_refused_calibration_write_is_not_a_reason_to_stop(tmp_path):
     fs = FailingFs(lambda p: p.name == "calibration.json")
     h = Harness(tmp_path, fs=fs)
     h.running(steps=40)  # enough samples to persist
-    h.sup.save_calibration()
-    assert fs.refused and h.state == "running" and h.sup.fail_reason is None
+    h.sup.calibration.persist(False, None, 30.0)
+    assert fs.refused and h.state == "running" and h.sup.intents.fail_reason is None
 
 
 def test_a_permission_error_on_an_incident_is_logged_not_fatal(tmp_path):
@@ -109,7 +109,7 @@ def test_a_permission_error_on_an_incident_is_logged_not_fatal(tmp_path):
     h = Harness(tmp_path, fs=fs)
     h.running()
     h.until(lambda: h.sup.attempt == 2, within_s=60)
-    assert fs.refused and h.sup.fail_reason is None and h.sup.incidents.count() >= 1
+    assert fs.refused and h.sup.intents.fail_reason is None and h.sup.incidents.count() >= 1
 
 
 def test_an_unwritable_config_copy_refuses_to_start_with_exit_74(tmp_path):

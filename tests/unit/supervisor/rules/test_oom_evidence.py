@@ -11,13 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from hangwatch.common.oom_ladder import Rung as Setting
 from hangwatch.daemon.faults import FakeAllocator, format_size, oom_message
 from hangwatch.daemon.lastwords import last_words_for
 from hangwatch.daemon.trainer import memory_evidence as memory
-from hangwatch.supervisor.concerns import oom_evidence as ev
-from hangwatch.supervisor.concerns import oom_remediation as rem
-from hangwatch.supervisor.concerns.oom_evidence import Evidence, parse_oom_message
-from hangwatch.supervisor.concerns.oom_remediation import OomRemediation, Setting
+from hangwatch.supervisor.concerns.oom_recovery import OomRemediation
+from hangwatch.supervisor.records import healing, memory_evidence
+from hangwatch.supervisor.rules import oom_evidence as ev
+from hangwatch.supervisor.rules import oom_remediation as rem
+from hangwatch.supervisor.rules.oom_evidence import Evidence, parse_oom_message
 
 GIB = 1024.0
 TAIL = (
@@ -350,11 +352,11 @@ def test_oom_recovery_reads_the_failing_ranks_evidence_and_remedies_once(tmp_pat
     on_disk = json.loads((inc.dir / "incident.json").read_text())  # amended through the store
     assert on_disk["remediation"]["basis"] == "probe" and inc.data["remediation"] == on_disk["remediation"]
     assert on_disk["remediation"]["evidence"]["micro_batch_size"] == 16  # rank 1's figures, not the victim's
-    saved = rem.load(tmp_path)
+    saved = healing.load(tmp_path)
     assert (saved["micro_batch_size"], saved["grad_accum"]) == (8, 2) and saved["history"][0]["basis"] == "probe"
     # asked again for the same incident (the tree is gone): the remedy is not applied twice
     assert concern.decision(SimpleNamespace(number=1), episode, decided, 1.0) is None
-    assert len(rem.load(tmp_path)["history"]) == 1
+    assert len(healing.load(tmp_path)["history"]) == 1
 
 
 # ---- the worker's evidence -----------------------------------------------------------------------------------
@@ -498,7 +500,7 @@ def test_one_restart_measures_its_micro_batch_and_keeps_the_examples_of_every_st
     assert words["memory"]["weights_mb"] == 700.0 and words["memory"]["micro_batch_size"] == 16
 
     remedy = OomRemediation(load_config(config), run).on_failure(
-        "oom", attempt=1, step=3, incident="x", evidence=ev.gather(run, 1)
+        "oom", attempt=1, step=3, incident="x", evidence=memory_evidence.gather(run, 1)
     )
     assert remedy.basis == "probe" and remedy.to == Setting(8, 2)
     assert run_in_process(config) == 0  # measured: micro-batch 2 needs 2.7 GiB of the 4 allowed, 4 would need 4.7

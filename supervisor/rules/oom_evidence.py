@@ -1,5 +1,6 @@
 """What an out-of-memory failure of the built-in worker says about memory, and what micro-batch it points to.
-Pure (the parser, the estimate, the pick) plus one reader of the attempt's files (`gather`).
+Pure: the parser, the evidence, the estimate; the reader of the attempt's files that gathers the evidence is
+`records.memory_evidence.gather`.
 
 The evidence, in MiB:
 
@@ -31,7 +32,7 @@ is not there), the device's total.  A micro-batch d fits when W + d·k ≤ MARGI
 fragmentation, for a step with longer sequences than the failed one, and for what the straight line misses.
 
 N is a lower bound of the step's real need (the allocation that failed is the first that did not fit, not the
-step's peak), so k is too, and a pick can still be too large; `supervisor.concerns.oom_remediation` then goes on down
+step's peak), so k is too, and a pick can still be too large; `supervisor.rules.oom_remediation` then goes on down
 the halving ladder from it, and never takes a pick above the ladder's own next rung.  Evidence that does not hold
 together — an OOM outside a training step (an eval's, a generate()'s), no weights' share, no capacity, no figure
 of the need, a need that fits in the margin although the step failed, weights above the need, a micro-batch other
@@ -40,13 +41,9 @@ than the setting's — gives no estimate but the reason.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
-
-from hangwatch.common.rundir import attempt_dir, heartbeat_path, rank_exit_path, read_json, tail_text
 
 MARGIN = 0.9  # a pick must fit in 90 % of the capacity
 TRAIN_PHASE = "train"  # the heartbeat phase of training steps: an OOM elsewhere (eval, generate) says little of them
@@ -66,7 +63,6 @@ _OLD_PARTS = {
     "allowed_mb": rf"^{_SIZE} allowed$",
     "reserved_mb": rf"^{_SIZE} reserved in total by PyTorch$",
 }
-BEATS_TAIL_BYTES = 256 * 1024  # the steps' peak is cumulative: the last step beats hold it
 
 
 def size_mb(number: str, unit: str) -> float:
@@ -133,39 +129,14 @@ def _parse_old(text: str) -> Optional[dict]:
 
 @dataclass(frozen=True)
 class Evidence:
-    """What the failed attempt left: the failing rank's last words' message and `memory`, its steps' peak."""
+    """What the failed attempt left: the failing rank's last words' message and `memory`, its steps' peak (read by
+    `records.memory_evidence.gather`)."""
 
     rank: int = 0
     message: Optional[str] = None
     memory: Optional[dict] = None
     steps_peak_mb: Optional[float] = None
     phase: Optional[str] = None  # where the worker was (`train`: a training step)
-
-
-def gather(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Evidence:
-    """Rank `rank`'s evidence of attempt `attempt` (what is missing stays None; never raises on a bad file)."""
-    words = read_json(rank_exit_path(run_dir, attempt, rank)) or {}
-    message = words.get("message") if isinstance(words.get("message"), str) else None
-    memory = words.get("memory") if isinstance(words.get("memory"), dict) else None
-    phase = words.get("phase") if isinstance(words.get("phase"), str) else None
-    return Evidence(rank, message, memory, steps_peak(run_dir, attempt, rank), phase)
-
-
-def steps_peak(run_dir: os.PathLike | str, attempt: int, rank: int = 0) -> Optional[float]:
-    """The largest `max_mem_allocated_mb` of the attempt's step beats (the tail of its heartbeat file), or None."""
-    text = tail_text(
-        heartbeat_path(attempt_dir(run_dir, attempt), rank), max_lines=100_000, max_bytes=BEATS_TAIL_BYTES
-    )  # "" when it cannot be read
-    peaks = []
-    for line in text.splitlines():
-        try:
-            beat = json.loads(line)
-        except ValueError:
-            continue
-        value = beat.get("max_mem_allocated_mb") if isinstance(beat, dict) and beat.get("event") == "step" else None
-        if _number(value) is not None:
-            peaks.append(float(value))
-    return max(peaks) if peaks else None
 
 
 # ---- the estimate ------------------------------------------------------------------------------------------
@@ -242,7 +213,8 @@ def gib(mb: float, fine: bool = False) -> str:
     return f"{mb:.1f} MiB" if mb < 10 else f"{mb:.0f} MiB"
 
 
-def _number(value) -> Optional[float]:
+def figure(value) -> Optional[float]:
+    """A memory figure (MiB): a non-negative number, else None (a bool, NaN, a string)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
         return None
     return float(value)
@@ -264,20 +236,20 @@ def estimate(ev: Optional[Evidence], micro: int, margin: float = MARGIN) -> tupl
     reported = mem.get("micro_batch_size")
     if reported is not None and reported != micro:
         return None, f"the worker reports micro-batch {reported}, the setting was {micro}"
-    weights = _number(mem.get("weights_mb"))
+    weights = figure(mem.get("weights_mb"))
     if not weights:
         return None, "no weights' share was recorded: no memory figures on this device, or the model never reached it"
 
     def fig(key: str) -> Optional[float]:  # the message's figure, else the worker's
-        value = _number((msg or {}).get(key))
-        return value if value is not None else _number(mem.get(key))
+        value = figure((msg or {}).get(key))
+        return value if value is not None else figure(mem.get(key))
 
     capacities = {}
     if fig("allowed_mb"):
         capacities["allowed"] = fig("allowed_mb")
-    if msg is not None and _number(msg.get("reserved_mb")) is not None:
+    if msg is not None and figure(msg.get("reserved_mb")) is not None:
         capacities["usable"] = msg["reserved_mb"] + msg["free_mb"]
-    elif _number(mem.get("reserved_mb")) is not None and _number(mem.get("free_mb")) is not None:
+    elif figure(mem.get("reserved_mb")) is not None and figure(mem.get("free_mb")) is not None:
         capacities["usable"] = mem["reserved_mb"] + mem["free_mb"]
     if fig("total_mb"):
         capacities["total"] = fig("total_mb")
@@ -288,15 +260,15 @@ def estimate(ev: Optional[Evidence], micro: int, margin: float = MARGIN) -> tupl
 
     needs = {}
     allocated = tried = None
-    if msg is not None and _number(msg.get("allocated_mb")) is not None:
+    if msg is not None and figure(msg.get("allocated_mb")) is not None:
         allocated, tried = msg["allocated_mb"], msg["tried_mb"]
         needs["oom"] = allocated + tried
-    elif _number(mem.get("allocated_mb")) is not None:
+    elif figure(mem.get("allocated_mb")) is not None:
         allocated = mem["allocated_mb"]
         needs["allocated"] = allocated
-    loading = _number(mem.get("loading_peak_mb"))
+    loading = figure(mem.get("loading_peak_mb"))
     if loading is not None:  # a peak says something about training only when training set it
-        peak = _number(mem.get("peak_mb"))
+        peak = figure(mem.get("peak_mb"))
         if peak is not None and peak > loading:
             needs["peak"] = peak
         if ev.steps_peak_mb is not None and ev.steps_peak_mb > loading:
