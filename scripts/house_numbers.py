@@ -76,12 +76,16 @@ def static_figures(root: Path = ROOT) -> dict:
 
 def one_stall() -> dict:
     """Run one real stall in this process and count the writes along it."""
-    sys.path.insert(0, str(ROOT.parent)) if not (ROOT.parent / "hangwatch").exists() else None
+    import logging
+
+    import structlog
     import yaml
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))  # the figures only
 
     from hangwatch.common.config import load_config
     from hangwatch.common.durable import FsOps
-    from hangwatch.supervisor.app import build_supervisor
+    from hangwatch.supervisor.loop.supervisor import Supervisor
 
     writes: list[tuple[str, object]] = []
 
@@ -125,7 +129,12 @@ def one_stall() -> dict:
                 }
             )
         )
-        sup = build_supervisor(load_config(cfg_path), fs=CountingFs())
+        try:
+            from hangwatch.supervisor.loop.seams import Seams
+        except ImportError:  # a checkout from before the seams were one value
+            sup = Supervisor(load_config(cfg_path), fs=CountingFs(), subreaper=True)
+        else:
+            sup = Supervisor(load_config(cfg_path), Seams(fs=CountingFs(), subreaper=True))
         code = sup.run()
     start = next(i for i, (_, s) in enumerate(writes) if s and s[0] == "stalled")
     end = next(i for i, (_, s) in enumerate(writes) if s and s[1] == 2)

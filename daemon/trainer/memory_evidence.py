@@ -10,7 +10,7 @@ peak that loading left.  When the worker then dies of an out-of-memory error, it
      "reserved_mb": 3900.0, "free_mb": 76000.0}
 
 `allowed_mb` only when the process is capped (`torch.cuda.set_per_process_memory_fraction`).  The supervisor
-estimates the micro-batch that fits from it (`supervisor.concerns.oom_evidence`).
+estimates the micro-batch that fits from it (`supervisor.rules.oom_evidence`).
 
 The figures come from a probe, the one seam: `CudaProbe` reads torch.cuda (nothing on another device: on the CPU
 there are no figures, only what the message says); the `memory_limit` fault's fake allocator (`daemon.faults`)

@@ -11,21 +11,25 @@ May import: `processes`, `watch`, `incidents`, `records`, `rules` and `hangwatch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, TypeVar
 
-from hangwatch.supervisor.concerns.base import Concern, PassState, RunContext
+from hangwatch.supervisor.concerns.base import Concern, RunContext
+from hangwatch.supervisor.concerns.events import Event, PassState
 
 if TYPE_CHECKING:
     from hangwatch.supervisor.processes.process import ProcessTable
     from hangwatch.supervisor.processes.standby import SpawnStandby
 
-__all__ = ["Concern", "PassState", "RunContext", "registered"]
+__all__ = ["Concern", "Event", "PassState", "RunContext", "by_priority", "highest", "merged", "registered", "tell"]
+
+T = TypeVar("T")
 
 
 def registered(
     run: RunContext, *, table: "ProcessTable", config_path: Path, spawn_standby: "SpawnStandby"
 ) -> list[Concern]:
-    """The concerns of this run, in the order the loop asks them (a later one's decision wins over an earlier's)."""
+    """The concerns of this run, in the order the loop tells them its events (where their answers conflict, their
+    `priority` decides, not this order)."""
     from hangwatch.supervisor.concerns.framework_oom import FrameworkOom
     from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
     from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
@@ -56,8 +60,41 @@ def registered(
     concerns.append(RepeatedFailure(run))  # after the OOM remediation: its restart with another setting is no repeat
     if cfg.restart.prewarm:
         concerns.append(PrewarmedStandby(run, table=table, config_path=config_path, spawn=spawn_standby))
-    concerns.append(UnkillableWait(run))  # last: its failure overrides any other concern's decision
+    concerns.append(UnkillableWait(run))  # last; its `priority`, the highest: its failure overrides any decision
     return concerns
+
+
+def tell(concerns: Iterable[Concern], event: Event) -> None:
+    """One observed moment, to every concern in turn (`Concern.observe`); an exception in one propagates."""
+    for c in concerns:
+        c.observe(event)
+
+
+def by_priority(concerns: Iterable[Concern]) -> list[Concern]:
+    """The concerns in ascending priority (the highest last); equal priorities keep their registered order."""
+    return sorted(concerns, key=lambda c: c.priority)
+
+
+def highest(concerns: Iterable[Concern], ask: Callable[[Concern], Optional[T]], *, every: bool = False) -> Optional[T]:
+    """The answer of the highest-priority concern that answers (equal priorities: the earlier registered's).  Asked
+    from the highest priority down, stopping at the first answer; `every`: every concern is asked, in registered
+    order (none may miss the moment), and the answers weighed afterwards."""
+    concerns = list(concerns)
+    ranked = sorted(concerns, key=lambda c: -c.priority)
+    if not every:
+        return next(filter(None, (ask(c) for c in ranked)), None)
+    answers = {id(c): ask(c) for c in concerns}
+    return next(filter(None, (answers[id(c)] for c in ranked)), None)
+
+
+def merged(concerns: Iterable[Concern], ask: Callable[[Concern], dict]) -> dict:
+    """Every concern's fields (each asked, in registered order), merged in ascending priority: a higher one's field
+    wins."""
+    answers = [(c.priority, ask(c)) for c in concerns]
+    fields: dict = {}
+    for _, f in sorted(answers, key=lambda pa: pa[0]):
+        fields.update(f)
+    return fields
 
 
 # The sibling packages and modules this package may import (its rule, checked by the import-rule test).

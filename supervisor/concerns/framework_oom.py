@@ -39,6 +39,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.oom_ladder import Rung, next_rung
 from hangwatch.common.rundir import FRAMEWORK_REMEDIATION_NAME, framework_setting_name, read_json, tail_text
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import Prepared
 from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -274,12 +275,14 @@ def oom_text(classification: str, log_path: Optional[os.PathLike | str]) -> Opti
 
 
 class FrameworkOom(Concern):
+    priority = 20  # `decision`: after the built-in worker's OOM remedy (never both registered): a script's batch
+
     def __post_init__(self) -> None:
         self.name = "framework_oom"
         self.seen: set[str] = set()  # incidents already answered (the decision is asked at the exit and at the end)
         self.record: Optional[dict] = None
 
-    def prepare(self, now: float) -> None:
+    def on_prepared(self, ev: Prepared) -> None:
         self.record = load(self.run.run_dir)
 
     def decision(self, attempt, episode, decision, now: float) -> Optional[Decision]:

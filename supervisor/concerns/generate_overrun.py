@@ -20,6 +20,7 @@ import structlog
 
 from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat
 
 log = structlog.get_logger("hangwatch")
 
@@ -73,10 +74,11 @@ class GenerateOverrun(Concern):
         self.orders = 0  # orders written by this supervisor
         self.points: dict[int, list] = {}  # rank → its last two (time, tokens) progress points in `generate`
 
-    def attempt_started(self, attempt, resume_step, now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.pending, self.points = None, {}
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        tr, rec, left, at = ev.track, ev.rec, ev.left, ev.at
         ev = rec["event"]
         if ev == "phase" and tr.phase == "generate":
             self.points[tr.rank] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from hangwatch.supervisor.concerns.base import Concern, PassState
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat, OutputProgress, PassSettled, Prepared
 from hangwatch.supervisor.records.goodput import GOODPUT_NAME, Goodput, activity, read_goodput
 from hangwatch.supervisor.rules.states import State
 
@@ -21,12 +22,13 @@ PROGRESS_EVENTS = ("start", "phase", "step", "checkpoint", "stop")
 class GoodputAccounting(Concern):
     def __post_init__(self) -> None:
         self.name = "goodput"
-        self.ledger: Optional[Goodput] = None  # made by `prepare` (from goodput.json) or at first use
+        self.ledger: Optional[Goodput] = None  # made at `Prepared` (from goodput.json) or at first use
         self.stepped = False  # the current attempt has beaten a step (or shown progress in its output)
         self.after_failure = False  # the current attempt follows a failure (its start-up is recovery)
         self.written_at = float("-inf")
 
-    def prepare(self, now: float) -> None:
+    def on_prepared(self, ev: Prepared) -> None:
+        now = ev.now
         self.ledger = Goodput(now, previous=read_goodput(self.run.run_dir))
 
     def _ledger(self, now: float) -> Goodput:
@@ -50,10 +52,11 @@ class GoodputAccounting(Concern):
             ),
         )
 
-    def attempt_started(self, attempt, resume_step, now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.stepped = False
 
-    def beat(self, attempt, tr, rec: dict, left, at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        tr, rec, now = ev.track, ev.rec, ev.now
         ev = rec["event"]
         if ev == "step":
             self.stepped = True
@@ -69,7 +72,8 @@ class GoodputAccounting(Concern):
         ledger.progress(at_line, int(rec["step"]) if ev == "step" else None)
         self.tick(self.run.where(), at_line)
 
-    def output_progress(self, attempt, now: float) -> None:
+    def on_output_progress(self, ev: OutputProgress) -> None:
+        now = ev.now
         if not self.run.deadlines.started:
             self.stepped = True
             self._ledger(now).progress(now)  # a worker that does not beat: its progress lines are the proof
@@ -85,7 +89,8 @@ class GoodputAccounting(Concern):
             self.after_failure = False
         return {}
 
-    def settled(self, where: PassState, now: float) -> None:
+    def on_pass_settled(self, ev: PassSettled) -> None:
+        where, now = ev.where, ev.now
         self.tick(where, now)
         if now - self.written_at >= WRITE_S or where.state.final:
             self._write(now, durable=where.state.final)

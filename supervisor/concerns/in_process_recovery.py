@@ -28,6 +28,7 @@ import structlog
 from hangwatch.common.oom_ladder import Rung
 from hangwatch.common.protocol import ABANDON_NAME, ABANDON_REFUSED_FIELD, RECOVERED_FIELD
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat
 from hangwatch.supervisor.records import healing
 from hangwatch.supervisor.rules import oom_evidence, oom_remediation
 from hangwatch.supervisor.rules.outcome import Intent
@@ -162,12 +163,13 @@ class InProcessRecovery(Concern):
         p = self.pending
         return None if p is None else max(0.0, p.issued_at + p.grace_s - now)
 
-    def attempt_started(self, attempt, resume_step, now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.pending = None
 
     # ---- what the worker says
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        attempt, rec = ev.attempt, ev.rec
         if rec.get("event") != "warn":
             return
         rec_recovered = rec.get(RECOVERED_FIELD)

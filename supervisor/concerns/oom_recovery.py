@@ -16,6 +16,7 @@ import structlog
 
 from hangwatch.common.durable import FsOps
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.records import healing, memory_evidence
 from hangwatch.supervisor.rules import oom_evidence, oom_remediation
 from hangwatch.supervisor.rules.oom_remediation import OOM_KIND, Remedy
@@ -26,12 +27,15 @@ PROBE_FIELD = "remediation_probe"
 
 
 class OomRecovery(Concern):
+    priority = 10  # `decision`: first of the deciders: the built-in worker's OOM remedy
+
     def __post_init__(self) -> None:
         self.name = "oom_recovery"
         self.remediation = OomRemediation(self.run.cfg, self.run.run_dir, self.run.fs)
         self.seen: set[str] = set()  # incidents already remedied (the decision is asked at the exit and at the end)
 
-    def beat(self, attempt, tr, rec: dict, left, at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        attempt, tr, rec = ev.attempt, ev.track, ev.rec
         result = rec.get(PROBE_FIELD) if rec.get("event") == "warn" else None
         if not isinstance(result, dict) or tr.rank != 0:
             return

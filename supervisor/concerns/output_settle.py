@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import AttemptStarted
 
 OUTPUT_SETTLE_S = 2.0  # the longest an ended tree's output streams are waited for
 LOOK_AGAIN_S = 0.1  # how soon the loop looks again while it waits
@@ -40,7 +41,7 @@ class OutputSettle(Concern):
     def hold_teardown(self, attempt, episode, intent, now: float) -> bool:
         return self._settling(attempt, now)
 
-    def attempt_started(self, attempt, resume_step, now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.since, self.waiting = None, False
 
     def next_due_s(self, now: float) -> Optional[float]:

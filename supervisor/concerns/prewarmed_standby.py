@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hangwatch.supervisor.concerns.base import Concern, PassState
+from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import (
+    AttemptStarted,
+    Beat,
+    Closing,
+    OutcomeReached,
+    OutputProgress,
+    PassBegins,
+    PassSettled,
+    StopRequested,
+)
 from hangwatch.supervisor.processes.standby import Prewarm, SpawnStandby, spawn_standby
 from hangwatch.supervisor.rules.states import State
 
@@ -29,7 +39,7 @@ class PrewarmedStandby(Concern):
         self.keeper = Prewarm(self.run.cfg, self.config_path, self.table, fs=self.run.fs, spawn=self.spawn)
         self.stepped = False
 
-    def attempt_started(self, attempt, resume_step, now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.stepped = False
 
     def take_worker(self, number: int, adir: Path, resume_from: str, now: float):
@@ -38,18 +48,21 @@ class PrewarmedStandby(Concern):
     def own_pids(self) -> set[int]:
         return self.keeper.pids()  # discarded standbys not reaped yet are not the worker's orphans
 
-    def beat(self, attempt, tr, rec: dict, left, at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        rec = ev.rec
         if rec["event"] == "step":
             self.stepped = True
 
-    def output_progress(self, attempt, now: float) -> None:
+    def on_output_progress(self, ev: OutputProgress) -> None:
         if not self.run.deadlines.started:
             self.stepped = True
 
-    def pass_begins(self, now: float) -> None:
+    def on_pass_begins(self, ev: PassBegins) -> None:
+        now = ev.now
         self.keeper.poll(now)
 
-    def stop_requested(self, attempt, intent, now: float) -> None:
+    def on_stop_requested(self, ev: StopRequested) -> None:
+        attempt, intent, now = ev.attempt, ev.intent, ev.now
         self.keeper.begin(attempt, intent, None, now, why=f"{intent.value} requested")
 
     def episode_opened(self, attempt, episode, intent, now: float) -> dict[str, Any]:
@@ -61,11 +74,13 @@ class PrewarmedStandby(Concern):
         self.keeper.begin(attempt, intent, None if stall else episode.decision, now, why=why)
         return {}
 
-    def outcome(self, out, now: float) -> None:
+    def on_outcome(self, ev: OutcomeReached) -> None:
+        out, now = ev.outcome, ev.now
         if out.state not in (State.STARTING, State.BACKOFF):
             self.keeper.discard(now, f"no restart: {out.state.value} ({out.why})")
 
-    def settled(self, where: PassState, now: float) -> None:
+    def on_pass_settled(self, ev: PassSettled) -> None:
+        where, now = ev.where, ev.now
         # restart.prewarm: always — the next attempt's standby, ready before a failure
         if (
             where.state is State.RUNNING
@@ -79,5 +94,6 @@ class PrewarmedStandby(Concern):
     def readers(self, now: float) -> dict[str, Callable[[], Any]]:
         return {"standby": lambda: self.keeper.describe(now)}
 
-    def close(self, now: float) -> None:
+    def on_closing(self, ev: Closing) -> None:
+        now = ev.now
         self.keeper.close(now)  # a standby nobody will release: killed and reaped

@@ -41,6 +41,7 @@ import structlog
 
 from hangwatch.common.exitcodes import EXIT_NO_RETRY
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat, OutputProgress
 from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.watch.output_tail import LINE_SHOWN, visible_text
@@ -160,6 +161,8 @@ def status_words(code: int) -> str:
 
 
 class RepeatedFailure(Concern):
+    priority = 30  # `decision`: after the OOM remedies: their restart with another setting is no repeat
+
     def __post_init__(self) -> None:
         self.name = "repeated_failure"
         self.previous: Optional[tuple] = None  # the last failure's signature (None: it had none, or none failed yet)
@@ -175,19 +178,21 @@ class RepeatedFailure(Concern):
 
     # ---- an attempt's progress and end
 
-    def attempt_started(self, attempt, resume_step: Optional[int], now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
         self.progressed = False
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        rec = ev.rec
         if rec.get("event") == "step":
             self.progressed = True
 
-    def output_progress(self, attempt, now: float) -> None:
+    def on_output_progress(self, ev: OutputProgress) -> None:
         self.progressed = True
 
-    def attempt_ended(self, attempt, episode, now: float) -> None:
+    def on_attempt_ended(self, ev: AttemptEnded) -> None:
         """Judge the attempt's end: its output is all read now (a progress line printed just before it exited
         counts), and its worker.log is complete.  An early end's last lines go into its incident at once."""
+        attempt, episode = ev.attempt, ev.episode
         inc = episode.incident
         if inc is None:  # an end without an incident (a clean one, a peer's new generation): no repetition across it
             self.ended, self.early, self.early_incident = None, None, None
@@ -237,7 +242,7 @@ class RepeatedFailure(Concern):
         return Decision("fail", reason, exit_code=EXIT_NO_RETRY)
 
     def same_early_end(self, episode, decision) -> Optional[Decision]:
-        """Asked once the tree is gone (after `attempt_ended` judged the attempt): the same early end as the attempt
+        """Asked once the tree is gone (after `AttemptEnded` judged the attempt): the same early end as the attempt
         before it ends the run, unless something else already decided what follows."""
         inc = episode.incident
         if inc is None or self.ended is None or self.ended[0] != inc.id:

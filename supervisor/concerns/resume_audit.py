@@ -16,6 +16,7 @@ from typing import Optional
 import structlog
 
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat
 from hangwatch.supervisor.records import run_state
 from hangwatch.supervisor.records.healing import file_summary
 from hangwatch.supervisor.watch.replay_check import (
@@ -44,7 +45,8 @@ class ResumeAudit(Concern):
             self.audits = [a for a in data.get("audits") or [] if isinstance(a, dict)]
         return self.audits
 
-    def attempt_started(self, attempt, resume_step: Optional[int], now: float) -> None:
+    def on_attempt_started(self, ev: AttemptStarted) -> None:
+        attempt, resume_step = ev.attempt, ev.resume_step
         self.audit, self.abort = None, None
         number = attempt.number
         self.settings[number] = file_summary(self.run.run_dir)  # the micro-batch this attempt runs with
@@ -65,7 +67,8 @@ class ResumeAudit(Concern):
         self._records().append(self.audit.record())
         self._save()
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        attempt, tr, rec = ev.attempt, ev.track, ev.rec
         a = self.audit
         if a is not None and a.open and rec["event"] == "warn" and rec.get("resume_ignored"):
             a.not_resumed(
@@ -129,8 +132,9 @@ class ResumeAudit(Concern):
     def while_running(self, attempt, now: float) -> Optional[str]:
         return self.abort
 
-    def attempt_ended(self, attempt, episode, now: float) -> None:
+    def on_attempt_ended(self, ev: AttemptEnded) -> None:
         """An audit still open says what it did compare; the failure (if any) is what the next attempt recovers from."""
+        episode = ev.episode
         if self.audit is not None and self.audit.ended() is not None:
             self._save()
         self.audit, self.abort = None, None

@@ -11,11 +11,10 @@ Registered for a command of your own (`worker.command`): the built-in worker alw
 
 from __future__ import annotations
 
-from typing import Optional
-
 import structlog
 
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import Beat
 
 log = structlog.get_logger("hangwatch")
 
@@ -25,7 +24,8 @@ class ResumeCheck(Concern):
         self.name = "resume_check"
         self.reported: set[int] = set()  # attempts already reported
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        attempt, tr, rec = ev.attempt, ev.track, ev.rec
         if rec["event"] != "warn" or not rec.get("resume_ignored") or attempt.number in self.reported:
             return
         self.reported.add(attempt.number)

@@ -4,11 +4,10 @@ attempt, fed each rank's step times); said in the log when a rank becomes one an
 
 from __future__ import annotations
 
-from typing import Optional
-
 import structlog
 
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.concerns.events import Beat
 
 log = structlog.get_logger("hangwatch")
 
@@ -17,7 +16,8 @@ class StragglerReport(Concern):
     def __post_init__(self) -> None:
         self.name = "straggler_report"
 
-    def beat(self, attempt, tr, rec: dict, left: Optional[str], at: float, now: float) -> None:
+    def on_beat(self, ev: Beat) -> None:
+        attempt, tr, rec, at = ev.attempt, ev.track, ev.rec, ev.at
         ev = rec["event"]
         if ev == "phase" and tr.phase != "train":
             attempt.stragglers.left_train(tr.rank)

@@ -23,6 +23,8 @@ ENDS_RUN = (Intent.EXIT, Intent.REQUEUE, Intent.FAIL, Intent.PEER_FAILED)  # int
 
 
 class UnkillableWait(Concern):
+    priority = 100  # `decision`: the highest: its failure overrides any other concern's decision
+
     def __post_init__(self) -> None:
         self.name = "unkillable_wait"
         self.waiting = None  # the `unkillable` incident while the run waits for the survivors to go

@@ -1,6 +1,6 @@
 """What the worker says: its heartbeat lines and its output, read for the loop once a pass.
 
-Heartbeat lines (`Intake.beats`), besides the deadlines (`Deadlines.observe`) and the concerns (`Concern.beat`):
+Heartbeat lines (`Intake.beats`), besides the deadlines (`Deadlines.observe`) and the concerns (`events.Beat`):
     start       the rank's process and dump file are remembered (only announced processes ever get
                 SIGUSR1); the first start moves STARTING → RUNNING (the loop's move: `Read.running`); a
                 `resumed_from` other than the checkpoint handed in HANGWATCH_RESUME_FROM is logged (a warning
@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Callable, Collection, Optional
 
 import structlog
 
+from hangwatch.supervisor.concerns import tell
+from hangwatch.supervisor.concerns.events import Beat, OutputProgress
 from hangwatch.supervisor.records.checkpoint_ledger import BAD, PersistedLedger, resolved_path
 from hangwatch.supervisor.watch.beat_files import written_at
 
@@ -124,8 +126,7 @@ class Intake:
             log.warning("worker_warning", rank=tr.rank, message=rec.get("message"), step=tr.step)
         elif ev == "stop":
             self._stop(cur, tr, rec, now)
-        for c in self.concerns:
-            c.beat(cur, tr, rec, left, at, now)
+        tell(self.concerns, Beat(cur, tr, rec, left, at, now))
 
     def _start(self, cur: "Attempt", rec: dict, at: float, now: float) -> int:
         a = cur.announce(rec, self.table)
@@ -207,8 +208,7 @@ class Intake:
         dl = self.run.deadlines
         dl.output_seen(cur.output.last_output_at, progressed, cur.output.steps_read)
         if progressed:
-            for c in self.concerns:
-                c.output_progress(cur, now)
+            tell(self.concerns, OutputProgress(cur, now))
             if not dl.started:
                 read.running = f"progress in its output: {cur.output.last_progress_line[:80]!r}"
         return read

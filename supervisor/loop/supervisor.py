@@ -14,18 +14,19 @@ Lifecycle: see `rules.states`.  One pass (`run_once(now)`), always in this order
        lines (`stop`, a final step) are read in the pass that sees it dead;
     2. check deadlines on the supervisor's own monotonic clock (a gap in the loop's own clock — this
        process was suspended — extends every deadline instead of firing it);
-    3. reconcile: the handler of the current state (`self.handlers`) acts — spawn, snapshot and dump,
+    3. reconcile: the handler of the current state (`HANDLERS`) acts — spawn, snapshot and dump,
        signal, kill, write the incident, back off — until the state settles; then in-flight `dump`
-       requests advance and the bookkeeping runs (tree scan, sd_notify, state.json, the listeners).
+       requests advance and the pass settles, once (tree scan, one read model: sd_notify, state.json when it
+       changed, the listeners).
 Every time comes from the `now` the pass was given; only `run()` reads the clock, so a fake clock,
 a fake process table and a fake spawn drive the whole lifecycle without a process.
 
 A stall, top-down: `_overdue` records the expired deadline (a concern may handle it in the worker's process:
 `concerns.generate_overrun`) → `on_running` → `_escalated` opens `Episode.stall` (snapshot, SIGUSR1 dumps,
-py-spy; `_open` lets the concerns add to it) → STALLED → `on_stalled` (the snapshot) → DUMPING → `on_dumping` (the
-dumps read, the verdict) → `begin_kill` → KILLING → `on_killing` (SIGKILL at the grace; a concern may hold the
-teardown) → `finish_episode` (`_decide`, the one writer of the decision; `rules.outcome.next_outcome`; the
-incident completed) → `follow` → BACKOFF or `start_attempt`.
+py-spy; `_open` lets the concerns add to it) → STALLED → `on_evidence` (the snapshot) → DUMPING → `on_evidence`
+(the dumps read, the verdict) → `begin_kill` → KILLING → `on_killing` (SIGKILL at the grace; a concern may hold the
+teardown) → `finish_episode` (`asked`, the decision; `rules.outcome.next_outcome`; the incident completed) →
+`follow` → BACKOFF or `start_attempt`; the pass settles (`_settle`: one read model, state.json, systemd).
 
 What the loop watches for besides the deadlines — a runaway generate, the resume audit, OOM recovery, the wait for
 processes SIGKILL cannot end, goodput, the prewarmed standby, stragglers — are concerns (`concerns.base.Concern`),
@@ -34,7 +35,7 @@ nodes interface (`nodes.interface.Nodes`).
 
 Between passes the loop sleeps (`wakeup.Wakeup.wait`) until something needs a pass: a signal, a
 heartbeat write (coalesced: one pass reads every new line of every rank), a control request, or the
-earliest deadline (`next_wait`).  A supervisor with nothing due sleeps up to IDLE_WAIT_S; only while
+earliest deadline (`next_wait`, `wakeup.pace`).  A supervisor with nothing due sleeps up to IDLE_WAIT_S; only while
 escalating does it pass on a short period (FAST_PASS_S), and only where a heartbeat write or a request
 cannot wake it (no inotify, a control server without a descriptor) does it fall back to
 `watchdog.poll_interval_s`.
@@ -58,7 +59,26 @@ from hangwatch.common.config import Config, dump_config
 from hangwatch.common.durable import describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_NO_RETRY, EXIT_OK
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
-from hangwatch.supervisor.concerns import Concern, PassState, RunContext, registered
+from hangwatch.supervisor.concerns import (
+    Concern,
+    PassState,
+    RunContext,
+    by_priority,
+    highest,
+    merged,
+    registered,
+    tell,
+)
+from hangwatch.supervisor.concerns.events import (
+    AttemptEnded,
+    AttemptStarted,
+    Closing,
+    OutcomeReached,
+    PassBegins,
+    PassSettled,
+    Prepared,
+    StopRequested,
+)
 from hangwatch.supervisor.escalation.episode import (
     Episode,
     EscalationContext,
@@ -209,8 +229,7 @@ class Supervisor:
         if problem:
             log.warning("calibration_ignored", problem=problem)
         self.attempt = next_attempt(self.run_dir) - 1
-        for c in self.concerns:
-            c.prepare(now)
+        tell(self.concerns, Prepared(now))
         try:
             self.fs.write_file(self.config_path, dump_config(self.cfg).encode())
         except OSError as exc:
@@ -258,8 +277,7 @@ class Supervisor:
                 self.ledger.save()
             now = self.clock()
             self._settle(now, final=True)
-            for c in self.concerns:
-                c.close(now)
+            tell(self.concerns, Closing(now))
             self.wakeup.close()
             self.nodes.close()
             self.calibration.persist(False, None, CALIBRATION_SAVE_S)
@@ -386,8 +404,7 @@ class Supervisor:
     def _reconcile(self, now: float) -> None:
         """Run the current state's handler until the state settles (each handler moves at most one step),
         then the bookkeeping, once: the pass's read model, systemd, state.json, the listeners."""
-        for c in self.concerns:
-            c.pass_begins(now)
+        tell(self.concerns, PassBegins(now))
         for _ in range(len(State)):
             st = self.lifecycle.state
             handler = HANDLERS.get(st)  # final states have none
@@ -406,8 +423,7 @@ class Supervisor:
     def _settle(self, now: float, final: bool = False) -> None:
         """The pass settled: the concerns that follow it, then the outside hears of it, from one read model."""
         where = self._where()
-        for c in self.concerns:
-            c.settled(where, now)
+        tell(self.concerns, PassSettled(where, now))
         self.outward.pass_settled(self.view(now), self.lifecycle.reason or None, now, final=final)
 
     def on_running(self, now: float) -> None:  # STARTING, RUNNING
@@ -442,10 +458,10 @@ class Supervisor:
         """A worker exit, `restart now`, a peer's restart, a concern's reason to end the run or an overdue deadline
         starts an episode (True when one did)."""
         cur, it = self.current, self.intents
-        for c in self.concerns:  # each pass while a worker runs: a concern may end the run (a diverged resume)
-            why = c.while_running(cur, now)
-            if why and it.abort is None:
-                it.abort = why
+        # each pass while a worker runs, every concern asked: a concern may end the run (a diverged resume)
+        why = highest(self.concerns, lambda c: c.while_running(cur, now), every=True)
+        if why and it.abort is None:
+            it.abort = why
         peer = self.nodes.peer_restart()
         if cur.worker.exited:
             self.worker_exited(now)
@@ -480,10 +496,7 @@ class Supervisor:
         """An episode begins: the concerns hear of it and add what they know to its incident.  A stall or a peer's
         restart then gathers its evidence (STALLED); an exit goes to the teardown of what is left of its tree."""
         self.episode = ep
-        fields: dict = {}
-        for c in self.concerns:
-            fields.update(c.episode_opened(self.current, ep, self.intents.after_teardown, now))
-        ep.amend(fields)
+        ep.amend(merged(self.concerns, lambda c: c.episode_opened(self.current, ep, self.intents.after_teardown, now)))
         if exited:
             self.begin_kill(ep, now, why="worker exited; ending what is left of its tree")
         else:
@@ -504,7 +517,7 @@ class Supervisor:
             # Several nodes: local evidence first, then the peers hear of it — before anything is killed.
             self.nodes.stall_read(ep, cur, now)
             # A concern may ask the worker to get out of it in its own process first (`restart.in_process`).
-            why = next(filter(None, (c.before_kill(cur, ep, now) for c in self.concerns)), None)
+            why = highest(self.concerns, lambda c: c.before_kill(cur, ep, now))
             if why:
                 self.transition(State.RECOVERING, why, now)
             else:
@@ -564,7 +577,7 @@ class Supervisor:
         self.episode = self.backoff_until = self.expired = self.term_at = None
         self.holding = self.by_itself = False
         self.intents.new_attempt()
-        take = lambda n, adir, rf, t: next(filter(None, (c.take_worker(n, adir, rf, t) for c in self.concerns)), None)  # noqa: E731
+        take = lambda n, adir, rf, t: highest(self.concerns, lambda c: c.take_worker(n, adir, rf, t))  # noqa: E731
         try:
             rdzv = self.nodes.rdzv_id()
             self.current = cur = attempts.start(self.cfg, number, self.config_path, self.seams.spawn, now, fs=self.fs,
@@ -574,8 +587,7 @@ class Supervisor:
             if self.nodes.helper_pid:
                 cur.foreign.add(self.nodes.helper_pid)  # the peer-link helper: ours, not the tree's
             cur.oom_kills_at_start = self.tools.kernel.oom_kills()
-            for c in self.concerns:
-                c.attempt_started(cur, resume_step, now)
+            tell(self.concerns, AttemptStarted(cur, resume_step, now))
         except OSError as exc:
             self.current = None
             self.follow(
@@ -614,8 +626,7 @@ class Supervisor:
         say = stop_signals.words(how, self.intents.stopped_by, s.transparent) if self.intents.stop_signal else None
         log.info("graceful_stop", intent=intent.value, pid=w.pid, signal=signal.Signals(how.send).name, sent=sent,
                  bound_s=round(bound, 3), say=say)  # fmt: skip
-        for c in self.concerns:
-            c.stop_requested(self.current, intent, now)
+        tell(self.concerns, StopRequested(self.current, intent, now))
 
     def worker_exited(self, now: float) -> None:
         """The worker's exit, read once what it last said is in (`Concern.hold_exit`): an episode whose decision —
@@ -671,8 +682,7 @@ class Supervisor:
             self.intake.output(cur, now, force=True)  # its last words: where its own output says it ended
             cur.output.close()
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
-        for c in self.concerns:
-            c.attempt_ended(cur, ep, now)
+        tell(self.concerns, AttemptEnded(cur, ep, now))
         self.calibration.persist(False, None, CALIBRATION_SAVE_S)
         decision = asked(self.concerns, cur, ep, ep.decision, now)
         if decision is None and it.after_teardown is Intent.NONE:
@@ -695,8 +705,7 @@ class Supervisor:
     def follow(self, out: Outcome, now: float, decision: Optional[Decision] = None) -> None:
         """Go where the outcome says: a new attempt now or after a backoff, paused, or a final state (`decision`: the
         episode's that led there, which the run's exit status follows)."""
-        for c in self.concerns:
-            c.outcome(out, now)
+        tell(self.concerns, OutcomeReached(out, now))
         it = self.intents
         if out.state in (State.STARTING, State.PAUSED):
             it.after_teardown = Intent.NONE
@@ -731,9 +740,9 @@ class Supervisor:
 
 def asked(concerns: list[Concern], cur, ep: Episode, base: Optional[Decision], now: float) -> Optional[Decision]:
     """The episode's decision: `base` (the policy's on an exit, the loop's own), then each concern's replacement (an
-    OOM's remedy, a failure that cannot be survived; a later concern's wins)."""
+    OOM's remedy, a failure that cannot be survived), asked in ascending `priority`: the highest one's wins."""
     decision = base
-    for c in concerns:
+    for c in by_priority(concerns):
         decision = c.decision(cur, ep, decision, now) or decision
     return decision
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hangwatch.supervisor.concerns import RunContext
+from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat, OutputProgress
 from hangwatch.supervisor.concerns.repeated_failure import (
     RepeatedFailure,
     early_end,
@@ -133,13 +134,13 @@ def exit_episode(store, number, kind="crash", classification="exited with code 2
 
 def ended(concern, a, ep, decision=RESTART, beats=(), progressed=False):
     """One attempt as the loop drives it: started, its beats, its exit's decision, its tree gone, asked again."""
-    concern.attempt_started(a, None, 0.0)
+    concern.observe(AttemptStarted(a, None, 0.0))
     for rec in beats:
-        concern.beat(a, None, rec, None, 0.0, 0.0)
+        concern.observe(Beat(a, None, rec, None, 0.0, 0.0))
     if progressed:
-        concern.output_progress(a, 0.0)
+        concern.observe(OutputProgress(a, 0.0))
     first = concern.decision(a, ep, decision, 0.0)
-    concern.attempt_ended(a, ep, 0.0)
+    concern.observe(AttemptEnded(a, ep, 0.0))
     return concern.decision(a, ep, first or decision, 0.0) or first
 
 
@@ -210,7 +211,9 @@ def test_only_two_in_a_row(tmp_path, run):
     ended(concern, attempt(tmp_path, 2, "step 1 loss 2.0\n" + USAGE, progress_lines=1), exit_episode(store, 2))
     assert ended(concern, attempt(tmp_path, 3, USAGE), exit_episode(store, 3)) is None
     a4 = attempt(tmp_path, 4, "")
-    concern.attempt_ended(a4, SimpleNamespace(kind=None, incident=None, expired=None), 0.0)  # a clean end between
+    concern.observe(
+        AttemptEnded(a4, SimpleNamespace(kind=None, incident=None, expired=None), 0.0)
+    )  # a clean end between
     assert ended(concern, attempt(tmp_path, 5, USAGE), exit_episode(store, 5)) is None
     assert ended(concern, attempt(tmp_path, 6, USAGE), exit_episode(store, 6)).action == "fail"
 

@@ -13,6 +13,7 @@ import pytest
 from hangwatch.common.rundir import FRAMEWORK_REMEDIATION_NAME, framework_setting_name
 from hangwatch.daemon.faults import oom_message
 from hangwatch.supervisor.concerns import RunContext
+from hangwatch.supervisor.concerns.events import Prepared
 from hangwatch.supervisor.concerns.framework_oom import (
     FrameworkOom,
     decide,
@@ -161,7 +162,7 @@ class Run:
         self.store = IncidentStore(self.run_dir)
         ctx = RunContext(None, self.run_dir, None, self.store, None, None)
         self.concern, self.repeated = FrameworkOom(ctx), RepeatedFailure(ctx)
-        self.concern.prepare(0.0)
+        self.concern.observe(Prepared(0.0))
 
     def attempt(self, number: int, seen: dict | None, kind="oom", phase="train", step=0, classification=None):
         adir = self.run_dir / "attempts" / f"{number:04d}"
@@ -262,7 +263,7 @@ def test_a_supervisor_started_again_reads_the_record(tmp_path):
     a1, e1 = run.attempt(1, found(8, 1))
     run.decide(a1, e1)
     again = FrameworkOom(RunContext(None, run.run_dir, None, run.store, None, None))
-    again.prepare(0.0)
+    again.observe(Prepared(0.0))
     assert again.readers(0.0)["framework_remediation"]()["now"] == {"batch": 4, "accumulation": 2}
 
 

@@ -13,6 +13,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import GENERATE_STOP_NAME, TRUNCATED_FIELD
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import RunContext
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat
 from hangwatch.supervisor.concerns.generate_overrun import GenerateOverrun
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
@@ -62,7 +63,7 @@ def feed(run: RunContext, concern: GenerateOverrun, attempt: Attempt, now: float
     before = run.deadlines.ranks.get(rec["rank"])
     left = before.phase if before is not None else None
     tr = run.deadlines.observe(rec, now)
-    concern.beat(attempt, tr, rec, left, now, now)
+    concern.observe(Beat(attempt, tr, rec, left, now, now))
     return tr
 
 
@@ -72,7 +73,7 @@ def started(tmp_path, ranks=(0,), **watchdog):
     concern = GenerateOverrun(run)
     attempt = make_attempt(run)
     run.deadlines.arm_startup(T0)
-    concern.attempt_started(attempt, None, T0)
+    concern.observe(AttemptStarted(attempt, None, T0))
     for r in ranks:
         feed(run, concern, attempt, T0, rank=r, event="start", phase="train", step=0)
         for s in (1, 2, 3):

@@ -16,6 +16,7 @@ from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import PassState, RunContext
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat, OutputProgress, PassSettled, Prepared
 from hangwatch.supervisor.concerns.goodput_accounting import GoodputAccounting
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.escalation.tree_killer import TreeKiller
@@ -71,7 +72,7 @@ class Script:
     def settle(self, now: float, state: Optional[State] = None) -> None:
         if state is not None:
             self.state = state
-        self.concern.settled(self.where(), now)
+        self.concern.observe(PassSettled(self.where(), now))
 
     def start(self, number: int, now: float, resume_step=None) -> None:
         d = attempt_dir(self.run_dir, number)
@@ -82,7 +83,7 @@ class Script:
         self.episode = None
         self.run.deadlines.arm_startup(now)
         self.state = State.STARTING
-        self.concern.attempt_started(self.attempt, resume_step, now)
+        self.concern.observe(AttemptStarted(self.attempt, resume_step, now))
 
     def beat(self, now: float, rank: int = 0, **rec) -> None:
         rec = {"rank": rank, "pid": 1, **rec}
@@ -91,7 +92,7 @@ class Script:
         tr = self.run.deadlines.observe(rec, now)
         if rec["event"] == "start" and self.state is State.STARTING:
             self.state = State.RUNNING
-        self.concern.beat(self.attempt, tr, rec, left, now, now)
+        self.concern.observe(Beat(self.attempt, tr, rec, left, now, now))
 
     def open_episode(self, kind: Optional[str], now: float) -> Episode:
         inc = self.run.incidents.create(kind, attempt=self.attempt.number) if kind else None
@@ -110,7 +111,7 @@ class Script:
 def test_a_failure_and_its_recovery_land_each_second_in_its_category(tmp_path):
     s = Script(tmp_path)
     c = s.concern
-    c.prepare(T0)
+    c.observe(Prepared(T0))
     s.start(1, T0)
     s.settle(T0)  # starting: the worker loads
     s.beat(T0 + 5, event="start", phase="train", step=0)
@@ -161,7 +162,7 @@ def test_a_failure_and_its_recovery_land_each_second_in_its_category(tmp_path):
 
 def test_a_failure_detected_while_stopping_is_not_lost_time(tmp_path):
     s = Script(tmp_path)
-    s.concern.prepare(T0)
+    s.concern.observe(Prepared(T0))
     s.start(1, T0)
     s.beat(T0 + 1, event="start", phase="train", step=0)
     s.beat(T0 + 2, event="step", step=1)
@@ -175,20 +176,20 @@ def test_a_failure_detected_while_stopping_is_not_lost_time(tmp_path):
 
 def test_a_worker_that_does_not_beat_proves_progress_by_its_output(tmp_path):
     s = Script(tmp_path)
-    s.concern.prepare(T0)
+    s.concern.observe(Prepared(T0))
     s.start(1, T0)
     s.settle(T0)
     s.state = State.RUNNING
-    s.concern.output_progress(s.attempt, T0 + 4)  # no start line: its output showed a step
+    s.concern.observe(OutputProgress(s.attempt, T0 + 4))  # no start line: its output showed a step
     s.settle(T0 + 4)
-    s.concern.output_progress(s.attempt, T0 + 9)
+    s.concern.observe(OutputProgress(s.attempt, T0 + 9))
     snap = s.concern.readers(T0 + 9)["goodput"]()
     assert snap["settled"]["startup"] == 4.0 and snap["settled"]["training"] == 5.0
 
 
 def test_goodput_json_is_written_at_most_every_five_seconds_and_at_the_end(tmp_path):
     s = Script(tmp_path)
-    s.concern.prepare(T0)
+    s.concern.observe(Prepared(T0))
     s.start(1, T0)
     s.settle(T0)
     first = (s.run_dir / GOODPUT_NAME).read_text()
@@ -202,7 +203,7 @@ def test_goodput_json_is_written_at_most_every_five_seconds_and_at_the_end(tmp_p
 
 def test_a_new_supervisor_goes_on_from_goodput_json(tmp_path):
     s = Script(tmp_path)
-    s.concern.prepare(T0)
+    s.concern.observe(Prepared(T0))
     s.start(1, T0)
     s.settle(T0)
     s.beat(T0 + 3, event="start", phase="train", step=0)
@@ -210,7 +211,7 @@ def test_a_new_supervisor_goes_on_from_goodput_json(tmp_path):
     s.open_episode("stall", T0 + 10)
     s.settle(T0 + 10, State.FAILED)
     again = Script(tmp_path)
-    again.concern.prepare(5000.0)  # another clock: only the totals carry over
+    again.concern.observe(Prepared(5000.0))  # another clock: only the totals carry over
     again.start(2, 5000.0)
     again.settle(5000.0)
     again.beat(5002.0, event="start", phase="train", step=0)
@@ -228,6 +229,6 @@ def test_a_refused_write_is_reported_not_raised(tmp_path, final):
             raise OSError(28, "No space left on device")
 
     s = Script(tmp_path, fs=FullDisk())
-    s.concern.prepare(T0)
+    s.concern.observe(Prepared(T0))
     s.settle(T0, State.FAILED if final else State.STARTING)
     assert s.failed == [s.run_dir / GOODPUT_NAME] and not (s.run_dir / GOODPUT_NAME).exists()

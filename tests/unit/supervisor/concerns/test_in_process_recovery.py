@@ -15,6 +15,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import ABANDON_NAME, ABANDON_REFUSED_FIELD, RECOVERED_FIELD
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import PassState, RunContext
+from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.concerns.in_process_recovery import InProcessRecovery, abandoned_words, eligible
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
@@ -67,7 +68,7 @@ def feed(run, concern, attempt, now, **rec):
     before = run.deadlines.ranks.get(0)
     left = before.phase if before is not None else None
     tr = run.deadlines.observe(rec, now)
-    concern.beat(attempt, tr, rec, left, now, now)
+    concern.observe(Beat(attempt, tr, rec, left, now, now))
 
 
 def stall(run, kind="stall", phase="train"):

@@ -7,15 +7,18 @@ run's `FsOps`: a refused write ends the run rather than restart at the size that
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 from types import SimpleNamespace
+
+from fixtures.fakes.failing_fs import FailingFs
+from fixtures.fakes.oom_config import oom_cfg as cfg
 
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.oom_ladder import Rung as Setting
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import RunContext
+from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.concerns.oom_recovery import OomRecovery, OomRemediation, after_exit
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
@@ -101,15 +104,6 @@ def test_with_every_remedy_tried_an_oom_ends_the_run(tmp_path):
 # ---- the handle alone
 
 
-def cfg(micro=4, accum=2, gc=False, command=None, on=True):
-    return SimpleNamespace(
-        train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
-        model=SimpleNamespace(gradient_checkpointing=gc),
-        worker=SimpleNamespace(command=command),
-        restart=SimpleNamespace(oom_remediation=on),
-    )
-
-
 def test_oom_remediation_can_be_turned_off(tmp_path):
     assert OomRemediation(cfg(on=False), tmp_path).on_failure("oom", attempt=1, step=3, incident="0001") is None
     assert not (tmp_path / "remediation.json").exists()
@@ -157,28 +151,8 @@ def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
 # ---- remediation.json through the run's FsOps
 
 
-class RefusingFs(FsOps):
-    """Refuses every write of remediation.json (a full disk), records what it refused."""
-
-    def __init__(self):
-        self.refused: list[Path] = []
-
-    def _check(self, path) -> None:
-        if Path(path).name == "remediation.json":
-            self.refused.append(Path(path))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    def write_file(self, path, data, durable=True):
-        self._check(path)
-        super().write_file(path, data, durable)
-
-    def write_json(self, path, data, durable=True):
-        self._check(path)
-        super().write_json(path, data, durable)
-
-
 def test_a_remedy_the_disk_refuses_ends_the_run_and_writes_nothing(tmp_path):
-    fs = RefusingFs()
+    fs = FailingFs(lambda p: p.name == "remediation.json")
     run, concern = setup(tmp_path, fs)
     got = concern.decision(attempt(run, 1), ended(run, 1, "oom"), RESTART, T0 + 1)
     assert got.action == "fail" and "the smaller micro-batch could not be recorded" in got.reason
@@ -187,7 +161,7 @@ def test_a_remedy_the_disk_refuses_ends_the_run_and_writes_nothing(tmp_path):
 
 
 def test_the_new_processs_measure_goes_through_the_runs_fsops_and_a_refusal_is_reported(tmp_path):
-    fs = RefusingFs()
+    fs = FailingFs(lambda p: p.name == "remediation.json")
     run, concern = setup(tmp_path, fs)
     failed = []
     run.write_failed = lambda exc, path: failed.append((exc.errno, path))
@@ -197,8 +171,8 @@ def test_the_new_processs_measure_goes_through_the_runs_fsops_and_a_refusal_is_r
     assert isinstance(before.get("probe"), dict)
     measure = {"picked": 1, "to": {"micro_batch_size": 1, "grad_accum": 8, "gradient_checkpointing": False}}
     beat = {"event": "warn", "t": T0, "remediation_probe": measure}
-    concern.beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0)
+    concern.observe(Beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0))
     assert failed == [(errno.ENOSPC, healing.path_for(run.run_dir))] and healing.load(run.run_dir) == before
     run.fs = FsOps()  # the disk has room again: the same beat is recorded
-    concern.beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0)
+    concern.observe(Beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0))
     assert "probe" not in healing.load(run.run_dir) and healing.load(run.run_dir)["micro_batch_size"] == 1

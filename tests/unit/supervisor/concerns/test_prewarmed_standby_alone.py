@@ -18,6 +18,15 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import ENV_ATTEMPT
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import PassState, RunContext
+from hangwatch.supervisor.concerns.events import (
+    AttemptStarted,
+    Beat,
+    Closing,
+    OutcomeReached,
+    PassBegins,
+    PassSettled,
+    StopRequested,
+)
 from hangwatch.supervisor.concerns.prewarmed_standby import PrewarmedStandby
 from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
@@ -78,7 +87,7 @@ class Setup:
     def step(self, now: float) -> None:
         rec = {"rank": 0, "pid": 1, "event": "step", "step": 1}
         tr = self.run.deadlines.observe(rec, now)
-        self.concern.beat(self.attempt, tr, rec, "train", now, now)
+        self.concern.observe(Beat(self.attempt, tr, rec, "train", now, now))
 
     def standby_pid(self) -> int:
         return self.spawner.standbys[-1].worker.pid
@@ -97,7 +106,7 @@ def test_a_stall_spawns_the_next_attempts_standby_and_the_restart_takes_it(tmp_p
     shown = c.readers(T0 + 1)["standby"]()
     assert shown["attempt"] == 2 and shown["pid"] == pid and shown["state"] == "loading" and shown["why"] == "stall"
     # the tree is gone, the policy restarts: the next attempt takes it instead of spawning cold
-    c.outcome(Outcome(State.STARTING, "restart"), T0 + 5)
+    c.observe(OutcomeReached(Outcome(State.STARTING, "restart"), T0 + 5))
     adir = attempt_dir(s.run_dir, 2)
     adir.mkdir(parents=True)
     w = c.take_worker(2, adir, "checkpoints/step-3", T0 + 5)
@@ -114,11 +123,11 @@ def test_no_restart_discards_the_standby_it_is_killed_then_reaped(tmp_path):
     c = s.concern
     c.episode_opened(s.attempt, s.episode("stall", T0, expired=STALL), Intent.NONE, T0)
     pid = s.standby_pid()
-    c.outcome(Outcome(State.FAILED, "crash loop"), T0 + 5)
+    c.observe(OutcomeReached(Outcome(State.FAILED, "crash loop"), T0 + 5))
     assert (pid, signal.SIGKILL) in s.table.sent and (-pid, signal.SIGKILL) in s.table.sent
     assert c.readers(T0 + 5)["standby"]() is None
     assert c.take_worker(2, attempt_dir(s.run_dir, 2), "", T0 + 6) is None
-    c.pass_begins(T0 + 6)
+    c.observe(PassBegins(T0 + 6))
     assert pid in s.table.reaped and c.own_pids() == set()
 
 
@@ -140,10 +149,10 @@ def test_an_exit_spawns_one_only_when_the_policy_restarts_it(tmp_path):
 def test_an_operators_stop_spawns_nothing_a_graceful_restart_does(tmp_path):
     s = Setup(tmp_path)
     c = s.concern
-    c.stop_requested(s.attempt, Intent.EXIT, T0)
-    c.stop_requested(s.attempt, Intent.PAUSE, T0)
+    c.observe(StopRequested(s.attempt, Intent.EXIT, T0))
+    c.observe(StopRequested(s.attempt, Intent.PAUSE, T0))
     assert s.spawner.standbys == []
-    c.stop_requested(s.attempt, Intent.RESTART, T0 + 1)
+    c.observe(StopRequested(s.attempt, Intent.RESTART, T0 + 1))
     assert len(s.spawner.standbys) == 1 and c.readers(T0 + 1)["standby"]()["why"] == "restart requested"
     # the stop's exit is an episode while STOPPING: the request already decided
     s.state = State.STOPPING
@@ -162,33 +171,35 @@ def test_always_keeps_one_ready_from_the_first_step_and_replaces_it_when_it_dies
     s = Setup(tmp_path, prewarm="always")
     c = s.concern
     running = PassState(State.RUNNING, Intent.NONE, s.attempt, None, None, None)
-    c.settled(running, T0)
+    c.observe(PassSettled(running, T0))
     assert s.spawner.standbys == []  # no step yet
     s.step(T0 + 1)
-    c.settled(PassState(State.RUNNING, Intent.NONE, s.attempt, s.episode("stall", T0 + 1), None, None), T0 + 1)
+    c.observe(
+        PassSettled(PassState(State.RUNNING, Intent.NONE, s.attempt, s.episode("stall", T0 + 1), None, None), T0 + 1)
+    )
     assert s.spawner.standbys == []  # not while an episode is handled
-    c.settled(running, T0 + 1)
+    c.observe(PassSettled(running, T0 + 1))
     assert len(s.spawner.standbys) == 1 and c.readers(T0 + 1)["standby"]()["why"] == "always"
-    c.settled(running, T0 + 2)
+    c.observe(PassSettled(running, T0 + 2))
     assert len(s.spawner.standbys) == 1  # one is enough
     first = s.standby_pid()
     s.table.end(first, code=1)  # it died
-    c.pass_begins(T0 + 3)
+    c.observe(PassBegins(T0 + 3))
     assert c.readers(T0 + 3)["standby"]() is None and first in s.table.reaped
-    c.settled(running, T0 + 3)
+    c.observe(PassSettled(running, T0 + 3))
     assert len(s.spawner.standbys) == 1  # replaced, but not at once
-    c.settled(running, T0 + 60)
+    c.observe(PassSettled(running, T0 + 60))
     assert len(s.spawner.standbys) == 2 and "replacing a standby that died" in c.readers(T0 + 60)["standby"]()["why"]
     # a new attempt must step again before its successor is prewarmed
-    c.attempt_started(s.make_attempt(2), None, T0 + 61)
+    c.observe(AttemptStarted(s.make_attempt(2), None, T0 + 61))
     assert c.stepped is False
 
 
 def test_close_kills_the_standby_nobody_will_release(tmp_path):
     s = Setup(tmp_path)
-    s.concern.stop_requested(s.attempt, Intent.RESTART, T0)
+    s.concern.observe(StopRequested(s.attempt, Intent.RESTART, T0))
     pid = s.standby_pid()
-    s.concern.close(T0 + 1)
+    s.concern.observe(Closing(T0 + 1))
     assert (pid, signal.SIGKILL) in s.table.sent and pid in s.table.reaped and s.concern.own_pids() == set()
 
 
@@ -196,5 +207,5 @@ def test_a_run_that_cannot_be_prewarmed_spawns_nothing(tmp_path):
     s = Setup(tmp_path, nproc_per_node=2)
     assert "only a single-process worker" in s.concern.keeper.why_not
     s.concern.episode_opened(s.attempt, s.episode("stall", T0, expired=STALL), Intent.NONE, T0)
-    s.concern.stop_requested(s.attempt, Intent.RESTART, T0)
+    s.concern.observe(StopRequested(s.attempt, Intent.RESTART, T0))
     assert s.spawner.standbys == [] and s.concern.take_worker(2, attempt_dir(s.run_dir, 2), "", T0) is None

@@ -165,3 +165,41 @@ def test_a_prewarm_the_run_cannot_have_is_registered_and_says_why_it_keeps_none(
 def test_each_run_gets_its_own_instances(tmp_path):
     a, b = concerns_for(tmp_path / "a"), concerns_for(tmp_path / "b")
     assert all(x is not y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("sections", [{}, {"worker": COMMAND}])
+def test_the_deciders_priorities_follow_the_registered_order_and_the_unkillable_wait_is_highest(tmp_path, sections):
+    """`decision` is asked in ascending priority: the order of `registered`, the unkillable wait's failure last."""
+    concerns = concerns_for(tmp_path, **sections)
+    deciders = [c for c in concerns if type(c).decision is not Concern.decision]
+    assert [c.priority for c in deciders] == sorted(c.priority for c in deciders)
+    assert len({c.priority for c in deciders}) == len(deciders)
+    assert deciders[-1].name == "unkillable_wait" and deciders[-1].priority == max(c.priority for c in concerns)
+
+
+def test_the_decision_follows_priority_not_the_list_order(tmp_path):
+    from hangwatch.supervisor.loop.supervisor import asked
+    from hangwatch.supervisor.rules.policy import Decision
+
+    run = concerns_for(tmp_path)[0].run
+    heard: list[str] = []
+
+    class Replaces(Concern):
+        def decision(self, attempt, episode, decision, now):
+            heard.append(self.name)
+            return Decision("fail", self.name)
+
+    low, high = Replaces(run), Replaces(run)
+    low.name, high.name, low.priority, high.priority = "low", "high", 1, 2
+    assert asked([high, low], None, None, Decision("restart", "policy"), 0.0).reason == "high"
+    assert heard == ["low", "high"]
+
+
+def test_no_concern_keeps_an_observer_hook_of_its_own(tmp_path):
+    """What only observes comes as events to `observe`; the old observer hooks are gone from every concern."""
+    gone = ("prepare", "attempt_started", "beat", "output_progress", "attempt_ended", "stop_requested", "outcome",
+            "pass_begins", "settled", "close")  # fmt: skip
+    everything = concerns_for(tmp_path, restart={"prewarm": "always"}) + concerns_for(tmp_path / "b", worker=COMMAND)
+    assert {"resume_check", "framework_oom", "prewarmed_standby"} <= {c.name for c in everything}
+    for c in everything:
+        assert not [h for h in gone if hasattr(c, h)], type(c).__name__

@@ -14,6 +14,7 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.protocol import encode
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir, heartbeat_path
 from hangwatch.supervisor.concerns.base import RunContext
+from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat
 from hangwatch.supervisor.concerns.oom_recovery import OomRemediation
 from hangwatch.supervisor.concerns.resume_audit import ResumeAudit
 from hangwatch.supervisor.escalation.episode import Episode
@@ -88,16 +89,16 @@ def step(run: RunContext, concern: ResumeAudit, attempt: Attempt, s: int, now: f
     before = run.deadlines.ranks.get(rank)
     left = before.phase if before is not None else None
     tr = run.deadlines.observe(rec, now)
-    concern.beat(attempt, tr, rec, left, now, now)
+    concern.observe(Beat(attempt, tr, rec, left, now, now))
 
 
 def failed_first_attempt(run: RunContext, concern: ResumeAudit, steps=range(1, 11)):
     """Attempt 1 beat `steps` and stalled: its episode's incident is what attempt 2 recovers from."""
     a1 = make_attempt(run, 1)
-    concern.attempt_started(a1, None, T0)
+    concern.observe(AttemptStarted(a1, None, T0))
     write_beats(run.run_dir, 1, 0, steps)
     inc = run.incidents.create("stall", attempt=1, step=max(steps), summary="step deadline exceeded", status="final")
-    concern.attempt_ended(a1, Episode("stall", inc, T0 + 50), T0 + 60)
+    concern.observe(AttemptEnded(a1, Episode("stall", inc, T0 + 50), T0 + 60))
     return inc
 
 
@@ -105,7 +106,7 @@ def resumed(run, concern, resume_step=5, number=2):
     a = make_attempt(run, number, resume_from=f"checkpoints/step-{resume_step}")
     run.deadlines.arm_startup(T0 + 70)
     run.deadlines.observe({"rank": 0, "event": "start", "step": resume_step, "phase": "train"}, T0 + 71)
-    concern.attempt_started(a, resume_step, T0 + 70)
+    concern.observe(AttemptStarted(a, resume_step, T0 + 70))
     return a
 
 
@@ -178,9 +179,9 @@ def test_on_divergence_stop_ends_the_run_with_the_reason(tmp_path):
     div = run.incidents.get(run.incidents.list()[-1]["id"])
     assert div["kind"] == "resume_diverged" and div["on_divergence"] == "stop" and "the run ends here" in div["summary"]
     # the reason is the attempt's: the next attempt starts without it
-    concern.attempt_ended(a2, Episode("manual", None, T0 + 90), T0 + 91)
+    concern.observe(AttemptEnded(a2, Episode("manual", None, T0 + 90), T0 + 91))
     a3 = make_attempt(run, 3, resume_from="checkpoints/step-5")
-    concern.attempt_started(a3, 5, T0 + 100)
+    concern.observe(AttemptStarted(a3, 5, T0 + 100))
     assert concern.while_running(a3, T0 + 100) is None
 
 
@@ -193,7 +194,7 @@ def test_an_attempt_that_ends_before_the_window_is_replayed_records_a_partial_au
     step(run, concern, a2, 7, T0 + 81)
     assert audits(run)[0]["verdict"] == "pending"
     crash = run.incidents.create("crash", attempt=2, step=7)
-    concern.attempt_ended(a2, Episode("crash", crash, T0 + 82), T0 + 83)
+    concern.observe(AttemptEnded(a2, Episode("crash", crash, T0 + 82), T0 + 83))
     (rec,) = audits(run)
     assert rec["verdict"] == "partial" and rec["compared"] == [6, 7] and rec["incident"] == failure.id
     # the next attempt recovers from attempt 2's crash: its audit is a second record naming that incident
@@ -220,13 +221,13 @@ def test_no_audit_for_a_first_attempt_an_unknown_resume_step_or_nothing_to_repla
     run, _ = make_run(tmp_path)
     concern = ResumeAudit(run)
     a1 = make_attempt(run, 1)
-    concern.attempt_started(a1, None, T0)
+    concern.observe(AttemptStarted(a1, None, T0))
     assert concern.audit is None
     write_beats(run.run_dir, 1, 0, range(1, 11))
-    concern.attempt_ended(a1, Episode("stall", run.incidents.create("stall", attempt=1), T0 + 5), T0 + 6)
-    concern.attempt_started(make_attempt(run, 2, resume_from="checkpoints/somewhere"), None, T0 + 10)
+    concern.observe(AttemptEnded(a1, Episode("stall", run.incidents.create("stall", attempt=1), T0 + 5), T0 + 6))
+    concern.observe(AttemptStarted(make_attempt(run, 2, resume_from="checkpoints/somewhere"), None, T0 + 10))
     assert concern.audit is None  # resumed from a checkpoint whose step is unknown
-    concern.attempt_started(make_attempt(run, 3, resume_from="checkpoints/step-10"), 10, T0 + 20)
+    concern.observe(AttemptStarted(make_attempt(run, 3, resume_from="checkpoints/step-10"), 10, T0 + 20))
     assert concern.audit is None  # nothing beaten after step 10
     assert not (run.run_dir / AUDITS_NAME).exists()
 
@@ -236,7 +237,7 @@ def test_a_start_from_scratch_replays_from_step_one(tmp_path):
     concern = ResumeAudit(run)
     failed_first_attempt(run, concern, steps=range(1, 4))
     a2 = make_attempt(run, 2)  # no checkpoint: resume_from "" and no resume step
-    concern.attempt_started(a2, None, T0 + 70)
+    concern.observe(AttemptStarted(a2, None, T0 + 70))
     assert audits(run)[0]["replayed"] == [1, 3] and audits(run)[0]["resumed_step"] == 0
     for s in (1, 2, 3):
         step(run, concern, a2, s, T0 + 80 + s)

@@ -13,6 +13,7 @@ from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import RunContext
+from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.concerns.straggler_report import StragglerReport
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.processes.attempt import Attempt
@@ -56,7 +57,7 @@ def line(run, concern, attempt, rank: int, at: float, now=None, **rec) -> None:
     before = run.deadlines.ranks.get(rank)
     left = before.phase if before is not None else None
     tr = run.deadlines.observe(rec, at)
-    concern.beat(attempt, tr, rec, left, at, now)
+    concern.observe(Beat(attempt, tr, rec, left, at, now))
 
 
 def started(run, concern, attempt, ranks):

@@ -8,39 +8,14 @@ fake-driven supervisor. The real small filesystem is tests/faults/test_full_disk
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 
 import pytest
+from fixtures.fakes.failing_fs import FailingFs
 from fixtures.fakes.fake_supervisor import Harness
 
-from hangwatch.common.durable import TMP_PREFIX, FsOps
+from hangwatch.common.durable import TMP_PREFIX
 from hangwatch.common.exitcodes import EXIT_IOERR
-
-
-class FailingFs(FsOps):
-    """Fails every write whose path `match`es, with `err`; records what it refused."""
-
-    def __init__(self, match, err: int = errno.ENOSPC):
-        self.match, self.err, self.refused = match, err, []
-        self.armed = True
-
-    def _check(self, path) -> None:
-        if self.armed and self.match(Path(path)):
-            self.refused.append(Path(path))
-            raise OSError(self.err, os.strerror(self.err), str(path))
-
-    def write_file(self, path, data, durable=True):
-        self._check(path)
-        super().write_file(path, data, durable)
-
-    def write_json(self, path, data, durable=True):
-        self._check(path)
-        super().write_json(path, data, durable)
-
-    def mkdir(self, path, exist_ok=True):
-        self._check(path)
-        super().mkdir(path, exist_ok)
 
 
 def start(h):  # the first transition writes state.json

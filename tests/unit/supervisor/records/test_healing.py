@@ -3,22 +3,13 @@ run's `FsOps` exactly as before, the quarantine's view, state.json's fields from
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from fixtures.fakes.oom_config import oom_cfg as cfg
 
 from hangwatch.common.durable import FsOps, write_json_atomic
 from hangwatch.supervisor.concerns.oom_recovery import OomRemediation
 from hangwatch.supervisor.records import healing
-
-
-def cfg(micro=4, accum=2, gc=False, command=None, on=True):
-    return SimpleNamespace(
-        train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
-        model=SimpleNamespace(gradient_checkpointing=gc),
-        worker=SimpleNamespace(command=command),
-        restart=SimpleNamespace(oom_remediation=on),
-    )
 
 
 def test_quarantine_view(tmp_path):

@@ -2,19 +2,10 @@
 itself is tests/unit/common/test_oom_ladder.py; remediation.json is tests/unit/supervisor/records/test_healing.py;
 the supervisor's handle is tests/unit/supervisor/concerns/test_oom_recovery.py."""
 
-from types import SimpleNamespace
+from fixtures.fakes.oom_config import oom_cfg as cfg
 
 from hangwatch.common.oom_ladder import Rung as Setting
 from hangwatch.supervisor.rules import oom_remediation as rem
-
-
-def cfg(micro=4, accum=2, gc=False, command=None, on=True):
-    return SimpleNamespace(
-        train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum),
-        model=SimpleNamespace(gradient_checkpointing=gc),
-        worker=SimpleNamespace(command=command),
-        restart=SimpleNamespace(oom_remediation=on),
-    )
 
 
 def test_ladder_ends_after_every_rung_and_names_them():
