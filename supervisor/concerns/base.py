@@ -53,11 +53,11 @@ class RunContext:
 
 @dataclass
 class Concern:
-    """The no-op base of every concern: override `observe` and the decision points you need.
+    """The no-op base of every concern: add the `on_<event>` methods and override the decision points you need.
 
     Observers cannot decide; deciders return answers.  Everything the loop only tells a concern comes on one stream
-    of small typed events (`events`), to `observe`; a concern dispatches on the event's type to its own methods and
-    answers nothing.  The few moments where a concern changes the flow are the decision points below, each a method
+    of small typed events (`events`), to `observe`, which hands each to the method its `hook` names (`on_beat(ev)`,
+    `on_attempt_started(ev)`, …) where the concern has one; those answer nothing.  The few moments where a concern changes the flow are the decision points below, each a method
     that returns its answer (a no-op default answers nothing).  Where several concerns can answer one point and the
     answers conflict, `priority` resolves it — the higher wins — never their order in `registered`:
 

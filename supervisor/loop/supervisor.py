@@ -30,7 +30,8 @@ teardown) → `finish_episode` (`asked`, the decision; `rules.outcome.next_outco
 
 What the loop watches for besides the deadlines — a runaway generate, the resume audit, OOM recovery, the wait for
 processes SIGKILL cannot end, goodput, the prewarmed standby, stragglers — are concerns (`concerns.base.Concern`),
-registered in one place (`concerns.registered`) and asked in one `for` at each hook; one box or several is the
+registered in one place (`concerns.registered`): told what the loop observes as typed events (`concerns.tell`),
+asked at a few decision points whose conflicting answers their `priority` resolves; one box or several is the
 nodes interface (`nodes.interface.Nodes`).
 
 Between passes the loop sleeps (`wakeup.Wakeup.wait`) until something needs a pass: a signal, a
