@@ -57,8 +57,9 @@ class Concern:
 
     Observers cannot decide; deciders return answers.  Everything the loop only tells a concern comes on one stream
     of small typed events (`events`), to `observe`, which hands each to the method its `hook` names (`on_beat(ev)`,
-    `on_attempt_started(ev)`, …) where the concern has one; those answer nothing.  The few moments where a concern changes the flow are the decision points below, each a method
-    that returns its answer (a no-op default answers nothing).  Where several concerns can answer one point and the
+    `on_attempt_started(ev)`, …) where the concern has one; those answer nothing.  The few moments where a concern
+    changes the flow are the decision points below, each a method that returns its answer (a no-op default answers
+    nothing).  Where several concerns can answer one point and the
     answers conflict, `priority` resolves it — the higher wins — never their order in `registered`:
 
     - `decision`: asked in ascending priority, each concern handed the decision so far; the last replacement (the

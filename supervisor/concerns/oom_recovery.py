@@ -55,10 +55,8 @@ class OomRecovery(Concern):
         except OSError as exc:
             self.run.write_failed(exc, healing.path_for(run_dir))
             return
-        ident = record["probe"].get("incident")
-        inc = self.run.incidents.open(ident) if isinstance(ident, str) else None
-        if inc is not None:
-            self.run.incidents.amend(inc, measured={**result, "attempt": attempt.number})
+        # the finding is this attempt's, in remediation.json's history naming the incident (joined on read,
+        # `incidents.store.with_findings`): the earlier attempt's incident.json is never rewritten for it
         self.run.changed()
         log.info("oom_measured", attempt=attempt.number, picked=result.get("picked"), why=result.get("why"))
 

@@ -258,13 +258,19 @@ class IncidentStore:
         return None
 
 
-FINDINGS = (("resume-audit.json", "audits", "resume_audit"),)  # (file in the run dir, its list, the field it gives)
+# (file in the run dir, its list, the field it gives)
+FINDINGS = (
+    ("resume-audit.json", "audits", "resume_audit"),
+    ("remediation.json", "measures", "measured"),  # after an OOM, the micro-batch the next attempt's process measured
+)
 
 
 def with_findings(run_dir: os.PathLike | str, record: dict) -> dict:
     """An incident's record with the later findings about it joined in (a copy): the resume audit of the attempt
     that recovered from it, as `resume_audit` — recorded in `resume-audit.json` under that attempt, naming the
-    incident.  A record without such findings comes back as it is."""
+    incident; after an OOM, the micro-batch the next attempt's process measured, as `measured` — recorded in
+    `remediation.json`'s `measures` by that attempt, naming the incident.  A record without such findings comes back
+    as it is."""
     ident = record.get("id")
     out = dict(record)
     for name, key, field in FINDINGS:

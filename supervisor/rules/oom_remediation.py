@@ -205,8 +205,12 @@ def applied(
 
 def measured(record: dict, cfg, result: dict, *, attempt: int, now: Optional[float] = None) -> dict:
     """The record after the new process measured its micro-batch (`result`, its `remediation_probe`): the pick in
-    force (when it is below the rung), the probe done, one more history entry when the setting changed."""
+    force (when it is below the rung), the probe done, one more history entry when the setting changed, and the measure
+    itself in `measures`, naming the OOM's incident (a finding of this attempt about it, joined on read:
+    `incidents.store.with_findings`)."""
     out = {k: v for k, v in record.items() if k != "probe"}
+    measure = {**result, "attempt": attempt, "incident": (record.get("probe") or {}).get("incident")}
+    out["measures"] = [*(record.get("measures") or []), measure]
     to = result.get("to")
     if not isinstance(to, dict):
         return out

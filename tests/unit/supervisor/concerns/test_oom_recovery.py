@@ -176,3 +176,22 @@ def test_the_new_processs_measure_goes_through_the_runs_fsops_and_a_refusal_is_r
     run.fs = FsOps()  # the disk has room again: the same beat is recorded
     concern.observe(Beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0))
     assert "probe" not in healing.load(run.run_dir) and healing.load(run.run_dir)["micro_batch_size"] == 1
+
+
+def test_the_new_processs_measure_is_its_own_finding_linked_to_the_oom_never_a_rewrite_of_it(tmp_path):
+    run, concern = setup(tmp_path)
+    inc = run.incidents.create("oom", attempt=1, step=3)
+    OomRemediation(run.cfg, run.run_dir, FsOps()).on_failure("oom", attempt=1, step=3, incident=inc.id)
+    before = (inc.dir / "incident.json").read_bytes()
+    measure = {
+        "picked": 1,
+        "why": "fits",
+        "to": {"micro_batch_size": 1, "grad_accum": 8, "gradient_checkpointing": False},
+    }
+    beat = {"event": "warn", "t": T0, "remediation_probe": measure}
+    concern.observe(Beat(SimpleNamespace(number=2), SimpleNamespace(rank=0), beat, None, T0, T0))
+    assert (inc.dir / "incident.json").read_bytes() == before  # the earlier attempt's incident is left as it was
+    (recorded,) = healing.load(run.run_dir)["measures"]
+    assert recorded == {**measure, "attempt": 2, "incident": inc.id}
+    joined = run.incidents.get(inc.id)  # what `hangwatch incidents ID` and the report read
+    assert joined["measured"] == recorded
