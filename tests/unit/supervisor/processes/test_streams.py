@@ -27,7 +27,9 @@ sys.stderr.write("ERR half"); sys.stderr.flush()
 time.sleep(0.05)
 sys.stdout.write(" line\n"); sys.stdout.flush()
 sys.stderr.write(" done\n"); sys.stderr.flush()
-print("tty", os.isatty(0), os.isatty(1), os.isatty(2), os.get_terminal_size(1) if os.isatty(1) else None, flush=True)
+size = os.get_terminal_size(1) if os.isatty(1) else None
+# one write (print() writes its parts one by one where stdout is unbuffered): the line arrives whole in either order
+sys.stdout.write(f"tty {os.isatty(0)} {os.isatty(1)} {os.isatty(2)} {size}\n"); sys.stdout.flush()
 """
 
 
