@@ -25,7 +25,7 @@ A stall, top-down: `_overdue` records the expired deadline (a concern may handle
 `concerns.generate_overrun`) → `on_running` → `_escalated` opens `Episode.stall` (snapshot, SIGUSR1 dumps,
 py-spy; `_open` lets the concerns add to it) → STALLED → `on_evidence` (the snapshot) → DUMPING → `on_evidence`
 (the dumps read, the verdict) → `begin_kill` → KILLING → `on_killing` (SIGKILL at the grace; a concern may hold the
-teardown) → `finish_episode` (`asked`, the decision; `rules.outcome.next_outcome`; the incident completed) →
+teardown) → `finish_episode` (`decide`, the decision; `rules.outcome.next_outcome`; the incident completed) →
 `follow` → BACKOFF or `start_attempt`; the pass settles (`_settle`: one read model, state.json, systemd).
 
 What the loop watches for besides the deadlines — a runaway generate, the resume audit, OOM recovery, the wait for
@@ -52,7 +52,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import structlog
 
@@ -452,7 +452,7 @@ class Supervisor:
         if not self._escalated(now) and self.intents.force:
             self.intents.force = False
             ep = Episode(None, None, now, reason="forced stop")
-            ep.decision = asked(self.concerns, self.current, ep, None, now)
+            decide(self.concerns, self.current, ep, None, now)
             self.begin_kill(ep, now, send_term=False)
 
     def _escalated(self, now: float) -> bool:
@@ -475,14 +475,14 @@ class Supervisor:
                 why = f"peer node {node} restarted into generation {gen} before this attempt's ranks started"
                 log.info("rendezvous_moved", node=self.nodes.name, generation=gen, attempt=self.attempt, why=why)
                 ep = Episode(None, None, now, reason=why)
-                ep.decision = asked(self.concerns, cur, ep, Decision("restart", f"{why}; joining it"), now)
+                decide(self.concerns, cur, ep, Decision("restart", f"{why}; joining it"), now)
                 self.begin_kill(ep, now, why=why)
                 return True
             self._open(Episode.peer(self.tools, cur, self.deadlines, self.context.facts, now, notice, gen), now)
         elif it.abort is not None and not it.escalate_now:
             # a concern's reason to end the run (a diverged resume): running it again would do the same
             ep = Episode(None, None, now, reason=it.abort)
-            ep.decision = asked(self.concerns, cur, ep, Decision("fail", it.abort, exit_code=EXIT_NO_RETRY), now)
+            decide(self.concerns, cur, ep, Decision("fail", it.abort, exit_code=EXIT_NO_RETRY), now)
             self.begin_kill(ep, now, send_term=False, why=f"ending the run: {it.abort}")
         elif it.escalate_now or self.expired is not None:
             ex = None if it.escalate_now else self.expired
@@ -642,7 +642,7 @@ class Supervisor:
             stopping = f"graceful stop ({self.intents.after_teardown.value})"
             ep = Episode.exited(self.tools, cur, self.deadlines, self.context.facts, now, stopping=stopping)
             # the stop came as the last step was done: the work is complete, the run finished (not to be run again)
-            ep.decision = asked(self.concerns, cur, ep, done_before_stop(w.exit_code, stop_reason), now)
+            decide(self.concerns, cur, ep, done_before_stop(w.exit_code, stop_reason), now)
             self._open(ep, now, exited=True)
             return
         code = w.exit_code if w.exit_signal is None else None
@@ -659,7 +659,7 @@ class Supervisor:
             ep = Episode(None, None, now, reason=decision.reason)
         else:
             ep = Episode.exited(self.tools, cur, self.deadlines, self.context.facts, now, decision=decision)
-        ep.decision = asked(self.concerns, cur, ep, decision, now)  # an OOM's remedy replaces the policy's restart
+        decide(self.concerns, cur, ep, decision, now)  # an OOM's remedy replaces the policy's restart
         if ep.incident is not None:
             self.nodes.exit_read(ep, decision, cur, now)
         self._open(ep, now, exited=True)
@@ -685,13 +685,16 @@ class Supervisor:
         self.ledger.attempt_ended(cur.number)  # what it left unconfirmed stays unconfirmed
         tell(self.concerns, AttemptEnded(cur, ep, now))
         self.calibration.persist(False, None, CALIBRATION_SAVE_S)
-        decision = asked(self.concerns, cur, ep, ep.decision, now)
-        if decision is None and it.after_teardown is Intent.NONE:
+
+        def undecided() -> Optional[Decision]:  # nothing decided, nothing asked: the nodes, the way out, the policy
+            if it.after_teardown is not Intent.NONE:
+                return None
             decision = self.nodes.stall_cause(ep, now) if ep.kind else None  # several nodes: the culprit elsewhere
-            if decision is None:
-                done = ep.work_done  # every rank had finished: the way out hung
-                decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
-        ep.decision = decision
+            done = ep.work_done  # every rank had finished: the way out hung
+            finish = Decision("finish", done) if done is not None else None
+            return decision or finish or self.policy.on_failure(now, ep.reason)
+
+        decision = decide(self.concerns, cur, ep, ep.decision, now, undecided)
         out = next_outcome(it.after_teardown, decision, cur.worker.exit_code, reason=it.fail_reason)
         ep.finish(cur, self.context.facts, now, out.state.value, out.why, self.deadlines.main_rank())
         gone = ep.killer.timings()["tree_gone_after_s"]
@@ -739,13 +742,22 @@ class Supervisor:
         log.info("state", frm=src.value, to=dst.value, why=why, attempt=self.attempt)
 
 
-def asked(concerns: list[Concern], cur, ep: Episode, base: Optional[Decision], now: float) -> Optional[Decision]:
-    """The episode's decision: `base` (the policy's on an exit, the loop's own), then each concern's replacement (an
-    OOM's remedy, a failure that cannot be survived), asked in ascending `priority`: the highest one's wins."""
+def decide(
+    concerns: list[Concern],
+    cur,
+    ep: Episode,
+    base: Optional[Decision],
+    now: float,
+    undecided: Callable[[], Optional[Decision]] = lambda: None,
+) -> Optional[Decision]:
+    """The one writer of an episode's decision: `base` (the policy's on an exit, the loop's own), then each concern's
+    replacement (an OOM's remedy, a failure that cannot be survived), asked in ascending `priority` — the highest
+    one's wins —, and with still none, `undecided()`."""
     decision = base
     for c in by_priority(concerns):
         decision = c.decision(cur, ep, decision, now) or decision
-    return decision
+    ep.decision = decision if decision is not None else undecided()
+    return ep.decision
 
 
 def resume_point(

@@ -5,6 +5,7 @@ other concern's decision); every concern shares the one RunContext."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fixtures.fakes.fake_supervisor import FakeProcessTable
@@ -178,7 +179,7 @@ def test_the_deciders_priorities_follow_the_registered_order_and_the_unkillable_
 
 
 def test_the_decision_follows_priority_not_the_list_order(tmp_path):
-    from hangwatch.supervisor.loop.supervisor import asked
+    from hangwatch.supervisor.loop.supervisor import decide
     from hangwatch.supervisor.rules.policy import Decision
 
     run = concerns_for(tmp_path)[0].run
@@ -191,7 +192,9 @@ def test_the_decision_follows_priority_not_the_list_order(tmp_path):
 
     low, high = Replaces(run), Replaces(run)
     low.name, high.name, low.priority, high.priority = "low", "high", 1, 2
-    assert asked([high, low], None, None, Decision("restart", "policy"), 0.0).reason == "high"
+    ep = SimpleNamespace(decision=None)
+    assert decide([high, low], None, ep, Decision("restart", "policy"), 0.0).reason == "high"
+    assert ep.decision.reason == "high"  # written on the episode, in one place
     assert heard == ["low", "high"]
 
 
