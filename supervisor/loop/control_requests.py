@@ -17,7 +17,7 @@ import structlog
 
 from hangwatch.supervisor.escalation.dump_collector import DumpCollector
 from hangwatch.supervisor.incidents import IncidentStore
-from hangwatch.supervisor.processes.attempt import DumpTarget
+from hangwatch.supervisor.processes.attempt import DumpTarget, alive
 from hangwatch.supervisor.processes.process import ProcessTable
 from hangwatch.supervisor.read_model import view as views
 from hangwatch.supervisor.rules.outcome import Intent
@@ -170,7 +170,7 @@ class Desk:
                 "ok": True,
                 "result": {"accepted": "restart", "mode": mode, "note": f"restarting after the current {st.value}"},
             }
-        if st in (State.BACKOFF, State.PAUSED) or not _alive(at):
+        if st in (State.BACKOFF, State.PAUSED) or not alive(at.attempt):
             return {
                 "ok": True,
                 "result": {"accepted": "restart", "mode": mode, "note": f"starting a worker now (was {st.value})"},
@@ -213,7 +213,7 @@ class Desk:
         if at.state in (State.STALLED, State.DUMPING) and ep is not None and ep.incident is not None:
             pending = DumpRequest(self.table, grace_s, episode=ep)
         else:
-            targets = at.attempt.dump_targets() if _alive(at) else []
+            targets = at.attempt.dump_targets() if alive(at.attempt) else []
             if not targets:
                 return {
                     "ok": False,
@@ -225,7 +225,3 @@ class Desk:
 
     def incidents_query(self, req: dict, now: float) -> dict:
         return incidents_reply(self.incidents, req.get("id"))
-
-
-def _alive(at: "PassState") -> bool:
-    return at.attempt is not None and not at.attempt.worker.exited

@@ -2,7 +2,7 @@
 
 Heartbeat lines (`Intake.beats`), besides the deadlines (`Deadlines.observe`) and the concerns (`events.Beat`):
     start       the rank's process and dump file are remembered (only announced processes ever get
-                SIGUSR1); the first start moves STARTING → RUNNING (the loop's move: `Read.running`); a
+                SIGUSR1); the first start moves STARTING → RUNNING (the loop's move: what `beats` returns); a
                 `resumed_from` other than the checkpoint handed in HANGWATCH_RESUME_FROM is logged (a warning
                 when the ledger holds it bad)
     step        the metrics `status` shows; a new highest step clears the crash-loop count; its loss confirms
@@ -24,7 +24,6 @@ progress there is running.  Intake records what the lines establish; the moves t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Optional
 
 import structlog
@@ -47,13 +46,6 @@ log = structlog.get_logger("hangwatch")
 OUTPUT_READ_S = 1.0  # the worker's output is read at most this often (and always before a deadline is believed)
 
 
-@dataclass
-class Read:
-    """What one read established that the loop acts on."""
-
-    running: Optional[str] = None  # the worker is running (a start line, progress in its output): why
-
-
 class Intake:
     def __init__(
         self,
@@ -70,12 +62,13 @@ class Intake:
         self.nodes, self.concerns, self.file_times = nodes, concerns, file_times
         self.read_all = True  # the last read took every heartbeat file (not only those the file events named)
 
-    def beats(self, cur: Optional["Attempt"], now: float, names: Optional[Collection[str]] = None) -> Read:
-        """Read the attempt's new lines (in the files named in `names` only, when given)."""
-        read = Read()
+    def beats(self, cur: Optional["Attempt"], now: float, names: Optional[Collection[str]] = None) -> Optional[str]:
+        """Read the attempt's new lines (in the files named in `names` only, when given).  Returns why the worker is
+        running when a line said so (a start line), else None."""
+        running = None
         self.read_all = names is None
         if cur is None:
-            return read
+            return None
         torn_before = cur.tail.torn
         lines = cur.tail.read_timed(names)
         exact = bool(lines) and self.file_times() and cur.tail.local_times()
@@ -83,7 +76,8 @@ class Intake:
         lo = cur.tail.read_at if cur.tail.read_at is not None else cur.worker.started_at
         cur.tail.read_at = now
         for mtime, rec in lines:
-            self._line(cur, rec, written_at(mtime, wall_now, now, lo) if exact else now, now, read)
+            said = self._line(cur, rec, written_at(mtime, wall_now, now, lo) if exact else now, now)
+            running = running or said
         if cur.tail.torn != torn_before:
             facts = self.run.facts
             facts.torn_lines += cur.tail.torn - torn_before
@@ -93,17 +87,17 @@ class Intake:
                 total=facts.torn_lines,
                 example=cur.tail.torn_examples[-1] if cur.tail.torn_examples else None,
             )
-        return read
+        return running
 
-    def _line(self, cur: "Attempt", rec: dict, at: float, now: float, read: Read) -> None:
+    def _line(self, cur: "Attempt", rec: dict, at: float, now: float) -> Optional[str]:
         dl = self.run.deadlines
         before = dl.ranks.get(rec.get("rank") if isinstance(rec.get("rank"), int) else 0)
         left = before.phase if before is not None else None
         tr = dl.observe(rec, at)
         ev = rec["event"]
+        running = None
         if ev == "start":
-            rank = self._start(cur, rec, at, now)
-            read.running = read.running or f"start beat from rank {rank}"
+            running = f"start beat from rank {self._start(cur, rec, at, now)}"
         elif ev != "stop" and cur.announced:
             back = cur.follow(rec, self.table)
             if back is not None:
@@ -127,6 +121,7 @@ class Intake:
         elif ev == "stop":
             self._stop(cur, tr, rec, now)
         tell(self.concerns, Beat(cur, tr, rec, left, at, now))
+        return running
 
     def _start(self, cur: "Attempt", rec: dict, at: float, now: float) -> int:
         a = cur.announce(rec, self.table)
@@ -196,19 +191,19 @@ class Intake:
             why=known.why if known else None,
         )
 
-    def output(self, cur: Optional["Attempt"], now: float, force: bool = False) -> Read:
-        """The attempt's new output (at most every OUTPUT_READ_S unless `force`d)."""
-        read = Read()
+    def output(self, cur: Optional["Attempt"], now: float, force: bool = False) -> Optional[str]:
+        """The attempt's new output (at most every OUTPUT_READ_S unless `force`d).  Returns why the worker is running
+        when its output shows progress before any beat did, else None."""
         if cur is None or cur.output is None or (not force and now - cur.output_read_at < OUTPUT_READ_S):
-            return read
+            return None
         cur.output_read_at = now
         grew, progressed = cur.output.read(now, time.time() if self.file_times() else None)
         if not grew:
-            return read
+            return None
         dl = self.run.deadlines
         dl.output_seen(cur.output.last_output_at, progressed, cur.output.steps_read)
         if progressed:
             tell(self.concerns, OutputProgress(cur, now))
             if not dl.started:
-                read.running = f"progress in its output: {cur.output.last_progress_line[:80]!r}"
-        return read
+                return f"progress in its output: {cur.output.last_progress_line[:80]!r}"
+        return None

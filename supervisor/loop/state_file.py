@@ -34,7 +34,6 @@ class StateFile:
         self.path, self.fs, self.table, self.nodes, self.write_failed = path, fs, table, nodes, write_failed
         self._last: Optional[dict] = None
         self._last_at = float("-inf")
-        self.writes = 0  # how many times it was written (the figures of `scripts/house_numbers.py`)
 
     def keep(self, v: "View", why: Optional[str], now: float, force: bool = False) -> None:
         """Record `v` when it differs from what was last written (or it is time, or `force`)."""
@@ -46,7 +45,6 @@ class StateFile:
         self.nodes.offer(v.last_good_checkpoint, v.last_good_step)  # for the peers' resume choice
         try:
             run_state.write(self.path, data, fs=self.fs)
-            self.writes += 1
         except OSError as exc:
             self.write_failed(exc, self.path)
 

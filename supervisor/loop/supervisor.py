@@ -97,6 +97,7 @@ from hangwatch.supervisor.ops.notify import NullNotifier
 from hangwatch.supervisor.processes import attempt as attempts
 from hangwatch.supervisor.processes import leftovers, process
 from hangwatch.supervisor.processes import snapshot as snapshots
+from hangwatch.supervisor.processes.attempt import alive
 from hangwatch.supervisor.processes.interpreter import note_for
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records import run_state
@@ -362,10 +363,10 @@ class Supervisor:
             except Exception:  # a broken control channel must not take the training run down with it
                 log.exception("control_poll_failed")
 
-    def _heard(self, read, now: float) -> None:
-        """What a read of the worker's lines or output moves: STARTING → RUNNING, systemd's status line."""
-        if read.running and self.lifecycle.state is State.STARTING and self.current is not None:
-            self.transition(State.RUNNING, read.running, now)
+    def _heard(self, running: Optional[str], now: float) -> None:
+        """What a read of the worker's lines or output moves: STARTING → RUNNING (`running`: why)."""
+        if running and self.lifecycle.state is State.STARTING and self.current is not None:
+            self.transition(State.RUNNING, running, now)
         self.calibration.persist(True, now, CALIBRATION_SAVE_S)
 
     def request_stop(
@@ -825,11 +826,6 @@ def record_no_progress(policy, incidents: IncidentStore, attempt: int, facts: ru
     )
     log.error("no_progress", incident=inc.id, reason=gave_up["reason"])
     return True
-
-
-def alive(cur: Optional[attempts.Attempt]) -> bool:
-    """An attempt's worker is running."""
-    return cur is not None and not cur.worker.exited
 
 
 def _fileno(control) -> Optional[int]:

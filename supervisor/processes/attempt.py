@@ -217,6 +217,11 @@ class Attempt:
         return changed
 
 
+def alive(attempt: Optional[Attempt]) -> bool:
+    """An attempt's worker is running (None: no attempt)."""
+    return attempt is not None and not attempt.worker.exited
+
+
 def adopted(table: ProcessTable, subreaper: bool, exclude: set[int]) -> dict[int, ProcRef]:
     """Orphans of the worker's tree that were re-parented to us (we are their subreaper), with their
     descendants."""
