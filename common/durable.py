@@ -24,7 +24,7 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 TMP_PREFIX = ".tmp-"  # every temporary this module creates starts with it (a crash's leftovers are findable)
 
@@ -172,6 +172,11 @@ class FsOps:
 
     def append(self, path: Path, data: bytes) -> None:
         append_durable(path, data)
+
+    def open_output(self, path: Path) -> BinaryIO:
+        """A new file another process writes into (its stdout: a py-spy dump), created or emptied, opened for
+        writing; the caller hands it over and closes its own copy."""
+        return open(path, "wb")
 
     def overwrite(self, path: Path, data: bytes) -> None:
         overwrite_in_place(path, data)

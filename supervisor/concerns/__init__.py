@@ -15,12 +15,29 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, TypeVar
 
 from hangwatch.supervisor.concerns.base import Concern, RunContext
 from hangwatch.supervisor.concerns.events import Event, PassState
+from hangwatch.supervisor.rules.answer import Answer
+from hangwatch.supervisor.rules.policy import Decision
 
 if TYPE_CHECKING:
+    from hangwatch.common.durable import FsOps
+    from hangwatch.supervisor.escalation.episode import Episode
+    from hangwatch.supervisor.processes.attempt import Attempt
     from hangwatch.supervisor.processes.process import ProcessTable
     from hangwatch.supervisor.processes.standby import SpawnStandby
 
-__all__ = ["Concern", "Event", "PassState", "RunContext", "by_priority", "highest", "merged", "registered", "tell"]
+__all__ = [
+    "Answer",
+    "Concern",
+    "Event",
+    "PassState",
+    "RunContext",
+    "by_priority",
+    "decide",
+    "highest",
+    "merged",
+    "registered",
+    "tell",
+]
 
 T = TypeVar("T")
 
@@ -95,6 +112,57 @@ def merged(concerns: Iterable[Concern], ask: Callable[[Concern], dict]) -> dict:
     for _, f in sorted(answers, key=lambda pa: pa[0]):
         fields.update(f)
     return fields
+
+
+def decide(
+    concerns: Iterable[Concern],
+    attempt: Optional["Attempt"],
+    episode: "Episode",
+    now: float,
+    *,
+    fs: "FsOps",
+    write_failed: Callable[[OSError, Path], None],
+    undecided: Callable[[], Optional[Answer]] = lambda: None,
+) -> Optional[Decision]:
+    """The one owner of an episode's decision, asked once, when its tree is gone: the decision the loop proposed
+    (`episode.proposed`), then each concern's answer in ascending `priority` — each handed the decision so far, the
+    highest one's replacement wins — and with still none, `undecided()` (the nodes, the way out, the policy).  Each
+    answer's writes are made here, through `fs`, before the next concern is asked (a refused one is reported through
+    `write_failed` and its `refused` answer taken instead); its incident fields go into the episode's incident before
+    the next concern is asked (`Episode.note`), and `finish` saves the incident once."""
+    decision, kind = episode.proposed, None
+    for c in by_priority(concerns):
+        answer = carried_out(c.decision(attempt, episode, decision, now), fs, write_failed)
+        if answer is not None:
+            decision = answer.decision or decision
+            kind = answer.kind or kind
+            episode.note(answer.fields)  # the next concern reads what this one found
+    if decision is None:
+        answer = carried_out(undecided(), fs, write_failed)
+        if answer is not None:
+            decision, kind = answer.decision, answer.kind or kind
+            episode.note(answer.fields)
+    episode.settle(decision, kind)
+    return decision
+
+
+def carried_out(
+    answer: Optional[Answer], fs: "FsOps", write_failed: Callable[[OSError, Path], None]
+) -> Optional[Answer]:
+    """`answer` with its files written, in order; at the first the disk refuses: reported, and the answer's
+    `refused(exc)` instead (without one, the run fails naming the file: what a decider wants written, the next
+    attempt needs)."""
+    if answer is None:
+        return None
+    for w in answer.writes:
+        try:
+            fs.write_file(w.path, w.data)
+        except OSError as exc:
+            write_failed(exc, w.path)
+            if answer.refused is not None:
+                return answer.refused(exc)
+            return Answer(Decision("fail", f"{w.path} could not be written: {exc}"))
+    return answer
 
 
 # The sibling packages and modules this package may import (its rule, checked by the import-rule test).

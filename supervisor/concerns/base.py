@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from hangwatch.supervisor.incidents import IncidentStore
     from hangwatch.supervisor.processes.attempt import Attempt, Worker
     from hangwatch.supervisor.records.run_state import RunRecord
+    from hangwatch.supervisor.rules.answer import Answer
     from hangwatch.supervisor.rules.outcome import Intent
     from hangwatch.supervisor.rules.policy import Decision
     from hangwatch.supervisor.watch.deadlines import Deadlines, Expired
@@ -37,8 +38,8 @@ if TYPE_CHECKING:  # annotations only
 @dataclass
 class RunContext:
     """What every concern is handed once: the loop keeps `facts` current (it is replaced when a previous
-    supervisor's record is read back); `changed()` tells the loop its read model is stale; `write_failed(exc,
-    path)` reports a write the disk refused (the loop decides whether the run can go on)."""
+    supervisor's record is read back); `write_failed(exc, path)` reports a write the disk refused (the loop decides
+    whether the run can go on)."""
 
     cfg: "Config"
     run_dir: Path
@@ -46,7 +47,6 @@ class RunContext:
     incidents: "IncidentStore"
     deadlines: "Deadlines"
     facts: "RunRecord"
-    changed: Callable[[], None] = lambda: None
     write_failed: Callable[[OSError, Path], None] = lambda exc, path: None
     where: Callable[[], Optional["PassState"]] = lambda: None  # the loop's situation now
 
@@ -127,10 +127,12 @@ class Concern:
 
     def decision(
         self, attempt: "Attempt", episode: "Episode", decision: Optional["Decision"], now: float
-    ) -> Optional["Decision"]:
-        """Decision point: a replacement for the episode's decision (an OOM's remedy, a failure that cannot be
-        survived), or None.  Asked in ascending priority, each concern handed the decision so far: the highest
-        priority's replacement wins."""
+    ) -> Optional["Answer"]:
+        """Decision point, asked once, when the episode's tree is gone: an `Answer` — a replacement for the
+        decision so far (an OOM's remedy, a failure that cannot be survived), the incident's fields, the files it
+        wants written — or None.  It writes nothing: `concerns.decide` makes the writes and amends the incident.
+        Asked in ascending priority, each concern handed the decision so far: the highest priority's replacement
+        wins."""
         return None
 
     def before_kill(self, attempt: "Attempt", episode: "Episode", now: float) -> Optional[str]:

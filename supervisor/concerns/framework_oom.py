@@ -25,7 +25,6 @@ Registered for a script (`worker.command`) with `worker.instrument: auto` and `r
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -39,7 +38,8 @@ from hangwatch.common.durable import FsOps
 from hangwatch.common.oom_ladder import Rung, next_rung
 from hangwatch.common.rundir import FRAMEWORK_REMEDIATION_NAME, framework_setting_name, read_json, tail_text
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.events import Prepared
+from hangwatch.supervisor.concerns.events import OutcomeReached, Prepared
+from hangwatch.supervisor.rules.answer import Answer, Write
 from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -250,9 +250,9 @@ def load(run_dir: os.PathLike | str) -> Optional[dict]:
 def save(run_dir: os.PathLike | str, record: dict, fs: Optional[FsOps] = None) -> Path:
     """Durably, through `fs` (the run's write seam): the next attempt, possibly under another supervisor, must find
     it.  Indented by 2, as it always was."""
-    path = path_for(run_dir)
-    (fs or FsOps()).write_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
-    return path
+    w = Write.json(path_for(run_dir), record)
+    (fs or FsOps()).write_file(w.path, w.data)
+    return w.path
 
 
 def found_in(attempt_dir: os.PathLike | str, rank: int = 0) -> Optional[dict]:
@@ -279,47 +279,48 @@ class FrameworkOom(Concern):
 
     def __post_init__(self) -> None:
         self.name = "framework_oom"
-        self.seen: set[str] = set()  # incidents already answered (the decision is asked at the exit and at the end)
         self.record: Optional[dict] = None
 
     def on_prepared(self, ev: Prepared) -> None:
         self.record = load(self.run.run_dir)
 
-    def decision(self, attempt, episode, decision, now: float) -> Optional[Decision]:
+    def decision(self, attempt, episode, decision, now: float) -> Optional[Answer]:
         inc = episode.incident
-        if inc is None or inc.id in self.seen or decision is None or episode.kind != OOM_KIND:
+        if inc is None or decision is None or episode.kind != OOM_KIND:
             return None
-        self.seen.add(inc.id)
         data = inc.data
         rank = data.get("culprit_rank") if isinstance(data.get("culprit_rank"), int) else 0
         found = found_in(attempt.dir, rank)
         text = oom_text(str(data.get("classification") or ""), getattr(attempt.worker, "log_path", None))
         record = load(self.run.run_dir)
         verdict = decide(record, found, data.get("phase"), parse_oom_message(text))
-        replaced: Optional[Decision] = None
-        if verdict.action == "restart_with" and decision.action == "restart":
-            new = recorded(
-                record, found, verdict, attempt=attempt.number, step=data.get("step"), incident=inc.id, t=time.time()
-            )
-            try:
-                save(self.run.run_dir, new, self.run.fs)
-            except OSError as exc:  # the smaller batch must reach the next attempt through the file
-                self.run.write_failed(exc, path_for(self.run.run_dir))
-                verdict = Verdict(
-                    "none", f"out of memory; the smaller batch could not be recorded: {exc}", why=str(exc)
-                )
-                replaced = Decision("fail", verdict.message)
-            else:
-                self.record = new
-                self.run.changed()
-                replaced = Decision(
-                    "restart", f"{decision.reason}; {verdict.message}", delay_s=decision.delay_s, rollback=True
-                )
-        elif verdict.action == "failed" and decision.action == "restart":
-            replaced = Decision("fail", verdict.message)
-        self.run.incidents.amend(inc, framework_remediation=verdict.incident_fields())
         log.warning("framework_oom", incident=inc.id, action=verdict.action, message=verdict.message)
-        return replaced
+        fields = {"framework_remediation": verdict.incident_fields()}
+        if verdict.action == "failed" and decision.action == "restart":
+            return Answer(Decision("fail", verdict.message), fields)
+        if verdict.action == "restart_with" and decision.action != "restart":  # a crash loop, a stop: no restart
+            fields["framework_remediation"].update(applied=False, why_not=f"no restart follows: {decision.reason}")
+        if verdict.action != "restart_with" or decision.action != "restart":
+            return Answer(None, fields)
+        new = recorded(
+            record, found, verdict, attempt=attempt.number, step=data.get("step"), incident=inc.id, t=time.time()
+        )
+
+        def refused(exc: OSError) -> Answer:  # the smaller batch must reach the next attempt through the file
+            why = f"out of memory; the smaller batch could not be recorded: {exc}"
+            return Answer(
+                Decision("fail", why), {"framework_remediation": Verdict("none", why, why=str(exc)).incident_fields()}
+            )
+
+        return Answer(
+            Decision("restart", f"{decision.reason}; {verdict.message}", delay_s=decision.delay_s, rollback=True),
+            fields,
+            writes=(Write.json(path_for(self.run.run_dir), new),),
+            refused=refused,
+        )
+
+    def on_outcome(self, ev: OutcomeReached) -> None:
+        self.record = load(self.run.run_dir)  # what the decision wrote, for `status` until the next one
 
     def readers(self, now: float) -> dict[str, Callable[[], Any]]:
         record = self.record

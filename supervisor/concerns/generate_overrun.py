@@ -202,7 +202,6 @@ class GenerateOverrun(Concern):
             elapsed_s=t.elapsed_s,
             reports={str(r): v for r, v in sorted(reports.items())},
         )
-        self.run.changed()
         log.warning(
             "generate_truncated",
             incident=inc.id,

@@ -287,7 +287,6 @@ class InProcessRecovery(Concern):
     def _note(self, kind: str, r: dict) -> None:
         self.recovered[kind] += 1
         self.last = {"kind": kind, **{k: r.get(k) for k in ("step", "failed_step", "restored_step") if k in r}}
-        self.run.changed()
 
     def readers(self, now: float) -> dict[str, Any]:
         return {

@@ -9,8 +9,9 @@ built-in worker with `restart.oom_remediation` on.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import structlog
 
@@ -19,6 +20,7 @@ from hangwatch.supervisor.concerns.base import Concern
 from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.records import healing, memory_evidence
 from hangwatch.supervisor.rules import oom_evidence, oom_remediation
+from hangwatch.supervisor.rules.answer import Answer, Write
 from hangwatch.supervisor.rules.oom_remediation import OOM_KIND, Remedy
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -32,7 +34,6 @@ class OomRecovery(Concern):
     def __post_init__(self) -> None:
         self.name = "oom_recovery"
         self.remediation = OomRemediation(self.run.cfg, self.run.run_dir, self.run.fs)
-        self.seen: set[str] = set()  # incidents already remedied (the decision is asked at the exit and at the end)
 
     def on_beat(self, ev: Beat) -> None:
         attempt, tr, rec = ev.attempt, ev.track, ev.rec
@@ -57,30 +58,30 @@ class OomRecovery(Concern):
             return
         # the finding is this attempt's, in remediation.json's history naming the incident (joined on read,
         # `incidents.store.with_findings`): the earlier attempt's incident.json is never rewritten for it
-        self.run.changed()
         log.info("oom_measured", attempt=attempt.number, picked=result.get("picked"), why=result.get("why"))
 
-    def decision(self, attempt, episode, decision, now: float):
+    def decision(self, attempt, episode, decision, now: float) -> Optional[Answer]:
         inc = episode.incident
-        if inc is None or inc.id in self.seen or decision is None:
+        if inc is None or decision is None:
             return None
-        self.seen.add(inc.id)
         run_dir = self.run.run_dir
-        if episode.kind == "nan":
-            fields = healing.quarantine_fields(run_dir, attempt.number)
-            if fields:
-                self.run.incidents.amend(inc, **fields)
-        step = inc.data.get("step")
+        quarantined = healing.quarantine_fields(run_dir, attempt.number) if episode.kind == "nan" else {}
         evidence: Optional[oom_evidence.Evidence] = None
         if episode.kind == OOM_KIND and decision.action == "restart":  # the evidence only picks a restart's size
             rank = inc.data.get("culprit_rank")
             evidence = memory_evidence.gather(run_dir, attempt.number, rank if isinstance(rank, int) else 0)
-        remedied, fields = after_exit(
-            self.remediation, episode.kind, inc.id, decision, attempt=attempt.number, step=step, evidence=evidence
+        answer = after_exit(
+            self.remediation,
+            episode.kind,
+            inc.id,
+            decision,
+            attempt=attempt.number,
+            step=inc.data.get("step"),
+            evidence=evidence,
         )
-        if fields:
-            self.run.incidents.amend(inc, **fields)
-        return None if remedied is decision else remedied
+        if not quarantined:
+            return answer
+        return replace(answer, fields={**quarantined, **answer.fields})
 
 
 def wall_time(t) -> Optional[float]:
@@ -99,7 +100,7 @@ class OomRemediation:
         # A user's own script has no micro-batch we could change; `restart.oom_remediation: false` turns it off.
         self.enabled = cfg.worker.command is None and cfg.restart.oom_remediation
 
-    def on_failure(
+    def remedy(
         self,
         kind: str,
         *,
@@ -108,21 +109,24 @@ class OomRemediation:
         incident: Optional[str],
         now: Optional[float] = None,
         evidence: Optional[oom_evidence.Evidence] = None,
-    ) -> Optional[Remedy]:
-        """For an attempt that failed with `kind`: the remedy (already saved when it is a new setting), or None
-        (not an OOM, or not the built-in worker).  `evidence`: what the failed attempt left about memory."""
+    ) -> tuple[Optional[Remedy], Optional[Write]]:
+        """For an attempt that failed with `kind`: the remedy and the record to write for it (None when it is no new
+        setting: every remedy tried), or (None, None) — not an OOM, or not the built-in worker.  Writes nothing.
+        `evidence`: what the failed attempt left about memory."""
         if not self.enabled or kind != OOM_KIND:
-            return None
+            return None, None
         record = healing.load(self.run_dir)
         remedy = oom_remediation.decide(record, self.cfg, evidence)
-        if not remedy.exhausted:
-            healing.save(
-                self.run_dir,
-                oom_remediation.applied(
-                    record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now
-                ),
-                self.fs,
-            )
+        if remedy.exhausted:
+            return remedy, None
+        new = oom_remediation.applied(record, self.cfg, remedy, attempt=attempt, step=step, incident=incident, now=now)
+        return remedy, healing.write(self.run_dir, new)
+
+    def on_failure(self, kind: str, **how) -> Optional[Remedy]:
+        """`remedy`, its record written at once through `fs` (a supervisor's restart after it reads it back)."""
+        remedy, write = self.remedy(kind, **how)
+        if write is not None:
+            (self.fs or FsOps()).write_file(write.path, write.data)
         return remedy
 
     def summary(self) -> Optional[dict]:
@@ -139,20 +143,25 @@ def after_exit(
     step: Optional[int],
     now: Optional[float] = None,
     evidence: Optional[oom_evidence.Evidence] = None,
-) -> tuple[Any, dict]:
-    """The restart policy's `decision` on an ended attempt, with OOM remediation applied, and the fields its incident
-    gains: for an out-of-memory failure the policy restarts, the remedy is saved and named in the decision's reason
-    and in the incident (`remediation`); with every remedy tried the run fails instead, with the message saying what
-    was tried.  Anything else: `decision` unchanged, no field."""
+) -> Answer:
+    """The answer to the restart policy's `decision` on an ended attempt, with OOM remediation applied: for an
+    out-of-memory failure the policy restarts, the remedy — its record to write, named in the decision's reason and in
+    the incident (`remediation`) — or, with every remedy tried, the run fails, the message saying what was tried.  A
+    refused write fails the run: without the record the next attempt would run out of memory again.  Anything else:
+    no change."""
     if decision is None or decision.action != "restart" or kind is None:
-        return decision, {}
-    try:
-        remedy = handle.on_failure(kind, attempt=attempt, step=step, incident=incident_id, now=now, evidence=evidence)
-    except OSError as exc:  # the remedy must reach the next attempt through the file: without it, it would OOM again
-        return Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}"), {}
+        return Answer()
+    remedy, write = handle.remedy(kind, attempt=attempt, step=step, incident=incident_id, now=now, evidence=evidence)
     if remedy is None:
-        return decision, {}
+        return Answer()
     fields = {"remediation": remedy.fields()}
     if remedy.exhausted:
-        return Decision("fail", remedy.message), fields
-    return Decision("restart", f"{decision.reason}; {remedy.message}", delay_s=decision.delay_s, rollback=True), fields
+        return Answer(Decision("fail", remedy.message), fields)
+    return Answer(
+        Decision("restart", f"{decision.reason}; {remedy.message}", delay_s=decision.delay_s, rollback=True),
+        fields,
+        writes=(write,),
+        refused=lambda exc: Answer(
+            Decision("fail", f"out of memory, and the smaller micro-batch could not be recorded: {exc}")
+        ),
+    )

@@ -71,7 +71,7 @@ class PrewarmedStandby(Concern):
             return {}  # the stop request already began one, if a restart follows
         stall = episode.expired is not None or episode.kind == "manual"
         why = episode.kind or ("stall" if stall else "worker exited")
-        self.keeper.begin(attempt, intent, None if stall else episode.decision, now, why=why)
+        self.keeper.begin(attempt, intent, None if stall else episode.proposed, now, why=why)
         return {}
 
     def on_outcome(self, ev: OutcomeReached) -> None:

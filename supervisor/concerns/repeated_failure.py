@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import structlog
 
 from hangwatch.common.exitcodes import EXIT_NO_RETRY
 from hangwatch.supervisor.concerns.base import Concern
-from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat, OutputProgress
+from hangwatch.supervisor.concerns.events import AttemptStarted, Beat, OutputProgress
+from hangwatch.supervisor.rules.answer import Answer
 from hangwatch.supervisor.rules.oom_evidence import gib, parse_oom_message
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.watch.output_tail import LINE_SHOWN, visible_text
@@ -167,12 +168,9 @@ class RepeatedFailure(Concern):
         self.name = "repeated_failure"
         self.previous: Optional[tuple] = None  # the last failure's signature (None: it had none, or none failed yet)
         self.previous_incident: Optional[str] = None
-        self.seen: set[str] = set()
-        # The early ends, judged when an attempt's tree is gone: the current attempt's progress, the judgement of the
-        # attempt that just ended (its incident, its early end or None) until its decision is asked for, and the
-        # attempt before it
+        # The early ends, judged when an attempt's tree is gone: the current attempt's progress and the attempt
+        # before it
         self.progressed = False
-        self.ended: Optional[tuple[str, Optional[EarlyEnd]]] = None
         self.early: Optional[EarlyEnd] = None
         self.early_incident: Optional[str] = None
 
@@ -189,36 +187,39 @@ class RepeatedFailure(Concern):
     def on_output_progress(self, ev: OutputProgress) -> None:
         self.progressed = True
 
-    def on_attempt_ended(self, ev: AttemptEnded) -> None:
-        """Judge the attempt's end: its output is all read now (a progress line printed just before it exited
-        counts), and its worker.log is complete.  An early end's last lines go into its incident at once."""
-        attempt, episode = ev.attempt, ev.episode
+    # ---- the decision, asked once the attempt's tree is gone (its output all read, its worker.log complete)
+
+    def decision(self, attempt, episode, decision, now: float) -> Optional[Answer]:
         inc = episode.incident
         if inc is None:  # an end without an incident (a clean one, a peer's new generation): no repetition across it
-            self.ended, self.early, self.early_incident = None, None, None
-            return
-        end = None
-        w = attempt.worker
-        if episode.expired is None and episode.kind in EXIT_KINDS and w.exited:
-            shown = attempt.output is not None and attempt.output.progress_lines > 0
-            end = early_end(w.exit_code, w.exit_signal, log_tail(w.log_path), self.progressed or shown)
-        self.ended = (inc.id, end)
-        if end is not None:
+            self.early, self.early_incident = None, None
+            return None
+        end = self.early_end(attempt, episode)
+        fields: dict = {}
+        if end is not None:  # an early end's last lines go into its incident
             summary = str(inc.data.get("summary") or "")
             if end.last not in summary:
                 summary = f"{summary}; its output ended: {end.last}" if summary else f"its output ended: {end.last}"
-            self.run.incidents.amend(inc, last_output=list(end.lines), summary=summary)
+            fields.update(last_output=list(end.lines), summary=summary)
+        repeated = self.same_exception(episode, decision)
+        early = self.same_early_end(inc, end, decision, fields)  # asked either way: it follows the early ends
+        if repeated is not None:
+            return replace(repeated, fields={**fields, **repeated.fields})
+        return early or (Answer(None, fields) if fields else None)
 
-    # ---- the decision
-
-    def decision(self, attempt, episode, decision, now: float) -> Optional[Decision]:
-        return self.same_exception(episode, decision) or self.same_early_end(episode, decision)
-
-    def same_exception(self, episode, decision) -> Optional[Decision]:
-        inc = episode.incident
-        if inc is None or inc.id in self.seen or decision is None:
+    def early_end(self, attempt, episode) -> Optional[EarlyEnd]:
+        """How the attempt ended when it ended by itself before any progress (a beat's step, a progress line in its
+        output, printed even just before it exited), else None."""
+        w = attempt.worker
+        if episode.expired is not None or episode.kind not in EXIT_KINDS or not w.exited:
             return None
-        self.seen.add(inc.id)
+        shown = attempt.output is not None and attempt.output.progress_lines > 0
+        return early_end(w.exit_code, w.exit_signal, log_tail(w.log_path), self.progressed or shown)
+
+    def same_exception(self, episode, decision) -> Optional[Answer]:
+        inc = episode.incident
+        if decision is None:
+            return None
         sig = signature(episode.kind, inc.data)
         before, before_id = self.previous, self.previous_incident
         self.previous, self.previous_incident = sig, inc.id
@@ -235,20 +236,14 @@ class RepeatedFailure(Concern):
             f"the same failure twice in a row {where} (incidents {before_id} and {inc.id}): {words} — a restart "
             f"would only repeat it: {advice}"
         )
-        self.run.incidents.amend(inc, repeated=before_id)
         log.error("repeated_failure", incident=inc.id, previous=before_id, step=step, text=words)
         # hangwatch's own do-not-retry status: the exception, at the same step, is what ended the run — not the exit
         # code the interpreter chose for it (an early end keeps the command's own: it is all the command said)
-        return Decision("fail", reason, exit_code=EXIT_NO_RETRY)
+        return Answer(Decision("fail", reason, exit_code=EXIT_NO_RETRY), {"repeated": before_id})
 
-    def same_early_end(self, episode, decision) -> Optional[Decision]:
-        """Asked once the tree is gone (after `AttemptEnded` judged the attempt): the same early end as the attempt
-        before it ends the run, unless something else already decided what follows."""
-        inc = episode.incident
-        if inc is None or self.ended is None or self.ended[0] != inc.id:
-            return None
-        _, end = self.ended
-        self.ended = None
+    def same_early_end(self, inc, end: Optional[EarlyEnd], decision, fields: dict) -> Optional[Answer]:
+        """The same early end as the attempt before it ends the run, unless something else already decided what
+        follows.  `fields`: what this answer already adds to the incident."""
         before, before_id = self.early, self.early_incident
         self.early, self.early_incident = end, inc.id
         if decision is None or decision.action != "restart" or decision.rollback or not same_end(before, end):
@@ -259,7 +254,7 @@ class RepeatedFailure(Concern):
             f"output ending: {end.last} — a restart would only repeat it: fix the cause (the incident quotes the "
             "last lines of the output; each attempt's whole output is in its worker.log) and run again"
         )
-        summary = f"{inc.data.get('summary')} — the same as incident {before_id}, before any progress: not restarted"
-        self.run.incidents.amend(inc, repeated=before_id, summary=summary)
+        summary = fields.get("summary", inc.data.get("summary"))
+        summary = f"{summary} — the same as incident {before_id}, before any progress: not restarted"
         log.error("repeated_early_end", incident=inc.id, previous=before_id, code=end.code, text=end.last)
-        return Decision("fail", reason)
+        return Answer(Decision("fail", reason), {**fields, "repeated": before_id, "summary": summary})

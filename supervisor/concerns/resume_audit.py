@@ -111,7 +111,6 @@ class ResumeAudit(Concern):
             on_divergence=ra.on_divergence,
             resumed_from=attempt.resume_from,
         )
-        self.run.changed()
         self._records()[-1]["diverged_incident"] = inc.id
         self._save()
         d = a.difference or {}

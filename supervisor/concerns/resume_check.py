@@ -58,5 +58,4 @@ class ResumeCheck(Concern):
             resume_step=step,
             resume_args=set_args,
         )
-        self.run.changed()
         log.warning("resume_ignored", incident=inc.id, attempt=attempt.number, resume_from=handed, resume_step=step)

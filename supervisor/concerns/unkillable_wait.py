@@ -14,6 +14,7 @@ import structlog
 
 from hangwatch.common.exitcodes import EXIT_FAILED
 from hangwatch.supervisor.concerns.base import Concern
+from hangwatch.supervisor.rules.answer import Answer
 from hangwatch.supervisor.rules.outcome import Intent
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -28,7 +29,6 @@ class UnkillableWait(Concern):
     def __post_init__(self) -> None:
         self.name = "unkillable_wait"
         self.waiting = None  # the `unkillable` incident while the run waits for the survivors to go
-        self.failing: Optional[Decision] = None  # on_unkillable: fail — the episode's decision
         self.looked_at: set[int] = set()  # the killers whose survivors were already reported (asked once each)
 
     def hold_teardown(self, attempt, episode, intent: Intent, now: float) -> bool:
@@ -44,9 +44,15 @@ class UnkillableWait(Concern):
         self._stop_waiting(killer, now, gone=not left)
         return False
 
-    def decision(self, attempt, episode, decision, now: float) -> Optional[Decision]:
-        failing, self.failing = self.failing, None
-        return failing
+    def decision(self, attempt, episode, decision, now: float) -> Optional[Answer]:
+        """`restart.on_unkillable: fail` and processes of the tree outlived SIGKILL: the machine cannot go on (exit 1),
+        not the command — whatever was decided before."""
+        killer = episode.killer
+        if self.run.cfg.restart.on_unkillable != "fail" or killer is None or not killer.survivors:
+            return None
+        pids = [s.get("pid") for s in killer.survivors]
+        why = f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)"
+        return Answer(Decision("fail", why, exit_code=EXIT_FAILED))
 
     def next_due_s(self, now: float) -> Optional[float]:
         return 1.0 if self.waiting is not None else None  # survivors are looked at once a second
@@ -88,18 +94,12 @@ class UnkillableWait(Concern):
             failure_kind=episode.kind,
             kill_wait_s=cfg.watchdog.kill_wait_s,
         )
-        self.run.changed()
         log.error("unkillable", incident=inc.id, attempt=attempt.number, pids=pids, on_unkillable=mode, text=summary)
         if ending:
             self.run.incidents.amend(inc, still_there=pids, waited_s=0.0)
             return False
         if mode == "fail":
-            self.failing = Decision(  # the machine cannot go on (exit 1), not the command
-                "fail",
-                f"processes {pids} outlived SIGKILL (unkillable; a reboot or a GPU reset may be needed)",
-                exit_code=EXIT_FAILED,
-            )
-            return False
+            return False  # the episode's decision says so (`decision`)
         self.waiting = inc
         return True
 

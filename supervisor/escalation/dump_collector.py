@@ -34,6 +34,7 @@ from typing import Callable, Optional, Protocol
 
 import structlog
 
+from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import forked_dump_path
 from hangwatch.supervisor.incidents.collectives import py_spy_main_thread
 from hangwatch.supervisor.incidents.dumps import main_stack, parse_faulthandler
@@ -102,6 +103,7 @@ class DumpCollector:
     py_spy_timeout_s: float = 20.0
     py_spy_path: Optional[str] = None  # None: find_py_spy()
     out_dir: Optional[Path] = None  # where py-spy output goes (the incident directory)
+    fs: FsOps = field(default_factory=FsOps)  # the run's write seam: py-spy's output files are opened through it
     loader_workers: Optional["WorkerDumps"] = None  # then: the DataLoader workers of a rank that waits on them
     # Evidence taken beside the dumps that must be in before the second step (the stall's process snapshot,
     # which also names the DataLoader workers): asked each pass once no py-spy holds a process stopped
@@ -154,19 +156,18 @@ class DumpCollector:
                 continue
             out = self.out_dir / f"py-spy-rank{t.rank}.txt"
             try:
-                f = open(out, "wb")
+                self.fs.open_output(out).close()
             except OSError as exc:  # the incident directory could not be made (a full disk): no py-spy output
                 self.py_spy_note = f"not run: cannot write {out} ({exc.strerror})"
                 return
-            f.close()
             # --full-filenames: the user's own frames are told from libraries by their paths (landmarks)
-            p = start_py_spy(exe, t.ref.pid, out, ["--native", "--locals"])
+            p = start_py_spy(exe, t.ref.pid, out, ["--native", "--locals"], self.fs)
             if p is not None:
                 self.py_spy_procs[t.rank] = (p, out)
         tried = len([t for t in self.targets if self.signalled.get(t.rank)])
         for ref in self.unannounced[:MAX_UNANNOUNCED]:
             out = self.out_dir / f"py-spy-pid{ref.pid}.txt"
-            p = start_py_spy(exe, ref.pid, out, ["--locals"])
+            p = start_py_spy(exe, ref.pid, out, ["--locals"], self.fs)
             tried += 1
             if p is not None:
                 self.py_spy_pids[ref.pid] = (p, out)
@@ -177,9 +178,8 @@ class DumpCollector:
         )
 
     def _py_spy_running(self, now: float) -> bool:
-        return py_spy_running(
-            [*self.py_spy_procs.values(), *self.py_spy_pids.values()], now - self.started_at, self.py_spy_timeout_s
-        )
+        procs = [*self.py_spy_procs.values(), *self.py_spy_pids.values()]
+        return py_spy_running(procs, now - self.started_at, self.py_spy_timeout_s, self.fs)
 
     def advance(self, now: float) -> bool:
         """One loop pass; True once every step is done: the ranks' stacks and the gate, then the DataLoader workers."""
@@ -285,10 +285,11 @@ def _outputs(procs: dict[int, tuple[subprocess.Popen, Path]]) -> dict[int, str]:
     return out
 
 
-def start_py_spy(exe: str, pid: int, out: Path, options: list[str]) -> Optional[subprocess.Popen]:
-    """`py-spy dump … --pid PID --full-filenames` into `out` (its own error when it cannot start)."""
+def start_py_spy(exe: str, pid: int, out: Path, options: list[str], fs: FsOps) -> Optional[subprocess.Popen]:
+    """`py-spy dump … --pid PID --full-filenames` into `out`, opened through the run's `fs` (its own error when it
+    cannot start)."""
     try:
-        with open(out, "wb") as f:
+        with fs.open_output(out) as f:
             try:
                 return subprocess.Popen(
                     [exe, "dump", *options, "--pid", str(pid), "--full-filenames"],
@@ -303,16 +304,19 @@ def start_py_spy(exe: str, pid: int, out: Path, options: list[str]) -> Optional[
     return None
 
 
-def py_spy_running(procs, elapsed_s: float, timeout_s: float) -> bool:
-    """Whether any of the (Popen, output path) pairs still runs; one past its time box is killed (and says so)."""
+def py_spy_running(procs, elapsed_s: float, timeout_s: float, fs: FsOps) -> bool:
+    """Whether any of the (Popen, output path) pairs still runs; one past its time box is killed (and says so, through
+    `fs`)."""
     running = False
     for p, out in procs:
         if p.poll() is None:
             if elapsed_s >= timeout_s:
                 p.kill()
                 p.wait(timeout=5)
-                with open(out, "ab") as f:
-                    f.write(f"\n[py-spy killed after {timeout_s:g}s time box]\n".encode())
+                try:
+                    fs.append(out, f"\n[py-spy killed after {timeout_s:g}s time box]\n".encode())
+                except OSError:  # a full disk: the file says less, the dump is read all the same
+                    pass
             else:
                 running = True
     return running
@@ -395,6 +399,7 @@ class WorkerDumps:
     _table: Optional[ProcessTable] = None
     _grace_s: float = 0.0
     _py_spy_timeout_s: float = 0.0
+    _fs: FsOps = field(default_factory=FsOps)
     _sizes: dict[int, int] = field(default_factory=dict)
     _changed_at: dict[int, float] = field(default_factory=dict)
     _complete: dict[int, bool] = field(default_factory=dict)
@@ -404,6 +409,7 @@ class WorkerDumps:
         self.begun = True
         self.started_at = now
         self._table, self._grace_s, self._py_spy_timeout_s = dc.table, dc.grace_s, dc.py_spy_timeout_s
+        self._fs = dc.fs
         texts, spy = dc.texts(), dc.py_spy_texts()
         exe = dc.py_spy_exe()
         ranks = {t.ref.pid for t in dc.targets}  # ranks that multiprocessing started (torch's mp.spawn) are no workers
@@ -432,7 +438,7 @@ class WorkerDumps:
             rank, ref, "none", started_as(rec.get("cmdline"), rank_rec.get("cmdline")) or "fork"
         )
         out = out_dir / f"py-spy-rank{rank.rank}-pid{pid}.txt" if out_dir is not None else None
-        spy = start_py_spy(exe, pid, out, []) if exe is not None and out is not None else None
+        spy = start_py_spy(exe, pid, out, [], self._fs) if exe is not None and out is not None else None
         if spy is not None:
             target.via, target.spy = "py-spy", (spy, out)
         else:
@@ -468,7 +474,8 @@ class WorkerDumps:
 
     def advance(self, now: float) -> bool:
         elapsed = now - self.started_at
-        spying = py_spy_running([t.spy for t in self.targets.values() if t.spy], elapsed, self._py_spy_timeout_s)
+        spies = [t.spy for t in self.targets.values() if t.spy]
+        spying = py_spy_running(spies, elapsed, self._py_spy_timeout_s, self._fs)
         for t in self.targets.values():
             if (
                 t.via == "py-spy"

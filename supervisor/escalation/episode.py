@@ -42,6 +42,7 @@ from typing import Any, Callable, Collection, Optional
 import structlog
 
 from hangwatch.common.config import RestartCfg, WatchdogCfg
+from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import EXIT_NAME, rank_exit_name, read_json, tail_text
 from hangwatch.supervisor.escalation import rank_evidence
 from hangwatch.supervisor.escalation.dump_collector import StallDumps, WorkerDumps
@@ -90,6 +91,9 @@ class EscalationContext:
     cpu_sample_s: float
     subreaper: bool
     kernel: KernelEvidence = field(default_factory=KernelEvidence)  # what the kernel says of a SIGKILL
+    fs: FsOps = field(default_factory=FsOps)  # the run's write seam (py-spy's output files)
+    deadlines: Optional[Deadlines] = None  # the run's: each rank's step and phase for an episode's incident
+    record: Callable[[], RunRecord] = RunRecord  # the run's record now (its last good checkpoint for an incident)
 
 
 @dataclass
@@ -99,6 +103,9 @@ class Episode:
     detected_at: float
     expired: Optional[Expired] = None
     reason: str = ""
+    # What the loop proposes when the episode opens (the policy's on an exit, a peer's restart, a run that must
+    # end); the deciders see it when the tree is gone, and `decision` is what was decided then (`settle`).
+    proposed: Optional[Decision] = None
     decision: Optional[Decision] = None
     sample: Any = None  # the process snapshot being taken
     sampled_at: Optional[float] = None
@@ -122,12 +129,11 @@ class Episode:
         cls,
         tools: EscalationContext,
         attempt: Attempt,
-        deadlines: Deadlines,
-        facts: RunRecord,
         now: float,
         kind: str,
         expired: Optional[Expired],
     ) -> "Episode":
+        deadlines, facts = tools.deadlines, tools.record()
         tr = deadlines.ranks.get(expired.rank if expired and expired.rank is not None else deadlines.main_rank())
         phase, step = (tr.phase, tr.step) if tr else (None, None)
         deadline = None
@@ -195,14 +201,13 @@ class Episode:
         cls,
         tools: EscalationContext,
         attempt: Attempt,
-        deadlines: Deadlines,
-        facts: RunRecord,
         now: float,
         notice: dict,
         gen: int,
     ) -> "Episode":
         """A peer node restarted (it bumped the generation): dump where the local ranks wait, then restart into
         generation `gen` with it (multi-node, `nodes.multi_node`)."""
+        deadlines, facts = tools.deadlines, tools.record()
         tr = deadlines.ranks.get(deadlines.main_rank())
         phase, step = (tr.phase, tr.step) if tr else (None, None)
         why = (
@@ -249,6 +254,7 @@ class Episode:
                 py_spy_timeout_s=wd.py_spy_timeout_s,
                 py_spy_path=wd.py_spy_path,
                 out_dir=self.incident.dir,
+                fs=tools.fs,
                 flight=FlightDumps(attempt.flight, sorted(attempt.announced)),
                 gate=lambda t: self._take_snapshot(tools, attempt, t),
                 unannounced=unannounced_pythons(tools.table, attempt) if wd.py_spy else [],
@@ -454,8 +460,6 @@ class Episode:
         cls,
         tools: EscalationContext,
         attempt: Attempt,
-        deadlines: Deadlines,
-        facts: RunRecord,
         now: float,
         *,
         decision: Optional[Decision] = None,
@@ -477,7 +481,7 @@ class Episode:
             summary = f"worker exited during a graceful stop: {classification}"
             return cls(
                 kind,
-                exit_incident(tools, attempt, deadlines, facts, kind, classification, summary, failed_rank=failed),
+                exit_incident(tools, attempt, kind, classification, summary, failed_rank=failed),
                 now,
                 reason=stopping,
                 store=tools.incidents,
@@ -485,7 +489,7 @@ class Episode:
         if decision.action == "finish":
             return cls(None, None, now, reason=decision.reason)
         kind, classification, failed = classify(tools, attempt)
-        inc = exit_incident(tools, attempt, deadlines, facts, kind, classification, classification, decision, failed)
+        inc = exit_incident(tools, attempt, kind, classification, classification, decision, failed)
         return cls(kind, inc, now, reason=classification, store=tools.incidents)
 
     def save(self) -> None:
@@ -498,6 +502,20 @@ class Episode:
         if self.incident is not None and fields:
             self.incident.data.update(fields)
             self.save()
+
+    def note(self, fields: dict) -> None:
+        """What a decider added to the incident, kept in its record (saved with it by `finish`)."""
+        if self.incident is not None:
+            self.incident.data.update(fields)
+
+    def settle(self, decision: Optional[Decision], kind: Optional[str] = None) -> None:
+        """The decision, asked once the tree is gone; the incident's directory renamed where the evidence made it
+        another kind."""
+        self.decision = decision
+        inc = self.incident
+        if inc is not None and kind is not None and kind != inc.kind:
+            inc.rekind(kind)
+            self.kind = kind
 
     def next_due_s(self, now: float, cpu_sample_s: float) -> Optional[float]:
         """Seconds from `now` until this episode has something to do on its own clock (the snapshot's interval
@@ -765,8 +783,6 @@ def _rank_dumps(attempt: Attempt) -> dict[int, str]:
 def exit_incident(
     tools: EscalationContext,
     attempt: Attempt,
-    deadlines: Deadlines,
-    facts: RunRecord,
     kind: str,
     classification: str,
     summary: str,
@@ -774,6 +790,7 @@ def exit_incident(
     failed_rank: Optional[int] = None,
 ) -> Incident:
     w = attempt.worker
+    deadlines, facts = tools.deadlines, tools.record()
     tr = deadlines.ranks.get(deadlines.main_rank())
     info = exit_info(attempt, deadlines.main_rank())
     frame = stack = user = fatal_rank = reading = None

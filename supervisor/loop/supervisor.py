@@ -51,8 +51,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import structlog
 
@@ -61,10 +62,11 @@ from hangwatch.common.durable import describe_write_error, disk_error
 from hangwatch.common.exitcodes import EXIT_CONFIG, EXIT_FAILED, EXIT_IOERR, EXIT_NO_RETRY, EXIT_OK
 from hangwatch.common.rundir import CALIBRATION_NAME, CONFIG_NAME, STATE_NAME, attempt_dir, next_attempt
 from hangwatch.supervisor.concerns import (
+    Answer,
     Concern,
     PassState,
     RunContext,
-    by_priority,
+    decide,
     highest,
     merged,
     registered,
@@ -167,7 +169,8 @@ class Supervisor:
         self.suspension = SuspensionDetector(wd.poll_interval_s)
         self.gpu = snapshots.GpuCache(s.gpu)
         self.tools = EscalationContext(self.table, self.incidents, wd, s.snapshot, self.gpu, s.gpu_pids,
-                                       s.cpu_sample_s, s.subreaper)  # fmt: skip
+                                       s.cpu_sample_s, s.subreaper, fs=self.fs, deadlines=self.deadlines,
+                                       record=lambda: self.context.facts)  # fmt: skip
         self.ledger = PersistedLedger(self.run_dir, cfg.checkpoint.confirm_steps, fs=self.fs)  # announced checkpoints
         # What the concerns are handed; its `facts` is the run's record (replaced in `prepare` by the one read back).
         self.context = RunContext(cfg, self.run_dir, self.fs, self.incidents, self.deadlines,
@@ -178,7 +181,8 @@ class Supervisor:
         # Several nodes: the peer link and this node's part in the run; one node: a null object.  The loop
         # talks to either through the same interface and has no multi-node branch of its own.
         multi = cfg.worker.nnodes > 1
-        self.nodes: Nodes = MultiNode(cfg, self.run_dir, spawn=s.peer_spawn or spawn_helper, poke=self.wakeup.poke) \
+        self.nodes: Nodes = MultiNode(cfg, self.run_dir, incidents=self.incidents, facts=lambda: self.context.facts,
+            deadlines=self.deadlines, table=self.table, spawn=s.peer_spawn or spawn_helper, poke=self.wakeup.poke) \
             if multi else SingleNode()  # fmt: skip
         files = lambda: self.file_times_now  # noqa: E731
         self.intake = Intake(self.context, wd, self.table, self.ledger, self.policy, self.nodes, self.concerns, files)
@@ -393,7 +397,7 @@ class Supervisor:
         if expired is not None and self.current.output is not None and self.current.output_read_at < now:
             self._heard(self.intake.output(self.current, now, force=True), now)  # output since the last read
             expired = self.deadlines.check(now)
-        if expired is not None and self.nodes.absorbs_overdue(expired, now, self.deadlines, self.current, self.table):
+        if expired is not None and self.nodes.overdue(self.current, expired, now):
             return None  # torchrun between rounds, or peers still missing at the rendezvous (`nodes`)
         if expired is not None and not self.intents.escalate_now:
             for c in self.concerns:
@@ -429,7 +433,7 @@ class Supervisor:
         self.outward.pass_settled(self.view(now), self.lifecycle.reason or None, now, final=final)
 
     def on_running(self, now: float) -> None:  # STARTING, RUNNING
-        failed = self.nodes.while_running(now, self.incidents, self.context.facts, self.attempt)[1]
+        failed = self.nodes.while_running(self.current, now)
         it = self.intents
         if failed and it.after_teardown is Intent.NONE:
             log.error("peer_failed", why=failed)
@@ -452,9 +456,7 @@ class Supervisor:
             log.info("stop_escalated", signal="SIGTERM", sent=sent, say="the command is still running: SIGTERM")
         if not self._escalated(now) and self.intents.force:
             self.intents.force = False
-            ep = Episode(None, None, now, reason="forced stop")
-            decide(self.concerns, self.current, ep, None, now)
-            self.begin_kill(ep, now, send_term=False)
+            self.begin_kill(Episode(None, None, now, reason="forced stop"), now, send_term=False)
 
     def _escalated(self, now: float) -> bool:
         """A worker exit, `restart now`, a peer's restart, a concern's reason to end the run or an overdue deadline
@@ -475,21 +477,19 @@ class Supervisor:
                 node = notice.get("node")
                 why = f"peer node {node} restarted into generation {gen} before this attempt's ranks started"
                 log.info("rendezvous_moved", node=self.nodes.name, generation=gen, attempt=self.attempt, why=why)
-                ep = Episode(None, None, now, reason=why)
-                decide(self.concerns, cur, ep, Decision("restart", f"{why}; joining it"), now)
+                ep = Episode(None, None, now, reason=why, proposed=Decision("restart", f"{why}; joining it"))
                 self.begin_kill(ep, now, why=why)
                 return True
-            self._open(Episode.peer(self.tools, cur, self.deadlines, self.context.facts, now, notice, gen), now)
+            self._open(Episode.peer(self.tools, cur, now, notice, gen), now)
         elif it.abort is not None and not it.escalate_now:
             # a concern's reason to end the run (a diverged resume): running it again would do the same
-            ep = Episode(None, None, now, reason=it.abort)
-            decide(self.concerns, cur, ep, Decision("fail", it.abort, exit_code=EXIT_NO_RETRY), now)
+            ep = Episode(None, None, now, reason=it.abort, proposed=Decision("fail", it.abort, exit_code=EXIT_NO_RETRY))
             self.begin_kill(ep, now, send_term=False, why=f"ending the run: {it.abort}")
         elif it.escalate_now or self.expired is not None:
             ex = None if it.escalate_now else self.expired
             it.escalate_now = False
             kind = ex.incident_kind if ex else "manual"
-            self._open(Episode.stall(self.tools, cur, self.deadlines, self.context.facts, now, kind, ex), now)
+            self._open(Episode.stall(self.tools, cur, now, kind, ex), now)
         else:
             return False
         return True
@@ -641,9 +641,9 @@ class Supervisor:
         if self.lifecycle.state is State.STOPPING:
             self.stop_answered = True  # its answer to the stop it was passed
             stopping = f"graceful stop ({self.intents.after_teardown.value})"
-            ep = Episode.exited(self.tools, cur, self.deadlines, self.context.facts, now, stopping=stopping)
+            ep = Episode.exited(self.tools, cur, now, stopping=stopping)
             # the stop came as the last step was done: the work is complete, the run finished (not to be run again)
-            decide(self.concerns, cur, ep, done_before_stop(w.exit_code, stop_reason), now)
+            ep.proposed = done_before_stop(w.exit_code, stop_reason)
             self._open(ep, now, exited=True)
             return
         code = w.exit_code if w.exit_signal is None else None
@@ -659,8 +659,8 @@ class Supervisor:
         if free is not None and code == 0:  # a clean stop a peer's stop caused: nothing failed here
             ep = Episode(None, None, now, reason=decision.reason)
         else:
-            ep = Episode.exited(self.tools, cur, self.deadlines, self.context.facts, now, decision=decision)
-        decide(self.concerns, cur, ep, decision, now)  # an OOM's remedy replaces the policy's restart
+            ep = Episode.exited(self.tools, cur, now, decision=decision)
+        ep.proposed = decision  # the concerns may replace it once the tree is gone (an OOM's remedy)
         if ep.incident is not None:
             self.nodes.exit_read(ep, decision, cur, now)
         self._open(ep, now, exited=True)
@@ -687,15 +687,17 @@ class Supervisor:
         tell(self.concerns, AttemptEnded(cur, ep, now))
         self.calibration.persist(False, None, CALIBRATION_SAVE_S)
 
-        def undecided() -> Optional[Decision]:  # nothing decided, nothing asked: the nodes, the way out, the policy
+        def undecided() -> Optional[Answer]:  # nothing decided, nothing asked: the nodes, the way out, the policy
             if it.after_teardown is not Intent.NONE:
                 return None
-            decision = self.nodes.stall_cause(ep, now) if ep.kind else None  # several nodes: the culprit elsewhere
+            answer = self.nodes.decision(cur, ep, None, now) or Answer()  # several nodes: the culprit elsewhere
+            if answer.decision is not None:
+                return answer
             done = ep.work_done  # every rank had finished: the way out hung
-            finish = Decision("finish", done) if done is not None else None
-            return decision or finish or self.policy.on_failure(now, ep.reason)
+            decision = Decision("finish", done) if done is not None else self.policy.on_failure(now, ep.reason)
+            return replace(answer, decision=decision)
 
-        decision = decide(self.concerns, cur, ep, ep.decision, now, undecided)
+        decision = decide(self.concerns, cur, ep, now, fs=self.fs, write_failed=it.write_failed, undecided=undecided)
         out = next_outcome(it.after_teardown, decision, cur.worker.exit_code, reason=it.fail_reason)
         ep.finish(cur, self.context.facts, now, out.state.value, out.why, self.deadlines.main_rank())
         gone = ep.killer.timings()["tree_gone_after_s"]
@@ -741,24 +743,6 @@ class Supervisor:
         if dst.final:
             self.nodes.ended(dst.value, why)
         log.info("state", frm=src.value, to=dst.value, why=why, attempt=self.attempt)
-
-
-def decide(
-    concerns: list[Concern],
-    cur,
-    ep: Episode,
-    base: Optional[Decision],
-    now: float,
-    undecided: Callable[[], Optional[Decision]] = lambda: None,
-) -> Optional[Decision]:
-    """The one writer of an episode's decision: `base` (the policy's on an exit, the loop's own), then each concern's
-    replacement (an OOM's remedy, a failure that cannot be survived), asked in ascending `priority` — the highest
-    one's wins —, and with still none, `undecided()`."""
-    decision = base
-    for c in by_priority(concerns):
-        decision = c.decision(cur, ep, decision, now) or decision
-    ep.decision = decision if decision is not None else undecided()
-    return ep.decision
 
 
 def resume_point(

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # annotations only: a node never needs more of them than what it is handed
     from hangwatch.supervisor.escalation.episode import Episode
-    from hangwatch.supervisor.incidents import IncidentStore
     from hangwatch.supervisor.processes.attempt import Attempt
-    from hangwatch.supervisor.processes.process import ProcessTable
-    from hangwatch.supervisor.records.run_state import RunRecord
+    from hangwatch.supervisor.rules.answer import Answer
     from hangwatch.supervisor.rules.policy import Decision
-    from hangwatch.supervisor.watch.deadlines import Deadlines, Expired
+    from hangwatch.supervisor.watch.deadlines import Expired
 
 
 class Nodes(abc.ABC):
@@ -79,18 +77,18 @@ class Nodes(abc.ABC):
     def rank_started(self, rec: dict, now: float, attempt: int) -> Optional[str]:
         """A `start` beat; returns a note for the log when it is torchrun's own restart of a rank."""
 
+    # The moments a concern meets too are met in the same shapes (`concerns.base.Concern`): `overdue`,
+    # `while_running` and `decision` take and answer what the concerns' do.
+
     @abc.abstractmethod
-    def absorbs_overdue(
-        self, expired: "Expired", now: float, deadlines: "Deadlines", attempt: "Attempt", table: "ProcessTable"
-    ) -> bool:
+    def overdue(self, attempt: "Attempt", expired: "Expired", now: float) -> bool:
         """A deadline fired but the evidence says it is no stall (torchrun between rounds, peers still missing at the
         rendezvous): the deadlines are re-armed and True is returned; False: the loop escalates."""
 
     @abc.abstractmethod
-    def while_running(
-        self, now: float, incidents: "IncidentStore", facts: "RunRecord", attempt: int
-    ) -> tuple[bool, Optional[str]]:
-        """Each pass while starting or running: (an incident was written, why a peer's failure ends the run)."""
+    def while_running(self, attempt: Optional["Attempt"], now: float) -> Optional[str]:
+        """Each pass while starting or running: why a peer's failure ends the run, or None (a lost peer's incident
+        is written on the way)."""
 
     @abc.abstractmethod
     def peer_restart(self) -> Optional[tuple[int, dict]]:
@@ -111,9 +109,12 @@ class Nodes(abc.ABC):
         """An exit's incident is written: amend it, tell the peers."""
 
     @abc.abstractmethod
-    def stall_cause(self, ep: "Episode", now: float) -> Optional["Decision"]:
-        """A stall's tree is gone and nothing decided yet: a decision when the culprit is elsewhere (None: the
-        restart policy decides)."""
+    def decision(
+        self, attempt: Optional["Attempt"], ep: "Episode", decision: Optional["Decision"], now: float
+    ) -> Optional["Answer"]:
+        """The episode's tree is gone and nothing decided (`decision` None) on a stall: the answer — a decision when
+        the culprit is elsewhere (None: the restart policy decides), what the peers said for the incident, the kind
+        the evidence made it — applied by `concerns.decide`.  It writes nothing."""
 
 
 class SingleNode(Nodes):
@@ -157,11 +158,11 @@ class SingleNode(Nodes):
     def rank_started(self, rec: dict, now: float, attempt: int) -> Optional[str]:
         return None
 
-    def absorbs_overdue(self, expired, now, deadlines, attempt, table) -> bool:
+    def overdue(self, attempt, expired, now) -> bool:
         return False
 
-    def while_running(self, now, incidents, facts, attempt) -> tuple[bool, Optional[str]]:
-        return False, None
+    def while_running(self, attempt, now) -> Optional[str]:
+        return None
 
     def peer_restart(self) -> Optional[tuple[int, dict]]:
         return None
@@ -175,5 +176,5 @@ class SingleNode(Nodes):
     def exit_read(self, ep, decision, attempt, now) -> None:
         pass
 
-    def stall_cause(self, ep, now) -> None:
+    def decision(self, attempt, ep, decision, now) -> None:
         return None

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import structlog
 
@@ -60,7 +60,13 @@ from hangwatch.supervisor.nodes.peers import (
 )
 from hangwatch.supervisor.processes.attempt import Attempt, rdzv_id_for
 from hangwatch.supervisor.processes.process import ProcessTable
+from hangwatch.supervisor.rules.answer import Answer
 from hangwatch.supervisor.rules.policy import FINISH_REASONS, Decision
+
+if TYPE_CHECKING:  # annotations only
+    from hangwatch.supervisor.incidents import IncidentStore
+    from hangwatch.supervisor.records.run_state import RunRecord
+    from hangwatch.supervisor.watch.deadlines import Deadlines
 
 log = structlog.get_logger("hangwatch")
 
@@ -85,7 +91,22 @@ class Wait:
 
 
 class MultiNode(Nodes):
-    def __init__(self, cfg: Config, run_dir: Path, *, spawn: SpawnHelper = spawn_helper, poke=lambda: None):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        *,
+        incidents: IncidentStore,
+        facts: Callable[[], RunRecord],
+        deadlines: Deadlines,
+        table: ProcessTable,
+        spawn: SpawnHelper = spawn_helper,
+        poke=lambda: None,
+    ):
+        """`incidents`, `facts` (the run's record now), `deadlines` and `table`: the loop's, for the incidents this
+        node writes (a lost peer), the deadlines it re-arms (torchrun between rounds) and the processes it reads."""
+        self.incidents, self.facts, self.deadlines, self.table = incidents, facts, deadlines, table
+        self.attempt_number = 0  # the attempt last spawned
         w = cfg.worker
         self.cfg = w
         self.name = w.node_name or default_node_name(run_dir)
@@ -212,6 +233,7 @@ class MultiNode(Nodes):
     # ---- an attempt
 
     def spawned(self, attempt: int, now: float) -> None:
+        self.attempt_number = attempt
         self.attempt_gen = self.gen or 0
         self.wait = Wait(now, time.time(), self.attempt_gen)
         self.bump_id = None
@@ -238,15 +260,15 @@ class MultiNode(Nodes):
                 note = f"torchrun restarted rank {rank} within attempt {attempt} (round {count + 1}); not a fault"
         return note
 
-    def absorbs_overdue(self, expired, now: float, deadlines, attempt, table) -> bool:
-        """Whether a deadline that fired is not a stall on a multi-node run (True: `deadlines` were re-armed):
+    def overdue(self, attempt, expired, now: float) -> bool:
+        """Whether a deadline that fired is not a stall on a multi-node run (True: the deadlines were re-armed):
         * torchrun (`worker.max_restarts`) ended the rank and starts a new rendezvous round by itself: like a new
           start, the startup deadline from when every node is back, the lost-peer report before;
         * the startup deadline while peers are missing at the rendezvous: ranks start only once every node is
           there, waiting for peers is `rdzv_timeout_s`'s business, and the startup deadline counts from then;
         * the `exit` deadline once every local rank has exited while torchrun lives: its agent waits for the other
           nodes at torchrun's exit barrier (`EXIT_BARRIER_S`), once per attempt; still there after it, it is killed."""
-        if self.between_rounds(attempt, expired, table):
+        if self.between_rounds(attempt, expired, self.table):
             log.info(
                 "torchrun_round_gap",
                 attempt=attempt.number,
@@ -254,15 +276,15 @@ class MultiNode(Nodes):
                 deadline=expired.name,
                 note="the rank's process is gone while torchrun lives: a new round of the same attempt",
             )
-            deadlines.arm_startup(now)
+            self.deadlines.arm_startup(now)
             self.round_wait(now)
             return True
-        if expired.name == "exit" and self.barrier_excused != attempt.number and at_exit_barrier(attempt, table):
+        if expired.name == "exit" and self.barrier_excused != attempt.number and at_exit_barrier(attempt, self.table):
             # Every local rank said it was done and has exited; torchrun's agent waits for the other nodes' agents
             # (a peer's rank 0 still saving the final weights): torchrun's business, for its barrier's time.
             self.barrier_excused = attempt.number
             wait_s = EXIT_BARRIER_S + EXIT_BARRIER_MARGIN_S
-            deadlines.arm_extra("exit", now, wait_s, "torchrun's exit barrier")
+            self.deadlines.arm_extra("exit", now, wait_s, "torchrun's exit barrier")
             log.info(
                 "torchrun_exit_barrier",
                 attempt=attempt.number,
@@ -275,11 +297,11 @@ class MultiNode(Nodes):
         if expired.name != "startup" or self.wait is None:
             return False
         if not self.all_present():
-            deadlines.arm_startup(now)
+            self.deadlines.arm_startup(now)
             return True
         if not self.wait.startup_armed:
             self.wait.startup_armed = True
-            deadlines.arm_startup(now)
+            self.deadlines.arm_startup(now)
             return True
         return False
 
@@ -431,16 +453,14 @@ class MultiNode(Nodes):
 
     # ---- what the loop asks at each turn of an attempt (the `Nodes` seam)
 
-    def while_running(self, now: float, incidents, facts, attempt: int) -> tuple[bool, Optional[str]]:
+    def while_running(self, attempt, now: float) -> Optional[str]:
         late = self.late_notice(now)
         if late is not None:
-            amend_late(incidents, *late)
-        changed = False
+            amend_late(self.incidents, *late)
         words = self.overdue_wait(now)
         if words:
-            lost_peer_incident(incidents, facts, self, attempt, words)
-            changed = True
-        return changed, self.failed_peer()
+            lost_peer_incident(self.incidents, self.facts(), self, self.attempt_number, words)
+        return self.failed_peer()
 
     def stall_read(self, ep, attempt, now: float) -> None:
         """A stall's dumps are read: the incident says what the local ranks and the peers say; the peers hear
@@ -493,22 +513,26 @@ class MultiNode(Nodes):
                 step=ep.incident.data.get("step") if ep.incident else None,
             )
 
-    def stall_cause(self, ep, now: float) -> Optional[Decision]:
-        """A stall's end: free when the evidence puts the culprit elsewhere (`peer_cause`)."""
+    def decision(self, attempt, ep, decision, now: float) -> Optional[Answer]:
+        """A stall's end with nothing decided: free when the evidence puts the culprit elsewhere (`peer_cause`); the
+        peer's notice and, with only victims here, the victim's kind for the incident."""
+        if decision is not None or not ep.kind:
+            return None
         notice = ep.peer_notice or self.newer_notice()
         cause = peer_cause(ep.own_culprit, notice, self.bump_won(), self.store_lost())
         if ep.kind == "peer_restart" and ep.peer_notice is not None:
             cause = f"peer node {ep.peer_notice.get('node')} restarted"  # the peer's doing, whatever ours were in
         inc = ep.incident
+        fields: dict = {}
+        kind = None
         if inc is not None and notice is not None and "peer_notice" not in inc.data:
-            inc.data.update(peer_notice=notice)
+            fields["peer_notice"] = notice
             if not ep.own_culprit:
-                inc.data["summary"] = f"{peer_words(notice)}; {inc.data.get('summary')}"
+                fields["summary"] = f"{peer_words(notice)}; {inc.data.get('summary')}"
         if inc is not None and notice is not None and ep.own_culprit is False and inc.kind != "peer_restart":
             # Only victims here, and a peer said it restarted: this node's incident is a victim's, whichever
             # deadline fired first (they tie).
-            inc.rekind("peer_restart")
-            ep.kind = "peer_restart"
+            kind = "peer_restart"
         decision = None
         if cause is not None:
             decision = Decision(
@@ -516,7 +540,7 @@ class MultiNode(Nodes):
             )
         if inc is not None and notice is None and ep.own_culprit is False:
             self.await_notice(inc, now)  # the culprit's node may say why a moment later: the incident is amended then
-        return decision
+        return Answer(decision, fields, kind=kind)
 
     def status(self) -> dict:
         v = self.link.view

@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
 
 from hangwatch.common.durable import FsOps
 from hangwatch.common.rundir import QUARANTINE_NAME, read_json, read_jsonl
+from hangwatch.supervisor.rules.answer import Write
 from hangwatch.supervisor.rules.oom_remediation import record_summary
 
 REMEDIATION_NAME = "remediation.json"
@@ -35,12 +35,17 @@ def load(run_dir: os.PathLike | str) -> Optional[dict]:
     return read_json(path_for(run_dir))
 
 
+def write(run_dir: os.PathLike | str, record: dict) -> Write:
+    """The record as the file holds it (indented by 2, as it always was), for whoever writes it."""
+    return Write.json(path_for(run_dir), record)
+
+
 def save(run_dir: os.PathLike | str, record: dict, fs: Optional[FsOps] = None) -> Path:
     """Durably, through `fs` (the run's write seam): the next attempt, possibly started by another supervisor, must
-    find it.  Indented by 2, as it always was."""
-    path = path_for(run_dir)
-    (fs or FsOps()).write_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
-    return path
+    find it."""
+    w = write(run_dir, record)
+    (fs or FsOps()).write_file(w.path, w.data)
+    return w.path
 
 
 def file_summary(run_dir: os.PathLike | str) -> Optional[dict]:

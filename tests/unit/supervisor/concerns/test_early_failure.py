@@ -1,13 +1,15 @@
 """The same end twice before any progress ends the run (`concerns.repeated_failure`: `early_end`, `same_end`): a
 missing script, an argparse typo, a script's own `sys.exit(3)` — an exit code and output a restart would only repeat.
 The pure judgement table-tested, then the concern driven alone: real incidents in a real store, worker logs on disk,
-the decisions the restart policy would hand it."""
+the decisions the restart policy would hand it, the decision asked once the tree is gone through its one owner
+(`concerns.decide`)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from fixtures.deciding import decided
 
 from hangwatch.supervisor.concerns import RunContext
 from hangwatch.supervisor.concerns.events import AttemptEnded, AttemptStarted, Beat, OutputProgress
@@ -16,6 +18,7 @@ from hangwatch.supervisor.concerns.repeated_failure import (
     early_end,
     same_end,
 )
+from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -129,19 +132,21 @@ def attempt(tmp_path, number: int, text: str, code=2, sig=None, progress_lines: 
 
 def exit_episode(store, number, kind="crash", classification="exited with code 2 without last words", expired=None):
     inc = store.create(kind, attempt=number, step=0, classification=classification, summary=classification)
-    return SimpleNamespace(kind=kind, incident=inc, expired=expired)
+    return Episode(kind, inc, 0.0, expired=expired)
 
 
 def ended(concern, a, ep, decision=RESTART, beats=(), progressed=False):
-    """One attempt as the loop drives it: started, its beats, its exit's decision, its tree gone, asked again."""
+    """One attempt as the loop drives it: started, its beats, its end, then — its tree gone — the decision asked
+    once, the policy's `decision` proposed (its incident saved, as `Episode.finish` does)."""
     concern.observe(AttemptStarted(a, None, 0.0))
     for rec in beats:
         concern.observe(Beat(a, None, rec, None, 0.0, 0.0))
     if progressed:
         concern.observe(OutputProgress(a, 0.0))
-    first = concern.decision(a, ep, decision, 0.0)
     concern.observe(AttemptEnded(a, ep, 0.0))
-    return concern.decision(a, ep, first or decision, 0.0) or first
+    got = decided([concern], a, ep, decision, 0.0, store=concern.run.incidents)
+    assert ep.decision is got  # settled on the episode, in one place
+    return got
 
 
 @pytest.fixture
@@ -153,16 +158,16 @@ def run(tmp_path):
 def test_the_same_usage_error_twice_ends_the_run_and_the_incident_quotes_it(tmp_path, run):
     store, concern = run
     ep1 = exit_episode(store, 1)
-    assert ended(concern, attempt(tmp_path, 1, USAGE), ep1) is None  # the first: the policy's restart stands
+    assert ended(concern, attempt(tmp_path, 1, USAGE), ep1) is RESTART  # the first: the policy's restart stands
     first = store.get(ep1.incident.id)
-    assert first["last_output"] == USAGE.splitlines()
+    assert first["last_output"] == USAGE.splitlines() and "repeated" not in first
     assert first["summary"] == (
         "exited with code 2 without last words; its output ended: train.py: error: unrecognized arguments: --stpes 3"
     )
     ep2 = exit_episode(store, 2)
-    decided = ended(concern, attempt(tmp_path, 2, USAGE), ep2)
-    assert decided.action == "fail" and not decided.crash_loop
-    assert decided.reason.startswith(
+    got = ended(concern, attempt(tmp_path, 2, USAGE), ep2)
+    assert got.action == "fail" and not got.crash_loop
+    assert got.reason.startswith(
         f"the same end twice in a row before any progress (exit code 2, incidents {ep1.incident.id} and "
         f"{ep2.incident.id}), its output ending: train.py: error: unrecognized arguments: --stpes 3"
     )
@@ -193,7 +198,7 @@ def test_what_is_not_the_same_early_end(tmp_path, run, second, repeats):
         tmp_path, 2, second["text"], code=second.get("code", 2), progress_lines=second.get("progress_lines", 0)
     )
     ep2 = exit_episode(store, 2, kind=second.get("kind", "crash"), expired=second.get("expired"))
-    decided = ended(
+    got = ended(
         concern,
         a2,
         ep2,
@@ -201,7 +206,9 @@ def test_what_is_not_the_same_early_end(tmp_path, run, second, repeats):
         beats=second.get("beats", ()),
         progressed=second.get("progressed", False),
     )
-    assert (decided is not None and decided.action == "fail" and "same end" in decided.reason) is repeats
+    assert (got is not None and got.action == "fail" and "same end" in got.reason) is repeats
+    if not repeats:  # the decision proposed stands, and the incident says no repetition
+        assert got is second.get("decision", RESTART) and "repeated" not in store.get(ep2.incident.id)
 
 
 def test_only_two_in_a_row(tmp_path, run):
@@ -209,12 +216,10 @@ def test_only_two_in_a_row(tmp_path, run):
     store, concern = run
     ended(concern, attempt(tmp_path, 1, USAGE), exit_episode(store, 1))
     ended(concern, attempt(tmp_path, 2, "step 1 loss 2.0\n" + USAGE, progress_lines=1), exit_episode(store, 2))
-    assert ended(concern, attempt(tmp_path, 3, USAGE), exit_episode(store, 3)) is None
-    a4 = attempt(tmp_path, 4, "")
-    concern.observe(
-        AttemptEnded(a4, SimpleNamespace(kind=None, incident=None, expired=None), 0.0)
-    )  # a clean end between
-    assert ended(concern, attempt(tmp_path, 5, USAGE), exit_episode(store, 5)) is None
+    assert ended(concern, attempt(tmp_path, 3, USAGE), exit_episode(store, 3)) is RESTART
+    finish = Decision("finish", "done")  # a clean end between: no incident, its decision asked all the same
+    assert ended(concern, attempt(tmp_path, 4, "", code=0), Episode(None, None, 0.0), decision=finish) is finish
+    assert ended(concern, attempt(tmp_path, 5, USAGE), exit_episode(store, 5)) is RESTART
     assert ended(concern, attempt(tmp_path, 6, USAGE), exit_episode(store, 6)).action == "fail"
 
 
@@ -222,17 +227,18 @@ def test_a_signal_and_a_traceback(tmp_path, run):
     store, concern = run
     for n in (1, 2):
         ep = exit_episode(store, n, kind="signal", classification="killed by SIGSEGV (signal 11)")
-        decided = ended(concern, attempt(tmp_path, n, "loading the model\n", code=None, sig=11), ep)
-    assert decided.action == "fail" and "(killed by SIGSEGV (139), incidents" in decided.reason
-    # A traceback's exception is the repeated exception's to judge (at the exit, first); its lines are quoted all
-    # the same, and its summary, which names the exception already, is left as it was
+        got = ended(concern, attempt(tmp_path, n, "loading the model\n", code=None, sig=11), ep)
+    assert got.action == "fail" and "(killed by SIGSEGV (139), incidents" in got.reason
+    # A traceback's exception is the repeated exception's to judge; its lines are quoted all the same, and its
+    # summary, which names the exception already, is left as it was
     store, concern = IncidentStore(tmp_path / "b"), None
     concern = RepeatedFailure(RunContext(None, tmp_path / "b", None, store, None, None))
     text = 'Traceback (most recent call last):\n  File "t.py", line 1\nFileNotFoundError: data/trian.jsonl\n'
     words = "crash with FileNotFoundError: data/trian.jsonl"
     for n in (1, 2):
         ep = exit_episode(store, n, classification=words)
-        decided = ended(concern, attempt(tmp_path, n, text, code=1), ep)
-    assert decided.action == "fail" and decided.reason.startswith("the same failure twice in a row")
+        got = ended(concern, attempt(tmp_path, n, text, code=1), ep)
+    assert got.action == "fail" and got.reason.startswith("the same failure twice in a row")
     rec = store.get(ep.incident.id)
     assert rec["summary"] == words and rec["last_output"][-1] == "FileNotFoundError: data/trian.jsonl"
+    assert rec["repeated"] == store.list()[0]["id"]

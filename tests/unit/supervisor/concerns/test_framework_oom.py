@@ -1,6 +1,7 @@
 """A script's OOM batch, the supervisor's side (`concerns.framework_oom`): the pure ladder and verdict, the record it
 keeps, what `status` shows, and the concern driven alone with real incidents in a real store and the decisions the
-restart policy would hand it — then `repeated_failure` after it, as registered."""
+restart policy would hand it — then `repeated_failure` after it, as registered — the decision asked once the tree is
+gone through its one owner (`concerns.decide`, which writes the record the answer wants written)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fixtures.deciding import RecordingFs, decided
 
 from hangwatch.common.rundir import FRAMEWORK_REMEDIATION_NAME, framework_setting_name
 from hangwatch.daemon.faults import oom_message
 from hangwatch.supervisor.concerns import RunContext
-from hangwatch.supervisor.concerns.events import Prepared
+from hangwatch.supervisor.concerns.events import OutcomeReached, Prepared
 from hangwatch.supervisor.concerns.framework_oom import (
     FrameworkOom,
     decide,
@@ -24,8 +26,10 @@ from hangwatch.supervisor.concerns.framework_oom import (
     summary,
 )
 from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure
+from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.rules.oom_evidence import parse_oom_message
+from hangwatch.supervisor.rules.outcome import Outcome, State
 from hangwatch.supervisor.rules.policy import Decision
 
 RESTART = Decision("restart", "worker exited with code 1")
@@ -160,6 +164,7 @@ class Run:
         self.run_dir = tmp_path / "run"
         (self.run_dir / "attempts").mkdir(parents=True)
         self.store = IncidentStore(self.run_dir)
+        self.fs = RecordingFs()  # the loop's: the decision's writes are made through it
         ctx = RunContext(None, self.run_dir, None, self.store, None, None)
         self.concern, self.repeated = FrameworkOom(ctx), RepeatedFailure(ctx)
         self.concern.observe(Prepared(0.0))
@@ -173,15 +178,18 @@ class Run:
         inc = self.store.create(
             kind, attempt=number, phase=phase, step=step, classification=classification or f"out of memory: {MESSAGE}"
         )
-        episode = SimpleNamespace(kind=kind, incident=inc)
-        attempt = SimpleNamespace(number=number, dir=adir, worker=SimpleNamespace(log_path=adir / "worker.log"))
+        episode = Episode(kind, inc, 0.0)
+        worker = SimpleNamespace(exit_code=1, exit_signal=None, log_path=adir / "worker.log", exited=True)
+        attempt = SimpleNamespace(number=number, dir=adir, worker=worker, output=None)
         return attempt, episode
 
     def decide(self, attempt, episode, decision=RESTART):
-        """As the loop asks: each concern in turn, a later one's replacement winning."""
+        """As the loop asks once the tree is gone: each concern in turn, a later one's replacement winning, the writes
+        made, the incident saved; then the outcome told."""
+        got = decided([self.concern, self.repeated], attempt, episode, decision, 0.0, fs=self.fs, store=self.store)
         for c in (self.concern, self.repeated):
-            decision = c.decision(attempt, episode, decision, 0.0) or decision
-        return decision
+            c.observe(OutcomeReached(Outcome(State.BACKOFF if got.action == "restart" else State.FAILED, ""), 0.0))
+        return got
 
     def record(self) -> dict:
         return json.loads((self.run_dir / FRAMEWORK_REMEDIATION_NAME).read_text())
@@ -196,7 +204,9 @@ def test_each_oom_is_one_restart_with_half_the_batch_then_batch_1_ends_the_run(t
     inc = run.store.get(e1.incident.id)["framework_remediation"]
     assert inc["action"] == "restart_with" and inc["to"] == {"batch": 2, "accumulation": 2} and inc["oom"] == FIGURES
     assert run.concern.readers(0.0)["framework_remediation"]()["now"] == {"batch": 2, "accumulation": 2}
-    assert run.concern.decision(a1, e1, d1, 1.0) is None  # asked again at the tree's end: nothing more
+    # asked once, when the tree is gone: settled on the episode, the record written once, one step in its history
+    assert e1.decision is d1 and run.fs.written == [run.run_dir / FRAMEWORK_REMEDIATION_NAME]
+    assert len(run.record()["history"]) == 1
 
     # the same message at the same step: no repetition, it ran with another batch (rollback)
     a2, e2 = run.attempt(2, found(2, 2, asked={"batch": 4, "accumulation": 1}, applied=True))
@@ -252,10 +262,14 @@ def test_not_an_oom_or_not_a_restart_is_left_alone(tmp_path):
     run = Run(tmp_path)
     a1, e1 = run.attempt(1, found(), kind="crash", classification="crash with ValueError: x")
     assert run.concern.decision(a1, e1, RESTART, 0.0) is None
+    assert decided([run.concern], a1, e1, RESTART, 0.0, fs=run.fs, store=run.store) is RESTART
+    assert "framework_remediation" not in run.store.get(e1.incident.id)
     a2, e2 = run.attempt(2, found())
     crash_loop = Decision("fail", "crash loop", crash_loop=True)
-    assert run.concern.decision(a2, e2, crash_loop, 0.0) is None
-    assert not (run.run_dir / FRAMEWORK_REMEDIATION_NAME).exists()
+    assert decided([run.concern], a2, e2, crash_loop, 0.0, fs=run.fs, store=run.store) is crash_loop  # it stands
+    # the verdict is said in the incident (as it always was), the batch left as it is
+    assert "framework_remediation" in run.store.get(e2.incident.id)
+    assert not (run.run_dir / FRAMEWORK_REMEDIATION_NAME).exists() and run.fs.written == []
 
 
 def test_a_supervisor_started_again_reads_the_record(tmp_path):
@@ -268,33 +282,31 @@ def test_a_supervisor_started_again_reads_the_record(tmp_path):
 
 
 def test_the_record_goes_through_the_runs_fsops_and_a_refused_write_ends_the_run(tmp_path):
-    from hangwatch.common.durable import FsOps, write_json_atomic
-
-    class Recording(FsOps):
-        def __init__(self, refuse: bool):
-            self.refuse, self.written = refuse, []
-
-        def write_file(self, path, data, durable=True):
-            self.written.append(Path(path).name)
-            if self.refuse:
-                raise OSError(28, "No space left on device", str(path))
-            super().write_file(path, data, durable)
+    from hangwatch.common.durable import write_json_atomic
 
     run = Run(tmp_path)
-    refused, failed = Recording(refuse=True), []
-    run.concern.run = RunContext(
-        None, run.run_dir, refused, run.store, None, None, write_failed=lambda exc, path: failed.append(path)
-    )
+    refused, failed = RecordingFs(refuse=True), []
     a1, e1 = run.attempt(1, found(4, 1))
-    d1 = run.concern.decision(a1, e1, RESTART, 0.0)
-    assert d1.action == "fail" and "the smaller batch could not be recorded" in d1.reason
-    assert refused.written == [FRAMEWORK_REMEDIATION_NAME] and failed == [run.run_dir / FRAMEWORK_REMEDIATION_NAME]
-    assert not (run.run_dir / FRAMEWORK_REMEDIATION_NAME).exists()
+    d1 = decided(
+        [run.concern],
+        a1,
+        e1,
+        RESTART,
+        0.0,
+        fs=refused,
+        write_failed=lambda exc, path: failed.append(path),
+        store=run.store,
+    )
+    path = run.run_dir / FRAMEWORK_REMEDIATION_NAME
+    assert d1.action == "fail" and "the smaller batch could not be recorded" in d1.reason and e1.decision is d1
+    assert refused.written == [path] and failed == [path]
+    assert not path.exists()
+    said = run.store.get(e1.incident.id)["framework_remediation"]  # the incident says why, not the smaller batch
+    assert said["action"] == "none" and "the smaller batch could not be recorded" in said["message"]
 
-    fs = Recording(refuse=False)
-    run.concern.run = RunContext(None, run.run_dir, fs, run.store, None, None)
+    fs = RecordingFs(refuse=False)
     a2, e2 = run.attempt(2, found(4, 1))
-    assert run.concern.decision(a2, e2, RESTART, 0.0).action == "restart" and fs.written == [FRAMEWORK_REMEDIATION_NAME]
+    assert decided([run.concern], a2, e2, RESTART, 0.0, fs=fs).action == "restart" and fs.written == [path]
     # byte for byte what the file always held (indented by 2)
     before = write_json_atomic(tmp_path / "before.json", run.record(), indent=2)
     assert (run.run_dir / FRAMEWORK_REMEDIATION_NAME).read_bytes() == before.read_bytes()

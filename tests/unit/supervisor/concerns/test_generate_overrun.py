@@ -28,7 +28,7 @@ T0 = 1000.0
 BUDGET = 5.0
 
 
-def make_run(tmp_path: Path, **watchdog) -> tuple[RunContext, list]:
+def make_run(tmp_path: Path, **watchdog) -> RunContext:
     cfg = Config.model_validate(
         {
             "run_dir": str(tmp_path / "run"),
@@ -38,7 +38,6 @@ def make_run(tmp_path: Path, **watchdog) -> tuple[RunContext, list]:
     )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
-    changes: list = []
     run = RunContext(
         cfg,
         run_dir,
@@ -46,9 +45,8 @@ def make_run(tmp_path: Path, **watchdog) -> tuple[RunContext, list]:
         IncidentStore(run_dir),
         Deadlines(cfg.watchdog, Calibration(cfg.watchdog)),
         RunRecord(),
-        changed=lambda: changes.append(1),
     )
-    return run, changes
+    return run
 
 
 def make_attempt(run: RunContext, number: int = 1) -> Attempt:
@@ -69,7 +67,7 @@ def feed(run: RunContext, concern: GenerateOverrun, attempt: Attempt, now: float
 
 def started(tmp_path, ranks=(0,), **watchdog):
     """An attempt whose ranks started in train and stepped to step 3."""
-    run, changes = make_run(tmp_path, **watchdog)
+    run = make_run(tmp_path, **watchdog)
     concern = GenerateOverrun(run)
     attempt = make_attempt(run)
     run.deadlines.arm_startup(T0)
@@ -78,7 +76,7 @@ def started(tmp_path, ranks=(0,), **watchdog):
         feed(run, concern, attempt, T0, rank=r, event="start", phase="train", step=0)
         for s in (1, 2, 3):
             feed(run, concern, attempt, T0 + s * 0.1, rank=r, event="step", step=s)
-    return run, changes, concern, attempt
+    return run, concern, attempt
 
 
 def generate(run, concern, attempt, at: float, *, rank=0, every_s=0.5, per_line=8, until: float):
@@ -118,7 +116,7 @@ def kinds(run) -> list[str]:
 
 
 def test_tokens_flowing_past_the_budget_order_a_limit_ahead_of_the_rank_and_grant_a_grace(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     produced = generate(run, concern, attempt, g0, until=g0 + BUDGET)  # 16 tokens/s, last line at the budget
     now = g0 + BUDGET
@@ -136,7 +134,7 @@ def test_tokens_flowing_past_the_budget_order_a_limit_ahead_of_the_rank_and_gran
 
 
 def test_the_limit_is_ahead_of_the_fastest_of_several_ranks_and_every_rank_in_generate_is_ordered(tmp_path):
-    run, _, concern, attempt = started(tmp_path, ranks=(0, 1))
+    run, concern, attempt = started(tmp_path, ranks=(0, 1))
     g0 = T0 + 1
     slow = generate(run, concern, attempt, g0, rank=0, per_line=4, until=g0 + BUDGET)
     fast = generate(run, concern, attempt, g0, rank=1, per_line=12, until=g0 + BUDGET)
@@ -149,7 +147,7 @@ def test_the_limit_is_ahead_of_the_fastest_of_several_ranks_and_every_rank_in_ge
 
 
 def test_a_generate_without_a_token_lately_is_left_to_escalate(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + 1)  # tokens for a second, then nothing
     now = g0 + 12.5  # the last token 11.5 s ago: more than max(budget / 2, 10 s)
@@ -159,7 +157,7 @@ def test_a_generate_without_a_token_lately_is_left_to_escalate(tmp_path):
 
 
 def test_a_generate_that_never_produced_a_token_is_left_to_escalate(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     feed(run, concern, attempt, T0 + 1, event="phase", phase="generate", budget_s=BUDGET)
     now = T0 + 1 + BUDGET + 0.5
     expired = overdue_now(run, now)
@@ -169,7 +167,7 @@ def test_a_generate_that_never_produced_a_token_is_left_to_escalate(tmp_path):
 
 
 def test_other_phases_and_other_deadlines_are_not_its_business(tmp_path):
-    run, _, concern, attempt = started(tmp_path, phase_budgets_s={"eval": BUDGET})
+    run, concern, attempt = started(tmp_path, phase_budgets_s={"eval": BUDGET})
     feed(run, concern, attempt, T0 + 1, event="phase", phase="eval")
     for i in range(1, 11):
         feed(run, concern, attempt, T0 + 1 + i * 0.5, event="progress", tokens=8 * i)
@@ -183,7 +181,7 @@ def test_other_phases_and_other_deadlines_are_not_its_business(tmp_path):
 
 
 def test_a_generate_already_ordered_that_is_overdue_again_is_escalated(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + BUDGET)
     now = g0 + BUDGET
@@ -205,7 +203,7 @@ def generate_more(run, concern, attempt, since: float, *, until: float, start_to
 
 
 def test_an_order_that_cannot_be_written_is_left_to_escalate(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
 
     class FullDisk(FsOps):
         def write_json(self, path, data, durable=True):
@@ -223,7 +221,7 @@ def test_an_order_that_cannot_be_written_is_left_to_escalate(tmp_path):
 
 
 def test_once_the_rank_left_generate_with_its_report_a_generate_truncated_incident_is_written_once(tmp_path):
-    run, changes, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + BUDGET)
     now = g0 + BUDGET
@@ -239,7 +237,7 @@ def test_once_the_rank_left_generate_with_its_report_a_generate_truncated_incide
     assert inc["prompt"] == "Once upon" and inc["output_tail"] == "and and"
     assert inc["budget_s"] == BUDGET and inc["budget_source"] == "line"
     assert f"ended at token {limit}" in inc["summary"] and "nothing restarted" in inc["summary"]
-    assert run.facts.last_incident["kind"] == "generate_truncated" and changes
+    assert run.facts.last_incident["kind"] == "generate_truncated"
     # once: the order is over
     assert concern.pending is None
     concern.while_running(attempt, now + 2)
@@ -247,7 +245,7 @@ def test_once_the_rank_left_generate_with_its_report_a_generate_truncated_incide
 
 
 def test_no_incident_while_one_ordered_rank_is_still_in_generate(tmp_path):
-    run, _, concern, attempt = started(tmp_path, ranks=(0, 1))
+    run, concern, attempt = started(tmp_path, ranks=(0, 1))
     g0 = T0 + 1
     generate(run, concern, attempt, g0, rank=0, until=g0 + BUDGET)
     generate(run, concern, attempt, g0, rank=1, until=g0 + BUDGET)
@@ -266,7 +264,7 @@ def test_no_incident_while_one_ordered_rank_is_still_in_generate(tmp_path):
 
 
 def test_a_generate_that_ended_by_itself_before_the_order_writes_no_incident(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + BUDGET)
     now = g0 + BUDGET
@@ -277,7 +275,7 @@ def test_a_generate_that_ended_by_itself_before_the_order_writes_no_incident(tmp
 
 
 def test_an_order_of_an_earlier_attempt_is_dropped(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + BUDGET)
     now = g0 + BUDGET
@@ -291,7 +289,7 @@ def test_an_order_of_an_earlier_attempt_is_dropped(tmp_path):
 
 
 def test_a_stall_during_an_order_says_that_the_order_was_not_obeyed(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     g0 = T0 + 1
     generate(run, concern, attempt, g0, until=g0 + BUDGET)
     now = g0 + BUDGET
@@ -311,7 +309,7 @@ def test_a_stall_during_an_order_says_that_the_order_was_not_obeyed(tmp_path):
 
 
 def test_an_exit_or_no_order_adds_nothing_to_the_episode(tmp_path):
-    run, _, concern, attempt = started(tmp_path)
+    run, concern, attempt = started(tmp_path)
     inc = run.incidents.create("stall", attempt=1)
     stall = Expired("phase", BUDGET, 6.0, rank=0, phase="generate")
     assert concern.episode_opened(attempt, Episode("stall", inc, T0 + 9, expired=stall), None, T0 + 9) == {}

@@ -1,8 +1,10 @@
-"""OomRecovery alone (no Supervisor): its `decision` hook on an ended attempt's episode, with a real IncidentStore and
-the run dir's remediation.json.  An OOM the policy restarts is restarted with a smaller micro-batch (the incident
-says which), once per incident; anything else keeps the policy's decision; with every remedy tried the run fails.
-Then the supervisor's handle (`OomRemediation`, `after_exit`) on its own, and remediation.json written through the
-run's `FsOps`: a refused write ends the run rather than restart at the size that ran out of memory."""
+"""OomRecovery alone (no Supervisor): its `decision` hook on an ended attempt's episode, asked once the tree is gone
+through the decision's one owner (`concerns.decide`, which writes what the answer wants written and settles its
+fields into the incident), with a real IncidentStore and the run dir's remediation.json.  An OOM the policy restarts
+is restarted with a smaller micro-batch (the incident says which), its record written once; anything else keeps the
+policy's decision; with every remedy tried the run fails.  Then the supervisor's handle (`OomRemediation`,
+`after_exit`) on its own, and remediation.json written through the run's `FsOps`: a refused write ends the run rather
+than restart at the size that ran out of memory."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import errno
 from pathlib import Path
 from types import SimpleNamespace
 
+from fixtures.deciding import RecordingFs, decided
 from fixtures.fakes.failing_fs import FailingFs
 from fixtures.fakes.oom_config import oom_cfg as cfg
 
@@ -17,6 +20,7 @@ from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
 from hangwatch.common.oom_ladder import Rung as Setting
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
+from hangwatch.supervisor.concerns import carried_out
 from hangwatch.supervisor.concerns.base import RunContext
 from hangwatch.supervisor.concerns.events import Beat
 from hangwatch.supervisor.concerns.oom_recovery import OomRecovery, OomRemediation, after_exit
@@ -26,6 +30,7 @@ from hangwatch.supervisor.processes.attempt import Attempt
 from hangwatch.supervisor.processes.process import Worker
 from hangwatch.supervisor.records import healing
 from hangwatch.supervisor.records.run_state import RunRecord
+from hangwatch.supervisor.rules.answer import Answer
 from hangwatch.supervisor.rules.policy import Decision
 from hangwatch.supervisor.watch.beat_files import HeartbeatTail
 from hangwatch.supervisor.watch.calibration import Calibration
@@ -63,35 +68,44 @@ def ended(run: RunContext, number: int, kind: str) -> Episode:
 
 
 def test_an_oom_restarts_with_a_smaller_micro_batch_and_the_incident_says_so(tmp_path):
-    run, concern = setup(tmp_path)
+    fs = RecordingFs()
+    run, concern = setup(tmp_path, fs)
     a1, ep = attempt(run, 1), ended(run, 1, "oom")
-    got = concern.decision(a1, ep, RESTART, T0 + 1)
+    got = decided([concern], a1, ep, RESTART, T0 + 1, fs=fs, store=run.incidents)
     assert got is not None and got.action == "restart" and got.rollback
     assert got.reason.startswith(RESTART.reason + "; ")
     saved = healing.load(run.run_dir)
     assert saved["micro_batch_size"] < 4 and saved["configured"]["micro_batch_size"] == 4
     inc = run.incidents.get(ep.incident.id)
     assert inc["remediation"]["to"]["micro_batch_size"] == saved["micro_batch_size"]
-    # asked again for the same incident (the exit, then the end): nothing more, no second rung
-    assert concern.decision(a1, ep, RESTART, T0 + 2) is None
-    assert healing.load(run.run_dir)["micro_batch_size"] == saved["micro_batch_size"]
+    # asked once, when the tree is gone: the decision settled on the episode, one rung, its record written once
+    assert ep.decision is got and fs.written == [healing.path_for(run.run_dir)]
+    assert len(saved["history"]) == 1
 
 
 def test_other_failures_and_no_decision_keep_the_policys_decision(tmp_path):
-    run, concern = setup(tmp_path)
+    fs = RecordingFs()
+    run, concern = setup(tmp_path, fs)
     a1 = attempt(run, 1)
-    assert concern.decision(a1, ended(run, 1, "crash"), RESTART, T0) is None
-    assert concern.decision(a1, ended(run, 1, "oom"), None, T0) is None
-    assert concern.decision(a1, ended(run, 1, "oom"), Decision("fail", "crash loop"), T0) is None
-    assert concern.decision(a1, Episode(None, None, T0), RESTART, T0) is None
-    assert healing.load(run.run_dir) is None
+    crash_loop = Decision("fail", "crash loop")
+    for ep, proposed in [
+        (ended(run, 1, "crash"), RESTART),
+        (ended(run, 1, "oom"), None),
+        (ended(run, 1, "oom"), crash_loop),
+        (Episode(None, None, T0), RESTART),
+    ]:
+        assert decided([concern], a1, ep, proposed, T0, fs=fs, store=run.incidents) is proposed
+        assert ep.decision is proposed
+        if ep.incident is not None:  # nothing added to the incident
+            assert "remediation" not in run.incidents.get(ep.incident.id)
+    assert healing.load(run.run_dir) is None and fs.written == []
 
 
 def test_with_every_remedy_tried_an_oom_ends_the_run(tmp_path):
     run, concern = setup(tmp_path)
     decisions = []
     for n in range(1, 10):
-        got = concern.decision(attempt(run, n), ended(run, n, "oom"), RESTART, T0 + n)
+        got = decided([concern], attempt(run, n), ended(run, n, "oom"), RESTART, T0 + n, store=run.incidents)
         decisions.append(got.action)
         if got.action == "fail":
             break
@@ -134,18 +148,28 @@ def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
 
     handle = OomRemediation(cfg(2, 1), tmp_path)
     restart = Decision("restart", "worker exited with code 1", delay_s=2.0)
-    assert after_exit(handle, "crash", "0001", restart, attempt=1, step=3) == (restart, {})
+
+    def done(answer):  # its writes made, as the decision's owner makes them: the next call escalates from the file
+        return carried_out(answer, FsOps(), lambda exc, path: None)
+
+    # no replacement (the decision so far stands), no field, nothing to write
+    assert after_exit(handle, "crash", "0001", restart, attempt=1, step=3) == Answer()
     giving_up = Decision("fail", "crash loop", crash_loop=True)
-    assert after_exit(handle, "oom", "0001", giving_up, attempt=1, step=3) == (giving_up, {})  # the policy wins
-    d, fields = after_exit(handle, "oom", "0001", restart, attempt=1, step=3)
+    assert after_exit(handle, "oom", "0001", giving_up, attempt=1, step=3) == Answer()  # the policy wins
+    answer = after_exit(handle, "oom", "0001", restart, attempt=1, step=3)
+    d, fields = answer.decision, answer.fields
     assert d.action == "restart" and d.rollback and d.delay_s == 2.0
     assert "micro-batch 2 → 1, accumulation 1 → 2 (effective batch 2 unchanged)" in d.reason
     assert fields["remediation"]["to"] == {"micro_batch_size": 1, "grad_accum": 2, "gradient_checkpointing": False}
-    d, _ = after_exit(handle, "oom", "0002", restart, attempt=2, step=3)
-    assert "gradient checkpointing turned on" in d.reason
-    d, fields = after_exit(handle, "oom", "0003", restart, attempt=3, step=3)
+    # the record it wants written, and none written by it
+    assert [w.path for w in answer.writes] == [healing.path_for(tmp_path)] and healing.load(tmp_path) is None
+    assert done(answer) is answer and healing.load(tmp_path)["micro_batch_size"] == 1
+    answer = done(after_exit(handle, "oom", "0002", restart, attempt=2, step=3))
+    assert "gradient checkpointing turned on" in answer.decision.reason
+    answer = done(after_exit(handle, "oom", "0003", restart, attempt=3, step=3))
+    d, fields = answer.decision, answer.fields
     assert d.action == "fail" and "every remedy tried" in d.reason and "gradient checkpointing" in d.reason
-    assert fields["remediation"]["action"] == "failed"
+    assert fields["remediation"]["action"] == "failed" and answer.writes == ()
 
 
 # ---- remediation.json through the run's FsOps
@@ -154,9 +178,13 @@ def test_after_exit_turns_the_policy_decision_into_the_remedy(tmp_path):
 def test_a_remedy_the_disk_refuses_ends_the_run_and_writes_nothing(tmp_path):
     fs = FailingFs(lambda p: p.name == "remediation.json")
     run, concern = setup(tmp_path, fs)
-    got = concern.decision(attempt(run, 1), ended(run, 1, "oom"), RESTART, T0 + 1)
+    failed, ep = [], ended(run, 1, "oom")
+    got = decided(
+        [concern], attempt(run, 1), ep, RESTART, T0 + 1, fs=fs, write_failed=lambda exc, path: failed.append(path)
+    )
     assert got.action == "fail" and "the smaller micro-batch could not be recorded" in got.reason
-    assert fs.refused == [healing.path_for(run.run_dir)]
+    assert fs.refused == [healing.path_for(run.run_dir)] and failed == fs.refused  # reported through write_failed
+    assert ep.decision is got and "remediation" not in ep.incident.data  # no remedy for the incident to name
     assert healing.load(run.run_dir) is None and not [p for p in run.run_dir.iterdir() if p.name.startswith(".tmp-")]
 
 

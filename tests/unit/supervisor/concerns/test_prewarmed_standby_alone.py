@@ -82,7 +82,7 @@ class Setup:
 
     def episode(self, kind: Optional[str], now: float, expired=None, decision=None) -> Episode:
         inc = self.run.incidents.create(kind, attempt=self.attempt.number) if kind else None
-        return Episode(kind, inc, now, expired=expired, decision=decision)
+        return Episode(kind, inc, now, expired=expired, proposed=decision)
 
     def step(self, now: float) -> None:
         rec = {"rank": 0, "pid": 1, "event": "step", "step": 1}

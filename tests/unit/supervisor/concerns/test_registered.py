@@ -5,7 +5,6 @@ other concern's decision); every concern shares the one RunContext."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from fixtures.fakes.fake_supervisor import FakeProcessTable
@@ -179,7 +178,9 @@ def test_the_deciders_priorities_follow_the_registered_order_and_the_unkillable_
 
 
 def test_the_decision_follows_priority_not_the_list_order(tmp_path):
-    from hangwatch.supervisor.loop.supervisor import decide
+    from hangwatch.common.durable import FsOps
+    from hangwatch.supervisor.concerns import Answer, decide
+    from hangwatch.supervisor.escalation.episode import Episode
     from hangwatch.supervisor.rules.policy import Decision
 
     run = concerns_for(tmp_path)[0].run
@@ -187,15 +188,41 @@ def test_the_decision_follows_priority_not_the_list_order(tmp_path):
 
     class Replaces(Concern):
         def decision(self, attempt, episode, decision, now):
-            heard.append(self.name)
-            return Decision("fail", self.name)
+            heard.append(f"{self.name} saw {decision.reason}")
+            return Answer(Decision("fail", self.name), {self.name: True})
 
     low, high = Replaces(run), Replaces(run)
     low.name, high.name, low.priority, high.priority = "low", "high", 1, 2
-    ep = SimpleNamespace(decision=None)
-    assert decide([high, low], None, ep, Decision("restart", "policy"), 0.0).reason == "high"
+    inc = run.incidents.create("crash", attempt=1)
+    ep = Episode("crash", inc, 0.0, proposed=Decision("restart", "policy"))
+    assert decide([high, low], None, ep, 0.0, fs=FsOps(), write_failed=lambda exc, path: None).reason == "high"
     assert ep.decision.reason == "high"  # written on the episode, in one place
-    assert heard == ["low", "high"]
+    assert heard == ["low saw policy", "high saw low"]
+    assert inc.data["low"] is True and inc.data["high"] is True  # each answer's fields, in the record to be saved
+
+
+def test_the_decision_is_asked_once_when_the_tree_is_gone_and_its_answer_reaches_the_incident(tmp_path):
+    """Through the loop (the fake supervisor): a worker's exit proposes the policy's restart; each concern's
+    `decision` is asked once, after the tree's teardown, and what it answers is in the incident as saved."""
+    from fixtures.fakes.fake_supervisor import Harness
+
+    from hangwatch.supervisor.concerns import Answer
+
+    h = Harness(tmp_path)
+    asked: list[tuple] = []
+
+    class Counting(Concern):
+        def decision(self, attempt, episode, decision, now):
+            asked.append((attempt.number, episode.killer is not None and episode.killer.gone_at is not None,
+                          decision.action))  # fmt: skip
+            return Answer(None, {"asked": len(asked)})
+
+    h.sup.concerns.append(Counting(h.sup.context))
+    h.running().exit(1)
+    h.until(lambda: h.sup.attempt == 2)
+    assert asked == [(1, True, "restart")]  # once, with the tree gone, the policy's restart proposed
+    inc = h.incident()
+    assert inc["asked"] == 1 and inc["decision"]["action"] == "restart"
 
 
 def test_no_concern_keeps_an_observer_hook_of_its_own(tmp_path):

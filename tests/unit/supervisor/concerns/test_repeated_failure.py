@@ -1,14 +1,17 @@
 """The same failure twice in a row ends the run (`concerns.repeated_failure`), driven alone: real incidents in a real
-store, the decisions the restart policy would hand it."""
+store, the decisions the restart policy would hand it, asked once the tree is gone through the decision's one owner
+(`concerns.decide`)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from fixtures.deciding import decided
 
 from hangwatch.supervisor.concerns import RunContext
 from hangwatch.supervisor.concerns.repeated_failure import RepeatedFailure, signature
+from hangwatch.supervisor.escalation.episode import Episode
 from hangwatch.supervisor.incidents import IncidentStore
 from hangwatch.supervisor.rules.policy import Decision
 
@@ -16,8 +19,10 @@ RESTART = Decision("restart", "worker exited with code 1")
 
 
 def failure(store, kind, classification, step, attempt):
+    """An attempt that ended by itself (its worker.log silent: no early end to compare) and its exit's episode."""
     inc = store.create(kind, attempt=attempt, step=step, classification=classification)
-    return SimpleNamespace(kind=kind, incident=inc), SimpleNamespace(number=attempt)
+    worker = SimpleNamespace(exit_code=1, exit_signal=None, log_path=store.root / "no-such.log", exited=True)
+    return Episode(kind, inc, 0.0), SimpleNamespace(number=attempt, worker=worker, output=None)
 
 
 @pytest.mark.parametrize(
@@ -40,15 +45,14 @@ def test_the_second_identical_failure_fails_the_run_once(tmp_path):
     concern = RepeatedFailure(RunContext(None, tmp_path, None, store, None, None))
     words = "crash with FileNotFoundError: [Errno 2] No such file or directory: 'data/trian.jsonl'"
     ep1, a1 = failure(store, "crash", words, None, 1)
-    assert concern.decision(a1, ep1, RESTART, 0.0) is None  # the first: the policy's restart stands
+    assert decided([concern], a1, ep1, RESTART, 0.0, store=store) is RESTART  # the first: the policy's restart stands
+    assert "repeated" not in store.get(ep1.incident.id)
     ep2, a2 = failure(store, "crash", words, None, 2)
-    decided = concern.decision(a2, ep2, RESTART, 1.0)
-    assert decided.action == "fail" and "the same failure twice in a row before the first step" in decided.reason
-    assert (
-        "data/trian.jsonl" in decided.reason and f"incidents {ep1.incident.id} and {ep2.incident.id}" in decided.reason
-    )
+    got = decided([concern], a2, ep2, RESTART, 1.0, store=store)
+    assert got.action == "fail" and "the same failure twice in a row before the first step" in got.reason
+    assert "data/trian.jsonl" in got.reason and f"incidents {ep1.incident.id} and {ep2.incident.id}" in got.reason
     assert store.get(ep2.incident.id)["repeated"] == ep1.incident.id  # said in the incident too
-    assert concern.decision(a2, ep2, decided, 2.0) is None  # asked again at the tree's end: nothing more
+    assert ep2.decision is got  # settled on the episode once, by the owner
 
 
 @pytest.mark.parametrize(
@@ -67,10 +71,13 @@ def test_what_is_not_a_repetition(tmp_path, second, decision, repeats):
     first_kind = second[0] if second[0] == "oom" else "crash"
     first_words = "out of memory: CUDA" if first_kind == "oom" else "crash with ValueError: x"
     ep1, a1 = failure(store, first_kind, first_words, 5, 1)
-    concern.decision(a1, ep1, RESTART, 0.0)
+    decided([concern], a1, ep1, RESTART, 0.0, store=store)
     ep2, a2 = failure(store, *second, 2)
-    decided = concern.decision(a2, ep2, decision, 1.0)
-    assert (decided is not None and decided.action == "fail") is repeats
+    got = decided([concern], a2, ep2, decision, 1.0, store=store)
+    assert (got is not None and got.action == "fail" and "the same failure twice" in got.reason) is repeats
+    assert ("repeated" in store.get(ep2.incident.id)) is repeats
+    if not repeats:
+        assert got is decision  # the decision proposed stands
 
 
 def test_two_ooms_of_one_allocation_are_the_same_whatever_was_free_and_the_words_say_what_to_lower(tmp_path):
@@ -94,8 +101,8 @@ def test_two_ooms_of_one_allocation_are_the_same_whatever_was_free_and_the_words
     store = IncidentStore(tmp_path)
     concern = RepeatedFailure(RunContext(None, tmp_path, None, store, None, None))
     ep1, a1 = failure(store, "oom", words(1024), 0, 1)
-    assert concern.decision(a1, ep1, RESTART, 0.0) is None
+    assert decided([concern], a1, ep1, RESTART, 0.0) is RESTART
     ep2, a2 = failure(store, "oom", words(1000), 0, 2)
-    decided = concern.decision(a2, ep2, RESTART, 1.0)
-    assert decided.action == "fail" and "before the first step" in decided.reason
-    assert "(Tried to allocate 2.0 GiB; 3.6 GiB allowed): lower the batch size of your training loop" in decided.reason
+    got = decided([concern], a2, ep2, RESTART, 1.0)
+    assert got.action == "fail" and "before the first step" in got.reason
+    assert "(Tried to allocate 2.0 GiB; 3.6 GiB allowed): lower the batch size of your training loop" in got.reason

@@ -1,6 +1,7 @@
 """UnkillableWait alone (no Supervisor): a real TreeKiller over the fake process table ends a tree whose child
 survives SIGKILL (uninterruptible sleep), a real IncidentStore, a fake clock.  Survivors → the `unkillable`
-incident and a hold under `wait`, a `fail` decision under `fail`; the wait ends when they go (the incident final,
+incident and a hold under `wait`, a `fail` decision under `fail` (asked once the tree is gone, through the decision's
+one owner, `concerns.decide`); the wait ends when they go (the incident final,
 `gone_after_s`), or at once when the run ends anyway (an operator's stop)."""
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import signal
 from pathlib import Path
 
 import pytest
+from fixtures.deciding import RecordingFs, decided
 from fixtures.fakes.fake_supervisor import FakeProcessTable
 
 from hangwatch.common.config import Config
 from hangwatch.common.durable import FsOps
+from hangwatch.common.exitcodes import EXIT_FAILED
 from hangwatch.common.rundir import WORKER_LOG_NAME, attempt_dir
 from hangwatch.supervisor.concerns.base import RunContext
 from hangwatch.supervisor.concerns.unkillable_wait import UnkillableWait
@@ -94,6 +97,8 @@ def test_a_tree_that_went_holds_nothing_and_writes_nothing(tmp_path):
     assert ep.killer.survivors == []
     assert concern.hold_teardown(tree.attempt, ep, Intent.NONE, T0 + 10) is False
     assert concern.decision(tree.attempt, ep, None, T0 + 10) is None and concern.next_due_s(T0 + 10) is None
+    restart, fs = Decision("restart", "stall"), RecordingFs()
+    assert decided([concern], tree.attempt, ep, restart, T0 + 10, fs=fs) is restart and fs.written == []
     assert [i["kind"] for i in run.incidents.list()] == ["stall"]
 
 
@@ -137,10 +142,19 @@ def test_fail_ends_the_run_with_a_fail_decision_once(tmp_path):
     assert concern.hold_teardown(tree.attempt, ep, Intent.NONE, done) is False
     inc = unkillable(run)
     assert inc["status"] == "final" and inc["on_unkillable"] == "fail" and "the run ends failed" in inc["summary"]
-    got = concern.decision(tree.attempt, ep, Decision("restart", "stall"), done)
+    fs = RecordingFs()
+    got = decided([concern], tree.attempt, ep, Decision("restart", "stall"), done, fs=fs, store=run.incidents)
     assert got is not None and got.action == "fail" and str(tree.child.pid) in got.reason
-    assert "unkillable" in got.reason
-    assert concern.decision(tree.attempt, ep, Decision("restart", "stall"), done + 1) is None  # once
+    assert "unkillable" in got.reason and got.exit_code == EXIT_FAILED
+    assert ep.decision is got and fs.written == []  # settled on the episode by the owner; nothing to write
+    assert len([i for i in run.incidents.list() if i["kind"] == "unkillable"]) == 1  # one incident
+    # the answer is the episode's own: the next episode, its tree gone whole, keeps its decision
+    tree.table.end(tree.child.pid, sig=signal.SIGKILL)
+    nxt = Episode("crash", run.incidents.create("crash", attempt=1, step=7), done + 10)
+    nxt.killer = tree.killed(done + 10)
+    assert nxt.killer.survivors == []
+    restart = Decision("restart", "crash")
+    assert decided([concern], tree.attempt, nxt, restart, done + 20) is restart and nxt.decision is restart
     assert concern.next_due_s(done) is None
 
 

@@ -439,7 +439,7 @@ def test_a_worker_py_spy_gives_no_stack_for_falls_back_to_its_faulthandler(tmp_p
         def poll(self):
             return 1
 
-    def fake_py_spy(exe, pid, out, options):
+    def fake_py_spy(exe, pid, out, options, fs):
         out.write_text("Error: Permission Denied\n")
         return Done()
 

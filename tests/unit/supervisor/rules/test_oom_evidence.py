@@ -328,8 +328,11 @@ def test_the_measure_is_recorded_once_and_only_when_it_keeps_the_effective_batch
 
 
 def test_oom_recovery_reads_the_failing_ranks_evidence_and_remedies_once(tmp_path):
+    from fixtures.deciding import RecordingFs, decided
+
     from hangwatch.supervisor.concerns import RunContext
     from hangwatch.supervisor.concerns.oom_recovery import OomRecovery
+    from hangwatch.supervisor.escalation.episode import Episode
     from hangwatch.supervisor.incidents import IncidentStore
     from hangwatch.supervisor.rules.policy import Decision
 
@@ -345,17 +348,18 @@ def test_oom_recovery_reads_the_failing_ranks_evidence_and_remedies_once(tmp_pat
     store = IncidentStore(tmp_path)
     inc = store.create("oom", step=3, culprit_rank=1)
     concern = OomRecovery(RunContext(cfg(16, 1), tmp_path, None, store, None, None))
-    episode = SimpleNamespace(kind="oom", incident=inc)
-    restart = Decision("restart", "worker exited with code 1")
-    decided = concern.decision(SimpleNamespace(number=1), episode, restart, 0.0)
-    assert decided.action == "restart" and "at micro-batch 8 at most" in decided.reason
-    on_disk = json.loads((inc.dir / "incident.json").read_text())  # amended through the store
+    episode = Episode("oom", inc, 0.0)
+    restart, fs = Decision("restart", "worker exited with code 1"), RecordingFs()
+    # asked once, when the tree is gone, through the owner: it writes the record, the incident is saved after it
+    got = decided([concern], SimpleNamespace(number=1), episode, restart, 0.0, fs=fs, store=store)
+    assert got.action == "restart" and "at micro-batch 8 at most" in got.reason and episode.decision is got
+    on_disk = json.loads((inc.dir / "incident.json").read_text())  # saved through the store
     assert on_disk["remediation"]["basis"] == "probe" and inc.data["remediation"] == on_disk["remediation"]
     assert on_disk["remediation"]["evidence"]["micro_batch_size"] == 16  # rank 1's figures, not the victim's
     saved = healing.load(tmp_path)
     assert (saved["micro_batch_size"], saved["grad_accum"]) == (8, 2) and saved["history"][0]["basis"] == "probe"
-    # asked again for the same incident (the tree is gone): the remedy is not applied twice
-    assert concern.decision(SimpleNamespace(number=1), episode, decided, 1.0) is None
+    # the remedy applied once: one write of the record, one step in its history
+    assert fs.written == [healing.path_for(tmp_path)]
     assert len(healing.load(tmp_path)["history"]) == 1
 
 
