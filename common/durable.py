@@ -13,6 +13,10 @@ in with one pwrite at offset 0 and the file keeps its size.  A reader that catch
 (`records.run_state.read` then reads again); a crash during it can leave such a mix on disk.  Neither
 matters as much as a record that says `running` for ever.
 
+A file that cannot be replaced by a rename (a pod's termination-message file, a mount point of its own) is
+written `write_in_place`: truncated and written where it is, neither atomic nor durable, for a reader that comes
+once the writer has exited.
+
 `FsOps` bundles the operations that move data between durable states, so tests can pass a subclass
 that fails (or dies) at a chosen operation.
 """
@@ -136,6 +140,21 @@ def overwrite_in_place(path: os.PathLike | str, text: bytes) -> None:
         os.close(fd)
 
 
+def write_in_place(path: os.PathLike | str, data: bytes) -> None:
+    """Replace the content of `path` where it is: open (created when missing), truncate, write — no temporary, no
+    rename, no fsync.  For a file that another program reads on this machine and that cannot be replaced by a
+    rename: a file bind-mounted on its own (a pod's /dev/termination-log — a rename onto a mount point fails with
+    EBUSY), or one in a directory this process may not write.  A reader can see it empty or part-written while the
+    write runs: meant for a file read once the writer has gone."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def append_durable(path: os.PathLike | str, data: bytes) -> None:
     """Append `data` with O_APPEND and fsync it (a ledger line is either whole on disk or absent)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -180,6 +199,9 @@ class FsOps:
 
     def overwrite(self, path: Path, data: bytes) -> None:
         overwrite_in_place(path, data)
+
+    def write_in_place(self, path: Path, data: bytes) -> None:
+        write_in_place(path, data)
 
     def truncate(self, path: Path, size: int) -> None:
         os.truncate(path, size)

@@ -9,6 +9,9 @@ is handed the loop's read model (`pass_done(view, now)`), and it taps the log (a
 events alerts are made of.  It only decides on the loop; everything slow (HTTP, a command, the textfile,
 scrapes) runs on threads of its own, so it never delays detection or recovery.  It never reads the
 supervisor itself.
+
+When the loop returns, the run's end is written once where `logging.termination_log` says — in a pod, the
+container's termination message (`ops.termination_message`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from hangwatch.common.exitcodes import EX_CANTCREAT, EXIT_FAILED
 from hangwatch.supervisor.control import make_control
 from hangwatch.supervisor.loop.seams import Seams
 from hangwatch.supervisor.loop.supervisor import Supervisor
-from hangwatch.supervisor.ops import logsetup
+from hangwatch.supervisor.ops import logsetup, termination_message
 from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, CommandSink, Courier
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
@@ -125,6 +128,8 @@ def run(
         sup = Supervisor(cfg, Seams(**seams))
         try:
             code = sup.run()
+            termination_message.leave(cfg.logging.termination_log, lambda: sup.view(sup.clock()), sup.lifecycle.reason,
+                                      code, sup.incidents, fs=sup.fs)  # fmt: skip
             died_of = sup.intents.stop_signal
             if foreground is not None and sup.seams.transparent and died_of and code == 128 + died_of:
                 foreground.died_of = died_of

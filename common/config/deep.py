@@ -17,6 +17,8 @@ file was exit 65 after the model had loaded).  Checked:
                             module`, `python -c …` and other programs are not looked into
     run_dir, control.socket can be created and written
     control.group           exists
+    logging.termination_log a path written (not `auto`): its directory exists and it is not a directory (a
+                            warning: the run goes on, only its termination message would be lost)
     worker.nproc_per_node   for the built-in worker on CUDA (model.device cuda, or auto with a GPU visible):
                             no more ranks than GPUs the worker sees (NVML's count through the worker's
                             CUDA_VISIBLE_DEVICES, `common.gpus`), since NCCL needs one per rank; without
@@ -39,7 +41,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from hangwatch.common import gpus
 from hangwatch.common.config.rules import Finding, builtin_worker
-from hangwatch.common.config.schema import Config
+from hangwatch.common.config.schema import TERMINATION_LOG_AUTO, Config
 from hangwatch.common.example_shape import EXPECTED, FIRST_LINE_WHY, ExampleRejected, example_of_line
 
 SAMPLE_LINES = 20  # non-blank lines of a data file whose shape is checked
@@ -85,7 +87,20 @@ def check(
         except KeyError:
             found.errors.append((("control", "group"), f"no such group {cfg.control.group!r} on this machine"))
     found.errors += gpu_placement(cfg, environ, gpu_uuids)
+    found.warnings += _termination_log(cfg.logging.termination_log)
     return found
+
+
+def _termination_log(setting: str) -> list[Finding]:
+    """A termination-message file that could not be written: said before the run rather than after it."""
+    if setting in ("", TERMINATION_LOG_AUTO):
+        return []
+    path, loc = Path(setting), ("logging", "termination_log")
+    if path.is_dir():
+        return [(loc, f"{path}: is a directory; the run's termination message will not be written")]
+    if not path.parent.is_dir():
+        return [(loc, f"{path.parent}: no such directory; the run's termination message will not be written")]
+    return []
 
 
 def gpu_placement(

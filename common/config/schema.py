@@ -707,8 +707,29 @@ class FaultCfg(Section):
         return self
 
 
+TERMINATION_LOG_AUTO = "auto"
+
+
 class LoggingCfg(Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Supervisor log level.")
+    termination_log: str = Field(
+        TERMINATION_LOG_AUTO,
+        description="Where `hangwatch run` leaves, as it ends, why the run ended — the container's termination message "
+        "in Kubernetes (at most 4 KiB: the final state and why, the exit code's meaning, the last incident, the "
+        "decision, the last good checkpoint, the run dir), shown by `kubectl describe pod`: `auto`: "
+        "/dev/termination-log when that file exists and is writable (in a pod), else nothing is written; an absolute "
+        "path: that file, always (a pod's own `terminationMessagePath`); empty: never (docs/kubernetes.md).",
+    )
+
+    @field_validator("termination_log", mode="before")
+    @classmethod
+    def _auto_path_or_never(cls, value):
+        # One message for every bad value: null, a relative path, a directory.
+        if value in (TERMINATION_LOG_AUTO, ""):
+            return value
+        if not isinstance(value, str) or not value.startswith("/") or value.endswith("/") or "\0" in value:
+            raise ValueError("expected auto, an absolute path of a file (e.g. /dev/termination-log) or '' (never)")
+        return value
 
 
 class Config(Section):

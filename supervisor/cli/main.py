@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hangwatch.common.exitcodes import EX_CANTCREAT, EX_USAGE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, RUN_CODES
 from hangwatch.common.rundir import CONFIG_NAME
 from hangwatch.supervisor.cli import remote as cli_client
 from hangwatch.supervisor.cli.client import ClientError
@@ -51,21 +51,25 @@ REPO = (
     Path(__file__).resolve().parents[2]
 )  # the checkout hangwatch runs from (an editable install): supervisor/cli/ → ../..
 INTERRUPTED = 130  # the shell's code for death by SIGINT
-# `run --help` and docs/operations.md: hangwatch's own exit codes, each once
-EXIT_CODES = """\b
-Exit status: the command's own where its exit ended the run (its last attempt's code; 128+N when
-signal N ended it; after Ctrl-C or another signal passed on, its answer: 130 when it died of SIGINT).
-hangwatch's own, only where hangwatch ended the run:
-  0   finished (a finished run started again by systemd or a requeue: reported, not trained again),
-      or stopped by `hangwatch stop`
-  75  requeue me: stopped to be run again (SIGUSR1: a batch time limit is near; checkpoint saved)
-  78  bad configuration, or a preflight check failed: nothing started
-  79  do not retry: running it again would fail the same way (the same failure twice, no progress
-      past a point, stalls that restarts do not get past)
-  73  the run dir is another supervisor's (named on stderr): nothing started
-  1   hangwatch or the machine could not go on (the control socket or metrics port cannot be
-      opened, processes outlived SIGKILL)
-  64  usage"""
+HELP_WIDTH = 100  # the exit codes' lines in `run --help`, wrapped here: click's \b marker keeps it from re-wrapping
+
+
+def exit_codes_text() -> str:
+    """The end of `run --help`: hangwatch's own exit codes, worded once in `common.exitcodes.RUN_CODES`."""
+    import textwrap
+
+    lines = [
+        "\b",
+        "Exit status: the command's own where its exit ended the run (its last attempt's code; 128+N when",
+        "signal N ended it; after Ctrl-C or another signal passed on, its answer: 130 when it died of SIGINT).",
+        "hangwatch's own, only where hangwatch ended the run:",
+    ]
+    for code, words, _ in RUN_CODES:
+        lines += textwrap.wrap(words, HELP_WIDTH, initial_indent=f"  {code:<4}", subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+EXIT_CODES = exit_codes_text()
 
 
 class _Group(click.Group):
