@@ -202,6 +202,8 @@ class RepeatedFailure(Concern):
                 summary = f"{summary}; its output ended: {end.last}" if summary else f"its output ended: {end.last}"
             fields.update(last_output=list(end.lines), summary=summary)
         repeated = self.same_exception(episode, decision)
+        if repeated is not None:
+            decision = repeated.decision  # a failure already: the early end is only recorded, never reported again
         early = self.same_early_end(inc, end, decision, fields)  # asked either way: it follows the early ends
         if repeated is not None:
             return replace(repeated, fields={**fields, **repeated.fields})
