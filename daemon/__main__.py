@@ -201,6 +201,7 @@ def run(
     record_dir = cfg.checkpoint.dir if cfg.worker.nnodes > 1 and cfg.checkpoint.dir else cfg.run_dir
     plan = FaultPlan(faults, record_dir, hb, attempt=hb.attempt, rank=world.rank, shared=world.size > 1)
     _warn_faults(cfg, hb, faults, world)
+    trackers = _open_trackers(cfg, configured or cfg, hb, world)  # they import and open while the model loads
     if cfg.model.device != "cpu" and torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     prepare_torch(cfg)
@@ -220,6 +221,7 @@ def run(
         from hangwatch.daemon.trainer.recovery import AbandonWatch
 
         watch = AbandonWatch(hb.path.parent, hb).start()
+    reason = "failed"
     try:
         trainer = Trainer(
             cfg,
@@ -254,14 +256,45 @@ def run(
             trainer.log(f"skipped checkpoint {s['path']}: {s['reason']}")
         if remedy is not None and remedy.get("probe") and not cfg.data.inbox:
             _probe(trainer, hb)
+        trainer.trackers = trackers
         reason = trainer.run()
         world.close()
         return reason
     finally:
+        if trackers is not None:
+            _close_trackers(trackers, hb, reason)
         if watch is not None:
             watch.close()
         if isinstance(source, ContinuousDataSource):
             source.close()  # the inbox's watcher thread
+
+
+def _open_trackers(cfg, configured, hb, world):
+    """`train.report_to` (rank 0): the trackers' runs, opened in threads of their own; a tracker's problem is said once,
+    in a `warn` beat and the log, and never stops training (`trainer.trackers`).  Closed at the end of `run`, or at
+    exit when loading failed."""
+    if not world.is_main or not cfg.train.report_to:
+        return None
+    from hangwatch.daemon.trainer.trackers import TrackerLog
+
+    def warn(message: str, **fields) -> None:
+        hb.warn(message, **fields)
+        print(message, flush=True)
+
+    return TrackerLog.for_worker(cfg, configured, cfg.run_dir, hb.attempt, warn, rank=hb.rank)
+
+
+TRACKERS_CLOSE_S = {"failed": 10.0}  # how long the end waits for the trackers (default 30 s): a failure is not held up
+
+
+def _close_trackers(trackers, hb, reason: str) -> None:
+    """The trackers' runs ended, in a phase of their own (the last step's deadline is no measure of a W&B finish or an
+    MLflow store still being created)."""
+    from hangwatch.daemon.trainer.trackers import CLOSE_TIMEOUT_S
+
+    timeout_s = TRACKERS_CLOSE_S.get(reason, CLOSE_TIMEOUT_S)
+    with hb.phase("trackers", budget_s=timeout_s + 15):
+        trackers.close(reason, timeout_s=timeout_s)
 
 
 def _probe(trainer, hb) -> None:

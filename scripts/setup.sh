@@ -58,6 +58,6 @@ fi
 stamp=.venv/.hangwatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   echo "setup: installing hangwatch and its dependencies" >&2
-  pip_install -e ".[dev,profiling,lightning,trl]"
+  pip_install -e ".[dev,profiling,lightning,trl,trackers]"
   touch "$stamp"
 fi

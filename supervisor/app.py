@@ -17,6 +17,7 @@ container's termination message (`ops.termination_message`).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from hangwatch.supervisor.ops.alerts import EVENTS, AlertDesk, AppriseSink, Comm
 from hangwatch.supervisor.ops.deadman import DeadMan, Pinger
 from hangwatch.supervisor.ops.metrics import Metrics, Recovery
 from hangwatch.supervisor.ops.narrator import Narrator
-from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats
+from hangwatch.supervisor.ops.notify import Fanout, Notifier, Outbox, Stats, helper_pids
+from hangwatch.supervisor.ops.trackers import Ending, Runner, TrackerDesk, TrackerReporter, helper_env, run_helper
 from hangwatch.supervisor.processes import process
+from hangwatch.supervisor.processes.interpreter import python_of
 from hangwatch.supervisor.processes.streams import Relay, hangup_is_the_terminals
 from hangwatch.supervisor.read_model.view import View
 from hangwatch.supervisor.records.runlock import RunDirBusy, RunLock
@@ -45,6 +48,7 @@ from hangwatch.supervisor.rules.policy import ProgressPolicy
 log = structlog.get_logger("hangwatch")
 
 CLOSE_WAIT_S = 10.0  # the longest a supervisor on its way out waits for queued alerts
+TRACKERS_CLOSE_WAIT_S = 90.0  # and for the last report to the tracker runs (the run's summary): a few seconds' work
 METRIC_EVENTS = frozenset({"stall_detected", "worker_failed"})
 
 
@@ -125,6 +129,7 @@ def run(
                 narrator = Narrator(relay.say)
                 logsetup.add_tap(narrator)
         seams.update(control=control, notifier=Fanout(systemd, ops), listeners=(ops,))
+        seams.setdefault("helpers", lambda: tuple(helper_pids))
         sup = Supervisor(cfg, Seams(**seams))
         try:
             code = sup.run()
@@ -145,14 +150,20 @@ def run(
 
 
 class Ops:
-    """Alerts, the dead-man's ping and metrics of one supervisor.
+    """Alerts, the dead-man's ping, metrics and the reports on the tracker runs of one supervisor.
 
     A listener of the loop: `pass_done(view, now)` once a pass, at its end, with the loop's read model; it
     is also in the notifier fan-out, for `next_due_s` (when the loop must pass again on its account).
-    Seams: `sinks` replaces the alert sinks (apprise URLs, the command), `ping_get` the ping's HTTP GET."""
+    Seams: `sinks` replaces the alert sinks (apprise URLs, the command), `ping_get` the ping's HTTP GET,
+    `tracker_runner` how a tracker report's helper runs."""
 
     def __init__(
-        self, cfg: Config, *, sinks: Optional[list] = None, ping_get: Optional[Callable[[str, float], int]] = None
+        self,
+        cfg: Config,
+        *,
+        sinks: Optional[list] = None,
+        ping_get: Optional[Callable[[str, float], int]] = None,
+        tracker_runner: Runner = run_helper,
     ):
         a, m = cfg.alerts, cfg.metrics
         self.cfg = cfg
@@ -176,6 +187,17 @@ class Ops:
             else None
         )
         self.recovery = Recovery()
+        self.trackers: Optional[TrackerDesk] = None
+        self.tracker_outbox: Optional[Outbox] = None
+        if cfg.trackers.report:
+            env = {**os.environ, **cfg.worker.env}
+            reporter = TrackerReporter(
+                cfg.run_dir, tracker_python(cfg, env), helper_env(env), cfg.worker.cwd, cfg.trackers.timeout_s,
+                self.stats, runner=tracker_runner,
+            )  # fmt: skip
+            self.tracker_outbox = Outbox("trackers", reporter.deliver, stats=self.stats, batch=True)
+            self.trackers = TrackerDesk(self.tracker_outbox.put)
+        self._ended = False
         self._tapped = False
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -203,11 +225,13 @@ class Ops:
             self.events.append(dict(ev))
 
     def start(self) -> None:
-        if self.desk is not None or self.metrics is not None:
+        if self.desk is not None or self.metrics is not None or self.trackers is not None:
             logsetup.add_tap(self._tap)
             self._tapped = True
         if self.outbox is not None:
             self.outbox.start()
+        if self.tracker_outbox is not None:
+            self.tracker_outbox.start()
         if self.deadman is not None:
             self.deadman.outbox.start()
         if self.metrics is not None:
@@ -248,6 +272,9 @@ class Ops:
         if self.desk is not None:
             self.desk.observe(view.attempt, stepped, now)
             self.desk.tick(now)
+        if self.trackers is not None:
+            self.trackers.observe(view.attempt, stepped, now)
+            self.trackers.tick(now)
         if self.metrics is not None:
             if stepped is not None:
                 took = self.recovery.stepped(view.attempt, now)
@@ -263,6 +290,8 @@ class Ops:
     def _event(self, ev: dict, now: float) -> None:
         if self.desk is not None:
             self.desk.feed(ev, now)
+        if self.trackers is not None:
+            self.trackers.feed(ev, now)
         if self.metrics is not None and ev.get("event") in METRIC_EVENTS and ev.get("incident"):
             self.recovery.detected_at(now, ev.get("attempt") or (self.view.attempt if self.view else 0))
             if isinstance(ev.get("elapsed_s"), (int, float)):
@@ -278,6 +307,9 @@ class Ops:
                 self._event(self.events.popleft(), now)
             if self.desk is not None:
                 self.desk.tick(now)
+            if self.trackers is not None:
+                self.trackers.tick(now)
+                self.tracker_outbox.put(ending(self.view))
             if self.metrics is not None:
                 self.metrics.take(self.view)
         if self._tapped:
@@ -289,7 +321,38 @@ class Ops:
             wait_s = min(a.timeout_s, CLOSE_WAIT_S)
             if not self.outbox.close(wait_s):
                 log.warning("alerts_not_all_sent", note=f"gave up waiting for the alert endpoints after {wait_s:g}s")
+        if self.tracker_outbox is not None:
+            wait_s = min(self.cfg.trackers.timeout_s, TRACKERS_CLOSE_WAIT_S)
+            if not self.tracker_outbox.close(wait_s):
+                log.warning("tracker_reports_not_all_sent", note=f"gave up waiting for the reports after {wait_s:g}s")
         if self.deadman is not None:
             self.deadman.outbox.close(1.0)
         if self.metrics is not None:
             self.metrics.close()
+
+
+def ending(view: View) -> Ending:
+    """The run's end as the tracker runs' summary says it (from the loop's last read model)."""
+    step = view.main.step if view.main is not None else None
+    if step is None and isinstance(view.last_step, dict):
+        step = view.last_step.get("step")
+    return Ending(
+        outcome=view.state.value,
+        exit_code=view.exit_code,
+        attempts=view.attempt,
+        restarts=view.restarts,
+        step=step if isinstance(step, int) else None,
+        goodput=view.goodput,
+    )
+
+
+def tracker_python(cfg: Config, env: dict) -> str:
+    """`trackers.python`, else the interpreter the worker's command names, else the supervisor's own (which the
+    built-in worker runs with)."""
+    if cfg.trackers.python:
+        return cfg.trackers.python
+    if cfg.worker.command:
+        found = python_of(list(cfg.worker.command), cfg.worker.cwd, env)
+        if found:
+            return str(found)
+    return sys.executable

@@ -126,6 +126,23 @@ class MetricsCfg(_Section):
         return v
 
 
+class TrackersCfg(_Section):
+    report: bool = Field(
+        True,
+        description="Put hangwatch's incidents, restarts, resume verdicts and, at the end, the run's goodput on the "
+        "experiment-tracker runs the worker logs to (W&B, MLflow, TensorBoard: the ones its hooks recorded in "
+        "<run_dir>/trackers/), through a short-lived helper run with the worker's own Python; false: never.",
+    )
+    python: Optional[str] = Field(
+        None,
+        description="The interpreter the reports run with (it needs the trackers' libraries); null: the one the "
+        "worker's command names (`python…`, or a script's `#!` line), else the supervisor's own.",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="How long one report may take before its helper is killed (and the report lost)."
+    )
+
+
 def host_port(listen: str) -> tuple[str, int]:
     """'127.0.0.1:9464' → ('127.0.0.1', 9464); '9464' → ('127.0.0.1', 9464); '[::1]:9464' → ('::1', 9464)."""
     text = listen.strip()

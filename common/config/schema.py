@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from hangwatch.common.config.ops_schema import AlertsCfg, MetricsCfg
+from hangwatch.common.config.ops_schema import AlertsCfg, MetricsCfg, TrackersCfg
 
 FAULT_KINDS = (
     "hang_generate",  # generate() never returns and produces no token (blocked in a call)
@@ -586,6 +586,35 @@ class DataCfg(Section):
     )
 
 
+TRACKERS = ("wandb", "mlflow", "tensorboard")  # train.report_to's names, HF's
+
+
+def tracker_names(value) -> list[str]:
+    """`train.report_to` as HF takes it: a list of names, one name, `none` (or null) for none, `all` for all of
+    them; an unknown name is refused with the nearest known one."""
+    if value is None or value == "none" or value == ["none"]:
+        return []
+    if value == "all" or value == ["all"]:
+        return list(TRACKERS)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of {', '.join(TRACKERS)} (or none, or all)")
+    names: list[str] = []
+    for name in value:
+        if name in ("none", "all"):
+            raise ValueError(f"{name} stands alone (report_to: {name}), not in a list with other names")
+        if name not in TRACKERS:
+            import difflib  # only for a config with a mistake
+
+            close = difflib.get_close_matches(str(name).lower(), [*TRACKERS, "none", "all"], n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"unknown tracker {name!r} ({hint}known: {', '.join(TRACKERS)}; or none, or all)")
+        if name not in names:
+            names.append(name)
+    return names
+
+
 class TrainCfg(Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps in the run.")
     micro_batch_size: int = Field(4, ge=1, description="Examples per forward pass.")
@@ -602,6 +631,26 @@ class TrainCfg(Section):
         description="Demo knob: an artificial delay per optimizer step, so a tiny model's run lasts long enough to "
         "watch.",
     )
+    report_to: list[Literal[TRACKERS]] = Field(  # type: ignore[valid-type]
+        default_factory=list,
+        json_schema_extra={"also": ["none", "all"]},
+        description="Experiment trackers the built-in worker logs to (rank 0), as in HF's `report_to`: `wandb` "
+        "(project WANDB_PROJECT or `hangwatch`, WANDB_MODE as set, its files under the run dir unless WANDB_DIR), "
+        "`mlflow` (MLFLOW_TRACKING_URI, experiment MLFLOW_EXPERIMENT_NAME or `hangwatch`, key settings as params), "
+        "`tensorboard` (TENSORBOARD_LOGGING_DIR or `<run_dir>/tensorboard`): train/loss, train/lr and train/grad_norm "
+        "per optimizer step, eval/loss after each eval, at the step. Every attempt of the run joins the first "
+        "attempt's tracker run, and a step already logged is not logged again. A tracker that fails (not installed, "
+        "offline, refused) is said once in a `warn` line and is off for the attempt; training goes on. `none`: []; "
+        "`all`: the three.",
+    )
+    run_name: Optional[str] = Field(
+        None, min_length=1, description="The tracker run's name (`report_to`); null: the run dir's name."
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, value):
+        return tracker_names(value)
 
 
 class EvalPrompt(Section):
@@ -748,6 +797,9 @@ class Config(Section):
     faults: list[FaultCfg] = Field(default_factory=list, description="Faults to inject.")
     alerts: AlertsCfg = Field(default_factory=AlertsCfg, description="Alerts and the dead-man's switch.")
     metrics: MetricsCfg = Field(default_factory=MetricsCfg, description="Prometheus metrics.")
+    trackers: TrackersCfg = Field(
+        default_factory=TrackersCfg, description="Experiment trackers: hangwatch's reports on the worker's runs."
+    )
 
     # Where the config came from; not a key.
     _source: Optional[Path] = None

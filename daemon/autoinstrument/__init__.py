@@ -18,6 +18,8 @@ The supervisor starts the worker's command with hangwatch's bootstrap directory 
                        Fabric), then a `checkpoint` beat with its path
         frameworks.py  a HangwatchCallback in every HF / Lightning Trainer, the last good checkpoint resumed
         oom_batch.py   after an OOM, the framework's per-device batch halved and its accumulation doubled
+        trackers/      (daemon/trackers/hooks.py) W&B, MLflow, TensorBoard: every attempt joins the first attempt's
+                       tracker run, and a step an earlier attempt logged is not logged again
   * beats `stop` (reason `exit`, the interpreter's exit code) as the interpreter exits normally (exits.py): the
     supervisor judges the exit by the process's own status, and a signal after that line — a crash in native
     teardown after the work was done — is not taken for a failed run.
@@ -36,7 +38,7 @@ import os
 from typing import Mapping, MutableMapping, Optional, Sequence
 
 from hangwatch.common.instrumentation import ENV_INSTRUMENT, ENV_RESUME_STEP
-from hangwatch.common.protocol import ENV_RUN_DIR
+from hangwatch.common.protocol import ENV_ATTEMPT, ENV_RUN_DIR
 from hangwatch.common.rundir import dump_path_for, forked_dump_path
 from hangwatch.daemon.autoinstrument import process_roles
 from hangwatch.daemon.autoinstrument.context import Context
@@ -48,6 +50,7 @@ from hangwatch.daemon.autoinstrument.phases import EvalPhase, GeneratePhase
 from hangwatch.daemon.autoinstrument.saves import Saves
 from hangwatch.daemon.autoinstrument.steps import StepCounter
 from hangwatch.daemon.heartbeat import Heartbeat, install_dump_handler, target_from_env
+from hangwatch.daemon.trackers.hooks import TrackerHooks
 
 COMMAND_CHARS = 300  # of the command line, in the start beat
 
@@ -118,6 +121,14 @@ def resume_step(environ: Mapping[str, str]) -> int:
         return 0
 
 
+def attempt_number(environ: Mapping[str, str]) -> int:
+    """HANGWATCH_ATTEMPT as an int (1-based; absent or unreadable: 1)."""
+    try:
+        return max(1, int(environ.get(ENV_ATTEMPT) or 1))
+    except ValueError:
+        return 1
+
+
 def _dumps_only(directory: str, rank: int, helper: bool = False):
     """A dump file of this process's own, named after its rank's like a DataLoader worker's.  A helper works for the
     rank: the processes it starts in turn (a forkserver's forks are the rank's DataLoader workers) get files named
@@ -185,10 +196,17 @@ def _instrument_rank(env: MutableMapping[str, str], command: Sequence[str], dire
         ("pytorch_lightning.trainer.trainer", frameworks.patch_lightning_trainer),
     ):
         hooks.register(name, callback)
+    try:  # W&B, MLflow, TensorBoard: every attempt joins the first attempt's run, no step logged twice
+        trackers = TrackerHooks(
+            str(ctx.run_dir), rank, attempt_number(env), lambda name, exc: ctx.failed(ctx.hook("tracker " + name), exc)
+        )
+        trackers.install(hooks)
+    except Exception as exc:
+        ctx.failed(ctx.hook("tracker hooks"), exc)
     return ctx
 
 
 __all__ = ["install", "installed", "role", "enabled", "resume_step", "Context"]
 
 # The sibling packages and modules this package may import (its rule, checked by the import-rule test).
-MAY_IMPORT = ("heartbeat", "integrations")
+MAY_IMPORT = ("heartbeat", "integrations", "trackers")

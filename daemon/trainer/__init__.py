@@ -9,7 +9,19 @@ recovery.py      recovery in the process: the last good state held in memory, th
 memory_evidence.py  the device memory figures an out-of-memory failure's last words carry (weights' share, peak, cap)
 quarantine.py    training examples kept out after non-finite losses
 ranks.py         each rank's share of a step's examples
+trackers.py      `train.report_to`: W&B, MLflow, TensorBoard runs on rank 0, behind the scripts' tracker hooks
 """
 
 # The sibling packages and modules this package may import (its rule, checked by the import-rule test).
-MAY_IMPORT = ("checkpoint", "data", "distributed", "evaluate", "export", "model", "resume_compat", "worker_errors")
+MAY_IMPORT = (
+    "autoinstrument",
+    "checkpoint",
+    "data",
+    "distributed",
+    "evaluate",
+    "export",
+    "model",
+    "resume_compat",
+    "trackers",
+    "worker_errors",
+)

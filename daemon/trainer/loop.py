@@ -62,6 +62,7 @@ from hangwatch.daemon.trainer.confirmation import Confirmation, Pending, RankCon
 from hangwatch.daemon.trainer.quarantine import MAX_IDS_IN_BEAT, examples_digest
 from hangwatch.daemon.trainer.recovery import AbandonWatch, LastGood, Rung, StepAbandoned, is_oom, landed_at, smaller
 from hangwatch.daemon.trainer.schedule import WarmupCosine
+from hangwatch.daemon.trainer.trackers import eval_metrics, step_metrics
 from hangwatch.daemon.worker_errors import NonFiniteStreak
 
 
@@ -141,6 +142,7 @@ class Trainer:
         self.resumed_from: Optional[Path] = None
         self.last_metrics: dict = {}
         self.boundary_position: dict = {}  # the source's position at the last optimizer-step boundary
+        self.trackers = None  # `train.report_to` on rank 0: a `trackers.TrackerLog` the worker opened
 
     @property
     def hb(self):
@@ -408,6 +410,8 @@ class Trainer:
             fields = {k: v for k, v in m.items() if k != "finite"}
             fields.update(memory_metrics(self.bundle.device))
             self.hb.step(self.step, **fields)
+            if self.trackers is not None:
+                self.trackers.log(self.step, step_metrics(m))
             fields.pop("example_ids", None)
             self.last_metrics = fields
             where = " ".join(f"{k} {v}" for k, v in self.source.progress().items())
@@ -527,6 +531,8 @@ class Trainer:
                 on_oom=self._eval_oom if self.in_process else None,
             )
         loss = summary["loss"]
+        if self.trackers is not None:
+            self.trackers.log(self.step, eval_metrics(summary))
         self.log(
             f"eval {number} at step {self.step}: loss {'-' if loss is None else f'{loss:.4f}'}, "
             f"{summary['generations']} generations"

@@ -47,6 +47,8 @@ Sections (all but soak by default, in this order; `--only` picks some), one modu
                 generate and checkpoint times vary ×3 (seeded) through the supervisor's own deadline code on a fake
                 clock (no sleeping) — the false stalls (must be 0) — then a spin in step 5, one after 50 min, and a
                 generate whose tokens stop at its first call: the deadline that caught each and how soon.
+  trackers      (tracker_hooks.py) what the tracker hooks cost a script per logging call, real W&B (offline) and
+                TensorBoard: bare, hooked (attempt 1), and an attempt 2 whose first half replays logged steps.
   soak          (soak.py) the supervisor for --soak-minutes (default 60; --quick: 1) watching 8 synthetic ranks
                 at 20 Hz, asked `status` over the control socket every second, its log rotated (rename + SIGHUP)
                 every minute: RSS, open descriptors and CPU at the start (after a warm-up) and at the end, and
@@ -95,6 +97,7 @@ from bench import (
     recovery,
     side_by_side,
     soak,
+    tracker_hooks,
     weight,
 )
 from bench.harness import ROOT  # noqa: E402
@@ -114,6 +117,7 @@ SECTIONS = (
     "own_command",
     "overrun",
     "early_stalls",
+    "trackers",
     "soak",
     "weight",
 )
@@ -162,6 +166,8 @@ def run_section(name: str, work: Path, args: argparse.Namespace, res: dict) -> d
         return soak.section(work, args.quick, args.soak_minutes)
     if name == "weight":
         return weight.section(work, args.quick)
+    if name == "trackers":
+        return tracker_hooks.section(work, args.quick)
     return side_by_side.section(work, args.allowance_s)
 
 

@@ -1,10 +1,13 @@
 """Section 4, footprint: what watching costs.  The supervisor's CPU (% of one core), RSS and wake-ups a
 second while it watches synthetic ranks (scripts/baselines/synthetic_ranks.py) — 8 ranks at 20 Hz and
-64 ranks at 10 Hz, each against its goal — and while it watches a worker with nothing due (idle); and
-how long it takes to start."""
+64 ranks at 10 Hz, each against its goal — and while it watches a worker with nothing due (idle); how
+long it takes to start; and what its reports on the worker's tracker runs cost (a worker logging to W&B
+offline, MLflow and TensorBoard, hung once and resumed: the supervisor's RSS and CPU with the reports and
+without, and each report's helper process)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -14,7 +17,7 @@ import psutil
 
 from hangwatch.common import rundir
 
-from .harness import PY, SYNTHETIC_RANKS, control, hangwatch_run, summary, wait_exit, write_yaml
+from .harness import PY, ROOT, SYNTHETIC_RANKS, control, env, hangwatch_run, summary, wait_exit, write_yaml
 
 # (ranks, beats a second per rank, goal: % of one core); the RSS goal is for every load
 LOADS = ((8, 20.0, 1.0), (64, 10.0, 3.0))
@@ -144,6 +147,82 @@ def idle(work: Path, window: float) -> dict:
     }
 
 
+TRACKERS_SCRIPT = ROOT / "tests" / "fixtures" / "user_scripts" / "plain_trackers.py"
+TRACKERS_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}
+
+
+def tracker_reports(work: Path, report: bool) -> dict:
+    """`hangwatch run -- python plain_trackers.py`: 20 steps logged to W&B (offline), MLflow (sqlite) and
+    TensorBoard, a hang at step 12 caught by the learned step deadline (its 3 s floor), attempt 2 resumed from step 10
+    and finished.  The supervisor (its own process, all threads) sampled every 0.2 s from start to exit; the report
+    helpers (the supervisor's children running report.py, with their own children) likewise.
+    `report`: trackers.report."""
+    try:
+        import mlflow  # noqa: F401
+        import tensorboard  # noqa: F401
+        import wandb  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"a tracker library is missing here ({exc}); install hangwatch[trackers]"}
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir = work / "run"
+    cfg = {
+        "run_dir": str(run_dir),
+        "worker": {
+            "command": [PY, str(TRACKERS_SCRIPT), "--steps", "20", "--save-every", "5", "--hang-once", "hang.marker"],
+            "cwd": str(work),
+            "resume_args": ["--resume", "{checkpoint}"],
+            "env": TRACKERS_ENV,
+        },
+        # the learned step budget (its floor 3 s): a configured step_timeout_s would also bound the trackers' start-up
+        "watchdog": {"py_spy": False, "step_timeout_min_s": 3, "first_steps_timeout_s": 120, "dump_grace_s": 1},
+        "restart": {"backoff_initial_s": 0, "max_restarts": 1},
+        "checkpoint": {"confirm_steps": 1},
+        "trackers": {"report": report},
+    }
+    t0 = time.monotonic()
+    proc = hangwatch_run(write_yaml(work / "cfg.yaml", cfg), work / "supervisor.out", environ=env())
+    sup = psutil.Process(proc.pid)
+    rss, helpers, helper_rss = [], {}, {}
+    c0 = cpu_s(sup)
+    cpu_end = c0
+    while proc.poll() is None:
+        try:
+            rss.append(sup.memory_info().rss)
+            cpu_end = cpu_s(sup)
+            kids = sup.children()
+        except psutil.NoSuchProcess:
+            break
+        for k in kids:
+            try:
+                if "report.py" not in " ".join(k.cmdline()):
+                    continue
+                tree = [k, *k.children(recursive=True)]
+                total = sum(p.memory_info().rss for p in tree)
+            except psutil.Error:
+                continue
+            helpers.setdefault(k.pid, time.monotonic())
+            helper_rss[k.pid] = max(helper_rss.get(k.pid, 0), total)
+        time.sleep(0.2)
+    wall = time.monotonic() - t0
+    code = wait_exit(proc, 60)
+    took = []
+    log_path = run_dir / "supervisor.log"
+    for line in log_path.read_text().splitlines() if log_path.exists() else []:
+        if '"tracker_reported"' in line:
+            took.append(json.loads(line).get("took_s"))
+    return {
+        "report": report,
+        "supervisor_exit": code,
+        "wall_s": wall,
+        "supervisor_rss_mib": summary([r / 2**20 for r in rss]),
+        "supervisor_rss_peak_mib": max(rss, default=0) / 2**20,
+        "supervisor_cpu_percent_whole_run": 100.0 * (cpu_end - c0) / wall if wall > 0 else None,
+        "reports": len(helpers),
+        "report_took_s": took,
+        "helper_rss_peak_mib": [v / 2**20 for v in helper_rss.values()],
+    }
+
+
 def supervisor_start_trial(tmp: Path) -> dict:
     """Spawn of `hangwatch run` → its worker spawned, and → its control socket answering `status`."""
     run_dir = tmp / "run"
@@ -191,6 +270,7 @@ def section(work: Path, quick: bool) -> dict:
         loads.append(f)
     quiet = idle(work / "idle", 3.0 if quick else 30.0)
     starts = [supervisor_start_trial(work / f"start-{i}") for i in range(2 if quick else 10)]
+    reports = [tracker_reports(work / f"trackers-{on}", on) for on in (False, True)]
     head = loads[0]
     return {
         "method": "`hangwatch run` watching synthetic ranks (scripts/baselines/synthetic_ranks.py) each beating a "
@@ -201,7 +281,10 @@ def section(work: Path, quick: bool) -> dict:
         "psutil: CPU% = CPU time / wall time (100% = one core), RSS, wake-ups = voluntary context switches a second. "
         "Idle: a worker that sent `start`, entered `idle` and sleeps (nothing due for 120 s), sampled the same way. "
         "Start time: spawn of `hangwatch run` → the worker spawned (attempts/0001/worker.log created) and → the "
-        "control socket answering `status`, sequential trials.",
+        "control socket answering `status`, sequential trials.  Tracker reports: `hangwatch run` of "
+        "tests/fixtures/user_scripts/plain_trackers.py (W&B offline, MLflow sqlite, TensorBoard), hung once at step 12 "
+        "and resumed, with `trackers.report` false and true; the supervisor sampled every 0.2 s from start to exit, "
+        "each report helper's process tree likewise (peak RSS), each report's time from the `tracker_reported` log.",
         "loads": loads,
         "idle": quiet,
         # the headline load (8 ranks at 20 Hz) at the top level, as before
@@ -225,6 +308,7 @@ def section(work: Path, quick: bool) -> dict:
             )
         },
         "start": starts,
+        "tracker_reports": reports,
         "start_to_worker_spawned_s": summary([s.get("to_worker_spawned_s") for s in starts]),
         "start_to_socket_ready_s": summary([s.get("to_socket_ready_s") for s in starts]),
     }

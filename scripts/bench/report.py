@@ -282,7 +282,29 @@ def footprint_loads(f: dict) -> list[list[str]]:
                 f"{idle.get('wakeups_per_s', 0):.1f} wake-ups/s",
             ]
         )
+    for t in f.get("tracker_reports", []):
+        if "skipped" in t:
+            rows.append(["tracker reports", f"skipped: {t['skipped']}"])
+            continue
+        name = f"tracker reports {'on' if t.get('report') else 'off'}"
+        rows.append([f"{name}: supervisor RSS, whole run", stats_cell(t["supervisor_rss_mib"], "MiB", 1, 1)])
+        cpu = t["supervisor_cpu_percent_whole_run"]
+        rows.append([f"{name}: supervisor CPU, whole run", f"{cpu:.2f} % of one core"])
+        if t.get("reports"):
+            took = ", ".join(f"{x:.1f} s" for x in t["report_took_s"] if x is not None)
+            peak = ", ".join(f"{x:.0f}" for x in t["helper_rss_peak_mib"])
+            rows.append([f"{name}: reports", f"{t['reports']} ({took}); helper peak RSS {peak} MiB"])
     return rows
+
+
+def trackers_render(t: dict) -> tuple:
+    if "skipped" in t:
+        return ("Tracker hooks: cost per logging call", ["figure", "value"], [["skipped", t["skipped"]]], "")
+    rows = []
+    for key, lib in (("wandb_us", "W&B run.log(step=)"), ("tensorboard_us", "SummaryWriter.add_scalar")):
+        for how in ("bare", "hooked", "hooked_half_replayed"):
+            rows.append([f"{lib}: {how.replace('_', ' ')}", stats_cell(t[key][how], "µs", 1, 1)])
+    return ("Tracker hooks: cost per logging call", ["figure", "value"], rows, t["method"])
 
 
 def side_by_side(s: dict) -> tuple:
@@ -456,6 +478,7 @@ RENDERERS: dict[str, Callable[[dict], tuple]] = {
     "early_stalls": early_stalls_render,
     "soak": soak_render,
     "weight": weight_render,
+    "trackers": trackers_render,
 }
 
 

@@ -85,7 +85,7 @@ class ResumeAudit(Concern):
             return
         self._save()
         if verdict != "diverged":
-            log.info("resume_verified", attempt=attempt.number, text=a.text, incident=a.incident)
+            log.info("resume_verified", attempt=attempt.number, step=step, text=a.text, incident=a.incident)
             return
         self._diverged(attempt, step)
 

@@ -61,10 +61,12 @@ class Seams:
     signal_source: Optional[SignalSource] = None
     transparent: bool = False
     hangup_stops: bool = False
+    helpers: Callable[[], Any] = tuple  # the ops side's helper processes' pids (not the worker's: processes.process)
 
     def __post_init__(self) -> None:
         self.fs = self.fs if self.fs is not None else FsOps()
-        self.table = self.table if self.table is not None else process.PsutilProcessTable(self.kill)
+        if self.table is None:
+            self.table = process.PsutilProcessTable(self.kill, helpers=self.helpers)
         self.wakeup = self.wakeup if self.wakeup is not None else Wakeup(install_signals=self.install_signals)
         self.signal_source = self.signal_source if self.signal_source is not None else SignalSource()
         self.listeners = tuple(self.listeners)

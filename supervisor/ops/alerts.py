@@ -65,6 +65,7 @@ EVENTS = frozenset(
         "state",
         "peer_lost",
         "resume_diverged",
+        "resume_verified",
         "generate_truncated",
         "unkillable",
     }
@@ -80,6 +81,7 @@ LEVEL = {
     "generate_truncated": "warning",
     "summary": "warning",
     "recovered": "success",
+    "resume_verified": "success",
 }
 WARNINGS = frozenset({"generate_truncated"})  # throttled by `Throttle.warning`, apart from the incidents
 
@@ -256,6 +258,8 @@ class AlertDesk:
             self._out([Notice("lost_peer", {k: v for k, v in ev.items() if k not in ("timestamp", "level", "logger")})])
         elif name == "resume_diverged" and "resume_diverged" in self.enabled:
             self._out([Notice(name, _facts(ev, "figure", "now", "before", "text", "on_divergence"))])  # never held
+        elif name == "resume_verified" and "resume_verified" in self.enabled:  # the trackers' desk: not an alert
+            self._out([Notice(name, _facts(ev, "text"))])
         elif name == "unkillable" and "unkillable" in self.enabled:
             self._out([Notice(name, _facts(ev, "pids", "on_unkillable", "text"))])  # never held: a person must act
         elif name == "generate_truncated" and "generate_truncated" in self.enabled:
@@ -414,6 +418,11 @@ def compose(notice: Notice, run_dir: Path, host: str) -> dict:
             difference=diff or None,
             on_divergence=then,
         )
+    elif notice.event == "resume_verified":
+        attempt = f.get("attempt")
+        title = f"hangwatch {run}: resume verified — attempt {attempt} retraced the steps before the restart"
+        lines = [f"run: {run} ({out['run_dir']}) on {host}, attempt {attempt}", f"audit: {f.get('text')}"]
+        out.update(kind="resume_verified", attempt=attempt, step=f.get("step"), text=f.get("text"))
     elif notice.event == "unkillable":
         survivors = rec.get("survivors") if isinstance(rec.get("survivors"), list) else []
         pids = f.get("pids") or [s.get("pid") for s in survivors]

@@ -219,6 +219,8 @@ class Outbox:
     must cost the loop nothing, not even memory.  `setup` runs first on the thread (a slow import, a
     plugin scan); when it fails, every item is dropped and counted.  `close` lets the thread finish
     what is queued, for at most `timeout_s`: a supervisor never waits longer than that on its way out.
+    `batch`: `deliver` is handed a list of everything queued by then (a delivery that costs seconds whatever
+    it carries — a tracker report's helper process — carries all that waited).
     """
 
     def __init__(
@@ -229,9 +231,11 @@ class Outbox:
         maxsize: int = 64,
         stats: Optional[Stats] = None,
         setup: Optional[Callable[[], Any]] = None,
+        batch: bool = False,
     ):
         self.name = name
         self._deliver = deliver
+        self._batch = batch
         self._setup = setup
         self._q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.stats = stats if stats is not None else Stats()
@@ -262,12 +266,24 @@ class Outbox:
             except Exception as exc:
                 self.broken = str(exc)
                 log.error("outbox_setup_failed", outbox=self.name, error=str(exc))
-        while True:
+        stopping = False
+        while not stopping:
             item = self._q.get()
             if item is _STOP:
                 return
+            if self._batch:
+                item = [item]
+                while True:
+                    try:
+                        more = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is _STOP:
+                        stopping = True  # what came before the stop still goes
+                        break
+                    item.append(more)
             if self.broken is not None:
-                self.stats.add(f"{self.name}_dropped")
+                self.stats.add(f"{self.name}_dropped", n=len(item) if self._batch else 1)
                 continue
             self._busy.set()
             try:

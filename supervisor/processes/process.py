@@ -198,15 +198,18 @@ class ProcessTable(abc.ABC):
 
 
 class PsutilProcessTable(ProcessTable):
-    """The real table: psutil for listing, waitpid for reaping, `kill` for signals."""
+    """The real table: psutil for listing, waitpid for reaping, `kill` for signals.  `helpers`: the pids of the
+    supervisor's own helper processes (an alert command, a tracker report): its children, never a worker's orphans."""
 
     def __init__(
         self,
         kill: Kill = os.kill,
         clock: Callable[[], float] = time.monotonic,
         parents: Optional[Callable[[], dict[int, int]]] = None,
+        helpers: Callable[[], Iterable[int]] = tuple,
     ):
         self._kill = kill
+        self._helpers = helpers
         self._clock = clock
         self._parents = parents if parents is not None else _parents  # pid → parent pid, for every process
         self._children: dict[int, list[int]] = {}
@@ -277,7 +280,7 @@ class PsutilProcessTable(ProcessTable):
         return out
 
     def own_children(self, exclude: Iterable[int] = ()) -> list[ProcRef]:
-        excluded = set(exclude)
+        excluded = set(exclude) | set(self._helpers())
         return self._refs_of(pid for pid in self._below(os.getpid(), recursive=False) if pid not in excluded)
 
     def is_gone(self, ref: ProcRef) -> bool:
