@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -49,6 +50,7 @@ LEVELS = {"failure": "ERROR", "warning": "WARN", "success": "INFO", "info": "INF
 ENDED_BY_ITSELF = frozenset(
     {"crash", "oom", "nan", "signal", "config_error", "data_error", "checkpoint_failed", "disk"}
 )
+WAITING_MAX = 100
 Runner = Callable[[list, bytes, dict, Optional[str], float], tuple[int, bytes, bytes]]
 
 
@@ -181,7 +183,9 @@ class TrackerReporter:
         self.env = dict(env)
         self.runner = runner
         self.host = host or os.uname().nodename
-        self.waiting: list[dict] = []  # marks not on a run yet (no tracker recorded so far)
+        # marks not on a run yet (no tracker recorded so far): the latest WAITING_MAX — a run that never opens a
+        # tracker run must not grow the supervisor with every incident of its days
+        self.waiting: deque = deque(maxlen=WAITING_MAX)
         self.said: set[str] = set()  # trackers whose failure the log has told
         self.reports = 0
 
@@ -204,11 +208,11 @@ class TrackerReporter:
         payload = {
             "run": self.run_dir.name,
             "trackers": records,
-            "marks": self.waiting,
+            "marks": list(self.waiting),
             "summary": end,
             "timeout_s": self.timeout_s,
         }
-        self.waiting = []
+        self.waiting.clear()
         self._report(payload)
 
     def _report(self, payload: dict) -> None:

@@ -18,6 +18,7 @@ from hangwatch.supervisor.ops.alerts import Notice
 from hangwatch.supervisor.ops.notify import Outbox, Stats
 from hangwatch.supervisor.ops.trackers import (
     REPORT_SCRIPT,
+    WAITING_MAX,
     Ending,
     TrackerDesk,
     TrackerReporter,
@@ -197,3 +198,10 @@ def test_the_supervisors_own_helpers_are_never_taken_for_a_workers_orphans():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_run_that_never_opens_a_tracker_run_keeps_only_the_latest_marks(tmp_path):
+    rep = reporter(tmp_path, Runs())
+    for i in range(WAITING_MAX + 50):
+        rep.deliver(Notice("incident", {"id": f"{i:04d}", "kind": "oom_adapted", "step": i, "next": "backoff"}))
+    assert len(rep.waiting) == WAITING_MAX and rep.waiting[0]["step"] == 50
